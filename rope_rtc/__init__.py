@@ -1,0 +1,46 @@
+"""rope_rtc: rotary positional embeddings for NVIDIA GPUs, compiled at run time with NVRTC.
+
+Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA driver):
+
+- :func:`rope_tables` — cos/sin tables (``numerics="exact"`` or ``"transformers"``)
+- :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
+- :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
+- :class:`TensorDesc`, :class:`TupleDict`
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from ._version import __version__
+
+_EXPORTS = {
+    "rope_tables": "tables",
+    "inverse_frequencies": "tables",
+    "apply_rope": "rope",
+    "apply_rope_qk": "rope",
+    "RopePlan": "rope",
+    "TailRoPEForward": "tail",
+    "tail_rope": "tail",
+    "TensorDesc": "descriptors",
+    "TupleDict": "descriptors",
+    "CompileError": "errors",
+    "CudaError": "errors",
+    "KernelNotCachedError": "errors",
+    "ToolchainError": "errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rope_rtc' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

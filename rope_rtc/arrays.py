@@ -1,0 +1,285 @@
+"""Accepting arrays, and every check made on them. Validation lives here and only here.
+
+Accepted: CuPy arrays; NumPy arrays (host; the API decides whether to stage them); anything
+with ``__dlpack__`` (PyTorch, JAX; preferred when an object offers both protocols, because
+PyTorch's ``__cuda_array_interface__`` describes bfloat16 as an ambiguous ``<V2``); anything
+with ``__cuda_array_interface__``. No framework is imported here; CuPy only when an object
+must be wrapped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+try:  # a base dependency; bfloat16 on the host and in CuPy
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover
+    BFLOAT16 = None
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+INDEX_DTYPES = ("int32", "int64")
+# The widest global access; tail RoPE requires it of every non-empty array (seed contract).
+ALIGN_BYTES = 16
+INT32_MAX = 2**31 - 1
+
+
+def dtype_name(dtype) -> str:
+    dt = np.dtype(dtype)
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bfloat16"
+    return dt.name
+
+
+@dataclass
+class ArrayInfo:
+    """What the checks and kernels need to know of one array, in elements."""
+
+    name: str
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    itemsize: int
+    device: int | None  # None: host memory
+    readonly: bool
+    array: object  # the object to hand back to the caller (CuPy view, NumPy array, or the original)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def byte_extent(self) -> tuple[int, int]:
+        """[lo, hi) bytes touched; (ptr, ptr) when empty."""
+        if self.size == 0:
+            return self.ptr, self.ptr
+        lo = hi = 0
+        for d, s in zip(self.shape, self.strides):
+            if s >= 0:
+                hi += (d - 1) * s
+            else:
+                lo += (d - 1) * s
+        return self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize
+
+    def is_c_contiguous(self) -> bool:
+        expected = 1
+        for d, s in zip(reversed(self.shape), reversed(self.strides)):
+            if d != 1 and s != expected:
+                return False
+            expected *= d
+        return True
+
+
+def _resolve_dtype(dtype, name: str) -> tuple[str, int]:
+    dt = np.dtype(dtype)
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bfloat16", 2
+    if dt.kind == "V":
+        raise TypeError(
+            f"{name}: dtype {dt.str} is an unnamed 2-byte type (PyTorch reports bfloat16 this way through "
+            "__cuda_array_interface__); pass the tensor through DLPack instead (any object with __dlpack__ "
+            "works, or cupy.from_dlpack(tensor))"
+        )
+    return dtype_name(dt), dt.itemsize
+
+
+def _requires_grad(obj, name: str) -> None:
+    if getattr(obj, "requires_grad", False) is True:
+        raise TypeError(
+            f"{name} requires grad: rope_rtc is a forward-only API with no autograd; pass tensor.detach() "
+            "only if you handle differentiation yourself"
+        )
+
+
+def _cupy_device_of(ptr: int) -> int | None:
+    """The device ordinal owning a device pointer, or None when no driver can say."""
+    try:
+        from . import driver
+
+        driver.init()
+        from cuda.bindings import driver as drv
+
+        ordinal = driver.check(
+            drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr),
+            "cuPointerGetAttribute",
+        )
+        return int(ordinal)
+    except Exception:
+        return None
+
+
+def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
+    """An :class:`ArrayInfo` for ``obj``; ``TypeError`` naming ``name`` for anything else."""
+    if obj is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    from .descriptors import TensorDesc
+
+    if isinstance(obj, TensorDesc):
+        # A declaration: no address yet (ptr 0); pointer checks wait for the arrays of execute().
+        return ArrayInfo(name, 0, obj.shape, obj.strides, *_resolve_dtype(obj.dtype, name), obj.device, False, obj)
+    mod = type(obj).__module__
+    if mod.startswith("cupy"):
+        return _from_cupy(obj, name)
+    if isinstance(obj, np.ndarray):
+        if not allow_host:
+            raise TypeError(f"{name}: a NumPy (host) array is not accepted here; pass a CuPy/device array")
+        dt, size = _resolve_dtype(obj.dtype, name)
+        return ArrayInfo(name, obj.__array_interface__["data"][0], tuple(obj.shape),
+                         tuple(s // size for s in obj.strides), dt, size, None, not obj.flags.writeable, obj)
+    _requires_grad(obj, name)
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        dev_type, dev_id = obj.__dlpack_device__()
+        if int(dev_type) in (2, 13):  # kDLCUDA, kDLCUDAManaged
+            import cupy
+
+            return _from_cupy(cupy.from_dlpack(obj), name)
+        if int(dev_type) == 1:  # kDLCPU
+            if not allow_host:
+                raise TypeError(f"{name}: a host (CPU) array is not accepted here; pass a device array")
+            return describe(np.from_dlpack(obj), name, allow_host=allow_host)
+        raise TypeError(f"{name}: DLPack device type {dev_type} is not a CUDA device")
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _from_cai(obj, cai, name)
+    raise TypeError(
+        f"{name}: expected a CuPy or NumPy array, or an object with __dlpack__ or __cuda_array_interface__, "
+        f"got {type(obj).__name__}"
+    )
+
+
+def _from_cupy(a, name: str) -> ArrayInfo:
+    dt, size = _resolve_dtype(a.dtype, name)
+    return ArrayInfo(name, a.data.ptr, tuple(a.shape), tuple(s // size for s in a.strides), dt, size,
+                     a.device.id, False, a)
+
+
+def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
+    try:
+        shape = tuple(int(d) for d in cai["shape"])
+        dt, size = _resolve_dtype(cai["typestr"], name)
+        ptr, readonly = cai["data"]
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, TypeError) and "DLPack" in str(exc):
+            raise
+        raise TypeError(f"{name}: malformed __cuda_array_interface__ ({exc})") from None
+    if cai.get("mask") is not None:
+        raise TypeError(f"{name}: masked arrays are not supported")
+    strides = cai.get("strides")
+    if strides is None:
+        el, acc = [], 1
+        for d in reversed(shape):
+            el.append(acc)
+            acc *= d
+        estrides = tuple(reversed(el))
+    else:
+        if any(int(s) % size for s in strides):
+            raise ValueError(f"{name}: strides {tuple(strides)} are not multiples of the item size {size}")
+        estrides = tuple(int(s) // size for s in strides)
+    ptr = int(ptr or 0)
+    device = _cupy_device_of(ptr) if ptr else None
+    return ArrayInfo(name, ptr, shape, estrides, dt, size, device, bool(readonly), obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: each raises TypeError/ValueError naming the argument, before anything is launched
+
+def check_dtype(info: ArrayInfo, allowed: tuple[str, ...], what: str = "") -> None:
+    if info.dtype not in allowed:
+        raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected one of {', '.join(allowed)}")
+
+
+def check_ndim(info: ArrayInfo, ndims: tuple[int, ...], meaning: str) -> None:
+    if len(info.shape) not in ndims:
+        raise ValueError(f"{info.name}: expected {meaning}, got shape {info.shape}")
+
+
+def check_last_dim_contiguous(info: ArrayInfo) -> None:
+    if info.shape and info.shape[-1] > 1 and info.strides[-1] != 1:
+        raise ValueError(
+            f"{info.name}: the last dimension must be contiguous (stride 1 element), got strides {info.strides} "
+            "in elements; pass a copy made with .copy() or ascontiguousarray()"
+        )
+
+
+def check_contiguous(info: ArrayInfo) -> None:
+    if not info.is_c_contiguous():
+        raise ValueError(f"{info.name}: must be C-contiguous, got shape {info.shape} with strides {info.strides} elements")
+
+
+def check_aligned(info: ArrayInfo, nbytes: int = ALIGN_BYTES) -> None:
+    if info.size and info.ptr % nbytes:
+        raise ValueError(f"{info.name}: data pointer {info.ptr:#x} is not {nbytes}-byte aligned")
+
+
+def check_writable(info: ArrayInfo) -> None:
+    if info.readonly:
+        raise ValueError(f"{info.name}: is read-only and cannot receive the output")
+
+
+def check_same_device(infos: list[ArrayInfo], device: int | None = None) -> int | None:
+    """All device arrays on one device (``device`` when given); returns it."""
+    known = [(i.name, i.device) for i in infos if i.device is not None]
+    want = device if device is not None else (known[0][1] if known else None)
+    for nm, dev in known:
+        if dev != want:
+            first = f"the plan's device {want}" if device is not None else f"{known[0][0]} (device {want})"
+            raise ValueError(f"{nm} is on device {dev} but {first}: move it with cupy.asarray under "
+                             f"cupy.cuda.Device({want})")
+    return want
+
+
+def _as_address_array(info: ArrayInfo) -> np.ndarray:
+    # A NumPy view that only describes addresses: np.shares_memory solves the overlap problem
+    # on bounds and strides without reading memory, which is what makes it usable on device
+    # pointers.
+    class _Addr:
+        __array_interface__ = {
+            "data": (info.ptr, True),
+            "shape": info.shape,
+            "strides": tuple(s * info.itemsize for s in info.strides),
+            "typestr": f"|V{info.itemsize}",
+            "version": 3,
+        }
+
+    return np.asarray(_Addr())
+
+
+def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """True when some element of ``a`` shares a byte with some element of ``b`` (exact)."""
+    if a.size == 0 or b.size == 0:
+        return False
+    if (a.device is None) != (b.device is None) or (a.device is not None and a.device != b.device):
+        return False
+    alo, ahi = a.byte_extent()
+    blo, bhi = b.byte_extent()
+    if ahi <= blo or bhi <= alo:
+        return False
+    try:
+        return bool(np.shares_memory(_as_address_array(a), _as_address_array(b), max_work=10**6))
+    except np.exceptions.TooHardError:  # pragma: no cover - pathological strides; be conservative
+        return True
+
+
+def same_view(a: ArrayInfo, b: ArrayInfo) -> bool:
+    return a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
+
+
+def check_outputs(outputs: list[tuple[ArrayInfo, ArrayInfo | None]], inputs: list[ArrayInfo]) -> None:
+    """Each output may be its own input (in place) and must overlap nothing else."""
+    for i, (out, own) in enumerate(outputs):
+        check_writable(out)
+        for inp in inputs:
+            if own is not None and inp is own and same_view(out, own):
+                continue
+            if overlaps(out, inp):
+                hint = (" (in place needs the very same view as the input)" if own is not None and inp is own else "")
+                raise ValueError(f"{out.name} overlaps {inp.name}{hint}")
+        for other, _ in outputs[i + 1 :]:
+            if overlaps(out, other):
+                raise ValueError(f"{out.name} overlaps {other.name}")

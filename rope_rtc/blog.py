@@ -1,0 +1,92 @@
+"""The blog seed's three kernels behind ``variant=``: FP32, interleaved, contiguous ``bhsd``,
+whole-head rotation, positions ``offset + s``. They exist to show the progression in the
+benchmark; ``variant="auto"`` is the production kernel and is never slower."""
+
+from __future__ import annotations
+
+import ctypes
+
+from .launch import ArgPack, launch, load_kernel
+from .registry import blog_spec
+
+BLOG_BLOCK = 256
+
+
+def check_blog_variant(variant: str, req) -> None:
+    problems = []
+    if req.dtype != "float32":
+        problems.append(f"dtype {req.dtype}")
+    if not req.interleaved:
+        problems.append("interleaved=False")
+    if req.layout != "bhsd":
+        problems.append(f"layout {req.layout!r}")
+    if req.rotary_dim != req.cq.D or req.rotary_offset:
+        problems.append("a partial rotary window")
+    if req.pos_mode != 0:
+        problems.append("positions/offset arrays/cu_seqlens")
+    if req.inverse:
+        problems.append("inverse=True")
+    for info in (req.q, req.k, req.q_out, req.k_out, req.cos, req.sin):
+        if info is not None and not info.is_c_contiguous():
+            problems.append(f"non-contiguous {info.name}")
+    if variant == "fused" and (req.k is None or req.k.shape != req.q.shape):
+        problems.append("q and k of different shapes")
+    if problems:
+        raise ValueError(f"variant: {variant!r} is the blog's kernel (FP32, interleaved, contiguous bhsd, whole head, "
+                         f"offset positions, q/k of one shape for 'fused'); not for {', '.join(problems)}; use variant='auto'")
+
+
+def _packed_table(req):
+    """The blog's (cos, sin) pair table [P, D/2, 2]: built per call (a benchmark variant, not the hot path)."""
+    import cupy
+
+    return cupy.ascontiguousarray(cupy.stack([req.cos.array, req.sin.array], axis=-1))
+
+
+def run_blog_variant(variant: str, req, stream: int, device: int) -> None:
+    k = load_kernel(blog_spec(), device)
+    B, S, H, D = req.cq.B, req.cq.S, req.cq.H, req.cq.D
+    row = req.offset * (D // 2)
+    pairs = [(req.q, req.q_out)] + ([(req.k, req.k_out)] if req.k is not None else [])
+    if variant == "baseline":
+        for src, dst in pairs:
+            a = ArgPack([("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("cos", ctypes.c_uint64),
+                         ("sin", ctypes.c_uint64), ("seq_len", ctypes.c_int32), ("num_heads", ctypes.c_int32),
+                         ("head_dim", ctypes.c_int32)])
+            v = a.values
+            v.src, v.dst, v.cos, v.sin = src.ptr, dst.ptr, req.cos.ptr + 4 * row, req.sin.ptr + 4 * row
+            v.seq_len, v.num_heads, v.head_dim = S, src.shape[1], D
+            launch(k.functions["rope_blog_baseline"], (S, src.shape[1], B), (D // 2, 1, 1), stream, a.address)
+        return
+    table = _packed_table(req)
+    base = table.data.ptr + 8 * row
+    if variant == "vectorized":
+        for src, dst in pairs:
+            a = ArgPack([("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("cs", ctypes.c_uint64),
+                         ("n", ctypes.c_int64), ("seq_len", ctypes.c_int32), ("half", ctypes.c_int32)])
+            v = a.values
+            total = src.size // 2
+            v.src, v.dst, v.cs, v.n, v.seq_len, v.half = src.ptr, dst.ptr, base, total, S, D // 2
+            launch(k.functions["rope_blog_vectorized"], (-(-total // BLOG_BLOCK), 1, 1), (BLOG_BLOCK, 1, 1), stream,
+                   a.address)
+    else:  # fused
+        a = ArgPack([("qs", ctypes.c_uint64), ("qd", ctypes.c_uint64), ("ks", ctypes.c_uint64),
+                     ("kd", ctypes.c_uint64), ("cs", ctypes.c_uint64), ("n", ctypes.c_int64),
+                     ("seq_len", ctypes.c_int32), ("half", ctypes.c_int32)])
+        v = a.values
+        total = req.q.size // 2
+        v.qs, v.qd, v.ks, v.kd = req.q.ptr, req.q_out.ptr, req.k.ptr, req.k_out.ptr
+        v.cs, v.n, v.seq_len, v.half = base, total, S, D // 2
+        launch(k.functions["rope_blog_fused_qk"], (-(-total // BLOG_BLOCK), 1, 1), (BLOG_BLOCK, 1, 1), stream,
+               a.address)
+    # The packed table must outlive the kernels that read it: hold it until the stream passes.
+    _keep_alive(table, stream)
+
+
+def _keep_alive(table, stream: int) -> None:
+    import cupy
+
+    # CuPy's allocator reuses freed blocks in stream order, so freeing on the launch stream is
+    # safe when that stream is CuPy's current one; otherwise wait for it (benchmark path only).
+    if stream != cupy.cuda.get_current_stream().ptr:
+        cupy.cuda.ExternalStream(stream).synchronize()

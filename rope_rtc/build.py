@@ -1,0 +1,110 @@
+"""The build lifecycle of one kernel specialisation, in named steps:
+
+1. ``key``: hash every input that can change the binary;
+2. ``lookup``: memory, then disk (verified; a corrupt entry is deleted and reads as a miss);
+3. ``refuse`` a miss when compilation is forbidden (ROPE_RTC_NO_COMPILE=1);
+4. ``compile`` with NVRTC, announcing a first-use compile in one line;
+5. ``publish`` atomically, keeping the bytes we compiled even if another process won the race.
+
+Nothing here runs on a launch path: plans call it once, in ``compile()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+from . import sources
+from ._version import __version__
+from .cache import Entry, cache_key, open_store
+from .cache.store import SOURCE_SUFFIX, CacheStore
+from .compiler import assembled_source, compile_options, compile_source
+from .env import settings
+from .errors import KernelNotCachedError
+from .registry import KernelSpec
+from .toolchain import Target, cuda_headers, nvrtc_version
+
+logger = logging.getLogger("rope_rtc")
+
+
+@dataclass(frozen=True)
+class Binary:
+    spec: KernelSpec
+    target: Target
+    key: str
+    data: bytes
+    kind: str
+    source: str  # "memory", "disk" or "compiled"
+
+
+def spec_key(spec: KernelSpec, target: Target) -> str:
+    return cache_key(
+        package_version=__version__,
+        nvrtc_version=nvrtc_version(),
+        cuda_headers_version=cuda_headers().cuda_version,
+        target=target.name,
+        kind=target.kind,
+        source_name=spec.source,
+        sources=sources.all_sources(),
+        options=compile_options(spec.defines, target),
+    )
+
+
+def _notice(message: str) -> None:
+    # A slow first call must never look like a hang: say so on stderr unless the application
+    # configured logging, in which case it goes through the "rope_rtc" logger.
+    if logger.hasHandlers():
+        logger.info(message)
+    else:
+        print(f"rope_rtc: {message}", file=sys.stderr, flush=True)
+
+
+def _expected(entry: Entry, target: Target) -> bool:
+    major, minor = nvrtc_version()
+    return (entry.target == target.name and entry.kind == target.kind and entry.rope_rtc == __version__
+            and entry.nvrtc == f"{major}.{minor}")
+
+
+def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = None,
+               announce: bool = True) -> Binary:
+    store = store or open_store()
+    key = spec_key(spec, target)
+
+    hit = store.memory.get(key)
+    origin = "memory"
+    if hit is None:
+        hit = store.get(key)
+        origin = "disk"
+    if hit is not None:
+        if _expected(hit, target):
+            return Binary(spec, target, key, hit.payload, hit.kind, origin)
+        # Same key, other build: cannot happen unless the file was tampered with. Never load it.
+        if store.disk is not None:
+            store.disk.discard(key, f"cache entry {key[:16]}… was built for {hit.target}/NVRTC {hit.nvrtc}/"
+                                    f"rope_rtc {hit.rope_rtc}")
+
+    s = settings()
+    if s.no_compile:
+        raise KernelNotCachedError(
+            f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
+            f"compiling it; fill the cache on a build machine with: rope-rtc warm --arch {target.name}"
+            + (f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else "")
+        )
+
+    if announce:
+        _notice(f"compiling {spec.name} for {target.name} (first use; cached afterwards)")
+    t0 = time.perf_counter()
+    result = compile_source(spec.name, spec.source, spec.defines, target)
+    elapsed = time.perf_counter() - t0
+    if s.log_compiles:
+        logger.warning("compiled %s for %s in %.3f s (%d bytes of %s); options: %s", spec.name, target.name,
+                       elapsed, len(result.binary), result.kind, " ".join(result.options))
+    major, minor = nvrtc_version()
+    entry = Entry(key, spec.name, target.name, result.kind, f"{major}.{minor}", __version__, result.binary,
+                  time.time())
+    store.put(entry)
+    if s.save_source and store.disk is not None:
+        store.disk.put_text(key, SOURCE_SUFFIX, assembled_source(spec.source, spec.defines, target))
+    return Binary(spec, target, key, result.binary, result.kind, "compiled")

@@ -1,0 +1,34 @@
+"""Exceptions raised by rope_rtc. Each carries the evidence needed to act on it."""
+
+from __future__ import annotations
+
+
+class RopeRtcError(RuntimeError):
+    """Base class of rope_rtc's run-time failures (bad arguments raise TypeError/ValueError)."""
+
+
+class ToolchainError(RopeRtcError):
+    """NVRTC or the CUDA headers are missing or cannot serve the requested architecture."""
+
+
+class CompileError(RopeRtcError):
+    """NVRTC rejected a kernel. ``log`` holds the full compile log, ``options`` the options."""
+
+    def __init__(self, message: str, *, kernel: str, options: list[str], log: str) -> None:
+        super().__init__(message)
+        self.kernel = kernel
+        self.options = options
+        self.log = log
+
+
+class KernelNotCachedError(RopeRtcError):
+    """Compilation is forbidden (``ROPE_RTC_NO_COMPILE=1``) and the cache has no entry."""
+
+
+class CudaError(RopeRtcError):
+    """A CUDA driver call failed. ``name`` is the CUresult name, e.g. ``CUDA_ERROR_INVALID_VALUE``."""
+
+    def __init__(self, message: str, *, name: str, code: int) -> None:
+        super().__init__(message)
+        self.name = name
+        self.code = code

@@ -1,0 +1,452 @@
+"""Inverse frequencies and cos/sin tables for rotary embeddings, with Hugging Face scaling.
+
+Two numerics, named by the API (DESIGN.md, "Numerical contracts"):
+
+``"exact"``
+    Frequencies, scaling and angles in float64 from the published formulas; cos/sin in
+    float64, rounded once to float32. The most accurate table.
+``"transformers"``
+    Hugging Face transformers' own float32 arithmetic (``modeling_rope_utils.py`` and the
+    models' ``RotaryEmbedding.forward`` as they run on the CPU): every tensor operation is one
+    float32 operation here, in the same order, with Python scalars rounded to float32 where
+    torch rounds them. cos/sin of each float32 angle are correctly rounded.
+
+The scaling formulas are written once, parametrised by the float type ``ft`` (``np.float64``
+or ``np.float32``); the few places where torch's float32 evaluation is not the formula's
+(``scalar / tensor``, a run-time recomputation) say so where they happen.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NUMERICS", "ROPE_TYPES", "inverse_frequencies", "rope_tables"]
+
+#: The table numerics, in the order of preference for accuracy.
+NUMERICS = ("exact", "transformers")
+
+_DEFAULT_BASE = 10000.0
+
+# Rows computed per step: bounds the float64 temporaries (three arrays of this many rows)
+# to a few tens of MiB whatever `max_positions` is.
+_ROWS_PER_CHUNK = 1 << 15
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _rotary_dim(value: Any) -> int:
+    dim = _positive_int("rotary_dim", value)
+    if dim % 2:
+        raise ValueError(f"rotary_dim must be even (it rotates pairs of channels), got {dim}")
+    return dim
+
+
+def _finite_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"{name} must be finite and positive, got {value}")
+    return value
+
+
+def _float_type(numerics: Any) -> type:
+    if not isinstance(numerics, str) or numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
+    return np.float64 if numerics == "exact" else np.float32
+
+
+def _scaling_params(scaling: Any) -> tuple[str, Mapping]:
+    if scaling is None:
+        return "default", {}
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"scaling must be a mapping (a rope_scaling dict) or None, got {type(scaling).__name__}")
+    # `rope_type` is the current key; configs saved before transformers 4.42 use `type`.
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(rope_type, str) or rope_type not in _INIT_FUNCTIONS:
+        raise ValueError(
+            f"scaling['rope_type'] = {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    return rope_type, scaling
+
+
+def _resolve_base(base: Any, params: Mapping) -> float:
+    """``scaling['rope_theta']`` (transformers >= 5 keeps it there) wins over ``base``."""
+    base = _finite_positive("base", base)
+    theta = params.get("rope_theta")
+    if theta is None:
+        return base
+    theta = _finite_positive("scaling['rope_theta']", theta)
+    if base != _DEFAULT_BASE and base != theta:
+        raise ValueError(f"base={base} conflicts with scaling['rope_theta']={theta}; pass one of them")
+    return theta
+
+
+def _param(params: Mapping, key: str, rope_type: str, default: Any = None) -> Any:
+    value = params.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"scaling[{key!r}] is required for rope_type {rope_type!r}")
+        return default
+    return value
+
+
+def _positive_param(params: Mapping, key: str, rope_type: str, default: Any = None) -> float:
+    return _finite_positive(f"scaling[{key!r}]", _param(params, key, rope_type, default))
+
+
+def _original_max(params: Mapping, rope_type: str) -> int:
+    # transformers fills a missing `original_max_position_embeddings` from the model's
+    # `max_position_embeddings`; a dict copied from config.json may carry either.
+    for key in ("original_max_position_embeddings", "max_position_embeddings"):
+        if params.get(key) is not None:
+            return _positive_int(f"scaling[{key!r}]", params[key])
+    raise ValueError(
+        f"scaling['original_max_position_embeddings'] is required for rope_type {rope_type!r} "
+        "(the pretraining context length: add it, or the model's 'max_position_embeddings', to the dict)"
+    )
+
+
+def _factor_or_implied(params: Mapping, rope_type: str, original: int) -> float:
+    """`factor`, or (as transformers does) max_position_embeddings / original when it is absent."""
+    if params.get("factor") is not None:
+        return _positive_param(params, "factor", rope_type)
+    if params.get("max_position_embeddings") is None:
+        raise ValueError(
+            f"scaling['factor'] is required for rope_type {rope_type!r} "
+            "(or the model's 'max_position_embeddings', from which transformers derives it)"
+        )
+    expanded = _positive_int("scaling['max_position_embeddings']", params["max_position_embeddings"])
+    return expanded / original
+
+
+# --------------------------------------------------------------------------- float primitives
+
+
+def _exponents(dim: int, ft: type) -> np.ndarray:
+    """``2i / dim`` for each pair i, as ``arange(0, dim, 2).float() / dim`` rounds it."""
+    return np.arange(0, dim, 2, dtype=np.int64).astype(ft) / ft(dim)
+
+
+def _pow(base: float, exponents: np.ndarray, ft: type) -> np.ndarray:
+    """``base ** exponents`` with ``base`` rounded to ``ft`` and the result rounded once.
+
+    torch rounds a Python base to float32 first. Its own float32 pow (SLEEF on x86) is
+    faithful, not correctly rounded: about one entry in a hundred differs from this by an ulp.
+    """
+    return (np.float64(ft(base)) ** exponents.astype(np.float64)).astype(ft)
+
+
+def _rdiv(numerator: float, x: np.ndarray, ft: type) -> np.ndarray:
+    """``numerator / x`` for a Python scalar over an array."""
+    if ft is np.float32:
+        # torch evaluates `scalar / tensor` as `tensor.reciprocal() * scalar`: two roundings.
+        return (ft(1.0) / x) * ft(numerator)
+    return numerator / x
+
+
+def _default_inv_freq(dim: int, base: float, ft: type) -> np.ndarray:
+    return _rdiv(1.0, _pow(base, _exponents(dim, ft), ft), ft)
+
+
+# --------------------------------------------------------------------------- scaling formulas
+# Each returns (inv_freq of dtype ft, attention factor as a Python float). The attention
+# factor is computed in double by transformers too (it is a Python float there).
+
+
+def _default(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    return _default_inv_freq(dim, base, ft), 1.0
+
+
+def _linear(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    # Dividing the frequencies by the factor is dividing the positions by it (position interpolation).
+    factor = _positive_param(params, "factor", "linear")
+    return _default_inv_freq(dim, base, ft) / ft(factor), 1.0
+
+
+def _dynamic_base(base: float, factor: float, seq_len: int | None, original: int, dim: int, ft: type) -> float:
+    """NTK-aware base for a context of `seq_len` positions: unchanged up to `original`."""
+    exponent = dim / (dim - 2)
+    if ft is np.float32 and seq_len is not None and seq_len > original:
+        # transformers recomputes here at run time with `seq_len` a torch tensor, so the
+        # ratio is float32 tensor arithmetic; pow with a Python exponent runs in double.
+        ratio = ft(factor) * ft(seq_len) / ft(original) - ft(factor - 1.0)
+        return ft(base) * ft(np.float64(ratio) ** exponent)
+    # Exact mode, and transformers' init-time value (Python ints: double arithmetic).
+    length = original if seq_len is None else max(seq_len, original)
+    return base * (factor * length / original - (factor - 1.0)) ** exponent
+
+
+def _dynamic(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    if dim <= 2:
+        raise ValueError(f"rope_type 'dynamic' needs rotary_dim > 2 (its exponent is dim / (dim - 2)), got {dim}")
+    factor = _positive_param(params, "factor", "dynamic")
+    original = _original_max(params, "dynamic")
+    return _default_inv_freq(dim, _dynamic_base(base, factor, seq_len, original, dim, ft), ft), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    if base == 1.0:
+        raise ValueError("rope_type 'yarn' needs base != 1 (its correction range divides by log(base))")
+    original = _original_max(params, "yarn")
+    factor = _factor_or_implied(params, "yarn", original)
+
+    attention = params.get("attention_factor")
+    if attention is not None:
+        attention = _finite_positive("scaling['attention_factor']", attention)
+    else:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek's variant: a ratio of two mscales
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+
+    # transformers treats 0 like "unset" here (`or`), so this does too.
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The (fractional) dimension whose wavelength fits `rotations` times in `original`.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp's width must not be zero
+
+    pos_freqs = _pow(base, _exponents(dim, ft), ft)
+    extrapolation = _rdiv(1.0, pos_freqs, ft)
+    interpolation = _rdiv(1.0, ft(factor) * pos_freqs, ft)
+    ramp = np.clip((np.arange(dim // 2, dtype=ft) - ft(low)) / ft(high - low), 0, 1)
+    # 1 keeps a pair's original frequency (high frequencies), 0 interpolates it fully.
+    extrapolation_weight = ft(1.0) - ramp
+    inv_freq = interpolation * (ft(1.0) - extrapolation_weight) + extrapolation * extrapolation_weight
+    return inv_freq, float(attention)
+
+
+def _longrope_factors(params: Mapping, key: str, dim: int) -> np.ndarray:
+    factors = _param(params, key, "longrope")
+    try:
+        ext = np.asarray(factors, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(f"scaling[{key!r}] must be a list of numbers, got {factors!r}") from None
+    if ext.shape != (dim // 2,):
+        raise ValueError(f"scaling[{key!r}] must have rotary_dim // 2 = {dim // 2} entries, got shape {ext.shape}")
+    if not np.all(np.isfinite(ext) & (ext > 0)):
+        raise ValueError(f"scaling[{key!r}] must hold finite positive numbers")
+    return ext
+
+
+def _longrope(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    original = _original_max(params, "longrope")
+    # Both lists are checked, though one is used: a config with a broken one is broken.
+    ext = {key: _longrope_factors(params, key, dim) for key in ("short_factor", "long_factor")}
+    # A context longer than pretraining uses the long factors, as transformers' forward does
+    # when max(position_ids) + 1 exceeds original_max_position_embeddings.
+    ext = ext["long_factor" if seq_len is not None and seq_len > original else "short_factor"]
+
+    attention = params.get("attention_factor")
+    if attention is not None:
+        attention = _finite_positive("scaling['attention_factor']", attention)
+    else:
+        factor = _factor_or_implied(params, "longrope", original)
+        if factor <= 1.0:
+            attention = 1.0
+        else:
+            attention = math.sqrt(1.0 + math.log(factor) / math.log(original))
+
+    inv_freq = _rdiv(1.0, ext.astype(ft) * _pow(base, _exponents(dim, ft), ft), ft)
+    return inv_freq, float(attention)
+
+
+def _llama3(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
+    factor = _positive_param(params, "factor", "llama3")
+    low_freq_factor = _positive_param(params, "low_freq_factor", "llama3")
+    high_freq_factor = _positive_param(params, "high_freq_factor", "llama3")
+    if high_freq_factor <= low_freq_factor:
+        raise ValueError(
+            f"scaling['high_freq_factor'] ({high_freq_factor}) must exceed "
+            f"scaling['low_freq_factor'] ({low_freq_factor}) for rope_type 'llama3'"
+        )
+    original = _original_max(params, "llama3")
+    low_freq_wavelen = original / low_freq_factor
+    high_freq_wavelen = original / high_freq_factor
+
+    inv_freq = _default_inv_freq(dim, base, ft)
+    wavelen = _rdiv(2 * math.pi, inv_freq, ft)
+    # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
+    scaled = np.where(wavelen > ft(low_freq_wavelen), inv_freq / ft(factor), inv_freq)
+    smooth = (_rdiv(original, wavelen, ft) - ft(low_freq_factor)) / ft(high_freq_factor - low_freq_factor)
+    smoothed = (ft(1.0) - smooth) * scaled / ft(factor) + smooth * scaled
+    medium = ~(wavelen < ft(high_freq_wavelen)) & ~(wavelen > ft(low_freq_wavelen))
+    return np.where(medium, smoothed, scaled).astype(ft), 1.0
+
+
+_INIT_FUNCTIONS: dict[str, Callable[..., tuple[np.ndarray, float]]] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "longrope": _longrope,
+    "llama3": _llama3,
+}
+
+#: The ``rope_type`` values of a Hugging Face ``rope_scaling`` dict that are supported.
+ROPE_TYPES = tuple(_INIT_FUNCTIONS)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def inverse_frequencies(
+    rotary_dim: int,
+    *,
+    base: float = _DEFAULT_BASE,
+    scaling: Mapping | None = None,
+    max_positions: int | None = None,
+    numerics: str = "exact",
+) -> tuple[np.ndarray, float]:
+    """Inverse frequencies of each rotary pair, and the attention factor of the scaling.
+
+    Parameters
+    ----------
+    rotary_dim : int
+        Number of rotated channels (even); there are ``rotary_dim // 2`` pairs.
+    base : float, default 10000.0
+        RoPE base (theta). ``scaling['rope_theta']``, when present, takes precedence; a
+        ``base`` other than the default that disagrees with it raises ``ValueError``.
+    scaling : Mapping or None
+        A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict; see :func:`rope_tables`.
+    max_positions : int or None
+        Length of the context the frequencies serve. Only ``"dynamic"`` (base rescaled past
+        ``original_max_position_embeddings``) and ``"longrope"`` (long factors past it) use
+        it; None means "within the original context", transformers' value at model creation.
+    numerics : {"exact", "transformers"}
+        See :func:`rope_tables`.
+
+    Returns
+    -------
+    inv_freq : numpy.ndarray
+        Shape ``[rotary_dim // 2]``, float64 for ``"exact"``, float32 for ``"transformers"``.
+        Before scaling, ``inv_freq[i] = base ** (-2 i / rotary_dim)``.
+    attention_factor : float
+        Factor that multiplies cos and sin (``"yarn"`` and ``"longrope"``; 1.0 otherwise).
+    """
+    dim = _rotary_dim(rotary_dim)
+    if max_positions is not None:
+        max_positions = _positive_int("max_positions", max_positions)
+    ft = _float_type(numerics)
+    rope_type, params = _scaling_params(scaling)
+    theta = _resolve_base(base, params)
+    # `partial_rotary_factor` is not applied: `rotary_dim` is already the rotated width,
+    # int(head_dim * partial_rotary_factor), which is the `dim` transformers' formulas use.
+    inv_freq, attention = _INIT_FUNCTIONS[rope_type](params, dim, theta, max_positions, ft)
+    return np.ascontiguousarray(inv_freq, dtype=ft), attention
+
+
+def rope_tables(
+    max_positions: int,
+    rotary_dim: int,
+    *,
+    base: float = _DEFAULT_BASE,
+    scaling: Mapping | None = None,
+    numerics: str = "exact",
+    xp: Any = np,
+) -> tuple[Any, Any]:
+    """cos and sin tables of positions ``0 .. max_positions - 1``, one column per rotary pair.
+
+    ``cos[p, i] = attention_factor * cos(p * inv_freq[i])`` (and likewise ``sin``), where
+    ``inv_freq[i] = base ** (-2 i / rotary_dim)`` before scaling.
+
+    Parameters
+    ----------
+    max_positions : int
+        Number of rows (positions). For ``"dynamic"`` and ``"longrope"`` scaling it is also
+        the context length that selects the frequencies, as ``max(position_ids) + 1`` does
+        in transformers.
+    rotary_dim : int
+        Number of rotated channels, even. Column i belongs to pair i: channels
+        ``(2i, 2i+1)`` in the interleaved layout, ``(i, i + rotary_dim/2)`` in the half-split one.
+    base : float, default 10000.0
+        RoPE base (theta). ``scaling['rope_theta']``, when present (transformers >= 5 keeps
+        it in ``rope_parameters``), takes precedence; a ``base`` other than the default that
+        disagrees with it raises ``ValueError``.
+    scaling : Mapping or None
+        The model's ``rope_scaling`` (or ``rope_parameters``) dict from ``config.json``, as
+        it stands: ``rope_type`` (or the legacy ``type``) is one of ``"default"``,
+        ``"linear"`` (``factor``), ``"dynamic"`` (``factor``,
+        ``original_max_position_embeddings``), ``"yarn"`` (``factor``,
+        ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``,
+        ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``), ``"longrope"``
+        (``short_factor``, ``long_factor``, ``original_max_position_embeddings``, optional
+        ``factor``, ``attention_factor``) or ``"llama3"`` (``factor``, ``low_freq_factor``,
+        ``high_freq_factor``, ``original_max_position_embeddings``). Where transformers reads
+        a value from the model config instead, add it to the dict: a missing
+        ``original_max_position_embeddings`` is taken from ``max_position_embeddings`` in the
+        dict (for ``"dynamic"`` that is the model's ``max_position_embeddings``), and a
+        missing yarn/longrope ``factor`` is derived from it; a field that is needed and
+        absent raises ``ValueError``. ``partial_rotary_factor`` is ignored: ``rotary_dim``
+        is already the rotated width.
+    numerics : {"exact", "transformers"}
+        ``"exact"`` (default): frequencies, scaling and angles in float64, cos/sin correctly
+        rounded to float32 — the most accurate table, and what float64 references assume.
+        Choose it unless you must match a Hugging Face model.
+        ``"transformers"``: Hugging Face's float32 arithmetic — ``inv_freq`` computed in
+        float32 as its initialisation functions do, angles ``float32(p) * inv_freq`` rounded
+        to float32, then cos/sin (correctly rounded) times the attention factor in float32.
+        Models were trained with these values, and comparing logits with transformers needs
+        them: the table differs from the exact one by about 1.2e-4 at positions below 4096,
+        and the gap grows linearly with position (transformers issue #28685 reports such
+        differences moving Llama logits by about 1.0). torch's float32 ``pow`` is not
+        correctly rounded, so about one ``inv_freq`` in a hundred differs from transformers'
+        by one ulp.
+    xp : module, default numpy
+        Array module of the result (``numpy`` or ``cupy``): the tables are built with NumPy
+        and handed to ``xp.asarray``.
+
+    Returns
+    -------
+    cos, sin : arrays of module ``xp``
+        Shape ``[max_positions, rotary_dim // 2]``, float32. For ``"yarn"`` and
+        ``"longrope"`` the attention factor MULTIPLIES both, as in transformers.
+    """
+    rows = _positive_int("max_positions", max_positions)
+    inv_freq, attention = inverse_frequencies(
+        rotary_dim, base=base, scaling=scaling, max_positions=rows, numerics=numerics
+    )
+    if not callable(getattr(xp, "asarray", None)):
+        raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    ft = inv_freq.dtype.type
+    cos = np.empty((rows, inv_freq.size), dtype=np.float32)
+    sin = np.empty_like(cos)
+    for start in range(0, rows, _ROWS_PER_CHUNK):
+        stop = min(start + _ROWS_PER_CHUNK, rows)
+        # float32(p) * inv_freq in float32 for "transformers"; exact products in float64.
+        angles = np.multiply.outer(np.arange(start, stop).astype(ft), inv_freq)
+        for out, fn in ((cos, np.cos), (sin, np.sin)):
+            values = fn(angles.astype(np.float64))
+            if ft is np.float64:
+                out[start:stop] = values * attention  # one rounding, at the assignment
+            else:
+                out[start:stop] = values.astype(np.float32) * np.float32(attention)
+    return xp.asarray(cos), xp.asarray(sin)

@@ -1,0 +1,237 @@
+"""Prepared BF16 tail RoPE: the contract of seeds/prepared-bf16-tail-rope.txt, for CuPy, on every
+architecture NVRTC supports (sm_80 and newer).
+
+``x`` is contiguous BF16 ``[T, D]`` or ``[T, H, D]`` with D in {128, 512}; ``cosine`` and ``sine``
+are contiguous FP32 ``[T, 32]``. The last 64 channels of each head are rotated in adjacent pairs
+with a fixed FP32 multiply/FMA order (bit-exact); the prefix is copied unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays as A
+from .descriptors import TensorDesc, TupleDict
+from .reference import TAIL_CHANNELS, TAIL_TABLE_COLUMNS as TABLE_COLUMNS
+from .registry import TAIL_DIMS, tail_spec
+
+VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
+BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
+UNROLL_WIDE = 4               # vectors per thread of tail_rope_bf16_x4
+GRID_LIMIT = 2**31 - 1        # gridDim.x limit
+BACKENDS = ("nvrtc", "numpy")
+
+
+class TailRoPEForward:
+    """A prepared tail-RoPE plan: validate once, then ``execute`` validates cheaply and launches.
+
+    Parameters
+    ----------
+    x, cosine, sine, out : array or TensorDesc
+        Arrays or declarations fixing H, D, rank and the device. ``T`` may change between executes
+        (including 0); H, D and the device may not.
+    backend : {"nvrtc", "numpy"}
+        ``"nvrtc"``: the CUDA kernel (CuPy/device arrays). ``"numpy"``: the bit-exact NumPy reference
+        on host arrays (``ml_dtypes.bfloat16`` and float32), no GPU needed.
+
+    ``execute`` allocates nothing, converts nothing and never synchronises; the caller owns array
+    lifetimes and inter-stream ordering. The plan remembers the last arrays it saw, so repeating a
+    call with the same arrays skips re-validation (it holds references to them until the next call).
+    """
+
+    def __init__(self, x, cosine, sine, out, *, backend: str = "nvrtc") -> None:
+        self.backend = backend
+        self._decl = (x, cosine, sine, out)
+        self._supported = False
+        self._kernel = None
+        self._last = None
+        self.heads = self.dim = self.rank = self.device = None
+
+    # -- plan lifecycle ------------------------------------------------------------------------
+    def check_support(self) -> "TailRoPEForward":
+        """Validate the declared arrays; raises TypeError/ValueError/NotImplementedError."""
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: {self.backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
+        host_ok = self.backend == "numpy"
+        x, c, s, o = (A.describe(v, n, allow_host=host_ok) for v, n in zip(self._decl, ("x", "cosine", "sine", "out")))
+        if not host_ok:
+            for info in (x, c, s, o):
+                if info.device is None:
+                    raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'; pass a CuPy "
+                                    "array or use backend='numpy'")
+        elif any(i.device is not None for i in (x, c, s, o)):
+            raise TypeError("backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and float32)")
+        A.check_dtype(x, ("bfloat16",), " (tail RoPE is BF16)")
+        A.check_dtype(o, ("bfloat16",), " (tail RoPE is BF16)")
+        A.check_dtype(c, ("float32",))
+        A.check_dtype(s, ("float32",))
+        if len(x.shape) not in (2, 3):
+            raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {x.shape}")
+        D = x.shape[-1]
+        H = x.shape[1] if len(x.shape) == 3 else 1
+        if D not in TAIL_DIMS:
+            raise ValueError(f"x: channel count D={D} is not supported; expected one of {TAIL_DIMS}")
+        if H <= 0:
+            raise ValueError(f"x: head count H must be positive, got {H}")
+        if H * D >= 2**31:
+            raise ValueError(f"x: H*D = {H * D} must be below 2**31")
+        for info in (x, c, s, o):
+            if not info.is_c_contiguous():
+                raise NotImplementedError(f"{info.name}: non-contiguous layouts are not supported (strides "
+                                          f"{info.strides} for shape {info.shape}); the plan rejects rather than copies")
+        self.heads, self.dim, self.rank = H, D, len(x.shape)
+        self._check_shapes(x, c, s, o)
+        if not host_ok:
+            self.device = A.check_same_device([x, c, s, o])
+            if self.device is None:
+                self.device = _current_device()
+        self._supported = True
+        return self
+
+    def compile(self) -> "TailRoPEForward":
+        """Load (compiling on a cache miss) the kernel for this plan's H, D and device."""
+        if not self._supported:
+            self.check_support()
+        if self.backend == "nvrtc" and self._kernel is None:
+            from . import driver
+            from .launch import ArgPack, load_kernel
+            import ctypes
+
+            self._kernel = load_kernel(tail_spec(self.heads, self.dim), self.device)
+            self._f1 = self._kernel.functions["tail_rope_bf16_x1"]
+            self._f4 = self._kernel.functions["tail_rope_bf16_x4"]
+            self._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
+                                  ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
+            self._sms = driver.device_attribute(self.device, "MULTIPROCESSOR_COUNT")
+            import cupy
+
+            from .launch import Launcher
+
+            self._launch = Launcher()
+            self._get_stream = cupy.cuda.get_current_stream
+        return self
+
+    def scratch_workspace_bytes(self) -> int:
+        """The plan needs no workspace."""
+        return 0
+
+    # -- execution -----------------------------------------------------------------------------
+    def execute(self, x, cosine, sine, out, *, current_stream=None) -> TupleDict:
+        """Rotate ``x``'s tail into ``out``. Returns ``TupleDict(out=out)``."""
+        last = self._last
+        if not (last is not None and x is last[0] and cosine is last[1] and sine is last[2] and out is last[3]
+                and x.shape == last[4]):
+            # Anything new: validate fully and re-pack the arguments.
+            if self._kernel is None and self.backend == "nvrtc":
+                self.compile()
+            self._prepare(x, cosine, sine, out)
+            last = self._last
+        if self.backend == "numpy":
+            from .reference import tail_rope_reference
+
+            out[...] = tail_rope_reference(x, cosine, sine)
+            return last[7]
+        if last[5]:
+            if current_stream is None:
+                stream = self._get_stream(self.device).ptr
+            else:
+                from .launch import stream_handle
+
+                stream = stream_handle(current_stream)
+            self._launch(last[6], last[5], (BLOCK, 1, 1), stream, self._args.address)
+        return last[7]
+
+    def _check_shapes(self, x, c, s, o) -> None:
+        T = x.shape[0]
+        if self.rank == 3 and (x.shape[1], x.shape[2]) != (self.heads, self.dim) or x.shape[-1] != self.dim:
+            raise ValueError(f"x: shape {x.shape} does not match the plan's H={self.heads}, D={self.dim}")
+        if len(x.shape) != self.rank:
+            raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}")
+        if o.shape != x.shape:
+            raise ValueError(f"out: shape {o.shape} differs from x's {x.shape}")
+        for t in (c, s):
+            if t.shape != (T, TABLE_COLUMNS):
+                raise ValueError(f"{t.name}: expected shape ({T}, {TABLE_COLUMNS}), got {t.shape}")
+
+    def _prepare(self, x, cosine, sine, out) -> None:
+        if not self._supported:
+            self.check_support()
+        host_ok = self.backend == "numpy"
+        infos = [A.describe(v, n, allow_host=host_ok) for v, n in zip((x, cosine, sine, out), ("x", "cosine", "sine", "out"))]
+        xi, ci, si, oi = infos
+        for info in infos:
+            if isinstance(info.array, TensorDesc):
+                raise TypeError(f"{info.name}: execute() needs arrays, not declarations")
+            if not host_ok and info.device is None:
+                raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'")
+        A.check_dtype(xi, ("bfloat16",))
+        A.check_dtype(oi, ("bfloat16",))
+        A.check_dtype(ci, ("float32",))
+        A.check_dtype(si, ("float32",))
+        self._check_shapes(xi, ci, si, oi)
+        for info in infos:
+            if not info.is_c_contiguous():
+                raise ValueError(f"{info.name}: must be contiguous, got strides {info.strides} for shape {info.shape}")
+            A.check_aligned(info)
+        if not host_ok:
+            A.check_same_device(infos, self.device)
+        for inp in (xi, ci, si):
+            if A.overlaps(oi, inp):
+                raise ValueError(f"out overlaps {inp.name}: the output must be disjoint from every input")
+        A.check_writable(oi)
+        n_vec = xi.size // VECTOR_ELEMS
+        grid, fn = None, None
+        if n_vec and not host_ok:
+            wide = n_vec >= BLOCK * UNROLL_WIDE * self._sms * 4
+            per_block = BLOCK * (UNROLL_WIDE if wide else 1)
+            grid = -(-n_vec // per_block)
+            if grid > GRID_LIMIT:
+                raise ValueError(f"x: {xi.size} elements need {grid} blocks, above the CUDA grid limit {GRID_LIMIT}")
+            fn = self._f4 if wide else self._f1
+            grid = (grid, 1, 1)
+            v = self._args.values
+            v.x, v.out, v.cos, v.sin, v.n = xi.ptr, oi.ptr, ci.ptr, si.ptr, n_vec
+        self._last = (x, cosine, sine, out, x.shape, grid, fn, TupleDict(out=out))
+
+
+def _current_device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+_plans: dict[tuple, TailRoPEForward] = {}
+
+
+def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleDict:
+    """Allocate a disjoint output and run a cached plan. Returns ``TupleDict(out=out)``.
+
+    With ``stream``, the allocation and the launch are ordered on it. Plans are cached per
+    (H, D, rank, device), so prewarm the shapes you will use before capturing a CUDA graph.
+    """
+    if backend == "numpy":
+        out = np.empty_like(np.asarray(x))
+        plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
+        return plan.execute(x, cosine, sine, out)
+    import cupy
+
+    xi = A.describe(x, "x", allow_host=False)
+    if xi.device is None:
+        raise TypeError("x: a host array cannot be used with backend='nvrtc'; pass a CuPy array or use backend='numpy'")
+    device = xi.device
+    with cupy.cuda.Device(device):
+        from .launch import stream_handle
+
+        handle = stream_handle(stream, device)
+        base = xi.array if type(xi.array).__module__.startswith("cupy") else cupy.asarray(xi.array)
+        if handle == cupy.cuda.get_current_stream().ptr:
+            out = cupy.empty_like(base)
+        else:
+            with cupy.cuda.ExternalStream(handle):
+                out = cupy.empty_like(base)
+        key = (xi.shape[1:], device, backend)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
+            _plans[key] = plan
+        return plan.execute(x, cosine, sine, out, current_stream=handle)

@@ -1,0 +1,562 @@
+"""Tests of rope_rtc.tables: frequencies and cos/sin tables, both numerics, every rope_type.
+
+Three kinds of reference:
+- hand-computed values for small cases;
+- independent re-computations written here element by element: the published formulas in
+  float64 (``exact`` must be within 1e-6 of them) and Hugging Face's float32 operation
+  sequence (``transformers`` must equal it bit for bit);
+- transformers itself (``@pytest.mark.device``: needs torch and transformers, which only the
+  device machine has).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+
+from rope_rtc import tables
+from rope_rtc.tables import NUMERICS, ROPE_TYPES, inverse_frequencies, rope_tables
+
+f32 = np.float32
+
+# Scaling dicts as they appear in real config.json files (shapes of Llama 2/3.1, Qwen YaRN,
+# DeepSeek YaRN with mscale, Phi-3 LongRoPE), at sizes small enough for fast tests.
+_SHORT = [1.0 + 0.05 * i for i in range(32)]
+_LONG = [1.0 + 0.4 * i for i in range(32)]
+CASES = {
+    "default": ({"rope_type": "default"}, 64, 10000.0, 3000),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, 64, 10000.0, 3000),
+    "dynamic-short": (
+        {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 3000}, 64, 10000.0, 3000),
+    "dynamic-long": (
+        {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 3000}, 64, 10000.0, 5000),
+    "yarn": (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 64, 1000000.0, 3000),
+    "yarn-mscale": (
+        {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}, 64, 10000.0, 3000),
+    "yarn-untruncated": (
+        {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
+         "beta_fast": 16.0, "beta_slow": 2.0}, 64, 500000.0, 3000),
+    "longrope-short": (
+        {"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG,
+         "original_max_position_embeddings": 2048, "factor": 16.0}, 64, 10000.0, 2048),
+    "longrope-long": (
+        {"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG,
+         "original_max_position_embeddings": 2048, "factor": 16.0}, 64, 10000.0, 3000),
+    "llama3": (
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 1024}, 64, 500000.0, 3000),
+    # A wide blending band: its float32 arithmetic (`2 * pi / inv_freq` is a reciprocal, then
+    # a product, in torch) shows in the result.
+    "llama3-wide-band": (
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+         "original_max_position_embeddings": 1024}, 128, 10000.0, 3000),
+}
+
+
+# --------------------------------------------------------------------------- float64 formulas
+# The published formulas, one pair at a time, in the algebra of the papers (not the module's).
+
+
+def formula_frequencies(params: dict, dim: int, base: float, seq_len: int) -> tuple[list[float], float]:
+    kind = params.get("rope_type", params.get("type", "default"))
+    half = dim // 2
+    theta = [base ** (-2.0 * i / dim) for i in range(half)]
+    if kind == "default":
+        return theta, 1.0
+    if kind == "linear":
+        return [t / params["factor"] for t in theta], 1.0
+    if kind == "dynamic":
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        if seq_len > L0:
+            base = base * (s * seq_len / L0 - (s - 1)) ** (dim / (dim - 2))
+        return [base ** (-2.0 * i / dim) for i in range(half)], 1.0
+    if kind == "yarn":
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+
+        def dim_of(rotations):  # the dimension index whose wavelength is L0 / rotations
+            return dim * math.log(L0 / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+        lo, hi = dim_of(params.get("beta_fast", 32)), dim_of(params.get("beta_slow", 1))
+        if params.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        inv = []
+        for i, t in enumerate(theta):
+            gamma = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: keep, 1: interpolate
+            inv.append(t * (1 - gamma) + t / s * gamma)
+        if "mscale" in params and "mscale_all_dim" in params:
+            att = (1 + 0.1 * params["mscale"] * math.log(s)) / (1 + 0.1 * params["mscale_all_dim"] * math.log(s))
+        else:
+            att = 1 + 0.1 * math.log(s)
+        return inv, att
+    if kind == "longrope":
+        L0 = params["original_max_position_embeddings"]
+        ext = params["long_factor"] if seq_len > L0 else params["short_factor"]
+        att = math.sqrt(1 + math.log(params["factor"]) / math.log(L0))
+        return [t / e for t, e in zip(theta, ext)], att
+    if kind == "llama3":
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        lo_f, hi_f = params["low_freq_factor"], params["high_freq_factor"]
+        inv = []
+        for t in theta:
+            wavelength = 2 * math.pi / t
+            if wavelength < L0 / hi_f:
+                inv.append(t)
+            elif wavelength > L0 / lo_f:
+                inv.append(t / s)
+            else:
+                mix = (L0 / wavelength - lo_f) / (hi_f - lo_f)
+                inv.append((1 - mix) * t / s + mix * t)
+        return inv, 1.0
+    raise AssertionError(kind)
+
+
+def formula_tables(params, dim, base, n):
+    inv, att = formula_frequencies(params, dim, base, n)
+    angles = np.multiply.outer(np.arange(n, dtype=np.float64), np.array(inv))
+    return att * np.cos(angles), att * np.sin(angles)
+
+
+# --------------------------------------------------------------------------- float32 emulation
+# Hugging Face's float32 operation sequence, written element by element with NumPy float32
+# scalars (each operation rounds once). torch evaluates `python_scalar / tensor` as
+# `reciprocal(tensor) * scalar`; float32 pow is taken correctly rounded.
+
+
+def pow32(b, e):
+    return f32(math.pow(float(f32(b)), float(e)))
+
+
+def rdiv32(numerator, x):
+    return (f32(1) / x) * f32(numerator)
+
+
+def hf32_frequencies(params: dict, dim: int, base: float, seq_len: int) -> tuple[np.ndarray, float]:
+    kind = params.get("rope_type", params.get("type", "default"))
+    half = dim // 2
+    expo = [f32(2 * i) / f32(dim) for i in range(half)]
+    att = 1.0
+    if kind == "dynamic" and seq_len > params["original_max_position_embeddings"]:
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        ratio = f32(s) * f32(seq_len) / f32(L0) - f32(s - 1)
+        base = f32(base) * f32(float(ratio) ** (dim / (dim - 2)))
+    if kind in ("default", "linear", "dynamic"):
+        inv = [rdiv32(1.0, pow32(base, e)) for e in expo]
+        if kind == "linear":
+            inv = [v / f32(params["factor"]) for v in inv]
+    elif kind == "yarn":
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        bf, bs = params.get("beta_fast", 32), params.get("beta_slow", 1)
+        lo = dim * math.log(L0 / (bf * 2 * math.pi)) / (2 * math.log(base))
+        hi = dim * math.log(L0 / (bs * 2 * math.pi)) / (2 * math.log(base))
+        if params.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        inv = []
+        for i, e in enumerate(expo):
+            p = pow32(base, e)
+            ramp = min(max((f32(i) - f32(lo)) / f32(hi - lo), f32(0)), f32(1))
+            w = f32(1) - ramp
+            inv.append(rdiv32(1.0, f32(s) * p) * (f32(1) - w) + rdiv32(1.0, p) * w)
+        att = formula_frequencies(params, dim, base, seq_len)[1]
+    elif kind == "longrope":
+        L0 = params["original_max_position_embeddings"]
+        ext = params["long_factor"] if seq_len > L0 else params["short_factor"]
+        inv = [rdiv32(1.0, f32(x) * pow32(base, e)) for x, e in zip(ext, expo)]
+        att = formula_frequencies(params, dim, base, seq_len)[1]
+    elif kind == "llama3":
+        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        lo_f, hi_f = params["low_freq_factor"], params["high_freq_factor"]
+        inv = []
+        for e in expo:
+            t = rdiv32(1.0, pow32(base, e))
+            wl = rdiv32(2 * math.pi, t)
+            kept = t / f32(s) if wl > f32(L0 / lo_f) else t
+            if wl < f32(L0 / hi_f) or wl > f32(L0 / lo_f):
+                inv.append(kept)
+            else:
+                mix = (rdiv32(L0, wl) - f32(lo_f)) / f32(hi_f - lo_f)
+                inv.append((f32(1) - mix) * kept / f32(s) + mix * kept)
+    else:
+        raise AssertionError(kind)
+    return np.array(inv, dtype=np.float32), att
+
+
+def hf32_tables(params, dim, base, n):
+    inv, att = hf32_frequencies(params, dim, base, n)
+    cos = np.empty((n, dim // 2), np.float32)
+    sin = np.empty_like(cos)
+    for p in range(n):
+        for i, v in enumerate(inv):
+            angle = float(f32(p) * v)
+            cos[p, i] = f32(math.cos(angle)) * f32(att)
+            sin[p, i] = f32(math.sin(angle)) * f32(att)
+    return cos, sin
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Number of float32 values between a and b (0 for identical bits, works across zero)."""
+
+    def ordered(x):
+        bits = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+        return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+    return np.abs(ordered(a) - ordered(b))
+
+
+# --------------------------------------------------------------------------- hand-computed
+
+
+def test_default_small_case_by_hand():
+    # position 2, dim 4, base 100: inv_freq = [1, 0.1], angles 2.0 and 0.2.
+    cos, sin = rope_tables(3, 4, base=100.0)
+    assert cos.shape == sin.shape == (3, 2)
+    assert cos.dtype == sin.dtype == np.float32
+    assert isinstance(cos, np.ndarray) and isinstance(sin, np.ndarray)
+    np.testing.assert_array_equal(cos[2], [f32(math.cos(2.0)), f32(math.cos(0.2))])
+    np.testing.assert_array_equal(sin[2], [f32(math.sin(2.0)), f32(math.sin(0.2))])
+    np.testing.assert_array_equal(cos[0], [1, 1])
+    np.testing.assert_array_equal(sin[0], [0, 0])
+    inv, att = inverse_frequencies(4, base=100.0)
+    assert inv.dtype == np.float64 and att == 1.0
+    np.testing.assert_allclose(inv, [1.0, 0.1], rtol=1e-15)
+
+
+def test_default_small_case_transformers_numerics():
+    inv, att = inverse_frequencies(4, base=100.0, numerics="transformers")
+    assert inv.dtype == np.float32 and att == 1.0
+    np.testing.assert_array_equal(inv, [1.0, f32(1) / f32(10)])
+    cos, sin = rope_tables(3, 4, base=100.0, numerics="transformers")
+    angle = float(f32(2) * (f32(1) / f32(10)))  # float32(0.2), not 0.2
+    assert angle != 0.2
+    np.testing.assert_array_equal(cos[2], [f32(math.cos(2.0)), f32(math.cos(angle))])
+    np.testing.assert_array_equal(sin[2], [f32(math.sin(2.0)), f32(math.sin(angle))])
+
+
+def test_linear_halves_the_angles():
+    cos, sin = rope_tables(3, 4, base=100.0, scaling={"rope_type": "linear", "factor": 2.0})
+    np.testing.assert_array_equal(cos[2], [f32(math.cos(1.0)), f32(math.cos(0.1))])
+    np.testing.assert_array_equal(sin[2], [f32(math.sin(1.0)), f32(math.sin(0.1))])
+
+
+def test_dynamic_rescales_base_past_original_length():
+    params = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}
+    # 8 positions, twice the original: base 100 * (2 * 8 / 4 - 1) ** (4 / 2) = 900.
+    inv, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=8)
+    np.testing.assert_allclose(inv, [1.0, 1 / 30], rtol=1e-15)
+    # Within the original length (or unknown length) the base is unchanged.
+    for n in (None, 1, 4):
+        inv, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=n)
+        np.testing.assert_allclose(inv, [1.0, 0.1], rtol=1e-15)
+    # The legacy spelling of the model's length is accepted too.
+    legacy = {"type": "dynamic", "factor": 2.0, "max_position_embeddings": 4}
+    np.testing.assert_array_equal(
+        inverse_frequencies(4, base=100.0, scaling=legacy, max_positions=8)[0],
+        inverse_frequencies(4, base=100.0, scaling=params, max_positions=8)[0],
+    )
+
+
+def test_yarn_by_hand():
+    # dim 8, base 1e4: theta = [1, .1, .01, .001]; with L0 = 64 the correction range is
+    # floor(-0.497) -> 0 .. ceil(1.008) = 2, so the ramp is [0, .5, 1, 1].
+    params = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    inv, att = inverse_frequencies(8, scaling=params)
+    np.testing.assert_allclose(inv, [1.0, 0.1 * (0.5 + 0.5 / 4), 0.01 / 4, 0.001 / 4], rtol=1e-14)
+    assert att == pytest.approx(1 + 0.1 * math.log(4.0), rel=1e-15)
+    # The attention factor multiplies cos and sin.
+    cos, sin = rope_tables(2, 8, scaling=params)
+    np.testing.assert_array_equal(cos[0], np.full(4, f32(att)))
+    np.testing.assert_array_equal(sin[0], np.zeros(4))
+    np.testing.assert_array_equal(cos[1, 0], f32(att * math.cos(1.0)))
+
+
+def test_yarn_attention_factor_variants():
+    base_params = {"rope_type": "yarn", "factor": math.e, "original_max_position_embeddings": 64}
+    assert inverse_frequencies(8, scaling={**base_params, "attention_factor": 2.0})[1] == 2.0
+    att = inverse_frequencies(8, scaling={**base_params, "mscale": 2.0, "mscale_all_dim": 1.0})[1]
+    assert att == pytest.approx(1.2 / 1.1, rel=1e-15)
+    assert inverse_frequencies(8, scaling={**base_params, "mscale": 1.0, "mscale_all_dim": 1.0})[1] == 1.0
+    # A factor of at most 1 leaves cos and sin unscaled.
+    assert inverse_frequencies(8, scaling={**base_params, "factor": 0.5})[1] == 1.0
+    # Without `factor`, transformers derives it from max_position_embeddings / original.
+    implied = {"rope_type": "yarn", "original_max_position_embeddings": 64, "max_position_embeddings": 256}
+    np.testing.assert_array_equal(
+        inverse_frequencies(8, scaling=implied)[0],
+        inverse_frequencies(8, scaling={**implied, "factor": 4.0})[0],
+    )
+
+
+def test_yarn_truncate_option_changes_the_ramp():
+    params = CASES["yarn-untruncated"][0]
+    truncated = inverse_frequencies(64, base=500000.0, scaling={**params, "truncate": True})[0]
+    untruncated = inverse_frequencies(64, base=500000.0, scaling=params)[0]
+    assert not np.array_equal(truncated, untruncated)
+
+
+def test_longrope_picks_factors_by_context_length():
+    params = {"rope_type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [4.0, 8.0],
+              "original_max_position_embeddings": 16, "factor": 4.0}
+    short, att = inverse_frequencies(4, base=100.0, scaling=params, max_positions=16)
+    np.testing.assert_allclose(short, [1.0, 0.05], rtol=1e-15)
+    assert att == pytest.approx(math.sqrt(1.5), rel=1e-15)
+    long, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=17)
+    np.testing.assert_allclose(long, [0.25, 0.0125], rtol=1e-15)
+    cos, _ = rope_tables(17, 4, base=100.0, scaling=params)
+    np.testing.assert_array_equal(cos[0], np.full(2, f32(math.sqrt(1.5))))
+    # An explicit attention factor wins; no factor at all means none beyond the lengths ratio.
+    assert inverse_frequencies(4, base=100.0, scaling={**params, "attention_factor": 1.25})[1] == 1.25
+    no_factor = {k: v for k, v in params.items() if k != "factor"}
+    assert inverse_frequencies(4, base=100.0, scaling={**no_factor, "max_position_embeddings": 16})[1] == 1.0
+
+
+def test_llama3_bands():
+    # dim 8, base 1e4: wavelengths 2pi * [1, 10, 100, 1000]; L0 = 1024, band [256, 1024].
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 1024}
+    inv, att = inverse_frequencies(8, scaling=params)
+    mix = (1024 / (200 * math.pi) - 1) / 3
+    np.testing.assert_allclose(inv, [1.0, 0.1, (1 - mix) * 0.01 / 8 + mix * 0.01, 0.001 / 8], rtol=1e-14)
+    assert att == 1.0
+
+
+def test_rope_theta_in_dict_wins_over_default_base():
+    params = {"rope_type": "default", "rope_theta": 100.0}
+    np.testing.assert_allclose(inverse_frequencies(4, scaling=params)[0], [1.0, 0.1], rtol=1e-15)
+    np.testing.assert_allclose(inverse_frequencies(4, base=100.0, scaling=params)[0], [1.0, 0.1], rtol=1e-15)
+    with pytest.raises(ValueError, match="base"):
+        inverse_frequencies(4, base=500.0, scaling=params)
+
+
+def test_legacy_type_key_and_empty_dict():
+    legacy = rope_tables(50, 16, scaling={"type": "linear", "factor": 2.0})
+    current = rope_tables(50, 16, scaling={"rope_type": "linear", "factor": 2.0})
+    np.testing.assert_array_equal(legacy[0], current[0])
+    np.testing.assert_array_equal(rope_tables(50, 16, scaling={})[0], rope_tables(50, 16)[0])
+
+
+def test_xp_receives_the_tables():
+    calls = []
+
+    def asarray(a):
+        calls.append(a)
+        return ("wrapped", a)
+
+    cos, sin = rope_tables(5, 8, xp=types.SimpleNamespace(asarray=asarray))
+    assert cos[0] == "wrapped" and sin[0] == "wrapped" and len(calls) == 2
+    assert calls[0].dtype == np.float32 and calls[0].shape == (5, 4)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_chunking_does_not_change_the_table(monkeypatch, numerics):
+    params = CASES["yarn"][0]
+    whole = rope_tables(100, 16, scaling=params, numerics=numerics)
+    monkeypatch.setattr(tables, "_ROWS_PER_CHUNK", 7)
+    chunked = rope_tables(100, 16, scaling=params, numerics=numerics)
+    np.testing.assert_array_equal(whole[0], chunked[0])
+    np.testing.assert_array_equal(whole[1], chunked[1])
+
+
+# --------------------------------------------------------------------------- against the formulas
+
+
+def test_cases_cover_every_rope_type():
+    covered = {p.get("rope_type", p.get("type")) for p, *_ in CASES.values()}
+    assert covered == set(ROPE_TYPES)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_exact_matches_float64_formulas(case):
+    params, dim, base, n = CASES[case]
+    inv, att = inverse_frequencies(dim, base=base, scaling=params, max_positions=n)
+    want_inv, want_att = formula_frequencies(params, dim, base, n)
+    np.testing.assert_allclose(inv, want_inv, rtol=1e-13, atol=0)
+    assert att == pytest.approx(want_att, rel=1e-14)
+    cos, sin = rope_tables(n, dim, base=base, scaling=params)
+    assert cos.shape == sin.shape == (n, dim // 2) and cos.dtype == sin.dtype == np.float32
+    want_cos, want_sin = formula_tables(params, dim, base, n)
+    assert np.max(np.abs(cos - want_cos)) <= 1e-6
+    assert np.max(np.abs(sin - want_sin)) <= 1e-6
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformers_numerics_match_float32_emulation(case):
+    params, dim, base, n = CASES[case]
+    n = min(n, 2100)  # the element-by-element emulation is slow; "-long" cases go just past the original
+    if case.endswith("-long"):
+        n = max(n, params["original_max_position_embeddings"] + 1)
+    inv, att = inverse_frequencies(dim, base=base, scaling=params, max_positions=n, numerics="transformers")
+    want_inv, want_att = hf32_frequencies(params, dim, base, n)
+    assert inv.dtype == np.float32
+    np.testing.assert_array_equal(inv, want_inv)
+    assert att == pytest.approx(want_att, rel=1e-14)
+    cos, sin = rope_tables(n, dim, base=base, scaling=params, numerics="transformers")
+    want_cos, want_sin = hf32_tables(params, dim, base, n)
+    np.testing.assert_array_equal(cos, want_cos)
+    np.testing.assert_array_equal(sin, want_sin)
+
+
+def test_exact_and_transformers_differ_by_a_growing_gap():
+    # Llama 2's table: the float32 inverse frequencies and angles drift from the exact ones.
+    dim, n = 128, 65536
+    exact = rope_tables(n, dim)
+    hf = rope_tables(n, dim, numerics="transformers")
+    gap = np.maximum(np.abs(exact[0] - hf[0]), np.abs(exact[1] - hf[1]))
+    early, late = gap[:4096].max(), gap[60000:].max()
+    assert 1e-5 < early < 1e-3
+    assert late > 8 * early  # grows about linearly with position
+
+    inv64 = inverse_frequencies(dim)[0]
+    inv32 = inverse_frequencies(dim, numerics="transformers")[0]
+    positions = np.arange(n, dtype=np.float64)[:, None]
+    angles32 = positions * inv32.astype(np.float64)
+    bound = (positions * np.abs(inv64 - inv32) + np.spacing(np.abs(angles32).astype(np.float32)) + 2.0**-23)
+    assert np.all(gap <= bound)
+
+
+# --------------------------------------------------------------------------- argument errors
+
+BAD_ARGUMENTS = [
+    ({"max_positions": 0}, ValueError, "max_positions"),
+    ({"max_positions": -3}, ValueError, "max_positions"),
+    ({"max_positions": 8.0}, TypeError, "max_positions"),
+    ({"max_positions": True}, TypeError, "max_positions"),
+    ({"max_positions": "8"}, TypeError, "max_positions"),
+    ({"rotary_dim": 0}, ValueError, "rotary_dim"),
+    ({"rotary_dim": 7}, ValueError, "rotary_dim"),
+    ({"rotary_dim": 8.0}, TypeError, "rotary_dim"),
+    ({"base": 0.0}, ValueError, "base"),
+    ({"base": -10.0}, ValueError, "base"),
+    ({"base": math.inf}, ValueError, "base"),
+    ({"base": math.nan}, ValueError, "base"),
+    ({"base": "10000"}, TypeError, "base"),
+    ({"numerics": "fast"}, ValueError, "numerics"),
+    ({"numerics": None}, ValueError, "numerics"),
+    ({"scaling": [("rope_type", "linear")]}, TypeError, "scaling"),
+    ({"scaling": {"rope_type": "ntk"}}, ValueError, "default, linear, dynamic, yarn, longrope, llama3"),
+    ({"scaling": {"rope_type": "linear"}}, ValueError, "factor"),
+    ({"scaling": {"rope_type": "linear", "factor": -2.0}}, ValueError, "factor"),
+    ({"scaling": {"rope_type": "dynamic", "factor": 2.0}}, ValueError, "original_max_position_embeddings"),
+    ({"scaling": {"rope_type": "yarn", "original_max_position_embeddings": 64}}, ValueError, "factor"),
+    ({"scaling": {"rope_type": "yarn", "factor": 4.0}}, ValueError, "original_max_position_embeddings"),
+    ({"scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0] * 4,
+                  "original_max_position_embeddings": 64, "factor": 2.0}}, ValueError, "short_factor"),
+    ({"scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
+                  "original_max_position_embeddings": 64, "factor": 2.0}}, ValueError, "long_factor"),
+    ({"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                  "original_max_position_embeddings": 64}}, ValueError, "high_freq_factor"),
+    ({"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "original_max_position_embeddings": 64}}, ValueError, "high_freq_factor"),
+    ({"scaling": {"rope_type": "default", "rope_theta": 0.0}}, ValueError, "rope_theta"),
+    ({"xp": object()}, TypeError, "xp"),
+]
+
+
+@pytest.mark.parametrize(("override", "error", "name"), BAD_ARGUMENTS, ids=lambda v: repr(v)[:60])
+def test_bad_argument_is_named(override, error, name):
+    arguments = {"max_positions": 100, "rotary_dim": 8, **override}
+    with pytest.raises(error, match=name):
+        rope_tables(**arguments)
+
+
+def test_inverse_frequencies_checks_max_positions():
+    with pytest.raises(ValueError, match="max_positions"):
+        inverse_frequencies(8, max_positions=0)
+    with pytest.raises(TypeError, match="max_positions"):
+        inverse_frequencies(8, max_positions=1.5)
+
+
+# --------------------------------------------------------------------------- against transformers
+
+
+@pytest.fixture(scope="module")
+def hf_rotary():
+    """A function running transformers' Llama rotary embedding for a rope dict on a device."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    major = int(transformers.__version__.split(".")[0])
+
+    def run(params: dict, dim: int, base: float, n: int, device: str):
+        params = dict(params)
+        kind = params.get("rope_type", params.get("type"))
+        # transformers reads dynamic NTK's original length from the model's max_position_embeddings.
+        if kind == "dynamic":
+            model_max = params.pop("original_max_position_embeddings")
+        else:
+            model_max = max(n, params.get("original_max_position_embeddings", n))
+        common = dict(hidden_size=2 * dim, num_attention_heads=2, head_dim=dim, max_position_embeddings=model_max)
+        try:
+            if major >= 5:
+                config = LlamaConfig(**common, rope_parameters={**params, "rope_theta": base})
+            else:
+                config = LlamaConfig(**common, rope_theta=base, rope_scaling=params)
+            rotary = LlamaRotaryEmbedding(config).to(device)
+        except Exception as exc:  # a rope_type or key this transformers does not know
+            pytest.skip(f"transformers {transformers.__version__} cannot build {kind!r}: {exc!r}")
+        x = torch.zeros(1, dtype=torch.float32, device=device)
+        cos, sin = rotary(x, torch.arange(n, device=device)[None])
+        half = dim // 2
+        cos, sin = cos[0].cpu().numpy(), sin[0].cpu().numpy()
+        np.testing.assert_array_equal(cos[:, :half], cos[:, half:])  # rotate_half layout
+        return (rotary.inv_freq.detach().cpu().numpy().astype(np.float32), float(rotary.attention_scaling),
+                cos[:, :half], sin[:, :half])
+
+    run.version = transformers.__version__
+    run.cuda = torch.cuda.is_available()
+    return run
+
+
+def _inv_freq_noise_bound(inv_ref, inv_hf, att, n):
+    """How far a table built from `inv_ref` may be from transformers' built from `inv_hf`.
+
+    Angles differ by p * |inv_ref - inv_hf| plus one float32 rounding of the angle; cos and
+    sin move by at most that (times the attention factor), plus two float32 roundings.
+    """
+    p = np.arange(n, dtype=np.float64)[:, None]
+    angle = np.abs(p * inv_hf.astype(np.float64)).astype(np.float32)
+    d_inv = np.abs(inv_ref.astype(np.float64) - inv_hf.astype(np.float64))
+    return att * (p * d_inv + np.spacing(angle) + 2.0**-23)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_against_transformers(hf_rotary, case, device):
+    if device == "cuda" and not hf_rotary.cuda:
+        pytest.skip("torch has no CUDA device")
+    params, dim, base, n = CASES[case]
+    n = max(n, 4096)
+    if case.endswith("-short"):
+        n = params["original_max_position_embeddings"]
+    inv_hf, att_hf, cos_hf, sin_hf = hf_rotary(params, dim, base, n, device)
+
+    inv, att = inverse_frequencies(dim, base=base, scaling=params, max_positions=n, numerics="transformers")
+    assert att == pytest.approx(att_hf, rel=1e-12)
+    # torch's float32 pow is faithful, not correctly rounded: a few entries may be an ulp off
+    # (two after longrope's product and reciprocal); every other one is bit-identical.
+    d_inv = ulp_distance(inv, inv_hf)
+    assert d_inv.max() <= 2, (hf_rotary.version, d_inv)
+    assert np.count_nonzero(d_inv) <= max(2, dim // 16), (hf_rotary.version, d_inv)
+
+    cos, sin = rope_tables(n, dim, base=base, scaling=params, numerics="transformers")
+    same = d_inv == 0
+    assert ulp_distance(cos, cos_hf)[:, same].max() <= 2
+    assert ulp_distance(sin, sin_hf)[:, same].max() <= 2
+    bound = _inv_freq_noise_bound(inv, inv_hf, att, n)
+    assert np.all(np.abs(cos - cos_hf) <= bound) and np.all(np.abs(sin - sin_hf) <= bound)
+
+    # The exact table stands from transformers' by the float32 rounding of inv_freq, no more.
+    inv64 = inverse_frequencies(dim, base=base, scaling=params, max_positions=n)[0]
+    cos_x, sin_x = rope_tables(n, dim, base=base, scaling=params)
+    bound = _inv_freq_noise_bound(inv64, inv_hf, att, n)
+    assert np.all(np.abs(cos_x - cos_hf) <= bound) and np.all(np.abs(sin_x - sin_hf) <= bound)
+    assert np.max(np.abs(cos_x - cos_hf)) > 0  # the two numerics are really different
