@@ -17,23 +17,51 @@ typedef unsigned long long u64;
 #define ROPE_DTYPE_F16 1
 #define ROPE_DTYPE_BF16 2
 
+// Element types as raw bits, so vectors are plain integer loads: a struct of __half or
+// __nv_bfloat16 (classes with constructors) is not always turned into one 16-byte access.
 template <typename T> struct Scalar;
 template <> struct Scalar<float> {
+    typedef float bits_t;
     static __device__ __forceinline__ float to_float(float v) { return v; }
     static __device__ __forceinline__ float from_float(float v) { return v; }
 };
 template <> struct Scalar<__half> {
-    static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+    typedef unsigned short bits_t;
+    static __device__ __forceinline__ float to_float(unsigned short v) { return __half2float(__ushort_as_half(v)); }
     // One rounding, to nearest even: the numerical contract of DESIGN.md.
-    static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+    static __device__ __forceinline__ unsigned short from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
 };
 template <> struct Scalar<__nv_bfloat16> {
-    static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+    typedef unsigned short bits_t;
+    static __device__ __forceinline__ float to_float(unsigned short v) { return __uint_as_float((unsigned)v << 16); }
+    static __device__ __forceinline__ unsigned short from_float(float v) {
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
 };
 
+// The integer type of one access of B bytes.
+template <int B> struct RawAccess;
+template <> struct RawAccess<32> { struct alignas(32) type { uint4 a, b; }; };
+template <> struct RawAccess<16> { typedef uint4 type; };
+template <> struct RawAccess<8> { typedef uint2 type; };
+template <> struct RawAccess<4> { typedef unsigned type; };
+template <> struct RawAccess<2> { typedef unsigned short type; };
+
 // N elements moved as one aligned access. The host only picks N such that every address the
-// kernel forms is a multiple of sizeof(Vec), so the compiler may emit 16-, 8- or 4-byte loads.
-template <typename T, int N> struct alignas(sizeof(T) * N) Vec {
-    T v[N];
+// kernel forms is a multiple of the access size, so this is one 16-, 8-, 4- or 2-byte load.
+template <typename Bits, int N> union Vec {
+    typename RawAccess<sizeof(Bits) * N>::type raw;
+    Bits v[N];
 };
+
+template <typename Bits, int N>
+__device__ __forceinline__ Vec<Bits, N> load_vec(const void* p) {
+    Vec<Bits, N> r;
+    r.raw = *(const typename RawAccess<sizeof(Bits) * N>::type*)p;
+    return r;
+}
+
+template <typename Bits, int N>
+__device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
+    *(typename RawAccess<sizeof(Bits) * N>::type*)p = v.raw;
+}

@@ -9,10 +9,12 @@
 // Everything else (strides, counts, window, positions, direction) is a run-time field of
 // RopeParams, so one binary serves every shape.
 //
-// Work split: one block row per token (grid-stride over tokens in x), and per token a
-// blockDim.x x blockDim.y tile of (rotary unit, head). Each thread loads its slice of the
-// token's cos/sin row once and reuses it for every head it visits (grid.y splits heads across
-// blocks only for small token counts, where spreading the work matters more than reuse).
+// Work split: one thread per (token, group of HEAD_BATCH heads, vector unit), a flat grid like a
+// copy kernel's. A thread loads its table slice once, issues the loads of all its heads before
+// any store (more bytes in flight, index arithmetic amortised), then rotates and stores. The
+// host picks which of token and head group varies faster (heads_inner) so that neighbouring
+// threads touch neighbouring memory in every layout. A token's cos/sin row is read from DRAM
+// once and served to its other head groups from L1/L2.
 #include "common.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC)
@@ -36,8 +38,12 @@ typedef __nv_bfloat16 elem_t;
 constexpr int VEC = ROPE_VEC;
 // Pairs (and so table entries) one vector unit touches.
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
-typedef Vec<elem_t, VEC> vec_t;
+// Heads per thread, loaded before any is stored (in place, the compiler could not reorder a
+// load of one head above the store of another on its own: the pointers may alias).
+constexpr int HEAD_BATCH = 4;
 typedef Scalar<elem_t> conv;
+typedef conv::bits_t bits_t;
+typedef Vec<bits_t, VEC> vec_t;
 
 // Position schemes (pos_mode). The codes are mirrored in rope_rtc/rope_params.py.
 #define POS_OFFSET 0       // offset + s
@@ -68,6 +74,8 @@ struct RopeParams {
     i64 q_heads, k_heads, head_dim;
     i64 rot_offset, rot_half;  // rotary window [rot_offset, rot_offset + 2 * rot_half)
     i64 pos_mode, index_flags, inverse, copy_passthrough;
+    i64 table_vec;         // 1: table rows may be read NPAIR floats at a time (aligned)
+    i64 heads_inner;       // 1: thread order (token, head, unit); 0: (head, token, unit)
 };
 
 __device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
@@ -115,94 +123,160 @@ __device__ __forceinline__ void rotate(float x0, float x1, float c, float s, flo
     o1 = x1 * c + x0 * s;
 }
 
+// Element offsets of head h (of q, or of k past the q heads) for token (b, s).
+struct HeadPtrs {
+    const bits_t* in;
+    bits_t* out;
+};
+
+__device__ __forceinline__ HeadPtrs head_ptrs(const RopeParams& p, i64 h, i64 b, i64 s, i64 ch) {
+    HeadPtrs r;
+    if (h < p.q_heads) {
+        r.in = (const bits_t*)p.q_in + (b * p.q_in_sb + s * p.q_in_ss + h * p.q_in_sh + ch);
+        r.out = (bits_t*)p.q_out + (b * p.q_out_sb + s * p.q_out_ss + h * p.q_out_sh + ch);
+    } else {
+        const i64 hh = h - p.q_heads;
+        r.in = (const bits_t*)p.k_in + (b * p.k_in_sb + s * p.k_in_ss + hh * p.k_in_sh + ch);
+        r.out = (bits_t*)p.k_out + (b * p.k_out_sb + s * p.k_out_ss + hh * p.k_out_sh + ch);
+    }
+    return r;
+}
+
+// The vectors one unit of one head reads: one for interleaved pairs, two (lo and hi halves)
+// for half-split pairs.
+struct Unit {
+    vec_t a;
+#if !ROPE_INTERLEAVED
+    vec_t b;
+#endif
+};
+
+__device__ __forceinline__ Unit load_unit(const HeadPtrs& hp, i64 rot_half) {
+    Unit u;
+    u.a = load_vec<bits_t, VEC>(hp.in);
+#if !ROPE_INTERLEAVED
+    u.b = load_vec<bits_t, VEC>(hp.in + rot_half);
+#endif
+    return u;
+}
+
+__device__ __forceinline__ void rotate_store(const HeadPtrs& hp, const Unit& u, const float* c, const float* sn,
+                                             i64 rot_half) {
+#if ROPE_INTERLEAVED
+    vec_t r;
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        float o0, o1;
+        rotate(conv::to_float(u.a.v[2 * j]), conv::to_float(u.a.v[2 * j + 1]), c[j], sn[j], o0, o1);
+        r.v[2 * j] = conv::from_float(o0);
+        r.v[2 * j + 1] = conv::from_float(o1);
+    }
+    store_vec<bits_t, VEC>(hp.out, r);
+#else
+    vec_t rlo, rhi;
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        float o0, o1;
+        rotate(conv::to_float(u.a.v[j]), conv::to_float(u.b.v[j]), c[j], sn[j], o0, o1);
+        rlo.v[j] = conv::from_float(o0);
+        rhi.v[j] = conv::from_float(o1);
+    }
+    store_vec<bits_t, VEC>(hp.out, rlo);
+    store_vec<bits_t, VEC>(hp.out + rot_half, rhi);
+#endif
+}
+
+// i -> (unit, head, token) for `units` units per head; 32-bit division when everything fits.
+__device__ __forceinline__ void decompose(i64 i, i64 units, i64 heads, i64 tokens, bool heads_inner, i64& u,
+                                          i64& h, i64& t) {
+    if (((i | (units * heads * tokens)) >> 31) == 0) {
+        const unsigned ui = (unsigned)i, uu = (unsigned)units;
+        const unsigned r = ui / uu;
+        u = ui - r * uu;
+        if (heads_inner) {
+            const unsigned uh = (unsigned)heads, q = r / uh;
+            h = r - q * uh;
+            t = q;
+        } else {
+            const unsigned ut = (unsigned)tokens, q = r / ut;
+            t = r - q * ut;
+            h = q;
+        }
+    } else {
+        const i64 r = i / units;
+        u = i - r * units;
+        if (heads_inner) {
+            t = r / heads;
+            h = r - t * heads;
+        } else {
+            h = r / tokens;
+            t = r - h * tokens;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256) rope_apply(const RopeParams p) {
     const i64 units = ROPE_INTERLEAVED ? (2 * p.rot_half) / VEC : p.rot_half / VEC;
     const i64 heads = p.q_heads + p.k_heads;
-    const i64 head0 = (i64)blockIdx.y * blockDim.y + threadIdx.y;
-    const i64 head_step = (i64)gridDim.y * blockDim.y;
+    const i64 groups = (heads + HEAD_BATCH - 1) / HEAD_BATCH;
+    const i64 rot_total = p.num_tokens * groups * units;
+    // Out of place with a partial window: channels outside it are copied, VEC at a time.
+    const i64 prefix = p.rot_offset / VEC;
+    const i64 suffix_start = p.rot_offset + 2 * p.rot_half;
+    const i64 copy_units = p.copy_passthrough ? prefix + (p.head_dim - suffix_start) / VEC : 0;
+    const i64 total = rot_total + p.num_tokens * heads * copy_units;
     const float sign = p.inverse ? -1.0f : 1.0f;
 
-    for (i64 t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
-        i64 b, s;
-        split_token(t, p.seq_len, b, s);
-        const i64 row = token_row(p, t, b, s);
-
-        // Units loop: one pass when blockDim.x == units (the host's usual choice).
-        for (i64 u = threadIdx.x; u < units; u += blockDim.x) {
-            const i64 pair0 = u * NPAIR;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        i64 u, h, t, b, s;
+        if (i < rot_total) {
+            i64 g;
+            decompose(i, units, groups, p.num_tokens, p.heads_inner, u, g, t);
+            split_token(t, p.seq_len, b, s);
+            const i64 ch = p.rot_offset + u * VEC;
+            HeadPtrs hp[HEAD_BATCH];
+            Unit in[HEAD_BATCH];
+#pragma unroll
+            for (int k = 0; k < HEAD_BATCH; ++k) {
+                const i64 hk = g * HEAD_BATCH + k;
+                if (hk < heads) {
+                    hp[k] = head_ptrs(p, hk, b, s, ch);
+                    in[k] = load_unit(hp[k], p.rot_half);
+                }
+            }
+            const i64 row = token_row(p, t, b, s);
             float c[NPAIR], sn[NPAIR];
             if (row >= 0) {
-                const float* cr = (const float*)p.cos + row * p.table_stride + pair0;
-                const float* sr = (const float*)p.sin + row * p.table_stride + pair0;
+                const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
+                const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
+                if (p.table_vec) {
+                    const Vec<float, NPAIR> cv = load_vec<float, NPAIR>(cr);
+                    const Vec<float, NPAIR> sv = load_vec<float, NPAIR>(sr);
 #pragma unroll
-                for (int j = 0; j < NPAIR; ++j) {
-                    c[j] = __ldg(cr + j);
-                    sn[j] = sign * __ldg(sr + j);
+                    for (int j = 0; j < NPAIR; ++j) {
+                        c[j] = cv.v[j];
+                        sn[j] = sign * sv.v[j];
+                    }
+                } else {
+#pragma unroll
+                    for (int j = 0; j < NPAIR; ++j) {
+                        c[j] = __ldg(cr + j);
+                        sn[j] = sign * __ldg(sr + j);
+                    }
                 }
             } else {
 #pragma unroll
                 for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
             }
-            const i64 ch = p.rot_offset + u * VEC;
-
-            for (i64 h = head0; h < heads; h += head_step) {
-                const bool is_q = h < p.q_heads;
-                const i64 hh = is_q ? h : h - p.q_heads;
-                const elem_t* in = (const elem_t*)(is_q ? p.q_in : p.k_in) +
-                    (is_q ? b * p.q_in_sb + s * p.q_in_ss + hh * p.q_in_sh
-                          : b * p.k_in_sb + s * p.k_in_ss + hh * p.k_in_sh) + ch;
-                elem_t* out = (elem_t*)(is_q ? p.q_out : p.k_out) +
-                    (is_q ? b * p.q_out_sb + s * p.q_out_ss + hh * p.q_out_sh
-                          : b * p.k_out_sb + s * p.k_out_ss + hh * p.k_out_sh) + ch;
-#if ROPE_INTERLEAVED
-                const vec_t v = *(const vec_t*)in;
-                vec_t r;
 #pragma unroll
-                for (int j = 0; j < NPAIR; ++j) {
-                    float o0, o1;
-                    rotate(conv::to_float(v.v[2 * j]), conv::to_float(v.v[2 * j + 1]), c[j], sn[j], o0, o1);
-                    r.v[2 * j] = conv::from_float(o0);
-                    r.v[2 * j + 1] = conv::from_float(o1);
-                }
-                *(vec_t*)out = r;
-#else
-                const vec_t lo = *(const vec_t*)in;
-                const vec_t hi = *(const vec_t*)(in + p.rot_half);
-                vec_t rlo, rhi;
-#pragma unroll
-                for (int j = 0; j < NPAIR; ++j) {
-                    float o0, o1;
-                    rotate(conv::to_float(lo.v[j]), conv::to_float(hi.v[j]), c[j], sn[j], o0, o1);
-                    rlo.v[j] = conv::from_float(o0);
-                    rhi.v[j] = conv::from_float(o1);
-                }
-                *(vec_t*)out = rlo;
-                *(vec_t*)(out + p.rot_half) = rhi;
-#endif
-            }
-        }
-
-        if (p.copy_passthrough) {
-            // Out of place with a partial window: channels outside it are copied unchanged.
-            const i64 prefix = p.rot_offset / VEC;
-            const i64 suffix_start = p.rot_offset + 2 * p.rot_half;
-            const i64 per_head = prefix + (p.head_dim - suffix_start) / VEC;
-            const i64 total = heads * per_head;
-            const i64 step = (i64)gridDim.y * blockDim.y * blockDim.x;
-            for (i64 i = head0 * blockDim.x + threadIdx.x; i < total; i += step) {
-                const i64 h = i / per_head;
-                const i64 u = i - h * per_head;
-                const i64 ch = u < prefix ? u * VEC : suffix_start + (u - prefix) * VEC;
-                const bool is_q = h < p.q_heads;
-                const i64 hh = is_q ? h : h - p.q_heads;
-                const elem_t* in = (const elem_t*)(is_q ? p.q_in : p.k_in) +
-                    (is_q ? b * p.q_in_sb + s * p.q_in_ss + hh * p.q_in_sh
-                          : b * p.k_in_sb + s * p.k_in_ss + hh * p.k_in_sh) + ch;
-                elem_t* out = (elem_t*)(is_q ? p.q_out : p.k_out) +
-                    (is_q ? b * p.q_out_sb + s * p.q_out_ss + hh * p.q_out_sh
-                          : b * p.k_out_sb + s * p.k_out_ss + hh * p.k_out_sh) + ch;
-                *(vec_t*)out = *(const vec_t*)in;
-            }
+            for (int k = 0; k < HEAD_BATCH; ++k)
+                if (g * HEAD_BATCH + k < heads) rotate_store(hp[k], in[k], c, sn, p.rot_half);
+        } else {
+            decompose(i - rot_total, copy_units, heads, p.num_tokens, p.heads_inner, u, h, t);
+            split_token(t, p.seq_len, b, s);
+            const i64 ch = u < prefix ? u * VEC : suffix_start + (u - prefix) * VEC;
+            const HeadPtrs hp = head_ptrs(p, h, b, s, ch);
+            store_vec<bits_t, VEC>(hp.out, load_vec<bits_t, VEC>(hp.in));
         }
     }
 }

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .descriptors import TensorDesc, _bind_device
+
 try:  # a base dependency; bfloat16 on the host and in CuPy
     import ml_dtypes
 
@@ -68,6 +70,8 @@ class ArrayInfo:
         return self.ptr + lo * self.itemsize, self.ptr + (hi + 1) * self.itemsize
 
     def is_c_contiguous(self) -> bool:
+        if self.size == 0:  # no elements, no layout: NumPy and CuPy give empty arrays zero strides
+            return True
         expected = 1
         for d, s in zip(reversed(self.shape), reversed(self.strides)):
             if d != 1 and s != expected:
@@ -76,13 +80,26 @@ class ArrayInfo:
         return True
 
 
+_DTYPES: dict = {}
+
+
 def _resolve_dtype(dtype, name: str) -> tuple[str, int]:
+    known = _DTYPES.get(dtype)
+    if known is not None:
+        return known
+    resolved = _resolve_dtype_uncached(dtype, name)
+    if isinstance(dtype, np.dtype):
+        _DTYPES[dtype] = resolved
+    return resolved
+
+
+def _resolve_dtype_uncached(dtype, name: str) -> tuple[str, int]:
     dt = np.dtype(dtype)
     if BFLOAT16 is not None and dt == BFLOAT16:
         return "bfloat16", 2
     if dt.kind == "V":
         raise TypeError(
-            f"{name}: dtype {dt.str} is an unnamed 2-byte type (PyTorch reports bfloat16 this way through "
+            f"{name}: dtype {dt.str} is an unnamed {dt.itemsize}-byte type (PyTorch reports bfloat16 this way through "
             "__cuda_array_interface__); pass the tensor through DLPack instead (any object with __dlpack__ "
             "works, or cupy.from_dlpack(tensor))"
         )
@@ -118,8 +135,6 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
     """An :class:`ArrayInfo` for ``obj``; ``TypeError`` naming ``name`` for anything else."""
     if obj is None:
         raise TypeError(f"{name}: expected an array, got None")
-    from .descriptors import TensorDesc
-
     if isinstance(obj, TensorDesc):
         # A declaration: no address yet (ptr 0); pointer checks wait for the arrays of execute().
         return ArrayInfo(name, 0, obj.shape, obj.strides, *_resolve_dtype(obj.dtype, name), obj.device, False, obj)
@@ -155,8 +170,8 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
 
 def _from_cupy(a, name: str) -> ArrayInfo:
     dt, size = _resolve_dtype(a.dtype, name)
-    return ArrayInfo(name, a.data.ptr, tuple(a.shape), tuple(s // size for s in a.strides), dt, size,
-                     a.device.id, False, a)
+    mem = a.data
+    return ArrayInfo(name, mem.ptr, a.shape, tuple(s // size for s in a.strides), dt, size, mem.device_id, False, a)
 
 
 def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
@@ -178,11 +193,17 @@ def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
             acc *= d
         estrides = tuple(reversed(el))
     else:
+        if len(strides) != len(shape):
+            raise TypeError(f"{name}: malformed __cuda_array_interface__ (strides {tuple(strides)} for shape {shape})")
         if any(int(s) % size for s in strides):
             raise ValueError(f"{name}: strides {tuple(strides)} are not multiples of the item size {size}")
         estrides = tuple(int(s) // size for s in strides)
     ptr = int(ptr or 0)
     device = _cupy_device_of(ptr) if ptr else None
+    if device is None:
+        # The interface describes device memory by definition; when the driver cannot name the
+        # device (an empty array's null pointer, no driver) it is the current one, never "host".
+        device = _bind_device(None)
     return ArrayInfo(name, ptr, shape, estrides, dt, size, device, bool(readonly), obj)
 
 
@@ -200,7 +221,7 @@ def check_ndim(info: ArrayInfo, ndims: tuple[int, ...], meaning: str) -> None:
 
 
 def check_last_dim_contiguous(info: ArrayInfo) -> None:
-    if info.shape and info.shape[-1] > 1 and info.strides[-1] != 1:
+    if info.size and info.shape[-1] > 1 and info.strides[-1] != 1:
         raise ValueError(
             f"{info.name}: the last dimension must be contiguous (stride 1 element), got strides {info.strides} "
             "in elements; pass a copy made with .copy() or ascontiguousarray()"
@@ -250,9 +271,15 @@ def _as_address_array(info: ArrayInfo) -> np.ndarray:
     return np.asarray(_Addr())
 
 
+def _is_declaration(info: ArrayInfo) -> bool:
+    return isinstance(info.array, TensorDesc)
+
+
 def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
     """True when some element of ``a`` shares a byte with some element of ``b`` (exact)."""
     if a.size == 0 or b.size == 0:
+        return False
+    if _is_declaration(a) or _is_declaration(b):  # no address yet: checked when arrays arrive
         return False
     if (a.device is None) != (b.device is None) or (a.device is not None and a.device != b.device):
         return False
@@ -267,13 +294,29 @@ def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
 
 
 def same_view(a: ArrayInfo, b: ArrayInfo) -> bool:
+    if _is_declaration(a) or _is_declaration(b):  # declarations share ptr 0: only identity counts
+        return a.array is b.array
     return a.ptr == b.ptr and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
 
 
+def overlaps_itself(info: ArrayInfo) -> bool:
+    """True unless the strides provably give every element its own bytes (conservative: an exotic
+    interleaving of axes that does not overlap may still be reported)."""
+    reach = 1  # elements spanned by the axes seen so far, smallest stride first
+    for stride, extent in sorted((abs(s), d) for d, s in zip(info.shape, info.strides) if d > 1):
+        if stride < reach:
+            return True
+        reach += stride * (extent - 1)
+    return False
+
+
 def check_outputs(outputs: list[tuple[ArrayInfo, ArrayInfo | None]], inputs: list[ArrayInfo]) -> None:
-    """Each output may be its own input (in place) and must overlap nothing else."""
+    """Each output may be its own input (in place) and must overlap nothing else, itself included."""
     for i, (out, own) in enumerate(outputs):
         check_writable(out)
+        if out.size > 1 and overlaps_itself(out):  # parallel writes to one address race
+            raise ValueError(f"{out.name}: its elements overlap each other (strides {out.strides} elements for "
+                             f"shape {out.shape}, e.g. a broadcast view); an output needs distinct elements")
         for inp in inputs:
             if own is not None and inp is own and same_view(out, own):
                 continue

@@ -45,7 +45,7 @@ def _packed_table(req):
 
 def run_blog_variant(variant: str, req, stream: int, device: int) -> None:
     k = load_kernel(blog_spec(), device)
-    B, S, H, D = req.cq.B, req.cq.S, req.cq.H, req.cq.D
+    B, S, D = req.cq.B, req.cq.S, req.cq.D
     row = req.offset * (D // 2)
     pairs = [(req.q, req.q_out)] + ([(req.k, req.k_out)] if req.k is not None else [])
     if variant == "baseline":

@@ -45,6 +45,8 @@ def _bind_device(device) -> int:
     if isinstance(device, bool):
         raise TypeError("TensorDesc: device must be 'cuda', 'cuda:N', an int or None")
     if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"TensorDesc: device {device} is not a device ordinal")
         return device
     if device is None or device == "cuda":
         try:

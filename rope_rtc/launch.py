@@ -109,36 +109,34 @@ def stream_handle(stream, device: int | None = None) -> int:
 class Launcher:
     """The hot path: one ``cuLaunchKernel`` with pre-packed arguments and a memoised stream object.
 
-    Everything a launch needs is bound once here, so a call is an attribute read or two and the
-    driver call itself; the status is checked on every launch.
+    ``prefix`` is the prepared ``(function, gx, gy, gz, bx, by, bz, shared_bytes)`` of a plan, so a
+    call is one tuple splice and the driver call; the status is checked on every launch.
     """
 
-    __slots__ = ("_launch", "_stream_handle", "_stream_obj", "_CUstream")
+    __slots__ = ("_launch", "_stream_handle", "_stream_obj", "_CUstream", "args_address")
 
-    def __init__(self) -> None:
+    def __init__(self, args_address: int) -> None:
         from cuda.bindings import driver as drv
 
         self._launch = drv.cuLaunchKernel
         self._CUstream = drv.CUstream
         self._stream_handle = None
         self._stream_obj = None
+        self.args_address = args_address
 
-    def __call__(self, function, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int,
-                 args_address: int) -> None:
+    def __call__(self, prefix: tuple, stream: int) -> None:
         if stream != self._stream_handle:
             self._stream_obj = self._CUstream(stream)
             self._stream_handle = stream
-        status = self._launch(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0,
-                              self._stream_obj, args_address, 0)[0]
+        status = self._launch(*prefix, self._stream_obj, self.args_address, 0)[0]
         if status:
-            driver.check((status,), f"cuLaunchKernel(grid={grid}, block={block}, stream={stream:#x})")
+            driver.check((status,), f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={stream:#x})")
 
 
-_default_launcher: list[Launcher] = []
+def launch_prefix(function, grid: tuple[int, int, int], block: tuple[int, int, int]) -> tuple:
+    return (function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0)
 
 
 def launch(function, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, args_address: int) -> None:
-    """Launch once through a shared :class:`Launcher` (one-call APIs; plans own theirs)."""
-    if not _default_launcher:
-        _default_launcher.append(Launcher())
-    _default_launcher[0](function, grid, block, stream, args_address)
+    """Launch once (one-call APIs; plans keep a :class:`Launcher`)."""
+    Launcher(args_address)(launch_prefix(function, grid, block), stream)

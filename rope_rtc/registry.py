@@ -59,7 +59,7 @@ def rope_vector_widths(dtype: str, interleaved: bool) -> tuple[int, ...]:
 
 
 def tail_spec(heads: int, dim: int) -> KernelSpec:
-    return KernelSpec("tail", "tail_rope.cu", ("tail_rope_bf16_x1", "tail_rope_bf16_x4"),
+    return KernelSpec("tail", "tail_rope.cu", ("tail_rope_bf16_x1",),
                       (("TAIL_HEADS", str(int(heads))), ("TAIL_DIM", str(int(dim)))))
 
 

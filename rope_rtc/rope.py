@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays as A
-from .layouts import Canonical, canonical, check_layout
+from .descriptors import TensorDesc
+from .launch import Launcher, StructArg, launch, launch_prefix, load_kernel, stream_handle
+from .layouts import Canonical, canonical, check_layout, to_bshd_index
+from .registry import rope_spec, rope_vector_widths
 from .rope_params import (IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_CU_SEQLENS, POS_OFFSET,
                           POS_OFFSETS, POS_POSITIONS, RopeParams)
 
@@ -21,6 +24,9 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 VARIANTS = ("auto", "baseline", "vectorized", "fused")
 # Threads per block of the general kernel (cuda_src/rope.cu: __launch_bounds__(256)).
 BLOCK_THREADS = 256
+GRID_LIMIT = 2**31 - 1
+# Heads one thread rotates (cuda_src/rope.cu: HEAD_BATCH).
+HEAD_BATCH = 4
 
 
 @dataclass
@@ -56,7 +62,11 @@ class Request:
 
     @property
     def in_place(self) -> bool:
-        return self.q_out is not None and A.same_view(self.q_out, self.q)
+        """Every output is its own input's view (then nothing outside the window needs copying)."""
+        q_in = self.q_out is not None and A.same_view(self.q_out, self.q)
+        if self.k is None:
+            return q_in
+        return q_in and self.k_out is not None and A.same_view(self.k_out, self.k)
 
     @property
     def pos_mode(self) -> int:
@@ -75,7 +85,7 @@ def _int_arg(value, name: str) -> int:
 
 def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout="bshd", interleaved=False,
              rotary_dim=None, rotary_offset=0, inverse=False, q_out=None, k_out=None, allow_host=True,
-             names=("q", "k")) -> Request:
+             names=("q", "k"), allow_desc=False) -> Request:
     """Every check of the general API, in one place, before anything is launched or written."""
     check_layout(layout)
     if not isinstance(interleaved, (bool, np.bool_)):
@@ -121,6 +131,9 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
         raise ValueError(f"cos: has {ci.shape[1]} columns but rotary_dim {rdim} needs {rdim // 2}{hint}")
     if ci.shape[0] > 1 and ci.strides[0] != si.strides[0]:
         raise ValueError(f"sin: row stride {si.strides[0]} differs from cos's {ci.strides[0]}")
+    for t in (ci, si):
+        if t.device is not None:  # the kernel loads table entries as aligned floats
+            A.check_aligned(t, t.itemsize)
 
     # positions
     pi = oi = cui = None
@@ -136,8 +149,10 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
         if cui.shape[0] < 2:
             raise ValueError(f"cu_seqlens: needs at least 2 entries ([0, T] for one sequence), got {cui.shape[0]}")
         A.check_contiguous(cui)
+        if cui.device is not None:  # loaded as aligned int32/int64
+            A.check_aligned(cui, cui.itemsize)
     if positions is not None:
-        if not (isinstance(offset, (int, np.integer)) and int(offset) == 0):
+        if offset is not None and not (isinstance(offset, (int, np.integer)) and int(offset) == 0):
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
         pi = A.describe(positions, "positions", allow_host=allow_host)
         A.check_dtype(pi, A.INDEX_DTYPES)
@@ -145,6 +160,8 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
         if pi.shape != want:
             raise ValueError(f"positions: expected shape {want} (one per token), got {pi.shape}")
         A.check_contiguous(pi)
+        if pi.device is not None:  # loaded as aligned int32/int64
+            A.check_aligned(pi, pi.itemsize)
     elif isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_)):
         off = int(offset)
         if cui is None and cq.S and cq.B and (off < 0 or off + cq.S > ci.shape[0]):
@@ -158,6 +175,8 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
         if oi.shape != (nseq,):
             raise ValueError(f"offset: an array offset needs shape ({nseq},) (one per sequence), got {oi.shape}")
         A.check_contiguous(oi)
+        if oi.device is not None:
+            A.check_aligned(oi, oi.itemsize)
 
     # outputs
     qo = ko = None
@@ -174,19 +193,18 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
     outs = [(qo, qi)] + ([(ko, ki)] if ko is not None else [])
     A.check_outputs([(o, own) for o, own in outs if o is not None], inputs)
     everything = inputs + [o for o, _ in outs if o is not None]
-    hosts = {x.device is None for x in everything if not isinstance(x.array, _desc_type())}
+    if not allow_desc:
+        for x in everything:
+            if isinstance(x.array, TensorDesc):  # no address: launching would read address 0
+                raise TypeError(f"{x.name}: a TensorDesc declares an array but holds none; pass arrays here "
+                                "(declarations are for building a RopePlan)")
+    hosts = {x.device is None for x in everything if not isinstance(x.array, TensorDesc)}
     if len(hosts) > 1:
         host = [x.name for x in everything if x.device is None]
         raise TypeError(f"{', '.join(host)}: host (NumPy) arrays mixed with device arrays; pass all of one kind")
     device = A.check_same_device(everything)
     return Request(qi, ki, qo, ko, ci, si, pi, oi, cui, off, cq, ck, layout, bool(interleaved), rdim, roff,
                    bool(inverse), device)
-
-
-def _desc_type():
-    from .descriptors import TensorDesc
-
-    return TensorDesc
 
 
 def _check_out(out: A.ArrayInfo, inp: A.ArrayInfo) -> None:
@@ -213,38 +231,39 @@ def _views(req: Request):
 
 def choose_vector(req: Request) -> int:
     """The widest vector (elements) every address the kernel forms is aligned to."""
-    from .registry import rope_vector_widths
-
     size = req.q.itemsize
     D, R, ro = req.cq.D, req.rotary_dim, req.rotary_offset
     half = R // 2
     views = _views(req)
     copy = not req.in_place and R < D
+    culprit = req.q.name  # what stopped the narrowest width: the error names it
     for vec in rope_vector_widths(req.dtype, req.interleaved):
         if ro % vec or (half if not req.interleaved else R) % vec:
+            culprit = "rotary_offset/rotary_dim"
             continue
         if copy and (D % vec):
+            culprit = f"{req.q.name} (head dim {D})"
             continue
         ok = True
         for info, c in views:
             if info.ptr % (vec * size):
                 ok = False
-                break
             for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh)):
                 if extent > 1 and stride % vec:
                     ok = False
             if not ok:
+                culprit = info.name
                 break
         if ok:
             return vec
     worst = min(rope_vector_widths(req.dtype, req.interleaved))
     raise ValueError(
-        f"{req.q.name}: addresses or strides are not aligned to {worst * size} bytes, the smallest access "
+        f"{culprit}: addresses or strides are not aligned to {worst * size} bytes, the smallest access "
         f"{'interleaved pairs' if req.interleaved else 'the kernel'} can use for {req.dtype}; pass an aligned copy"
     )
 
 
-def fill_params(p: RopeParams, req: Request) -> None:
+def fill_params(p: RopeParams, req: Request, vec: int) -> None:
     views = _views(req)
     (qi, cq), (qo, cqo) = views[0], views[1]
     p.q_in, p.q_out = qi.ptr, qo.ptr
@@ -278,20 +297,25 @@ def fill_params(p: RopeParams, req: Request) -> None:
                      | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
     p.inverse = int(req.inverse)
     p.copy_passthrough = int(not req.in_place and req.rotary_dim < req.cq.D)
+    # Table rows read NPAIR floats per access when every row slice is aligned to that.
+    npair = vec // 2 if req.interleaved else vec
+    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
+    p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
+    # Neighbouring threads should touch neighbouring memory: heads vary fastest unless the
+    # token axis is the denser one (bhsd).
+    p.heads_inner = int(req.cq.H <= 1 or req.cq.S * req.cq.B <= 1 or abs(req.cq.sh) <= abs(req.cq.ss))
 
 
-def launch_shape(req: Request, vec: int, num_sms: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, block): a (unit, head) tile per token, grid-stride over tokens, heads split across
-    blocks only when there are too few tokens to fill the device."""
-    units = (req.rotary_dim if req.interleaved else req.rotary_dim // 2) // vec
+def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of the flat kernel: one thread per (token, head, vector unit), like a copy."""
+    D, R = req.cq.D, req.rotary_dim
+    units = (R if req.interleaved else R // 2) // vec
+    copy_units = (D - R) // vec if (not req.in_place and R < D) else 0
     heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
-    bx = min(units, BLOCK_THREADS)
-    by = max(1, min(heads, BLOCK_THREADS // bx))
-    tokens = req.num_tokens
-    target_blocks = 4 * num_sms
-    gy = 1 if tokens >= target_blocks else min(-(-heads // by), -(-target_blocks // max(tokens, 1)))
-    gx = max(1, min(tokens, 64 * num_sms))
-    return (gx, gy, 1), (bx, by, 1)
+    groups = -(-heads // HEAD_BATCH)
+    total = req.num_tokens * (groups * units + heads * copy_units)
+    blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)  # the kernel grid-strides past the limit
+    return (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,14 +366,13 @@ def _token_positions(req: Request) -> np.ndarray:
 
 
 def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray, out) -> np.ndarray:
-    from .layouts import to_bshd_index
     from .reference import rope_reference, round_to_dtype
 
     arr = _host(x)
     perm = to_bshd_index(req.layout)
     canon = np.transpose(arr, perm)
     shape = canon.shape
-    flat = canon.reshape(-1, shape[-2], shape[-1])
+    flat = canon.reshape(int(np.prod(shape[:-2])), shape[-2], shape[-1])  # -1 is ambiguous when empty
     res = rope_reference(flat, _host(req.cos), _host(req.sin), pos, interleaved=req.interleaved,
                          rotary_dim=req.rotary_dim, rotary_offset=req.rotary_offset, inverse=req.inverse)
     res = round_to_dtype(res, arr.dtype).reshape(shape)
@@ -373,9 +396,6 @@ def _run_gpu(req: Request, stream, variant: str):
     """Allocate missing outputs (one-call API only) and launch once."""
     import cupy
 
-    from . import driver
-    from .launch import StructArg, launch, load_kernel, stream_handle
-    from .registry import rope_spec
 
     device = req.device if req.device is not None else cupy.cuda.runtime.getDevice()
     with cupy.cuda.Device(device):
@@ -386,7 +406,7 @@ def _run_gpu(req: Request, stream, variant: str):
             req.k_out = A.describe(cupy.empty_like(req.k.array), "k_out")
         q_out = req.q_out.array
         k_out = req.k_out.array if req.k is not None else None
-        if req.num_tokens == 0 or q_out.size == 0:
+        if req.num_tokens == 0 or (q_out.size == 0 and (k_out is None or k_out.size == 0)):
             return q_out, k_out
         if variant != "auto":
             from .blog import run_blog_variant
@@ -396,8 +416,8 @@ def _run_gpu(req: Request, stream, variant: str):
         vec = choose_vector(req)
         kernel = load_kernel(rope_spec(req.dtype, req.interleaved, vec), device)
         args = StructArg(RopeParams)
-        fill_params(args.values, req)
-        grid, block = launch_shape(req, vec, driver.device_attribute(device, "MULTIPROCESSOR_COUNT"))
+        fill_params(args.values, req, vec)
+        grid, block = launch_shape(req, vec)
         launch(kernel.functions["rope_apply"], grid, block, handle, args.address)
         return q_out, k_out
 
@@ -558,8 +578,10 @@ class RopePlan:
         self._opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                           rotary_offset=rotary_offset, inverse=inverse)
         req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
-                       q_out=q_out, k_out=k_out, allow_host=False, **self._opts)
-        self.in_place = q_out is None or req.in_place
+                       q_out=q_out, k_out=k_out, allow_host=False, allow_desc=True, **self._opts)
+        # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
+        self.in_place = ((q_out is None or A.same_view(req.q_out, req.q))
+                         and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
         if not self.in_place and k is not None and k_out is None:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
         self.dtype, self.layout = req.dtype, layout
@@ -575,8 +597,6 @@ class RopePlan:
         self._kernels: dict[int, object] = {}
         self._compiled = False
         self._last = None
-        from .launch import StructArg
-
         self._args = StructArg(RopeParams)
 
     def compile(self) -> "RopePlan":
@@ -584,15 +604,11 @@ class RopePlan:
         compiling on a cache miss. After this, ``execute`` never compiles."""
         import cupy
 
-        from . import driver
-        from .launch import Launcher, load_kernel
-        from .registry import rope_spec, rope_vector_widths
 
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             k = load_kernel(rope_spec(self.dtype, self.interleaved, vec), self.device)
             self._kernels[vec] = k.functions["rope_apply"]
-        self._sms = driver.device_attribute(self.device, "MULTIPROCESSOR_COUNT")
-        self._launch = Launcher()
+        self._launch = Launcher(self._args.address)
         self._get_stream = cupy.cuda.get_current_stream
         self._compiled = True
         return self
@@ -618,15 +634,15 @@ class RopePlan:
         if stream is None:
             handle = self._get_stream(self.device).ptr
         else:
-            from .launch import stream_handle
-
             handle = stream_handle(stream, self.device)
-        self._launch(last[12], last[10], last[11], handle, self._args.address)
+        self._launch(last[10], handle)
         return qo, ko
 
     def _set_offset(self, offset: int) -> None:
+        if self.pos_mode == POS_POSITIONS:
+            raise ValueError("positions and offset: pass one of them (positions are absolute)")
         rows = self._args.values.table_rows
-        S = self._last[13]
+        S = self._last[11]
         if S and (offset < 0 or offset + S > rows):
             raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside the table's {rows} rows")
         self._args.values.offset = offset
@@ -662,14 +678,13 @@ class RopePlan:
             problems.append("the position scheme (positions / offset array / cu_seqlens) differs from the plan's")
         if problems:
             raise ValueError("execute: " + "; ".join(problems))
-        grid = block = fn = None
+        prefix = None
         if req.num_tokens:
             vec = choose_vector(req)
-            fill_params(self._args.values, req)
-            grid, block = launch_shape(req, vec, self._sms)
-            fn = self._kernels[vec]
+            fill_params(self._args.values, req, vec)
+            prefix = launch_prefix(self._kernels[vec], *launch_shape(req, vec))
         self._last = (q, k, cos, sin, positions, q_out, k_out, offset,
-                      cu_seqlens, q.shape, grid, block, fn, req.cq.S if req.pos_mode == POS_OFFSET else 0)
+                      cu_seqlens, q.shape, prefix, req.cq.S if req.pos_mode == POS_OFFSET else 0)
 
 
 def _current_device() -> int:

@@ -18,6 +18,7 @@ FIELDS = [
     ("table_rows", _I64), ("table_stride", _I64),
     ("q_heads", _I64), ("k_heads", _I64), ("head_dim", _I64), ("rot_offset", _I64), ("rot_half", _I64),
     ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("copy_passthrough", _I64),
+    ("table_vec", _I64), ("heads_inner", _I64),
 ]
 
 

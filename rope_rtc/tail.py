@@ -12,12 +12,12 @@ import numpy as np
 
 from . import arrays as A
 from .descriptors import TensorDesc, TupleDict
-from .reference import TAIL_CHANNELS, TAIL_TABLE_COLUMNS as TABLE_COLUMNS
+from .launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
+from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
 BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
-UNROLL_WIDE = 4               # vectors per thread of tail_rope_bf16_x4
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
 BACKENDS = ("nvrtc", "numpy")
 
@@ -93,21 +93,15 @@ class TailRoPEForward:
         if not self._supported:
             self.check_support()
         if self.backend == "nvrtc" and self._kernel is None:
-            from . import driver
-            from .launch import ArgPack, load_kernel
             import ctypes
 
             self._kernel = load_kernel(tail_spec(self.heads, self.dim), self.device)
-            self._f1 = self._kernel.functions["tail_rope_bf16_x1"]
-            self._f4 = self._kernel.functions["tail_rope_bf16_x4"]
+            self._function = self._kernel.functions["tail_rope_bf16_x1"]
             self._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
                                   ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
-            self._sms = driver.device_attribute(self.device, "MULTIPROCESSOR_COUNT")
             import cupy
 
-            from .launch import Launcher
-
-            self._launch = Launcher()
+            self._launch = Launcher(self._args.address)
             self._get_stream = cupy.cuda.get_current_stream
         return self
 
@@ -131,22 +125,20 @@ class TailRoPEForward:
 
             out[...] = tail_rope_reference(x, cosine, sine)
             return last[7]
-        if last[5]:
+        if last[5] is not None:
             if current_stream is None:
                 stream = self._get_stream(self.device).ptr
             else:
-                from .launch import stream_handle
-
                 stream = stream_handle(current_stream)
-            self._launch(last[6], last[5], (BLOCK, 1, 1), stream, self._args.address)
+            self._launch(last[5], stream)
         return last[7]
 
     def _check_shapes(self, x, c, s, o) -> None:
+        if len(x.shape) != self.rank:  # first: the checks below index x.shape by the plan's rank
+            raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}")
         T = x.shape[0]
         if self.rank == 3 and (x.shape[1], x.shape[2]) != (self.heads, self.dim) or x.shape[-1] != self.dim:
             raise ValueError(f"x: shape {x.shape} does not match the plan's H={self.heads}, D={self.dim}")
-        if len(x.shape) != self.rank:
-            raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}")
         if o.shape != x.shape:
             raise ValueError(f"out: shape {o.shape} differs from x's {x.shape}")
         for t in (c, s):
@@ -180,15 +172,12 @@ class TailRoPEForward:
                 raise ValueError(f"out overlaps {inp.name}: the output must be disjoint from every input")
         A.check_writable(oi)
         n_vec = xi.size // VECTOR_ELEMS
-        grid, fn = None, None
+        grid = fn = None
         if n_vec and not host_ok:
-            wide = n_vec >= BLOCK * UNROLL_WIDE * self._sms * 4
-            per_block = BLOCK * (UNROLL_WIDE if wide else 1)
-            grid = -(-n_vec // per_block)
+            grid = -(-n_vec // BLOCK)  # one 16-byte vector per thread
             if grid > GRID_LIMIT:
                 raise ValueError(f"x: {xi.size} elements need {grid} blocks, above the CUDA grid limit {GRID_LIMIT}")
-            fn = self._f4 if wide else self._f1
-            grid = (grid, 1, 1)
+            grid = launch_prefix(self._function, (grid, 1, 1), (BLOCK, 1, 1))
             v = self._args.values
             v.x, v.out, v.cos, v.sin, v.n = xi.ptr, oi.ptr, ci.ptr, si.ptr, n_vec
         self._last = (x, cosine, sine, out, x.shape, grid, fn, TupleDict(out=out))
@@ -209,6 +198,8 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     With ``stream``, the allocation and the launch are ordered on it. Plans are cached per
     (H, D, rank, device), so prewarm the shapes you will use before capturing a CUDA graph.
     """
+    if backend not in BACKENDS:  # before any allocation or device selection
+        raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
     if backend == "numpy":
         out = np.empty_like(np.asarray(x))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
@@ -220,8 +211,6 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         raise TypeError("x: a host array cannot be used with backend='nvrtc'; pass a CuPy array or use backend='numpy'")
     device = xi.device
     with cupy.cuda.Device(device):
-        from .launch import stream_handle
-
         handle = stream_handle(stream, device)
         base = xi.array if type(xi.array).__module__.startswith("cupy") else cupy.asarray(xi.array)
         if handle == cupy.cuda.get_current_stream().ptr:

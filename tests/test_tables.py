@@ -24,11 +24,13 @@ f32 = np.float32
 
 # Scaling dicts as they appear in real config.json files (shapes of Llama 2/3.1, Qwen YaRN,
 # DeepSeek YaRN with mscale, Phi-3 LongRoPE), at sizes small enough for fast tests.
-_SHORT = [1.0 + 0.05 * i for i in range(32)]
-_LONG = [1.0 + 0.4 * i for i in range(32)]
+_SHORT = [1.0 + 0.05 * i for i in range(48)]
+_LONG = [1.0 + 0.4 * i for i in range(48)]
 CASES = {
     "default": ({"rope_type": "default"}, 64, 10000.0, 3000),
-    "linear": ({"rope_type": "linear", "factor": 4.0}, 64, 10000.0, 3000),
+    # A base that float32 cannot hold: torch rounds it before the power.
+    "default-odd-base": ({"rope_type": "default"}, 64, 12345678.5, 3000),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, 80, 10000.0, 3000),
     "dynamic-short": (
         {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 3000}, 64, 10000.0, 3000),
     "dynamic-long": (
@@ -41,12 +43,15 @@ CASES = {
     "yarn-untruncated": (
         {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
          "beta_fast": 16.0, "beta_slow": 2.0}, 64, 500000.0, 3000),
+    # A small base: the correction range 11 .. 36 is clamped at dim - 1 = 31.
+    "yarn-clamped": (
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}, 32, 10.0, 3000),
     "longrope-short": (
         {"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG,
-         "original_max_position_embeddings": 2048, "factor": 16.0}, 64, 10000.0, 2048),
+         "original_max_position_embeddings": 2048, "factor": 16.0}, 96, 10000.0, 2048),
     "longrope-long": (
         {"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG,
-         "original_max_position_embeddings": 2048, "factor": 16.0}, 64, 10000.0, 3000),
+         "original_max_position_embeddings": 2048, "factor": 16.0}, 96, 10000.0, 3000),
     "llama3": (
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 1024}, 64, 500000.0, 3000),
@@ -541,11 +546,17 @@ def test_against_transformers(hf_rotary, case, device):
 
     inv, att = inverse_frequencies(dim, base=base, scaling=params, max_positions=n, numerics="transformers")
     assert att == pytest.approx(att_hf, rel=1e-12)
-    # torch's float32 pow is faithful, not correctly rounded: a few entries may be an ulp off
-    # (two after longrope's product and reciprocal); every other one is bit-identical.
     d_inv = ulp_distance(inv, inv_hf)
-    assert d_inv.max() <= 2, (hf_rotary.version, d_inv)
-    assert np.count_nonzero(d_inv) <= max(2, dim // 16), (hf_rotary.version, d_inv)
+    if device == "cuda" and case in ("dynamic-long", "longrope-long"):
+        # transformers recomputes these frequencies at run time on the input's device, and
+        # CUDA's float32 pow is up to ~10 ulps off; this module reproduces the CPU arithmetic
+        # of model creation, so only the noise bounds below apply.
+        assert d_inv.max() <= 32, (hf_rotary.version, d_inv)
+    else:
+        # torch's CPU float32 pow is faithful, not correctly rounded: a few entries may be an
+        # ulp off (two after longrope's product and reciprocal); the others are bit-identical.
+        assert d_inv.max() <= 2, (hf_rotary.version, d_inv)
+        assert np.count_nonzero(d_inv) <= max(2, dim // 16), (hf_rotary.version, d_inv)
 
     cos, sin = rope_tables(n, dim, base=base, scaling=params, numerics="transformers")
     same = d_inv == 0

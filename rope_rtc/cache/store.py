@@ -54,6 +54,21 @@ def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
     return None
 
 
+def _makedirs_private(directory: Path) -> None:
+    # os.makedirs gives only the last level its mode; every level created here must be private.
+    missing = []
+    d = directory
+    while not d.is_dir():
+        missing.append(d)
+        d = d.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+
+
 class MemoryStore:
     """Entries kept for the life of the process."""
 
@@ -88,7 +103,7 @@ class DiskStore:
         self.problem: str | None = None
         if create:
             try:
-                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                _makedirs_private(self.directory)
             except OSError as exc:
                 self.writable = False
                 if not self.directory.is_dir():

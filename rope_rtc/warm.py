@@ -1,0 +1,237 @@
+"""Offline cache warming: compile every registered kernel for a list of architectures.
+
+A build machine needs no GPU: NVRTC runs on the CPU, and each binary goes through the same
+lifecycle a first call would use (:func:`rope_rtc.build.get_binary`), so what is warmed is
+exactly what a server later looks up. Entries already present and valid are left untouched
+(the file is not rewritten); a corrupt one is deleted and rebuilt.
+
+Compiles run in a thread pool: cuda-python releases the GIL inside ``nvrtcCompileProgram``
+and NVRTC compiles independent programs concurrently, so threads scale like processes
+without paying for a process start and an NVRTC load per worker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import cache, registry
+from .build import get_binary, spec_key
+from .env import settings
+from .errors import RopeRtcError
+from .registry import KernelSpec
+from .toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
+
+
+class WarmError(RopeRtcError):
+    """Warming cannot start: an architecture NVRTC cannot build, or no disk cache to fill."""
+
+
+@dataclass(frozen=True)
+class WarmFailure:
+    kernel: str
+    target: str
+    error: str
+
+
+@dataclass
+class WarmReport:
+    """What one warm did. ``ok`` is True when nothing failed."""
+
+    targets: list[Target]
+    directory: Path
+    compiled: int = 0
+    cached: int = 0
+    failed: list[WarmFailure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def total(self) -> int:
+        return self.compiled + self.cached + len(self.failed)
+
+    def summary(self) -> str:
+        return (f"compiled {self.compiled}, already cached {self.cached}, failed {len(self.failed)} "
+                f"in {self.seconds:.1f} s")
+
+
+def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
+    """CUBIN targets for ``archs`` (``"sm_90"``, ``"9.0"``, ``90`` ...), in order, without repeats.
+
+    Raises :class:`WarmError` for an architecture this NVRTC cannot generate CUBIN for or one
+    older than rope_rtc supports, and ``ValueError`` for text that is not an architecture.
+    """
+    known = supported_archs()
+    targets: list[Target] = []
+    for a in archs:
+        arch = parse_arch(a)
+        if arch < MIN_ARCH:
+            raise WarmError(f"{a!r}: rope_rtc needs sm_{MIN_ARCH} or newer")
+        if arch not in known:
+            major, minor = nvrtc_version()
+            usable = " ".join(f"sm_{k}" for k in known if k >= MIN_ARCH)
+            raise WarmError(
+                f"{a!r}: NVRTC {major}.{minor} cannot generate code for sm_{arch}; it can build {usable} "
+                f"(a newer GPU needs a newer 'nvidia-cuda-nvrtc' package)"
+            )
+        t = Target(arch, "cubin")
+        if t not in targets:
+            targets.append(t)
+    if not targets:
+        raise WarmError("no architecture given")
+    return targets
+
+
+def select_specs(tail_heads: Sequence[int] = registry.DEFAULT_TAIL_HEADS,
+                 kernels: Sequence[str] | None = None) -> list[KernelSpec]:
+    """The registry's specs, optionally only those whose name or family matches a glob in ``kernels``."""
+    heads = tuple(int(h) for h in tail_heads)
+    if not heads or any(h <= 0 for h in heads):
+        raise ValueError(f"tail_heads must be positive head counts, got {list(tail_heads)}")
+    specs = registry.all_specs(heads)
+    if kernels:
+        globs = [_glob(p) for p in kernels]
+        specs = [s for s in specs if any(g.fullmatch(s.name) or g.fullmatch(s.family) for g in globs)]
+        if not specs:
+            raise ValueError(f"no registered kernel matches {list(kernels)}")
+    return specs
+
+
+def _glob(pattern: str) -> re.Pattern:
+    # Only * and ? are wildcards: kernel names contain brackets (rope[ROPE_DTYPE=2,...]).
+    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
+
+
+def _disk_store(cache_dir: str | os.PathLike | None) -> cache.CacheStore:
+    # A store of our own, not the process's shared one: warming must look at what is on the disk,
+    # never be satisfied by a binary this process holds in memory.
+    s = settings()
+    if cache_dir is None and s.disable_disk_cache:
+        raise WarmError("the disk cache is disabled (ROPE_RTC_DISABLE_DISK_CACHE=1), so warming would keep "
+                        "nothing; unset it or pass a cache directory")
+    directory = cache.versioned_cache_dir(cache_dir)
+    disk = cache.DiskStore(directory, trust_shared=s.trust_shared_cache)
+    if not disk.writable:
+        raise WarmError(f"cannot warm {directory}: {disk.problem or 'not writable'}")
+    return cache.CacheStore(disk)
+
+
+def warm(
+    archs: Sequence[str | int],
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    jobs: int | None = None,
+    tail_heads: Sequence[int] = registry.DEFAULT_TAIL_HEADS,
+    kernels: Sequence[str] | None = None,
+    progress: bool = True,
+) -> WarmReport:
+    """Compile every registered kernel for each architecture in ``archs`` into the disk cache.
+
+    Parameters
+    ----------
+    archs
+        Architectures, e.g. ``["sm_90", "sm_80"]``; CUBIN is built for each. Needs no GPU.
+    cache_dir
+        Cache root, as ``ROPE_RTC_CACHE_DIR`` (the version subdirectory is appended). Default:
+        the configured cache.
+    jobs
+        Concurrent compiles (default ``os.cpu_count()``).
+    tail_heads
+        Head counts to build the tail kernel for (it specialises on H).
+    kernels
+        Only specs whose name or family matches one of these patterns (``*`` and ``?`` are
+        wildcards, brackets are literal), e.g. ``["tail", "rope[ROPE_DTYPE=2,*"]``.
+    progress
+        Show a progress bar on a terminal.
+
+    A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``
+    list with its error text; the others still run. With ``ROPE_RTC_NO_COMPILE=1`` nothing is
+    compiled and every missing entry is a failure, which makes ``warm`` a completeness check.
+    """
+    targets = resolve_targets(archs)
+    specs = select_specs(tail_heads, kernels)
+    store = _disk_store(cache_dir)
+    disk = store.disk
+    assert disk is not None
+    report = WarmReport(targets, disk.directory)
+    tasks = [(spec, target) for target in targets for spec in specs]
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+
+    t0 = time.perf_counter()
+    spec_key(tasks[0][0], tasks[0][1])  # load NVRTC, find headers, read sources once, before the threads
+
+    def one(spec: KernelSpec, target: Target) -> str:
+        binary = get_binary(spec, target, store=store, announce=False)
+        if binary.source != "compiled":
+            return "cached"
+        if not disk.path_for(binary.key).is_file():
+            raise RopeRtcError(f"compiled, but the entry could not be written to {disk.directory}"
+                               f"{f' ({disk.problem})' if disk.problem else ''}")
+        return "compiled"
+
+    bar = _progress_bar(len(tasks), progress, ", ".join(t.name for t in targets))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rope_rtc-warm")
+    try:
+        pending = {pool.submit(one, s, t): (s, t) for s, t in tasks}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                spec, target = pending.pop(fut)
+                try:
+                    outcome = fut.result()
+                except Exception as exc:  # a compile error, a toolchain or disk failure: record, go on
+                    report.failed.append(WarmFailure(spec.name, target.name, f"{type(exc).__name__}: {exc}"))
+                else:
+                    if outcome == "compiled":
+                        report.compiled += 1
+                    else:
+                        report.cached += 1
+                bar.update(1)
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        bar.close()
+    pool.shutdown(wait=True)
+    report.seconds = time.perf_counter() - t0
+    order = {(s.name, t.name): i for i, (s, t) in enumerate(tasks)}
+    report.failed.sort(key=lambda f: order[(f.kernel, f.target)])
+    return report
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, wanted: bool, what: str):
+    if not wanted or not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - a base dependency
+        return _NoBar()
+    return tqdm(total=total, desc=f"warming {what}", unit="kernel", file=sys.stderr, leave=False)
+
+
+def no_compile_hint() -> str | None:
+    """Why every miss failed, when that is the reason."""
+    if settings().no_compile:
+        return ("ROPE_RTC_NO_COMPILE=1 is set, so warm only checked the cache: unset it to compile the "
+                "missing kernels")
+    return None
+
+
+__all__ = ["WarmError", "WarmFailure", "WarmReport", "no_compile_hint", "resolve_targets", "select_specs", "warm"]

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The device check: every test with ROPE_RTC_REQUIRE_GPU=1 (a skipped GPU or device test is a
+# failure), then the benchmark. Results land under $OUT (default ./out). Run from the repository
+# root on a GPU machine:
+#     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [extra pytest args]
+# Wheels the device image lacks (liger-kernel, platformdirs) are installed from ./.whl when present.
+set -uo pipefail
+OUT=${OUT:-$(pwd)/out}
+mkdir -p "$OUT"
+bench=quick
+if [[ "${1:-}" == --quick-bench ]]; then bench=quick; shift; fi
+if [[ "${1:-}" == --full-bench ]]; then bench=full; shift; fi
+if [[ "${1:-}" == --no-bench ]]; then bench=none; shift; fi
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+export ROPE_RTC_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+export ROPE_RTC_CACHE_DIR=${ROPE_RTC_CACHE_DIR:-$(mktemp -d)}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest tests -q -p no:cacheprovider "$@" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+bench_rc=0
+case $bench in
+    quick) python3 scripts/bench.py --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]} ;;
+    full) python3 scripts/bench.py --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]} ;;
+esac
+
+echo "== device check summary =="
+grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/tests.log" | tail -n 1
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+[[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -1,0 +1,77 @@
+"""Quick kernel-vs-copy probe used while tuning (the benchmark proper is scripts/bench.py).
+
+Cold L2: rotate among buffer sets totalling > 4x L2. Prints % of a same-size device copy.
+"""
+import sys
+import cupy as cp
+import numpy as np
+import ml_dtypes
+import rope_rtc
+from rope_rtc.tail import TailRoPEForward
+
+L2 = cp.cuda.Device().attributes["L2CacheSize"]
+
+
+def timed(fn, n_sets, reps=30):
+    for i in range(3 * n_sets):
+        fn(i % n_sets)
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    res = []
+    for r in range(5):
+        s.record()
+        for i in range(reps):
+            fn(i % n_sets)
+        e.record(); e.synchronize()
+        res.append(cp.cuda.get_elapsed_time(s, e) / reps * 1e3)
+    return float(np.median(res))
+
+
+def copy_time(nbytes_moved):
+    n = nbytes_moved // 2
+    sets = max(1, int(np.ceil(4 * L2 / (2 * n))) + 1)
+    src = [cp.empty(n, cp.uint8) for _ in range(sets)]
+    dst = [cp.empty(n, cp.uint8) for _ in range(sets)]
+    st = cp.cuda.get_current_stream().ptr
+    t = timed(lambda i: cp.cuda.runtime.memcpyAsync(dst[i].data.ptr, src[i].data.ptr, n, 3, st), sets)
+    del src, dst
+    return t
+
+
+def tail_case(T, H, D, which=None):
+    xb = T * H * D * 2
+    moved = 2 * xb + 2 * T * 32 * 4
+    sets = max(1, int(np.ceil(4 * L2 / moved)) + 1)
+    rng = cp.random.default_rng(0)
+    xs = [rng.standard_normal((T, H, D), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(sets)]
+    cs = [cp.cos(rng.uniform(-5, 5, (T, 32))).astype(cp.float32) for _ in range(sets)]
+    ss = [cp.sin(rng.uniform(-5, 5, (T, 32))).astype(cp.float32) for _ in range(sets)]
+    os_ = [cp.empty_like(x) for x in xs]
+    plan = TailRoPEForward(xs[0], cs[0], ss[0], os_[0]).check_support().compile()
+    t = timed(lambda i: plan.execute(xs[i], cs[i], ss[i], os_[i]), sets)
+    c = copy_time(moved)
+    print(f"tail {T}x{H}x{D}: {t:8.2f} us  copy {c:8.2f} us  {100 * c / t:5.1f}% of copy  {moved / t / 1e3:7.1f} GB/s", flush=True)
+
+
+def general_case(dtype, layout, interleaved, B, S, Hq, Hk, D):
+    dt = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32, "fp16": np.float16}[dtype]
+    shp = lambda H: (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+    esz = np.dtype(dt).itemsize
+    moved = 2 * B * S * (Hq + Hk) * D * esz + 2 * B * S * (D // 2) * 4
+    sets = max(1, int(np.ceil(4 * L2 / moved)) + 1)
+    rng = cp.random.default_rng(1)
+    qs = [rng.standard_normal(shp(Hq), dtype=cp.float32).astype(dt) for _ in range(sets)]
+    ks = [rng.standard_normal(shp(Hk), dtype=cp.float32).astype(dt) for _ in range(sets)]
+    cos, sin = rope_rtc.rope_tables(S, D, xp=cp)
+    plan = rope_rtc.RopePlan(qs[0], ks[0], cos, sin, layout=layout, interleaved=interleaved).compile()
+    t = timed(lambda i: plan.execute(qs[i], ks[i], cos, sin), sets)
+    c = copy_time(moved)
+    print(f"rope {dtype} {layout} il={interleaved} B{B} S{S} H{Hq}/{Hk} D{D}: {t:8.2f} us  copy {c:8.2f} us  {100 * c / t:5.1f}%  {moved / t / 1e3:7.1f} GB/s", flush=True)
+
+
+if __name__ == "__main__":
+    for shp in [(16384, 64, 512), (4096, 64, 512), (4096, 32, 128), (16384, 1, 512), (4096, 1, 512), (1, 64, 512)]:
+        tail_case(*shp)
+    for args in [("fp32", "bhsd", True, 4, 4096, 32, 32, 128), ("bf16", "bshd", False, 4, 4096, 32, 32, 128),
+                 ("bf16", "bhsd", False, 4, 4096, 32, 32, 128), ("fp32", "bshd", False, 4, 16384, 32, 32, 128),
+                 ("bf16", "bshd", False, 4, 512, 32, 32, 128), ("bf16", "bshd", False, 1, 1, 32, 8, 128)]:
+        general_case(*args)

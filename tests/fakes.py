@@ -1,0 +1,405 @@
+"""Fake device arrays for CPU tests: they describe memory that does not exist.
+
+Every fake carries an invented device address. Nothing here ever reads or writes through
+one, and neither may the library before it launches a kernel: validation only does address
+arithmetic. That is what lets the validation and fuzz tests run on a machine without a GPU.
+
+Three kinds of fake, because the library accepts arrays three ways:
+
+* :class:`FakeDeviceArray` speaks ``__cuda_array_interface__`` (version 3) and nothing else,
+  like a Numba device array. Views (slices, transposes, byte offsets) are made with NumPy's
+  own indexing on an address-only array, so their pointers and strides are exactly what a
+  real library would produce. The interface cannot name bfloat16 (``ml_dtypes.bfloat16``
+  reports itself as ``<V2``, as PyTorch's bfloat16 does), so bfloat16 needs the next kind.
+* :func:`fake_cupy` returns a real ``cupy.ndarray`` over ``cupy.cuda.UnownedMemory`` at a fake
+  address. Building and slicing one needs no GPU (only kernels do), it can be bfloat16, and it
+  knows its device, which is how mixed host/device and cross-device inputs are tested.
+* :class:`FakeTorchTensor` (``__dlpack__`` + ``requires_grad``) and :func:`fake_torch_bf16_cai`
+  (a ``<V2`` interface) stand in for the two PyTorch cases the API must reject.
+
+Fake addresses come from one counter, 256-byte aligned (like ``cudaMalloc``) and separated by
+guard gaps, so two independent fakes never overlap; views of one fake share its memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+_BASE = 0x7F00_0000_0000  # in the range where CUDA places device allocations on Linux
+_GAP = 1 << 20
+_ALLOC_ALIGN = 256
+_lock = threading.Lock()
+_next = [_BASE]
+_ids = itertools.count()
+
+
+def fake_alloc(nbytes: int) -> int:
+    """A fresh, 256-byte aligned fake address with ``nbytes`` of room that nothing else uses."""
+    nbytes = max(int(nbytes), 1)
+    with _lock:
+        ptr = _next[0]
+        step = -(-(nbytes + _GAP) // _ALLOC_ALIGN) * _ALLOC_ALIGN
+        _next[0] += step
+    return ptr
+
+
+def c_strides(shape, itemsize: int) -> tuple[int, ...]:
+    """C-contiguous strides in bytes."""
+    acc, out = itemsize, []
+    for d in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(out))
+
+
+def span_bytes(shape, strides, itemsize: int) -> int:
+    """Bytes from the lowest to one past the highest byte an array (non-negative strides) touches."""
+    if any(d == 0 for d in shape):
+        return 0
+    return sum((d - 1) * s for d, s in zip(shape, strides)) + itemsize
+
+
+def _address_view(ptr: int, shape, strides, itemsize: int) -> np.ndarray:
+    """A NumPy array of opaque items at ``ptr``: indexing it is pure address arithmetic."""
+
+    class _Addr:
+        __array_interface__ = {
+            "data": (ptr, False),
+            "shape": tuple(shape),
+            "strides": tuple(strides),
+            "typestr": f"|V{itemsize}",
+            "version": 3,
+        }
+
+    return np.asarray(_Addr())
+
+
+def _check_basic_index(index) -> None:
+    # Advanced (array) indexing copies, and a copy would read the fake address.
+    items = index if isinstance(index, tuple) else (index,)
+    for it in items:
+        if not (it is None or it is Ellipsis or isinstance(it, (int, np.integer, slice))):
+            raise TypeError(f"fake arrays support basic indexing only, got {type(it).__name__}")
+
+
+class FakeDeviceArray:
+    """An object exposing only ``__cuda_array_interface__`` (v3) for memory that does not exist.
+
+    Parameters
+    ----------
+    shape : tuple of int
+    dtype : NumPy dtype (not bfloat16: the interface cannot name it; see :func:`fake_cupy`)
+    ptr : int, optional
+        The address; default a fresh one from :func:`fake_alloc`.
+    strides : tuple of int, optional
+        In bytes; ``None`` (the default) reports ``strides: None`` (C-contiguous).
+    readonly : bool
+    typestr : str, optional
+        Overrides the reported typestr (``"<V2"`` is how PyTorch reports bfloat16).
+    """
+
+    def __init__(self, shape, dtype="float32", *, ptr=None, strides=None, readonly=False, typestr=None):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.strides = None if strides is None else tuple(int(s) for s in strides)
+        self.ptr = fake_alloc(span_bytes(self.shape, self.byte_strides, self.itemsize)) if ptr is None else int(ptr)
+        self.readonly = bool(readonly)
+        self.typestr = self.dtype.str if typestr is None else typestr
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {
+            "shape": self.shape,
+            "typestr": self.typestr,
+            "data": (self.ptr, self.readonly),
+            "strides": self.strides,
+            "version": 3,
+        }
+
+    @property
+    def byte_strides(self) -> tuple[int, ...]:
+        return self.strides if self.strides is not None else c_strides(self.shape, self.itemsize)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def _from_address_view(self, v: np.ndarray) -> "FakeDeviceArray":
+        return FakeDeviceArray(v.shape, self.dtype, ptr=v.__array_interface__["data"][0], strides=v.strides,
+                               readonly=self.readonly, typestr=self.typestr)
+
+    def _addr(self) -> np.ndarray:
+        return _address_view(self.ptr, self.shape, self.byte_strides, self.itemsize)
+
+    def __getitem__(self, index) -> "FakeDeviceArray":
+        """A view, exactly as NumPy would slice it (basic indexing only)."""
+        _check_basic_index(index)
+        return self._from_address_view(self._addr()[index])
+
+    def transpose(self, *axes) -> "FakeDeviceArray":
+        return self._from_address_view(self._addr().transpose(*axes))
+
+    @property
+    def T(self) -> "FakeDeviceArray":
+        return self.transpose()
+
+    def reshape(self, *shape) -> "FakeDeviceArray":
+        """A reshaped view; raises when NumPy would need a copy (it never makes one)."""
+        if len(shape) == 1 and isinstance(shape[0], tuple):
+            shape = shape[0]
+        v = self._addr().view()
+        v.shape = shape  # assigning .shape raises instead of copying
+        return self._from_address_view(v)
+
+    def shifted(self, nbytes: int) -> "FakeDeviceArray":
+        """The same shape and strides ``nbytes`` further on (misaligned when not a multiple of 16)."""
+        return FakeDeviceArray(self.shape, self.dtype, ptr=self.ptr + nbytes, strides=self.strides,
+                               readonly=self.readonly, typestr=self.typestr)
+
+    def with_strides(self, strides) -> "FakeDeviceArray":
+        """Same address and shape, explicit byte strides."""
+        return FakeDeviceArray(self.shape, self.dtype, ptr=self.ptr, strides=strides, readonly=self.readonly,
+                               typestr=self.typestr)
+
+    def __repr__(self) -> str:
+        return f"FakeDeviceArray({self.shape}, {self.dtype}, ptr={self.ptr:#x}, strides={self.strides})"
+
+
+def fake_strided(shape, dtype="float32", *, pad_elems=0, byte_offset=0) -> FakeDeviceArray:
+    """A fake whose rows are padded: every axis but the last has ``pad_elems`` extra elements per step
+    of the axis after it, the last axis stays contiguous. ``byte_offset`` shifts the pointer."""
+    dt = np.dtype(dtype)
+    shape = tuple(shape)
+    strides, acc = [], dt.itemsize
+    for i, d in enumerate(reversed(shape)):
+        strides.append(acc)
+        acc = acc * max(d, 1) + (pad_elems * dt.itemsize if i == 0 else 0)
+    strides = tuple(reversed(strides))
+    base = fake_alloc(span_bytes(shape, strides, dt.itemsize) + abs(byte_offset) + 64)
+    return FakeDeviceArray(shape, dt, ptr=base + byte_offset, strides=strides)
+
+
+def fake_cupy(shape, dtype="float32", *, byte_offset=0, strides=None, device=0, ptr=None):
+    """A real ``cupy.ndarray`` over fake memory: no GPU is needed to build, slice or describe it.
+
+    ``strides`` are in bytes (default C-contiguous); ``byte_offset`` shifts the start for
+    misalignment tests; ``device`` is the ordinal the array reports.
+    """
+    import cupy
+
+    dt = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    st = c_strides(shape, dt.itemsize) if strides is None else tuple(int(s) for s in strides)
+    nbytes = span_bytes(shape, st, dt.itemsize) + abs(byte_offset)
+    base = fake_alloc(nbytes + 64) if ptr is None else int(ptr)
+    mem = cupy.cuda.UnownedMemory(base, max(nbytes, 1) + 64, None, device_id=device)
+    return cupy.ndarray(shape, dt, memptr=cupy.cuda.MemoryPointer(mem, byte_offset), strides=st)
+
+
+def fused_qkv(B, S, Hq, Hkv, D, dtype="float32", *, layout="bshd", cupy_fake=False):
+    """One fused buffer ``[B, S, Hq + 2*Hkv, D]`` (or its ``bhsd``/``sbhd``/``thd`` equivalent) and
+    ``q``, ``k``, ``v`` as strided views of it along the head axis, never copied."""
+    H = Hq + 2 * Hkv
+    if layout == "thd":
+        shape, head_axis = (B * S, H, D), 1
+    elif layout == "bshd":
+        shape, head_axis = (B, S, H, D), 2
+    elif layout == "bhsd":
+        shape, head_axis = (B, H, S, D), 1
+    elif layout == "sbhd":
+        shape, head_axis = (S, B, H, D), 2
+    else:
+        raise ValueError(layout)
+    buf = fake_cupy(shape, dtype) if cupy_fake else FakeDeviceArray(shape, dtype)
+
+    def heads(lo, hi):
+        idx = [slice(None)] * len(shape)
+        idx[head_axis] = slice(lo, hi)
+        return buf[tuple(idx)]
+
+    return buf, heads(0, Hq), heads(Hq, Hq + Hkv), heads(Hq + Hkv, H)
+
+
+class FakeTorchTensor:
+    """A PyTorch-like CUDA tensor: ``__dlpack__``, ``__dlpack_device__`` (kDLCUDA, 0), a
+    ``__cuda_array_interface__`` and ``requires_grad``. Its ``__dlpack__`` must never be called
+    when ``requires_grad`` is true: such a tensor is rejected first."""
+
+    def __init__(self, shape, dtype="float32", *, requires_grad=True, typestr=None):
+        self._cai = FakeDeviceArray(shape, dtype, typestr=typestr)
+        self.shape = self._cai.shape
+        self.requires_grad = requires_grad
+        self.dlpack_calls = 0
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._cai.__cuda_array_interface__
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, *args, **kwargs):
+        self.dlpack_calls += 1
+        raise RuntimeError("FakeTorchTensor has no memory to export")
+
+
+def fake_torch_bf16_cai(shape) -> FakeDeviceArray:
+    """What PyTorch's ``__cuda_array_interface__`` says of a bfloat16 tensor: typestr ``<V2``."""
+    return FakeDeviceArray(shape, np.float16, typestr="<V2")
+
+
+# ---------------------------------------------------------------------------------------------
+# A stand-in for the GPU step, so that the public APIs can be driven to the launch on a CPU.
+
+
+class FakeGPU:
+    """Replaces only what needs a GPU, and records what would have been launched.
+
+    Inside ``with FakeGPU() as gpu:``:
+
+    * ``rope._run_gpu`` (the one-call APIs' device step) allocates outputs as fake CuPy arrays
+      and then runs the real host-side steps, ``choose_vector``, ``fill_params`` and
+      ``launch_shape``, recording the result instead of launching;
+    * ``RopePlan.compile`` and ``TailRoPEForward.compile`` install fake function handles, a fake
+      SM count and a recording launcher, so ``execute`` runs its real validation and argument
+      packing and "launches" into ``gpu.launches``.
+
+    An error raised inside a call therefore shows as an exception with ``gpu.launches``
+    unchanged: that is how the tests prove a check runs before any launch. A plain context
+    manager (not a pytest fixture) so that hypothesis tests can use it too.
+    """
+
+    def __init__(self, num_sms: int = 132) -> None:
+        self.num_sms = num_sms
+        self.launches: list[dict] = []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _patch(self, owner, name, value) -> None:
+        self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def launch(self, *args) -> None:
+        """The plans' launcher: ``(prefix, stream)`` with ``prefix = (function, gx, gy, gz, bx, by, bz,
+        shared)``, or the older ``(function, grid, block, stream, args_address)``."""
+        if len(args) == 2:
+            prefix, stream = args
+            fn, grid, block = prefix[0], tuple(prefix[1:4]), tuple(prefix[4:7])
+        else:
+            fn, grid, block, stream = args[0], tuple(args[1]), tuple(args[2]), args[3]
+        self.launches.append({"fn": fn, "grid": grid, "block": block, "stream": stream})
+
+    def __enter__(self) -> "FakeGPU":
+        import types
+
+        from rope_rtc import arrays as A
+        from rope_rtc import rope, tail
+        from rope_rtc.registry import rope_vector_widths
+
+        gpu = self
+        stream = types.SimpleNamespace(ptr=0)
+
+        def run_gpu(req, stream_arg, variant):
+            if req.q_out is None:
+                req.q_out = A.describe(fake_cupy(req.q.shape, _np_dtype(req.q.dtype), device=req.device or 0),
+                                       "out" if req.k is None else "q_out")
+            if req.k is not None and req.k_out is None:
+                req.k_out = A.describe(fake_cupy(req.k.shape, _np_dtype(req.k.dtype), device=req.device or 0),
+                                       "k_out")
+            q_out = req.q_out.array
+            k_out = req.k_out.array if req.k is not None else None
+            if req.num_tokens == 0 or (req.q_out.size == 0 and (req.k_out is None or req.k_out.size == 0)):
+                return q_out, k_out
+            vec, params, grid, block = rope_host_steps(req, gpu.num_sms)
+            gpu.launches.append({"fn": ("rope_apply", req.dtype, req.interleaved, vec), "grid": grid,
+                                 "block": block, "stream": 0, "params": params, "req": req, "vec": vec})
+            return q_out, k_out
+
+        def plan_compile(plan):
+            plan._kernels = {v: ("rope_apply", plan.dtype, plan.interleaved, v)
+                             for v in rope_vector_widths(plan.dtype, plan.interleaved)}
+            plan._sms = gpu.num_sms
+            plan._launch = gpu.launch
+            plan._get_stream = lambda device: stream
+            plan._compiled = True
+            return plan
+
+        def tail_compile(plan):
+            import ctypes
+
+            from rope_rtc.launch import ArgPack
+
+            if not plan._supported:
+                plan.check_support()
+            if plan.backend == "nvrtc" and plan._kernel is None:
+                plan._kernel = ("tail", plan.heads, plan.dim, plan.device)
+                plan._f1, plan._f4 = "tail_rope_bf16_x1", "tail_rope_bf16_x4"
+                plan._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
+                                      ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
+                plan._sms = gpu.num_sms
+                plan._launch = gpu.launch
+                plan._get_stream = lambda device: stream
+            return plan
+
+        self._patch(rope, "_run_gpu", run_gpu)
+        self._patch(rope.RopePlan, "compile", plan_compile)
+        self._patch(tail.TailRoPEForward, "compile", tail_compile)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)
+        return False
+
+
+def _takes(fn, n: int) -> bool:
+    import inspect
+
+    return len(inspect.signature(fn).parameters) >= n
+
+
+def rope_host_steps(req, num_sms: int = 132):
+    """What the general API does on the host before a launch: ``(vec, params, grid, block)``.
+
+    Follows the signatures of ``fill_params`` (with or without ``vec``) and ``launch_shape``
+    (with or without the SM count) as the launch code evolves."""
+    from rope_rtc import rope
+    from rope_rtc.rope_params import RopeParams
+
+    vec = rope.choose_vector(req)
+    params = RopeParams()
+    if _takes(rope.fill_params, 3):
+        rope.fill_params(params, req, vec)
+    else:
+        rope.fill_params(params, req)
+    if _takes(rope.launch_shape, 3):
+        grid, block = rope.launch_shape(req, vec, num_sms)
+    else:
+        grid, block = rope.launch_shape(req, vec)
+    return vec, params, tuple(grid), tuple(block)
+
+
+def _np_dtype(name: str) -> np.dtype:
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def fake_like(shape, dtype, **kw):
+    """A fake device array of any float dtype: ``__cuda_array_interface__`` where it can name the
+    dtype, a fake CuPy array for bfloat16 (which the interface cannot name)."""
+    dt = _np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    if dt == BF16:
+        return fake_cupy(shape, dt, **kw)
+    if kw:
+        raise TypeError("use FakeDeviceArray / fake_strided for options")
+    return FakeDeviceArray(shape, dt)

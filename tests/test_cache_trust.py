@@ -1,0 +1,267 @@
+"""Cache trust (issue 6, item 4): nobody but its owner can plant a binary this process will run.
+
+A cached CUBIN runs with the process's access to all of its GPU memory, so the cache never
+follows a symbolic link, refuses directories and entries that other users can write (unless
+``ROPE_RTC_TRUST_SHARED_CACHE=1``), creates only private directories, and never loads an
+entry whose header names another architecture, NVRTC or rope_rtc. CI runs as root: ownership
+checks by uid still work (root can chown to another uid) and so do mode checks.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from rope_rtc import build, cache, registry
+from rope_rtc._version import __version__
+from rope_rtc.cache import Entry, decode_entry, encode_entry
+from rope_rtc.cache import store as store_mod
+from rope_rtc.cache.store import CacheStore, CacheWarning, DiskStore
+from rope_rtc.cli import main as cli_main
+from rope_rtc.toolchain import Target, nvrtc_version
+
+SM90 = Target(90, "cubin")
+SPEC = registry.tail_spec(1, 128)
+OTHER_UID = 4242
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("ROPE_RTC_") and name != "ROPE_RTC_REQUIRE_GPU":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "default-cache"))
+    monkeypatch.setattr(store_mod, "_stores", {})
+    monkeypatch.setattr(store_mod, "_warned", set())
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    calls: list[str] = []
+    real = build.compile_source
+
+    def spy(kernel, *args, **kwargs):
+        calls.append(kernel)
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(build, "compile_source", spy)
+    return calls
+
+
+def fresh(directory: Path, **kw) -> CacheStore:
+    return CacheStore(DiskStore(directory, **kw))
+
+
+def private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True)
+    path.chmod(0o700)
+    return path
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+@pytest.fixture
+def valid_entry(tmp_path):
+    """A genuine entry for SPEC/sm_90, built in a directory of its own."""
+    d = private_dir(tmp_path / "genuine")
+    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    return d / f"{b.key}.bin", b
+
+
+# -- symbolic links ----------------------------------------------------------------------------
+
+def test_a_symlinked_entry_is_never_followed(tmp_path, valid_entry, compiles):
+    target, genuine = valid_entry
+    before = (target.read_bytes(), target.stat().st_ino)
+    d = private_dir(tmp_path / "cache")
+    link = d / target.name
+    link.symlink_to(target)  # points out of the directory, at a valid entry for this very key
+    with pytest.warns(CacheWarning, match="symbolic link"):
+        b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    assert b.source == "compiled" and compiles == [SPEC.name]
+    # Publishing replaced the link itself; what it pointed at is untouched.
+    assert not link.is_symlink() and link.is_file()
+    assert (target.read_bytes(), target.stat().st_ino) == before
+    assert decode_entry(link.read_bytes(), expect_key=genuine.key).payload == genuine.data
+
+
+def test_a_symlinked_entry_fails_verify(tmp_path, valid_entry, capsys):
+    target, _ = valid_entry
+    root = tmp_path / "root"
+    d = cache.versioned_cache_dir(root)
+    private_dir(d)
+    (d / target.name).symlink_to(target)
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert target.name in err and "symbolic link" in err
+
+
+def test_a_dangling_symlink_is_a_miss(tmp_path, compiles):
+    d = private_dir(tmp_path / "cache")
+    key = build.spec_key(SPEC, SM90)
+    (d / f"{key}.bin").symlink_to(tmp_path / "nowhere.bin")
+    with pytest.warns(CacheWarning, match="symbolic link"):
+        assert build.get_binary(SPEC, SM90, store=fresh(d), announce=False).source == "compiled"
+
+
+# -- writable by others -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dir_mode", [0o770, 0o707, 0o777, 0o720])
+def test_directory_writable_by_others_is_refused_and_work_stays_in_memory(tmp_path, dir_mode, compiles):
+    d = private_dir(tmp_path / "shared")
+    d.chmod(dir_mode)
+    with pytest.warns(CacheWarning, match=r"writable by other users.*ROPE_RTC_TRUST_SHARED_CACHE"):
+        store = cache.open_store(d)
+    b = build.get_binary(SPEC, SM90, store=store, announce=False)
+    assert b.source == "compiled"
+    assert list(d.iterdir()) == [], "nothing may be published into an untrusted directory"
+    assert build.get_binary(SPEC, SM90, store=store, announce=False).source == "memory"
+
+
+def test_entries_in_an_untrusted_directory_are_never_read(tmp_path, valid_entry, compiles):
+    target, _ = valid_entry
+    target.parent.chmod(0o777)
+    with pytest.warns(CacheWarning, match="writable by other users"):
+        store = cache.open_store(target.parent)
+    assert build.get_binary(SPEC, SM90, store=store, announce=False).source == "compiled"
+    assert compiles == [SPEC.name]
+
+
+def test_shared_directory_is_used_when_trusted_explicitly(tmp_path, monkeypatch, compiles):
+    d = private_dir(tmp_path / "team")
+    d.chmod(0o775)
+    monkeypatch.setenv("ROPE_RTC_TRUST_SHARED_CACHE", "1")
+    first = build.get_binary(SPEC, SM90, store=cache.open_store(d), announce=False)
+    assert first.source == "compiled" and (d / f"{first.key}.bin").is_file()
+    assert build.get_binary(SPEC, SM90, store=fresh(d, trust_shared=True), announce=False).source == "disk"
+
+
+@pytest.mark.parametrize("entry_mode", [0o620, 0o602, 0o666])
+def test_entry_writable_by_others_is_refused(valid_entry, entry_mode, compiles):
+    path, genuine = valid_entry
+    path.chmod(entry_mode)
+    with pytest.warns(CacheWarning, match="writable by other users"):
+        b = build.get_binary(SPEC, SM90, store=fresh(path.parent), announce=False)
+    assert b.source == "compiled" and compiles == [SPEC.name]
+    # The replacement this process published is private again.
+    assert mode(path) == 0o600
+
+
+def test_entry_writable_by_others_is_used_when_trusted(valid_entry, compiles):
+    path, _ = valid_entry
+    path.chmod(0o664)
+    assert build.get_binary(SPEC, SM90, store=fresh(path.parent, trust_shared=True), announce=False).source == "disk"
+    assert compiles == []
+
+
+needs_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                                reason="chown to another uid needs root")
+
+
+@needs_root
+def test_entry_owned_by_another_user_is_refused(valid_entry, compiles):
+    path, _ = valid_entry
+    os.chown(path, OTHER_UID, -1)
+    with pytest.warns(CacheWarning, match=f"owned by uid {OTHER_UID}"):
+        assert build.get_binary(SPEC, SM90, store=fresh(path.parent), announce=False).source == "compiled"
+
+
+@needs_root
+def test_directory_owned_by_another_user_is_refused(tmp_path, compiles):
+    d = private_dir(tmp_path / "theirs")
+    os.chown(d, OTHER_UID, -1)
+    with pytest.warns(CacheWarning, match=f"owned by uid {OTHER_UID}"):
+        store = cache.open_store(d)
+    assert build.get_binary(SPEC, SM90, store=store, announce=False).source == "compiled"
+    assert list(d.iterdir()) == []
+
+
+# -- what the library creates is private --------------------------------------------------------
+
+@pytest.mark.parametrize("umask", [0o022, 0o000])
+def test_directories_created_are_private_at_every_level(tmp_path, monkeypatch, umask):
+    root = tmp_path / "new" / "cache-root"
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(root))
+    old = os.umask(umask)
+    try:
+        b = build.get_binary(SPEC, SM90, announce=False)
+    finally:
+        os.umask(old)
+    d = cache.versioned_cache_dir()
+    assert d.parent == root
+    for level in (tmp_path / "new", root, d):
+        assert mode(level) == 0o700, f"{level} is {mode(level):o}"
+    assert mode(d / f"{b.key}.bin") == 0o600
+
+
+def test_warm_creates_private_directories(tmp_path, capsys):
+    root = tmp_path / "warm-root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
+    d = cache.versioned_cache_dir(root)
+    assert mode(root) == 0o700 and mode(d) == 0o700
+    assert all(mode(p) == 0o600 for p in d.iterdir())
+
+
+def test_warm_refuses_an_untrusted_directory(tmp_path, capsys):
+    root = private_dir(tmp_path / "open")
+    d = private_dir(cache.versioned_cache_dir(root))
+    d.chmod(0o777)
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 2
+    assert "writable by other users" in capsys.readouterr().err
+    assert list(d.iterdir()) == []
+
+
+# -- foreign entries ----------------------------------------------------------------------------
+
+def _nvrtc_text() -> str:
+    major, minor = nvrtc_version()
+    return f"{major}.{minor}"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("target", "sm_80"), ("target", "compute_90"), ("kind", "ptx"), ("nvrtc", "12.0"), ("rope_rtc", "0.0.1")],
+)
+def test_entry_built_for_another_target_nvrtc_or_version_is_never_loaded(tmp_path, compiles, field, value):
+    d = private_dir(tmp_path / "cache")
+    key = build.spec_key(SPEC, SM90)
+    genuine = dict(key=key, kernel=SPEC.name, target="sm_90", kind="cubin", nvrtc=_nvrtc_text(),
+                   rope_rtc=__version__, payload=b"\x7fELF forged payload", created=time.time())
+    forged = Entry(**{**genuine, field: value})
+    path = d / f"{key}.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_entry(forged))  # checksum valid: only the header's claim gives it away
+    with pytest.warns(CacheWarning, match="was built for"):
+        b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    assert b.source == "compiled" and compiles == [SPEC.name]
+    assert b"forged" not in b.data
+    rebuilt = decode_entry(path.read_bytes(), expect_key=key)
+    assert (rebuilt.target, rebuilt.kind, rebuilt.nvrtc, rebuilt.rope_rtc) == ("sm_90", "cubin", _nvrtc_text(),
+                                                                                __version__)
+
+
+def test_the_same_entry_with_honest_header_is_loaded(tmp_path, compiles):
+    """Control for the test above: a well-formed entry for this build is served."""
+    d = private_dir(tmp_path / "cache")
+    key = build.spec_key(SPEC, SM90)
+    honest = Entry(key, SPEC.name, "sm_90", "cubin", _nvrtc_text(), __version__, b"\x7fELF honest payload", 1.0)
+    fd = os.open(d / f"{key}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_entry(honest))
+    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    assert b.source == "disk" and b.data == honest.payload and compiles == []
+
+
+def test_entries_for_other_architectures_live_under_other_keys(tmp_path, compiles):
+    d = private_dir(tmp_path / "cache")
+    a = build.get_binary(SPEC, Target(80), store=fresh(d), announce=False)
+    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    assert a.key != b.key and b.source == "compiled" and a.data != b.data
+    assert decode_entry((d / f"{a.key}.bin").read_bytes()).target == "sm_80"

@@ -1,0 +1,306 @@
+"""The ``rope-rtc`` command line. CPU only: devices are simulated where a test needs one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from rope_rtc import build, cache, cli, driver, registry, toolchain
+from rope_rtc._version import __version__
+from rope_rtc.cache import store as store_mod
+from rope_rtc.errors import CompileError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith("ROPE_RTC_") and name != "ROPE_RTC_REQUIRE_GPU":
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "default-cache"))
+    monkeypatch.setattr(store_mod, "_stores", {})
+    monkeypatch.setattr(store_mod, "_warned", set())
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    monkeypatch.setattr(driver, "available", lambda: False)
+    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver: simulated")
+
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """An H200 and a device newer than this NVRTC knows."""
+    newest = max(toolchain.supported_archs())
+    archs = {0: 90, 1: newest + 10}
+    monkeypatch.setattr(driver, "available", lambda: True)
+    monkeypatch.setattr(driver, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(driver, "device_count", lambda: 2)
+    monkeypatch.setattr(driver, "device_name", lambda i: ["NVIDIA H200", "NVIDIA Future"][i])
+    monkeypatch.setattr(driver, "device_arch", lambda i: archs[i])
+    monkeypatch.setattr(driver, "driver_version", lambda: 13000)
+    return archs
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def warm_small(root: Path, capsys, *extra: str) -> str:
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress",
+                            "--kernels", "blog", "--kernels", "tail", "--tail-heads", "1", *extra)
+    assert rc == 0, err
+    return out
+
+
+# -- info ---------------------------------------------------------------------------------------
+
+def test_info_with_no_device(capsys, no_device, monkeypatch, tmp_path):
+    monkeypatch.setenv("ROPE_RTC_LOG_COMPILES", "1")
+    rc, out, err = run_main(capsys, "info")
+    assert rc == 0, err
+    lines = {line.split("  ", 1)[0]: line for line in out.splitlines()}
+    assert "no GPU found (no CUDA driver: simulated)" in lines["devices"]
+    assert __version__ in lines["rope_rtc"]
+    major, minor = toolchain.nvrtc_version()
+    assert f"{major}.{minor}" in lines["NVRTC"]
+    assert "sm_90" in lines["NVRTC archs"] and "sm_80" in lines["NVRTC archs"]
+    h = toolchain.cuda_headers()
+    assert h.path in lines["CUDA headers"] and h.version_text in lines["CUDA headers"]
+    assert lines["CUDA driver"].endswith("none")
+    for name in ("Python", "cuda-bindings", "CuPy", "NumPy", "ml_dtypes"):
+        assert name in lines
+    assert str(cache.versioned_cache_dir(tmp_path / "default-cache")) in lines["cache"]
+    assert "ROPE_RTC_LOG_COMPILES=1" in lines["switches"]
+    assert f"ROPE_RTC_CACHE_DIR={tmp_path / 'default-cache'}" in lines["switches"]
+    assert not (tmp_path / "default-cache").exists(), "info must not create the cache"
+
+
+def test_info_lists_devices_and_how_each_is_served(capsys, two_devices):
+    rc, out, _ = run_main(capsys, "info")
+    assert rc == 0
+    assert "NVIDIA H200, sm_90; builds sm_90 CUBIN" in out
+    # The driver (13.0) cannot JIT PTX from a newer NVRTC: say so instead of failing later.
+    assert f"NVIDIA Future, sm_{two_devices[1]}; cannot build" in out and "nvidia-cuda-nvrtc" in out
+    assert [line for line in out.splitlines() if line.startswith("CUDA driver")][0].endswith(" 13.0")
+    assert "no GPU found" not in out
+
+
+def test_info_counts_entries_and_size(capsys, no_device, tmp_path):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    total = sum(p.stat().st_size for p in d.glob("*.bin"))
+    rc, out, _ = run_main(capsys, "info", "--cache-dir", str(root))
+    assert rc == 0
+    assert f"3 entries, {total / 1024:.1f} KiB" in out
+
+
+def test_info_in_a_fresh_process_never_imports_cupy():
+    code = ("import sys; from rope_rtc.cli import main; rc = main(['info']); "
+            "print('CUPY-IMPORTED' if 'cupy' in sys.modules else 'CUPY-NOT-IMPORTED'); sys.exit(rc)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "CUPY-NOT-IMPORTED" in r.stdout
+    assert "devices" in r.stdout or "device 0" in r.stdout
+
+
+# -- warm ---------------------------------------------------------------------------------------
+
+def test_warm_prints_a_summary_and_compiles_only_what_is_missing(capsys, tmp_path):
+    root = tmp_path / "c"
+    out = warm_small(root, capsys)
+    assert "compiled 3, already cached 0, failed 0 in" in out
+    assert str(cache.versioned_cache_dir(root)) in out
+    out = warm_small(root, capsys, "--arch", "sm_80")
+    assert "compiled 3, already cached 3, failed 0" in out
+
+
+def test_warm_unknown_arch_is_a_clear_error(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--arch", "sm_999", "--cache-dir", str(tmp_path))
+    assert rc == 2
+    assert "sm_999" in err and "nvidia-cuda-nvrtc" in err and "sm_90" in err
+    assert not cache.versioned_cache_dir(tmp_path).exists(), "nothing is built when an arch is refused"
+
+
+@pytest.mark.parametrize("arch, message", [("sm_70", "sm_80 or newer"), ("volta", "not an architecture")])
+def test_warm_refuses_old_or_malformed_archs(capsys, tmp_path, arch, message):
+    rc, _, err = run_main(capsys, "warm", "--arch", arch, "--cache-dir", str(tmp_path))
+    assert rc == 2 and message in err
+
+
+@pytest.mark.parametrize("bad", [["--tail-heads", "0"], ["--tail-heads", "a,b"], ["--jobs", "0"],
+                                 ["--kernels", "no_such_kernel"]])
+def test_warm_bad_options_exit_2(capsys, tmp_path, bad):
+    rc, _, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), *bad)
+    assert rc == 2 and err
+
+
+def test_warm_compile_failure_exits_1_and_lists_it(capsys, tmp_path, monkeypatch):
+    victim = registry.tail_spec(1, 128).name
+    real = build.compile_source
+
+    def failing(kernel, *args, **kwargs):
+        if kernel == victim:
+            raise CompileError(f"NVRTC failed to compile kernel {kernel}\n--- compile log ---\n"
+                               "tail_rope.cu(12): error: simulated", kernel=kernel, options=[], log="")
+        return real(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(build, "compile_source", failing)
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), "--no-progress",
+                            "--kernels", "tail", "--tail-heads", "1")
+    assert rc == 1
+    assert "compiled 1, already cached 0, failed 1" in out
+    assert f"{victim} for sm_90" in err and "tail_rope.cu(12): error: simulated" in err
+
+
+def test_warm_without_arch_and_with_no_device_asks_for_arch(capsys, no_device, tmp_path):
+    rc, out, err = run_main(capsys, "warm", "--cache-dir", str(tmp_path))
+    assert rc == 2
+    assert "no GPU found" in err and "--arch sm_90" in err
+
+
+def test_warm_without_arch_builds_for_the_devices_present(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(driver, "available", lambda: True)
+    monkeypatch.setattr(driver, "device_count", lambda: 2)
+    monkeypatch.setattr(driver, "device_arch", lambda i: 90)
+    rc, out, err = run_main(capsys, "warm", "--cache-dir", str(tmp_path), "--no-progress", "--kernels", "blog")
+    assert rc == 0, err
+    assert "for sm_90 in" in out and "compiled 1, already cached 0, failed 0" in out
+
+
+def test_warm_comma_separated_archs(capsys, tmp_path):
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_80,9.0", "--cache-dir", str(tmp_path), "--no-progress",
+                            "--kernels", "blog")
+    assert rc == 0, err
+    assert "for sm_80, sm_90 in" in out and "compiled 2" in out
+
+
+def test_warm_with_no_compile_checks_completeness(capsys, tmp_path, monkeypatch):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    store_mod._stores.clear()
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--arch", "sm_80", "--cache-dir", str(root),
+                            "--no-progress", "--kernels", "blog", "--kernels", "tail", "--tail-heads", "1")
+    assert rc == 1
+    assert "compiled 0, already cached 3, failed 3" in out
+    assert "KernelNotCachedError" in err and "sm_80" in err and "ROPE_RTC_NO_COMPILE=1 is set" in err
+
+
+def test_warm_into_a_disabled_disk_cache_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("ROPE_RTC_DISABLE_DISK_CACHE", "1")
+    rc, _, err = run_main(capsys, "warm", "--arch", "sm_90", "--kernels", "blog")
+    assert rc == 2 and "ROPE_RTC_DISABLE_DISK_CACHE" in err
+
+
+def test_warm_cache_script_runs_from_any_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_") and k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "warm_cache.py"), "--arch", "sm_999",
+                        "--cache-dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "sm_999" in r.stderr, r.stderr
+
+
+# -- cache list / verify / clear --------------------------------------------------------------------
+
+def test_cache_list_verify_clear(capsys, tmp_path):
+    root = tmp_path / "c"
+    d = cache.versioned_cache_dir(root)
+    rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+    assert rc == 0 and "0 entries" in out
+
+    warm_small(root, capsys)
+    (d / ".tmp-abandoned.part").write_bytes(b"half an entry")
+    rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "temporary" not in line]
+    assert sorted(r[0] for r in rows) == sorted(s.name for s in registry.all_specs((1,))
+                                                 if s.family in ("blog", "tail"))
+    assert all(r[1] == "sm_90" and r[2] == "cubin" and r[4] == "KiB" for r in rows)
+    assert ".tmp-abandoned.part" in out and "interrupted write" in out
+    assert "3 entries" in out and "1 temporary files" in out
+
+    rc, out, _ = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "all 3 entries" in out and "1 temporary files" in out
+
+    victim = sorted(d.glob("*.bin"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1 and victim.name in err and "1 of 3 entries" in err
+    rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+    assert f"UNUSABLE {victim.name}" in out
+
+    rc, out, _ = run_main(capsys, "cache", "clear", "--cache-dir", str(root))
+    assert rc == 0
+    assert "removed 4 files" in out and "3 entries" in out and "1 temporary files" in out
+    assert list(d.iterdir()) == []
+    rc, out, _ = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "all 0 entries" in out
+
+
+def test_cache_verify_flags_an_entry_from_another_rope_rtc(capsys, tmp_path):
+    from rope_rtc.cache import Entry, encode_entry
+
+    root = tmp_path / "c"
+    d = cache.versioned_cache_dir(root)
+    d.mkdir(parents=True, mode=0o700)
+    key = "f" * 64
+    (d / f"{key}.bin").write_bytes(encode_entry(Entry(key, "blog", "sm_90", "cubin", "13.0", "0.0.1", b"x", 1.0)))
+    rc, _, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1 and "rope_rtc 0.0.1" in err
+
+
+def test_cache_without_action_prints_help(capsys):
+    rc, _, err = run_main(capsys, "cache")
+    assert rc == 2 and "list" in err and "verify" in err and "clear" in err
+
+
+# -- demo, bench, top level -----------------------------------------------------------------------
+
+def test_demo_and_bench_dispatch(capsys, monkeypatch):
+    seen = {}
+
+    def demo_main(args):
+        seen["demo"] = args  # returns None: success
+
+    def bench_main(argv):
+        seen["bench"] = argv
+        return 3
+
+    demo = types.ModuleType("rope_rtc.demo")
+    demo.main = demo_main
+    bench = types.ModuleType("rope_rtc.bench")
+    bench.main = bench_main
+    monkeypatch.setitem(sys.modules, "rope_rtc.demo", demo)
+    monkeypatch.setitem(sys.modules, "rope_rtc.bench", bench)
+    assert cli.main(["demo", "--cache-dir", "/x"]) == 0
+    assert seen["demo"].cache_dir == "/x" and seen["demo"].command == "demo"
+    assert cli.main(["bench", "--iters", "5", "--shape", "4,32,4096,128"]) == 3
+    assert seen["bench"] == ["--iters", "5", "--shape", "4,32,4096,128"]
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_missing_demo_or_bench_module_says_so(capsys, monkeypatch, command):
+    monkeypatch.setitem(sys.modules, f"rope_rtc.{command}", None)  # makes the import fail as if absent
+    rc, _, err = run_main(capsys, command)
+    assert rc == 2 and f"rope-rtc {command}" in err and "not available" in err
+
+
+def test_version_and_help(capsys):
+    rc, out, _ = run_main(capsys, "--version")
+    assert rc == 0 and __version__ in out
+    rc, _, err = run_main(capsys)
+    assert rc == 2 and "warm" in err and "info" in err
+    rc, _, err = run_main(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice" in err

@@ -1,0 +1,91 @@
+"""``import rope_rtc`` is cheap and GPU-free; its version is the one packaging reports."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import rope_rtc
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+import {modules}
+elapsed = time.perf_counter() - t0
+heavy = sorted(m for m in sys.modules
+               if m == "cupy" or m.startswith("cupy.") or m.startswith("cuda.bindings.driver")
+               or m.startswith("cuda.bindings.runtime") or m == "torch" or m == "jax")
+print(json.dumps({{"heavy": heavy, "seconds": elapsed}}))
+"""
+
+
+def probe(modules: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", PROBE.format(modules=modules)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_import_rope_rtc_loads_neither_cupy_nor_the_cuda_driver():
+    result = probe("rope_rtc")
+    assert result["heavy"] == []
+    assert result["seconds"] < 1.0, f"import rope_rtc took {result['seconds']:.2f} s"
+
+
+def test_offline_tooling_imports_no_gpu_library():
+    """The cache, the compiler, warm and the CLI run on build machines without a GPU."""
+    result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build, rope_rtc.compiler, rope_rtc.cache, rope_rtc.registry")
+    assert result["heavy"] == []
+
+
+def _pyproject() -> dict:
+    text = (REPO / "pyproject.toml").read_text()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads(text)
+
+
+def test_version_matches_the_dynamic_version_in_pyproject():
+    meta = _pyproject()
+    assert "version" in meta["project"]["dynamic"]
+    attr = meta["tool"]["setuptools"]["dynamic"]["version"]["attr"]
+    module, _, name = attr.rpartition(".")
+    assert getattr(importlib.import_module(module), name) == rope_rtc.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+([.-]?(a|b|rc|dev|post)\d*)?", rope_rtc.__version__)
+
+
+def test_installed_metadata_agrees_when_installed():
+    try:
+        installed = importlib.metadata.version("rope-rtc")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("rope-rtc is not installed in this environment (running from a checkout)")
+    assert installed == rope_rtc.__version__, "stale installed metadata: reinstall (pip install -e .)"
+
+
+def test_console_script_points_at_the_cli():
+    meta = _pyproject()
+    target = meta["project"]["scripts"]["rope-rtc"]
+    module, _, func = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_lazy_exports_resolve_and_unknown_names_raise():
+    assert rope_rtc.KernelNotCachedError.__name__ == "KernelNotCachedError"
+    assert rope_rtc.CompileError.__module__ == "rope_rtc.errors"
+    assert "__version__" in rope_rtc.__all__
+    with pytest.raises(AttributeError, match="no_such_name"):
+        rope_rtc.no_such_name  # noqa: B018

@@ -1,0 +1,83 @@
+"""The registry is one enumerable list, and every kernel in it compiles for the supported GPUs.
+
+CPU only: NVRTC runs without a GPU. Compiling every spec for three architectures is the
+slowest CPU test (about a hundred compiles), so the compiles of one architecture run in a
+thread pool (NVRTC releases the GIL; see test_compiler.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rope_rtc import registry, sources
+from rope_rtc.compiler import compile_source
+from rope_rtc.toolchain import Target
+
+ELF_MAGIC = b"\x7fELF"
+
+
+def test_specs_are_unique_and_named_after_their_defines():
+    specs = registry.all_specs()
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names)), "two specs share a name (and would share a cache entry label)"
+    for s in specs:
+        for k, v in s.defines:
+            assert f"{k}={v}" in s.name
+
+
+def test_every_spec_names_an_existing_source_that_defines_its_entries():
+    for spec in registry.all_specs():
+        text = sources.read_source(spec.source).decode()
+        for entry in spec.entries:
+            assert re.search(rf'extern\s+"C"\s+__global__\b[^;{{]*?\b{entry}\s*\(', text), (
+                f'{entry} is not an extern "C" kernel of {spec.source}')
+
+
+def test_all_specs_covers_every_dtype_layout_width_and_tail_shape():
+    specs = registry.all_specs(tail_heads=(4, 1, 4))
+    rope = {dict(s.defines)["ROPE_DTYPE"] + dict(s.defines)["ROPE_INTERLEAVED"] + "/" + dict(s.defines)["ROPE_VEC"]
+            for s in specs if s.family == "rope"}
+    for dtype, code in registry.DTYPE_CODES.items():
+        for interleaved in (False, True):
+            for vec in registry.rope_vector_widths(dtype, interleaved):
+                assert f"{code}{int(interleaved)}/{vec}" in rope
+    tails = sorted((dict(s.defines)["TAIL_HEADS"], dict(s.defines)["TAIL_DIM"]) for s in specs if s.family == "tail")
+    # Repeated head counts are warmed once.
+    assert tails == sorted((str(h), str(d)) for h in (1, 4) for d in registry.TAIL_DIMS)
+    assert sum(s.family == "blog" for s in specs) == 1
+
+
+@pytest.mark.parametrize("dtype", sorted(registry.DTYPE_CODES))
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_vector_widths_fit_a_16_byte_access_and_keep_pairs_whole(dtype, interleaved):
+    widths = registry.rope_vector_widths(dtype, interleaved)
+    assert widths == tuple(sorted(widths, reverse=True)), "widest first"
+    assert widths[0] * registry.ITEMSIZE[dtype] == 16
+    for w in widths:
+        assert w * registry.ITEMSIZE[dtype] in registry.VECTOR_BYTES
+        if interleaved:
+            assert w % 2 == 0, "an interleaved pair must not straddle two accesses"
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="float64"):
+        registry.rope_spec("float64", False, 2)
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_every_registered_kernel_compiles(arch):
+    specs = registry.all_specs()
+    target = Target(arch, "cubin")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda s: compile_source(s.name, s.source, s.defines, target), specs))
+    for spec, result in zip(specs, results):
+        assert result.kind == "cubin"
+        assert result.binary[:4] == ELF_MAGIC, f"{spec.name} for sm_{arch} is not an ELF CUBIN"
+        assert f"-arch=sm_{arch}" in result.options
+        for entry in spec.entries:
+            # The entry points a launch looks up by name must be in the binary, unmangled.
+            assert entry.encode() in result.binary, f"{entry} missing from {spec.name} for sm_{arch}"

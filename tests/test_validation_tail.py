@@ -1,0 +1,403 @@
+"""Validation of the prepared BF16 tail RoPE API, on a CPU, with fake device arrays and TensorDesc.
+
+``check_support`` rejects what the seed's contract excludes; ``execute`` checks addresses,
+contiguity and overlap. ``execute`` is driven to its launch by :class:`fakes.FakeGPU` (fake
+function handles and a recording launcher), so an error with no recorded launch is an error
+raised before any launch. The interface cannot name bfloat16, so ``x`` and ``out`` are fake CuPy
+arrays; the tables are ``__cuda_array_interface__`` fakes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
+from rope_rtc import TailRoPEForward, TensorDesc, TupleDict, tail_rope
+from rope_rtc import arrays as A
+from rope_rtc import tail as tail_mod
+
+T, H, D = 4, 2, 128
+NAMES = ("x", "cosine", "sine", "out")
+
+
+@pytest.fixture
+def gpu():
+    with FakeGPU() as g:
+        yield g
+
+
+def arrays(t=T, h=H, d=D, rank=3, device=0):
+    shape = (t, h, d) if rank == 3 else (t, d)
+    # sine speaks __cuda_array_interface__, whose device is the current one (0) when no driver can say.
+    sine = FakeDeviceArray((t, 32), np.float32) if device == 0 else fake_cupy((t, 32), np.float32, device=device)
+    return (fake_cupy(shape, BF16, device=device), fake_cupy((t, 32), np.float32, device=device), sine,
+            fake_cupy(shape, BF16, device=device))
+
+
+def descs(t=T, h=H, d=D, device=None):
+    return (TensorDesc(BF16, (t, h, d), device=device), TensorDesc(np.float32, (t, 32), device=device),
+            TensorDesc(np.float32, (t, 32), device=device), TensorDesc(BF16, (t, h, d), device=device))
+
+
+def _replace(args, name, value):
+    args = list(args)
+    args[NAMES.index(name)] = value
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# check_support
+
+@pytest.mark.parametrize("source", ["arrays", "descs"])
+def test_supported_plan(source):
+    plan = TailRoPEForward(*(arrays() if source == "arrays" else descs()))
+    assert plan.check_support() is plan
+    assert (plan.heads, plan.dim, plan.rank, plan.device) == (H, D, 3, 0)
+    plan2 = TailRoPEForward(*arrays(rank=2, d=512)).check_support()
+    assert (plan2.heads, plan2.dim, plan2.rank) == (1, 512, 2)
+
+
+def test_scratch_workspace_is_zero():
+    plan = TailRoPEForward(*descs())
+    assert plan.scratch_workspace_bytes() == 0
+    assert plan.check_support().scratch_workspace_bytes() == 0
+
+
+@pytest.mark.parametrize("name,value,exc,pattern", [
+    ("x", fake_cupy((T, H, D), np.float16), TypeError, r"x: dtype float16 is not supported \(tail RoPE is BF16\)"),
+    ("x", FakeDeviceArray((T, H, D), np.float32), TypeError, r"x: dtype float32"),
+    ("x", fake_torch_bf16_cai((T, H, D)), TypeError, r"x: dtype .V2 .*DLPack"),
+    ("out", fake_cupy((T, H, D), np.float32), TypeError, r"out: dtype float32"),
+    ("cosine", FakeDeviceArray((T, 32), np.float64), TypeError, r"cosine: dtype float64"),
+    ("sine", fake_cupy((T, 32), BF16), TypeError, r"sine: dtype bfloat16"),
+    ("x", fake_cupy((D,), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\], got shape \(128,\)"),
+    ("x", fake_cupy((T, H, 1, D), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\]"),
+    ("x", fake_cupy((T, H, 256), BF16), ValueError, r"x: channel count D=256 is not supported"),
+    ("x", fake_cupy((T, H, 64), BF16), ValueError, r"x: channel count D=64"),
+    ("x", fake_cupy((T, 0, D), BF16), ValueError, r"x: head count H must be positive"),
+    ("x", np.zeros((T, H, D), BF16), TypeError, r"x: a NumPy \(host\) array"),
+    ("cosine", np.zeros((T, 32), np.float32), TypeError, r"cosine: a NumPy \(host\) array"),
+    ("sine", np.zeros((T, 32), np.float32), TypeError, r"sine: a NumPy \(host\) array"),
+    ("out", np.zeros((T, H, D), BF16), TypeError, r"out: a NumPy \(host\) array"),
+    ("x", FakeTorchTensor((T, H, D), np.float16), TypeError, r"x requires grad"),
+    ("cosine", FakeTorchTensor((T, 32), np.float32), TypeError, r"cosine requires grad"),
+    ("sine", FakeTorchTensor((T, 32), np.float32), TypeError, r"sine requires grad"),
+    ("out", FakeTorchTensor((T, H, D), np.float16), TypeError, r"out requires grad"),
+    ("cosine", FakeDeviceArray((T + 1, 32), np.float32), ValueError, r"cosine: expected shape \(4, 32\), got \(5, 32\)"),
+    ("sine", FakeDeviceArray((T, 16), np.float32), ValueError, r"sine: expected shape \(4, 32\)"),
+    ("cosine", FakeDeviceArray((T, 32, 1), np.float32), ValueError, r"cosine: expected shape"),
+    ("out", fake_cupy((T, H + 1, D), BF16), ValueError, r"out: shape \(4, 3, 128\) differs from x's"),
+    ("sine", fake_cupy((T, 32), np.float32, device=1), ValueError, r"sine is on device 1 but x \(device 0\)"),
+    ("x", [[0.0]], TypeError, r"x: expected a CuPy or NumPy array"),
+])
+def test_check_support_rejects(name, value, exc, pattern):
+    args = _replace(arrays(), name, value)
+    plan = TailRoPEForward(*args)
+    with pytest.raises(exc, match=pattern):
+        plan.check_support()
+    with pytest.raises(exc, match=pattern):
+        plan.compile()  # compile checks support first, and fails the same way before touching a GPU
+    if isinstance(value, FakeTorchTensor):
+        assert value.dlpack_calls == 0
+
+
+@pytest.mark.parametrize("backend", ["frost", "cudnn", "auto", "cuda", None])
+def test_unsupported_backend(backend):
+    plan = TailRoPEForward(*arrays(), backend=backend)
+    with pytest.raises(ValueError, match="backend: .* is not supported"):
+        plan.check_support()
+    with pytest.raises(ValueError, match="backend: .* is not supported"):
+        tail_rope(*arrays()[:3], backend=backend)
+
+
+def test_numpy_backend_rejects_device_arrays():
+    with pytest.raises(TypeError, match="backend='numpy' takes host arrays"):
+        TailRoPEForward(*arrays(), backend="numpy").check_support()
+    x = np.zeros((T, H, D), BF16)
+    c = np.zeros((T, 32), np.float32)
+    with pytest.raises(TypeError, match="backend='numpy' takes host arrays"):
+        TailRoPEForward(x, FakeDeviceArray((T, 32), np.float32), c, np.zeros_like(x), backend="numpy").check_support()
+
+
+def test_tail_rope_rejects_host_arrays_for_nvrtc():
+    x = np.zeros((T, H, D), BF16)
+    c = np.zeros((T, 32), np.float32)
+    with pytest.raises(TypeError, match="x: a NumPy \\(host\\) array"):
+        tail_rope(x, c, c)
+    with pytest.raises(TypeError, match="x requires grad"):
+        tail_rope(FakeTorchTensor((T, H, D), np.float16), c, c)
+
+
+def test_head_times_dim_limit():
+    # H * D < 2**31: declarations only (no memory), one token.
+    def plan(h):
+        x = TensorDesc(BF16, (1, h, 512))
+        return TailRoPEForward(x, TensorDesc(np.float32, (1, 32)), TensorDesc(np.float32, (1, 32)),
+                               TensorDesc(BF16, (1, h, 512)))
+
+    with pytest.raises(ValueError, match=r"x: H\*D = 2147483648 must be below 2\*\*31"):
+        plan(2**22).check_support()
+    with pytest.raises(ValueError, match=r"H\*D"):
+        plan(2**23).check_support()
+    assert plan(2**22 - 1).check_support().heads == 2**22 - 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_declared_non_contiguous_layout_is_not_implemented(name):
+    strided = {
+        "x": TensorDesc(BF16, (T, H, D), strides=(H * 2 * D, 2 * D, 1)),
+        "out": TensorDesc(BF16, (T, H, D), strides=(H * D, 1, H)),
+        "cosine": TensorDesc(np.float32, (T, 32), strides=(64, 1)),
+        "sine": TensorDesc(np.float32, (T, 32), strides=(1, T)),
+    }[name]
+    with pytest.raises(NotImplementedError, match=f"{name}: non-contiguous layouts are not supported"):
+        TailRoPEForward(*_replace(descs(), name, strided)).check_support()
+    view = {
+        "x": fake_cupy((T, H + 1, D), BF16)[:, :H],
+        "out": fake_cupy((T, H, 2 * D), BF16)[..., ::2],
+        "cosine": FakeDeviceArray((T, 64), np.float32)[:, :32],
+        "sine": FakeDeviceArray((2 * T, 32), np.float32)[::2],
+    }[name]
+    with pytest.raises(NotImplementedError, match=f"{name}: non-contiguous"):
+        TailRoPEForward(*_replace(arrays(), name, view)).check_support()
+
+
+# ---------------------------------------------------------------------------------------------
+# execute: validation at every call, before any launch
+
+def _n_vec(t, h=H, d=D):
+    return t * h * d // 8
+
+
+def test_execute_launches_and_returns_tuple_dict(gpu):
+    x, c, s, o = arrays()
+    plan = TailRoPEForward(x, c, s, o)
+    result = plan.execute(x, c, s, o)
+    assert isinstance(result, TupleDict) and result["out"] is o
+    (launch,) = gpu.launches
+    assert launch["fn"] == "tail_rope_bf16_x1"
+    assert launch["grid"] == (-(-_n_vec(T) // tail_mod.BLOCK), 1, 1) and launch["block"] == (tail_mod.BLOCK, 1, 1)
+    v = plan._args.values
+    assert (v.x, v.out, v.n) == (x.data.ptr, o.data.ptr, _n_vec(T))
+    assert v.cos == c.data.ptr and v.sin == A.describe(s, "sine").ptr
+    # The same arrays again: no re-validation needed, one more launch.
+    plan.execute(x, c, s, o)
+    assert len(gpu.launches) == 2
+
+
+def test_execute_wide_kernel_for_large_inputs(gpu):
+    t, h, d = 16384, 64, 512
+    x, c, s, o = arrays(t, h, d)
+    plan = TailRoPEForward(*descs(1, h, d)).check_support()
+    plan.execute(x, c, s, o)
+    (launch,) = gpu.launches
+    assert launch["fn"] == "tail_rope_bf16_x4"
+    assert launch["grid"][0] == -(-_n_vec(t, h, d) // (tail_mod.BLOCK * tail_mod.UNROLL_WIDE))
+
+
+def test_token_count_changes_including_zero(gpu):
+    plan = TailRoPEForward(*descs(t=1)).check_support().compile()
+    for t in (0, 5, 257, 4096, 0, 1):
+        x, c, s, o = arrays(t)
+        out = plan.execute(x, c, s, o)["out"]
+        assert out is o
+    assert len(gpu.launches) == 4  # T = 0 launches nothing
+    assert [g["grid"][0] for g in gpu.launches] == [-(-_n_vec(t) // tail_mod.BLOCK) for t in (5, 257, 4096, 1)]
+
+
+def test_zero_tokens_with_zero_strides(gpu):
+    # CuPy (and NumPy) give freshly made empty arrays all-zero strides: still "contiguous".
+    import cupy
+
+    mem = cupy.cuda.UnownedMemory(0x7F0000000000, 256, None, device_id=0)
+    x = cupy.ndarray((0, H, D), BF16, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    c = cupy.ndarray((0, 32), np.float32, memptr=cupy.cuda.MemoryPointer(mem, 0))
+    assert set(x.strides) == {0}
+    plan = TailRoPEForward(*descs()).check_support()
+    assert plan.execute(x, c, c, cupy.ndarray((0, H, D), BF16, memptr=cupy.cuda.MemoryPointer(mem, 0)))["out"].size == 0
+    assert gpu.launches == []
+
+
+@pytest.mark.parametrize("name,offset", [("x", 2), ("x", 8), ("out", 8), ("out", 2), ("cosine", 4), ("sine", 8),
+                                         ("sine", 12)])
+def test_execute_rejects_misaligned(gpu, name, offset):
+    plan = TailRoPEForward(*descs()).check_support()
+    args = list(arrays())
+    i = NAMES.index(name)
+    dt = BF16 if name in ("x", "out") else np.float32
+    shape = args[i].shape
+    args[i] = fake_cupy(shape, dt, byte_offset=offset) if dt == BF16 else FakeDeviceArray(shape, dt).shifted(offset)
+    with pytest.raises(ValueError, match=rf"{name}: data pointer .* is not 16-byte aligned"):
+        plan.execute(*args)
+    assert gpu.launches == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_execute_rejects_non_contiguous(gpu, name):
+    plan = TailRoPEForward(*descs()).check_support()
+    view = {
+        "x": fake_cupy((T, H + 1, D), BF16)[:, 1:],
+        "out": fake_cupy((2 * T, H, D), BF16)[::2],
+        "cosine": FakeDeviceArray((T, 64), np.float32)[:, 32:],
+        "sine": FakeDeviceArray((2 * T, 32), np.float32)[::2],
+    }[name]
+    with pytest.raises(ValueError, match=rf"{name}: must be contiguous"):
+        plan.execute(*_replace(arrays(), name, view))
+    assert gpu.launches == []
+
+
+def test_execute_rejects_out_overlapping_each_input(gpu):
+    plan = TailRoPEForward(*descs()).check_support()
+    x, c, s, o = arrays()
+    with pytest.raises(ValueError, match="out overlaps x"):
+        plan.execute(x, c, s, x)
+    # A partial overlap: out starts one token into x's buffer.
+    buf = fake_cupy((2 * T, H, D), BF16)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        plan.execute(buf[:T], c, s, buf[1 : T + 1])
+    big = fake_cupy((T * H * D,), BF16)  # as many bytes as x: lay each table inside it
+    for name in ("cosine", "sine"):
+        table = FakeDeviceArray((T, 32), np.float32, ptr=big.data.ptr + 64)
+        args = _replace((x, c, s, big.reshape(T, H, D)), name, table)
+        with pytest.raises(ValueError, match=f"out overlaps {name}: the output must be disjoint"):
+            plan.execute(*args)
+    assert gpu.launches == []
+    # Inputs may overlap each other (they are only read): the same table for cosine and sine.
+    plan.execute(x, c, c, o)
+    assert len(gpu.launches) == 1
+
+
+@pytest.mark.parametrize("case", ["table_rows", "table_cols", "heads", "dim", "rank", "out_shape", "declaration",
+                                  "host", "other_device", "dtype", "requires_grad"])
+def test_execute_rejects_mismatch(gpu, case):
+    plan = TailRoPEForward(*descs()).check_support()
+    x, c, s, o = arrays()
+    exc = ValueError
+    if case == "table_rows":
+        args, pattern = (x, FakeDeviceArray((T + 1, 32), np.float32), s, o), r"cosine: expected shape \(4, 32\)"
+    elif case == "table_cols":
+        args, pattern = (x, c, FakeDeviceArray((T, 33), np.float32), o), r"sine: expected shape"
+    elif case == "heads":
+        args, pattern = arrays(h=H + 1), r"x: shape \(4, 3, 128\) does not match the plan's H=2, D=128"
+    elif case == "dim":
+        args, pattern = arrays(d=512), r"does not match the plan's H=2, D=128"
+    elif case == "rank":
+        args, pattern = arrays(rank=2), r"x: rank 2 differs from the plan's 3"
+    elif case == "out_shape":
+        args, pattern = (x, c, s, fake_cupy((T + 1, H, D), BF16)), r"out: shape"
+    elif case == "declaration":
+        args, pattern = (TensorDesc(BF16, (T, H, D)), c, s, o), r"x: execute\(\) needs arrays, not declarations"
+        exc = TypeError
+    elif case == "host":
+        args, pattern = (x, c, s, np.zeros((T, H, D), BF16)), r"out: a NumPy \(host\) array"
+        exc = TypeError
+    elif case == "other_device":
+        args, pattern = arrays(device=1), r"is on device 1 but the plan's device 0"
+    elif case == "dtype":
+        args, pattern = (x, c, s, fake_cupy((T, H, D), np.float16)), r"out: dtype float16"
+        exc = TypeError
+    elif case == "requires_grad":
+        args, pattern = (x, FakeTorchTensor((T, 32), np.float32), s, o), r"cosine requires grad"
+        exc = TypeError
+    with pytest.raises(exc, match=pattern):
+        plan.execute(*args)
+    assert gpu.launches == []
+
+
+def test_execute_rank_two_plan_given_rank_three(gpu):
+    plan = TailRoPEForward(*arrays(rank=2)).check_support()
+    with pytest.raises(ValueError, match="x: rank 3 differs from the plan's 2"):
+        plan.execute(*arrays(rank=3))
+    with pytest.raises(ValueError, match="x: rank 0 differs"):
+        plan.execute(fake_cupy((), BF16), *arrays(rank=2)[1:])
+    assert gpu.launches == []
+
+
+def test_execute_checks_the_grid_limit(gpu):
+    # Enough tokens that even the wide kernel needs more than 2**31 - 1 blocks (fake memory: no bytes).
+    per_block = tail_mod.BLOCK * tail_mod.UNROLL_WIDE
+    t = (2**31) * per_block * 8 // (64 * 512) + 1
+    x, c, s, o = arrays(t, 64, 512)
+    plan = TailRoPEForward(*descs(1, 64, 512)).check_support()
+    with pytest.raises(ValueError, match="above the CUDA grid limit"):
+        plan.execute(x, c, s, o)
+    assert gpu.launches == []
+
+
+def test_plan_keeps_its_declared_device(gpu, monkeypatch):
+    import cupy
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 2)
+    declared = descs(device="cuda")
+    assert {d.device for d in declared} == {2}
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)  # another device becomes current
+    plan = TailRoPEForward(*declared).check_support()
+    assert plan.device == 2
+    with pytest.raises(ValueError, match="is on device 0 but the plan's device 2"):
+        plan.execute(*arrays())
+    plan.execute(*arrays(device=2))
+    assert len(gpu.launches) == 1
+    assert TailRoPEForward(*descs(device="cuda:1")).check_support().device == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorDesc and TupleDict
+
+def test_tensor_desc_binds_a_device():
+    from rope_rtc import driver
+
+    current = 0
+    if driver.available():
+        import cupy
+
+        current = cupy.cuda.runtime.getDevice()
+    assert TensorDesc(BF16, (1, 128)).device == current
+    assert TensorDesc(BF16, (1, 128), device="cuda").device == current
+    assert TensorDesc(BF16, (1, 128), device="cuda:3").device == 3
+    assert TensorDesc(BF16, (1, 128), device=2).device == 2
+    for bad in ("cuda:x", "gpu", "cuda:-1", "cpu", "cuda:", "CUDA", 1.5, -1):
+        with pytest.raises(ValueError, match="TensorDesc: device"):
+            TensorDesc(BF16, (1, 128), device=bad)
+    with pytest.raises(TypeError, match="TensorDesc: device"):
+        TensorDesc(BF16, (1, 128), device=True)
+
+
+def test_tensor_desc_fields():
+    d = TensorDesc(BF16, (4, 2, 128))
+    assert d.strides == (256, 128, 1) and d.dtype == BF16 and d.dtype_name == "bfloat16"
+    assert "bfloat16" in repr(d)
+    assert TensorDesc("float32", [3, 32]).shape == (3, 32)
+    assert TensorDesc(np.float32, (0, 32)).strides == (32, 1)
+    with pytest.raises(TypeError, match="TensorDesc: dtype"):
+        TensorDesc("not-a-dtype", (1,))
+    with pytest.raises(ValueError, match="negative extent"):
+        TensorDesc(BF16, (-1, 128))
+    with pytest.raises(ValueError, match="do not match shape"):
+        TensorDesc(BF16, (4, 128), strides=(1,))
+    info = A.describe(d, "x")
+    assert (info.ptr, info.shape, info.strides, info.dtype, info.device) == (0, (4, 2, 128), (256, 128, 1),
+                                                                           "bfloat16", 0)
+
+
+def test_tuple_dict():
+    o = object()
+    r = TupleDict(out=o)
+    (out,) = r
+    assert out is o and r["out"] is o and r[0] is o
+    assert dict(r) == {"out": o}
+    assert len(r) == 1 and "out" in r and list(r.keys()) == ["out"] and list(r.items()) == [("out", o)]
+    assert r.get("missing") is None
+    with pytest.raises(TypeError):
+        r["out"] = 1
+    with pytest.raises(TypeError):
+        del r["out"]
+    with pytest.raises(AttributeError):
+        r.out = 1
+    with pytest.raises(AttributeError):
+        r._items = {}
+    with pytest.raises(KeyError):
+        r["x"]
+    assert not hasattr(r, "__dict__")
+    two = TupleDict(a=1, b=2)
+    assert tuple(two) == (1, 2) and two == {"a": 1, "b": 2}
