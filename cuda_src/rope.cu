@@ -38,9 +38,13 @@ typedef __nv_bfloat16 elem_t;
 constexpr int VEC = ROPE_VEC;
 // Pairs (and so table entries) one vector unit touches.
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
-// Heads per thread, loaded before any is stored (in place, the compiler could not reorder a
-// load of one head above the store of another on its own: the pointers may alias).
-constexpr int HEAD_BATCH = 4;
+// Heads per thread (ROPE_HEAD_BATCH, chosen by the host), loaded before any is stored (in place,
+// the compiler could not reorder a load of one head above the store of another on its own: the
+// pointers may alias).
+#ifndef ROPE_HEAD_BATCH
+#error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
+#endif
+constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;

@@ -41,13 +41,23 @@ def blog_spec() -> KernelSpec:
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))
 
 
+def rope_head_batch(interleaved: bool) -> int:
+    """Heads one thread of the general kernel rotates (ROPE_HEAD_BATCH).
+
+    Measured on the H200 with cold L2 (scripts/rope_variants.py, 2026-11-30): 1 or 2 heads leave
+    62-88% of the copy rate; 4 gives 90-95% for half-split pairs; interleaved pairs touch one
+    vector per head instead of two and need 8 to reach 93-94%.
+    """
+    return 8 if interleaved else 4
+
+
 def rope_spec(dtype: str, interleaved: bool, vec: int) -> KernelSpec:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
     return KernelSpec(
         "rope", "rope.cu", ("rope_apply",),
         (("ROPE_DTYPE", str(DTYPE_CODES[dtype])), ("ROPE_INTERLEAVED", str(int(interleaved))),
-         ("ROPE_VEC", str(vec))),
+         ("ROPE_VEC", str(vec)), ("ROPE_HEAD_BATCH", str(rope_head_batch(interleaved)))),
     )
 
 

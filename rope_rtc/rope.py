@@ -16,7 +16,7 @@ from . import arrays as A
 from .descriptors import TensorDesc
 from .launch import Launcher, StructArg, launch, launch_prefix, load_kernel, stream_handle
 from .layouts import Canonical, canonical, check_layout, to_bshd_index
-from .registry import rope_spec, rope_vector_widths
+from .registry import rope_head_batch, rope_spec, rope_vector_widths
 from .rope_params import (IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_CU_SEQLENS, POS_OFFSET,
                           POS_OFFSETS, POS_POSITIONS, RopeParams)
 
@@ -25,8 +25,6 @@ VARIANTS = ("auto", "baseline", "vectorized", "fused")
 # Threads per block of the general kernel (cuda_src/rope.cu: __launch_bounds__(256)).
 BLOCK_THREADS = 256
 GRID_LIMIT = 2**31 - 1
-# Heads one thread rotates (cuda_src/rope.cu: HEAD_BATCH).
-HEAD_BATCH = 4
 
 
 @dataclass
@@ -229,6 +227,20 @@ def _views(req: Request):
     return out
 
 
+def allowed_vectors(req: Request) -> tuple[int, ...]:
+    """Vector widths (elements, widest first) the window and strides allow, pointers aside."""
+    D, R, ro = req.cq.D, req.rotary_dim, req.rotary_offset
+    copy = not req.in_place and R < D
+    out = []
+    for vec in rope_vector_widths(req.dtype, req.interleaved):
+        if ro % vec or ((R // 2) if not req.interleaved else R) % vec or (copy and D % vec):
+            continue
+        if all(extent <= 1 or stride % vec == 0 for _, c in _views(req)
+               for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh))):
+            out.append(vec)
+    return tuple(out)
+
+
 def choose_vector(req: Request) -> int:
     """The widest vector (elements) every address the kernel forms is aligned to."""
     size = req.q.itemsize
@@ -312,7 +324,7 @@ def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[in
     units = (R if req.interleaved else R // 2) // vec
     copy_units = (D - R) // vec if (not req.in_place and R < D) else 0
     heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
-    groups = -(-heads // HEAD_BATCH)
+    groups = -(-heads // rope_head_batch(req.interleaved))
     total = req.num_tokens * (groups * units + heads * copy_units)
     blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)  # the kernel grid-strides past the limit
     return (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
@@ -584,6 +596,8 @@ class RopePlan:
                          and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
         if not self.in_place and k is not None and k_out is None:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
+        if not self.in_place and q_out is None:  # execute() would refuse every call
+            raise ValueError("q_out: an out-of-place plan (k_out given) needs q_out too")
         self.dtype, self.layout = req.dtype, layout
         self.interleaved, self.inverse = bool(interleaved), bool(inverse)
         self.rotary_dim, self.rotary_offset = req.rotary_dim, req.rotary_offset
@@ -597,6 +611,8 @@ class RopePlan:
         self._kernels: dict[int, object] = {}
         self._compiled = False
         self._last = None
+        self._templates: dict[tuple, _Template] = {}
+        self._filled: _Template | None = None
         self._args = StructArg(RopeParams)
 
     def compile(self) -> "RopePlan":
@@ -651,6 +667,40 @@ class RopePlan:
     def _prepare(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens) -> None:
         if not self._compiled:
             self.compile()
+        qo = q if (q_out is None and self.in_place) else q_out
+        ko = k if (k_out is None and self.in_place) else k_out
+        arrays = (q, k, cos, sin, positions, qo, ko, cu_seqlens, None if type(offset) is int else offset)
+        sig = _signature(arrays, qo is q, ko is k)
+        tmpl = self._templates.get(sig) if sig is not None else None
+        if tmpl is not None and self._reuse(tmpl, arrays, offset, q_out, k_out):
+            return
+        self._full_prepare(q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, arrays, sig)
+
+    def _reuse(self, tmpl: "_Template", arrays, offset, q_out, k_out) -> bool:
+        """Arrays of a shape/stride/dtype signature validated before: only pointer-dependent
+        checks run (alignment, and overlap when the arrays' relative placement is new). False
+        sends the call through full validation (which raises on a real problem)."""
+        ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
+        if not tmpl.placement_ok(ptrs):
+            return False
+        vec = tmpl.vector_for(ptrs)
+        if vec is None:
+            return False
+        if type(offset) is int and tmpl.pos_offset_rows is not None:
+            S, rows = tmpl.pos_offset_rows
+            if S and (offset < 0 or offset + S > rows):
+                return False
+        p = self._args.values
+        if self._filled is not tmpl or tmpl.filled_vec != vec:
+            fill_params(p, tmpl.req, vec)
+            self._filled, tmpl.filled_vec = tmpl, vec
+        tmpl.write_pointers(p, ptrs, vec, offset)
+        q, k, cos, sin, positions, _, _, cu_seqlens, _ = arrays
+        self._last = (q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, q.shape,
+                      tmpl.prefix(self._kernels, vec), tmpl.pos_offset_rows[0] if tmpl.pos_offset_rows else 0)
+        return True
+
+    def _full_prepare(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, arrays, sig) -> None:
         if self.has_k != (k is not None):
             raise TypeError("k: this plan was built " + ("with" if self.has_k else "without") + " k")
         if self.in_place:
@@ -683,6 +733,11 @@ class RopePlan:
             vec = choose_vector(req)
             fill_params(self._args.values, req, vec)
             prefix = launch_prefix(self._kernels[vec], *launch_shape(req, vec))
+        self._filled = None
+        if sig is not None:
+            if len(self._templates) >= 64:  # bounded: engines cycle through a few shapes
+                self._templates.clear()
+            self._templates[sig] = _Template(req, arrays)
         self._last = (q, k, cos, sin, positions, q_out, k_out, offset,
                       cu_seqlens, q.shape, prefix, req.cq.S if req.pos_mode == POS_OFFSET else 0)
 
@@ -691,3 +746,81 @@ def _current_device() -> int:
     import cupy
 
     return int(cupy.cuda.runtime.getDevice())
+
+
+def _signature(arrays, q_in_place: bool, k_in_place: bool):
+    """Shape/stride/dtype/device of each argument, when every one is a CuPy array (else None)."""
+    parts = []
+    for a in arrays:
+        if a is None:
+            parts.append(None)
+        elif type(a).__name__ == "ndarray" and type(a).__module__.startswith("cupy"):
+            parts.append((a.shape, a.strides, a.dtype, a.data.device_id))
+        else:
+            return None
+    return (tuple(parts), q_in_place, k_in_place)
+
+
+class _Template:
+    """What full validation established for one argument signature, minus the pointers.
+
+    Order of ``arrays``/``ptrs``: q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset array.
+    """
+
+    OUTPUTS = ((5, 0), (6, 1))  # (output index, its own input index)
+
+    def __init__(self, req: Request, arrays) -> None:
+        self.req = req
+        infos = (req.q, req.k, req.cos, req.sin, req.positions, req.q_out, req.k_out, req.cu_seqlens, req.offsets)
+        ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
+        # Extents relative to each array's pointer; and the placement full validation accepted.
+        self.extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
+                             for i in infos)
+        self.validated = tuple(p - ptrs[0] for p in ptrs)
+        self.in_place = tuple(arrays[o] is not None and arrays[o] is arrays[i] for o, i in self.OUTPUTS)
+        self.allowed = allowed_vectors(req)
+        self.itemsize = req.q.itemsize
+        self.npair_div = 2 if req.interleaved else 1
+        self.pos_offset_rows = (req.cq.S, req.cos.shape[0]) if req.pos_mode == POS_OFFSET and req.cu_seqlens is None else None
+        self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 else 0
+        self.filled_vec = None
+        self._prefixes: dict[int, tuple] = {}
+
+    def placement_ok(self, ptrs) -> bool:
+        if tuple(p - ptrs[0] for p in ptrs) == self.validated:
+            return True  # same relative placement as a validated call: same overlap answer
+        for (o, own), same in zip(self.OUTPUTS, self.in_place):
+            eo = self.extents[o]
+            if eo is None:
+                continue
+            lo, hi = ptrs[o] + eo[0], ptrs[o] + eo[1]
+            for j, ej in enumerate(self.extents):
+                if ej is None or j == o or (same and j == own):
+                    continue
+                if ptrs[j] + ej[0] < hi and lo < ptrs[j] + ej[1]:
+                    return False  # extents meet: let full validation decide exactly
+        return True
+
+    def vector_for(self, ptrs) -> int | None:
+        combined = ptrs[0] | ptrs[1] | ptrs[5] | ptrs[6]
+        for vec in self.allowed:
+            if combined % (vec * self.itemsize) == 0:
+                return vec
+        return None
+
+    def write_pointers(self, p: RopeParams, ptrs, vec: int, offset) -> None:
+        q, k, cos, sin, positions, q_out, k_out, cu, offs = ptrs
+        p.q_in, p.k_in, p.cos, p.sin = q, k, cos, sin
+        p.q_out = q_out or q
+        p.k_out = k_out or k
+        p.positions, p.cu_seqlens, p.offsets = positions, cu, offs
+        if type(offset) is int:
+            p.offset = offset
+        npair = vec // self.npair_div
+        p.table_vec = int(self.rows_stride % npair == 0 and cos % (4 * npair) == 0 and sin % (4 * npair) == 0)
+
+    def prefix(self, kernels: dict, vec: int):
+        pre = self._prefixes.get(vec)
+        if pre is None and self.req.num_tokens:
+            pre = self._prefixes[vec] = launch_prefix(kernels[vec], *launch_shape(self.req, vec))
+        return pre

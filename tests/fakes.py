@@ -342,8 +342,13 @@ class FakeGPU:
             if not plan._supported:
                 plan.check_support()
             if plan.backend == "nvrtc" and plan._kernel is None:
+                from rope_rtc.registry import tail_spec
+
+                entries = tail_spec(plan.heads, plan.dim).entries
                 plan._kernel = ("tail", plan.heads, plan.dim, plan.device)
-                plan._f1, plan._f4 = "tail_rope_bf16_x1", "tail_rope_bf16_x4"
+                # Function handles under every name the plan has used for them (the entry names).
+                plan._function = entries[0]
+                plan._f1, plan._f4 = entries[0], entries[-1]
                 plan._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
                                       ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
                 plan._sms = gpu.num_sms

@@ -579,7 +579,8 @@ def test_warm_killed_at_random_moments_leaves_a_cache_that_verifies(tmp_path, ca
     rng = random.Random(20240611)
     killed_mid_warm = 0
     for _ in range(4):
-        p = subprocess.Popen(warm_cmd(root, "--arch", "sm_90", "--tail-heads", "1,2"), cwd=REPO,
+        # One job: the warm lasts seconds however many cores the machine has, so kills land mid-warm.
+        p = subprocess.Popen(warm_cmd(root, "--arch", "sm_90", "--tail-heads", "1,2", "--jobs", "1"), cwd=REPO,
                              env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, 2.0))
         p.send_signal(signal.SIGKILL)

@@ -284,3 +284,42 @@ def test_torch_tensors_through_dlpack(cp):
     with pytest.raises(TypeError, match="grad"):
         rope_rtc.apply_rope(torch.ones(1, 1, 1, 64, device="cuda", requires_grad=True), torch.from_numpy(cos).cuda(),
                             torch.from_numpy(sin).cuda())
+
+
+def test_plan_new_arrays_every_call(cp):
+    """Fresh arrays of one signature each call (an engine's memory pool): the cached validation
+    still checks pointers — results right, misalignment and overlap still rejected."""
+    import rope_rtc
+
+    dt = DTYPES["bfloat16"]
+    B, S, Hq, Hk, D = 2, 6, 4, 2, 128
+    cos, sin = (cp.asarray(t) for t in host_tables(32, D // 2, 12))
+    ch, sh = cp.asnumpy(cos), cp.asnumpy(sin)
+    plan = rope_rtc.RopePlan(rope_rtc.TensorDesc(dt, (B, S, Hq, D)), rope_rtc.TensorDesc(dt, (B, S, Hk, D)), cos, sin,
+                             q_out=rope_rtc.TensorDesc(dt, (B, S, Hq, D)),
+                             k_out=rope_rtc.TensorDesc(dt, (B, S, Hk, D))).compile()
+    pos = np.tile(np.arange(S) + 4, B)
+    for gen in range(6):
+        qh, kh = host_random((B, S, Hq, D), dt, 300 + gen), host_random((B, S, Hk, D), dt, 400 + gen)
+        q, k = cp.asarray(qh), cp.asarray(kh)
+        qo, ko = poisoned(cp, q.shape, dt), poisoned(cp, k.shape, dt)
+        plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=4)
+        for got, x in ((qo, qh), (ko, kh)):
+            xc = x.reshape(-1, x.shape[2], D)
+            assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, ch, sh, pos, interleaved=False),
+                              xc, interleaved=False, dtype=xc.dtype)
+    # Same signature, but the outputs now overlap an input / are misaligned: still rejected.
+    buf = cp.empty((2 * B * S * Hq * D,), dtype=dt)
+    q = buf[: B * S * Hq * D].reshape(B, S, Hq, D)
+    qo_overlap = buf[B * S * Hq * D // 2: B * S * Hq * D // 2 + B * S * Hq * D].reshape(B, S, Hq, D)
+    k, ko = cp.asarray(kh), cp.empty_like(cp.asarray(kh))
+    with pytest.raises(ValueError, match="overlaps"):
+        plan.execute(q, k, cos, sin, q_out=qo_overlap, k_out=ko, offset=4)
+    flat = cp.empty((B * S * Hq * D + 1,), dtype=dt)
+    mis = flat[1:].reshape(B, S, Hq, D)
+    out = poisoned(cp, mis.shape, dt)
+    mis[...] = cp.asarray(qh)
+    plan.execute(mis, k, cos, sin, q_out=out, k_out=ko, offset=4)  # narrower vectors, still right
+    xc = qh.reshape(-1, Hq, D)
+    assert_rope_close(cp.asnumpy(out).reshape(xc.shape), rope_reference(xc, ch, sh, pos, interleaved=False), xc,
+                      interleaved=False, dtype=xc.dtype)

@@ -237,3 +237,26 @@ def test_plan_stays_on_its_device(cp, monkeypatch):
     _compare(cp, (x_h, c_h, s_h), (x, c, s), out)
     desc2 = descriptors.TensorDesc(ml_dtypes.bfloat16, (4, 2, 128), device="cuda")
     assert desc2.device == 1  # a new declaration binds to the (patched) current device
+
+
+def test_new_arrays_every_call_still_checked(cp):
+    """Fresh arrays of a validated signature: results right; overlap and misalignment still rejected."""
+    import rope_rtc
+
+    T, H, D = 16, 4, 128
+    plan = None
+    for gen in range(5):
+        x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=90 + gen)
+        x, c, s = cp.asarray(x_h), cp.asarray(c_h), cp.asarray(s_h)
+        out = cp.full(x.shape, cp.nan, dtype=x.dtype)
+        plan = plan or rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile()
+        plan.execute(x, c, s, out)
+        _compare(cp, (x_h, c_h, s_h), (x, c, s), out)
+    buf = cp.empty((2 * T * H * D,), dtype=ml_dtypes.bfloat16)
+    xo = buf[: T * H * D].reshape(T, H, D)
+    oo = buf[T * H * D // 2: T * H * D // 2 + T * H * D].reshape(T, H, D)
+    with pytest.raises(ValueError, match="overlaps x"):
+        plan.execute(xo, c, s, oo)
+    flat = cp.empty((T * H * D + 8,), dtype=ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="aligned"):
+        plan.execute(flat[1:1 + T * H * D].reshape(T, H, D), c, s, out)

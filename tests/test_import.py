@@ -44,7 +44,7 @@ def test_import_rope_rtc_loads_neither_cupy_nor_the_cuda_driver():
     assert result["seconds"] < 1.0, f"import rope_rtc took {result['seconds']:.2f} s"
 
 
-def test_offline_tooling_imports_no_gpu_library():
+def test_offline_tooling_imports_no_device_library():
     """The cache, the compiler, warm and the CLI run on build machines without a GPU."""
     result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build, rope_rtc.compiler, rope_rtc.cache, rope_rtc.registry")
     assert result["heavy"] == []

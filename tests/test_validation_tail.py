@@ -176,7 +176,7 @@ def test_execute_launches_and_returns_tuple_dict(gpu):
     result = plan.execute(x, c, s, o)
     assert isinstance(result, TupleDict) and result["out"] is o
     (launch,) = gpu.launches
-    assert launch["fn"] == "tail_rope_bf16_x1"
+    assert launch["fn"] == "tail_rope_bf16_x1"  # one 16-byte vector per thread at this size
     assert launch["grid"] == (-(-_n_vec(T) // tail_mod.BLOCK), 1, 1) and launch["block"] == (tail_mod.BLOCK, 1, 1)
     v = plan._args.values
     assert (v.x, v.out, v.n) == (x.data.ptr, o.data.ptr, _n_vec(T))
@@ -186,14 +186,19 @@ def test_execute_launches_and_returns_tuple_dict(gpu):
     assert len(gpu.launches) == 2
 
 
-def test_execute_wide_kernel_for_large_inputs(gpu):
+def test_execute_large_inputs_cover_every_vector(gpu):
+    from rope_rtc.registry import tail_spec
+
     t, h, d = 16384, 64, 512
     x, c, s, o = arrays(t, h, d)
     plan = TailRoPEForward(*descs(1, h, d)).check_support()
     plan.execute(x, c, s, o)
     (launch,) = gpu.launches
-    assert launch["fn"] == "tail_rope_bf16_x4"
-    assert launch["grid"][0] == -(-_n_vec(t, h, d) // (tail_mod.BLOCK * tail_mod.UNROLL_WIDE))
+    assert launch["fn"] in tail_spec(h, d).entries
+    per_thread = 4 if launch["fn"].endswith("x4") else 1  # vectors per thread of the entry
+    assert launch["block"] == (tail_mod.BLOCK, 1, 1)
+    assert launch["grid"][0] == -(-_n_vec(t, h, d) // (tail_mod.BLOCK * per_thread))
+    assert plan._args.values.n == _n_vec(t, h, d)
 
 
 def test_token_count_changes_including_zero(gpu):
@@ -316,7 +321,7 @@ def test_execute_rank_two_plan_given_rank_three(gpu):
 
 def test_execute_checks_the_grid_limit(gpu):
     # Enough tokens that even the wide kernel needs more than 2**31 - 1 blocks (fake memory: no bytes).
-    per_block = tail_mod.BLOCK * tail_mod.UNROLL_WIDE
+    per_block = tail_mod.BLOCK * 4  # the most vectors a block of any tail entry covers
     t = (2**31) * per_block * 8 // (64 * 512) + 1
     x, c, s, o = arrays(t, 64, 512)
     plan = TailRoPEForward(*descs(1, 64, 512)).check_support()
