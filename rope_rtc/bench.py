@@ -193,9 +193,9 @@ def blog_cases(quick: bool) -> list[Case]:
 
 def general_cases(quick: bool) -> list[Case]:
     seqs = (4096,) if quick else (512, 4096, 16384)
+    dtypes = ("bfloat16", "float32") if quick else ("bfloat16", "float16", "float32")
     return [Case("general", dt, lay, il, 4, s, 32, 32, 128)
-            for s in seqs for dt in ("bfloat16", "float16", "float32")
-            for il in (False, True) for lay in ("bshd", "bhsd")]
+            for s in seqs for dt in dtypes for il in (False, True) for lay in ("bshd", "bhsd")]
 
 
 def decode_cases(quick: bool) -> list[Case]:
@@ -209,7 +209,7 @@ TAIL_HD = ((64, 512), (32, 128), (8, 512), (4, 128), (1, 512), (1, 128))
 
 def tail_cases(quick: bool) -> list[Case]:
     tokens = (1, 4, 16384) if quick else TAIL_T
-    geoms = ((64, 512), (32, 128), (1, 128)) if quick else TAIL_HD
+    geoms = ((64, 512), (1, 128)) if quick else TAIL_HD
     return [Case("tail", "bfloat16", "thd", True, 1, t, h, 0, d) for t in tokens for h, d in geoms]
 
 
@@ -837,13 +837,14 @@ def setup_ours_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
 
 
 def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runner:
-    from .rope import apply_rope_qk
+    from .blog import prepare_blog_variant
 
-    fns = [partial(apply_rope_qk, bufs.q(i), bufs.k(i), bufs.cos(i), bufs.sin(i), layout="bhsd", interleaved=True,
-                   q_out=bufs.q(i), k_out=bufs.k(i), variant=variant) for i in range(bufs.n)]
-    # Not captured: the blog path packs its (cos, sin) table per call (an allocation).
-    return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], "bhsd", True, "bhsd/inter", True, None,
-                  f"apply_rope_qk(variant={variant!r}), in place")
+    # Validated and packed once (the blog prepares its (cos, sin) table ahead too): the timed
+    # calls are the blog's launches alone, capturable like ours.
+    fns = [prepare_blog_variant(variant, bufs.q(i), bufs.k(i), bufs.cos(i), bufs.sin(i), q_out=bufs.q(i),
+                                k_out=bufs.k(i)) for i in range(bufs.n)]
+    return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], "bhsd", True, "bhsd/inter", True,
+                  _cupy_capture(ctx, fns), f"blog {variant} kernel (table packed once), in place")
 
 
 def setup_ours_tail(ctx, case: Case, bufs: SetBuffers) -> Runner:
@@ -1662,6 +1663,11 @@ def blog_table(result: dict) -> list[list[str]]:
     return rows
 
 
+def _short_id(c: dict) -> str:
+    """The case id without its group (each table is one group)."""
+    return c["id"].split("/", 1)[1] if "/" in c["id"] else c["id"]
+
+
 def _cell_copy(c: dict) -> str:
     g = gbps(c, rows_by_impl(c).get(COPY), "cold")
     return "-" if g is None else f"{g:.0f}"
@@ -1677,7 +1683,7 @@ def prefill_table(result: dict, group: str) -> list[list[str]]:
         best_txt = "-"
         if best:
             best_txt = f"{best[0]} {_cell(c, by[best[0]])}"
-        rows.append([c["id"], f"{c['bytes_moved'] / 1e6:.1f}", _cell_copy(c), _cell(c, by.get(OURS)), best_txt,
+        rows.append([_short_id(c), f"{c['bytes_moved'] / 1e6:.1f}", _cell_copy(c), _cell(c, by.get(OURS)), best_txt,
                      _cell(c, by.get("cupy"))])
     return rows
 
@@ -1690,7 +1696,7 @@ def latency_table(result: dict, group: str) -> list[list[str]]:
         if c["group"] != group or not c.get("small"):
             continue
         by = rows_by_impl(c)
-        cells = [c["id"]]
+        cells = [_short_id(c)]
         for i in impls:
             r = by.get(i)
             if r is None:
@@ -1705,14 +1711,14 @@ def latency_table(result: dict, group: str) -> list[list[str]]:
 
 
 def tail_table(result: dict) -> list[list[str]]:
-    rows = [["case", "MB moved", "copy GB/s (cold)", "rope_rtc GB/s (%copy)", "graph µs", "host µs", "fastest peer"]]
+    rows = [["case", "MB moved", "copy GB/s", "rope_rtc GB/s (%copy)", "graph µs", "host µs", "fastest peer"]]
     for c in result["cases"]:
         if c["group"] != "tail":
             continue
         by = rows_by_impl(c)
         ours = by.get(OURS)
         best = fastest_peer(c, "cold")
-        rows.append([c["id"] + ("" if c.get("cold_exact") else " *"), f"{c['bytes_moved'] / 1e6:.3f}", _cell_copy(c),
+        rows.append([_short_id(c) + ("" if c.get("cold_exact") else " *"), f"{c['bytes_moved'] / 1e6:.3f}", _cell_copy(c),
                      _cell(c, ours), _f(timing(ours, "graph"), ".2f", 0).strip(), _f(timing(ours, "host"), ".2f", 0).strip(),
                      f"{best[0]} {_cell(c, by[best[0]])}" if best else "-"])
     return rows
@@ -1831,7 +1837,7 @@ def _worst_at_least(add, name, pts, need, unit):
         add(name, "N/A", "not measured in this run")
         return
     v, where = min(pts)
-    st = "PASS" if v >= need else "MISS"
+    st = "PASS" if v >= need * (1 - 1e-12) else "MISS"
     add(name, st, f"worst {v:.1f}{unit}", "" if st == "PASS" else f"{need - v:.1f}{unit} short", where)
 
 
@@ -1841,7 +1847,7 @@ def _worst_at_most(add, name, pts, limit, unit):
         add(name, "N/A", "not measured in this run")
         return
     v, where = max(pts)
-    st = "PASS" if v <= limit else "MISS"
+    st = "PASS" if v <= limit * (1 + 1e-12) else "MISS"
     add(name, st, f"worst {v:.2f}{unit}", "" if st == "PASS" else f"{v - limit:.2f}{unit} over", where)
 
 

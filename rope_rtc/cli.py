@@ -28,16 +28,23 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 # -- small helpers ---------------------------------------------------------------------------
 
+class _Usage(Exception):
+    """The command cannot start; the text says why."""
+
+
 def _err(message: str) -> None:
     print(f"rope-rtc: {message}", file=sys.stderr)
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024 or unit == "GiB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def _when(timestamp: float) -> str:
@@ -189,10 +196,6 @@ def _default_archs() -> list[str]:
         raise _Usage(f"no GPU found ({driver.unavailable_reason() or 'no CUDA device'}); say which "
                      "architectures to build for, e.g. --arch sm_90 --arch sm_80")
     return [f"sm_{driver.device_arch(i)}" for i in range(driver.device_count())]
-
-
-class _Usage(Exception):
-    """The command cannot start; the text says why."""
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:

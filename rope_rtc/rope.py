@@ -683,6 +683,11 @@ class RopePlan:
         ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
         if not tmpl.placement_ok(ptrs):
             return False
+        if type(offset) is int and offset and tmpl.req.positions is not None:
+            return False  # positions and an offset: full validation rejects it
+        for i, mask in tmpl.natural:
+            if ptrs[i] & mask:
+                return False  # a table or index array off its natural alignment
         vec = tmpl.vector_for(ptrs)
         if vec is None:
             return False
@@ -780,6 +785,9 @@ class _Template:
         self.in_place = tuple(arrays[o] is not None and arrays[o] is arrays[i] for o, i in self.OUTPUTS)
         self.allowed = allowed_vectors(req)
         self.itemsize = req.q.itemsize
+        # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
+        self.natural = tuple((i, info.itemsize - 1) for i, info in enumerate(infos)
+                             if i in (2, 3, 4, 7, 8) and info is not None)
         self.npair_div = 2 if req.interleaved else 1
         self.pos_offset_rows = (req.cq.S, req.cos.shape[0]) if req.pos_mode == POS_OFFSET and req.cu_seqlens is None else None
         self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 else 0

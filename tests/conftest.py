@@ -21,6 +21,11 @@ def _require_gpu() -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Never write test kernels into the user's cache: one private cache per test session.
+    if not os.environ.get("ROPE_RTC_CACHE_DIR"):
+        import tempfile
+
+        os.environ["ROPE_RTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="rope_rtc_test_cache_")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
     config.addinivalue_line("markers", "device: needs the device machine (GPU, torch, transformers)")
 

@@ -319,7 +319,7 @@ def test_failed_publish_removes_its_temporary_file_and_warns_once(tmp_path, monk
     assert list(d.iterdir()) == []
 
 
-def test_corrupt_entry_warns_is_deleted_and_recompiled(tmp_path, compiles):
+def test_corrupt_entry_warns_is_deleted_and_recompiled(tmp_path, monkeypatch, compiles):
     d = tmp_path / "c"
     spec = registry.tail_spec(1, 128)
     first = build.get_binary(spec, SM90, store=fresh_store(d), announce=False)
@@ -329,13 +329,15 @@ def test_corrupt_entry_warns_is_deleted_and_recompiled(tmp_path, compiles):
 
     deleted = []
     real_unlink = os.unlink
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(store_mod.os, "unlink", lambda p: (deleted.append(Path(p)), real_unlink(p))[1])
-    try:
+
+    def unlink(p):
+        deleted.append(Path(p))
+        real_unlink(p)
+
+    with monkeypatch.context() as m:
+        m.setattr(store_mod.os, "unlink", unlink)
         with pytest.warns(CacheWarning, match=r"corrupt cache entry .*checksum.*deleted, recompiling"):
             again = build.get_binary(spec, SM90, store=fresh_store(d), announce=False)
-    finally:
-        monkeypatch.undo()
     assert path in deleted
     assert again.source == "compiled" and compiles == [spec.name, spec.name]
     assert again.data == first.data

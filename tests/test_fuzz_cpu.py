@@ -37,7 +37,7 @@ from rope_rtc.registry import rope_vector_widths
 CLEAR_ERRORS = (TypeError, ValueError, NotImplementedError)
 LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
 FLOATS = (np.dtype(np.float32), np.dtype(np.float16), BF16)
-ACCEPTED = ("ok", "launched", "accepted, nothing to launch")
+ACCEPTED = ("ok", "launched", "accepted", "nothing")
 
 #: cases tried, per test and outcome; reported by test_zz_report_case_counts
 COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -46,6 +46,8 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, print_blob=False
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 CHAOS = st.sampled_from([0.0, 0.0, 0.0, 0.04, 0.1, 0.3])
+RELOCATION_CHAOS = st.sampled_from([0.0, 0.2, 0.4, 0.6])
+SIZES = st.sampled_from([1, 1, 2, 2, 3, 5, 0])  # B, S, H: zero sometimes
 
 ARG_NAMES = ("x", "q", "k", "out", "q_out", "k_out", "cos", "sin", "cosine", "sine", "positions", "offset",
              "cu_seqlens", "layout", "interleaved", "inverse", "rotary_dim", "rotary_offset", "backend", "execute",
@@ -216,8 +218,8 @@ def draw_general_case(data, *, with_k, paired=False):
     dice = Dice(data.draw(st.integers(0, 2**32 - 1), label="seed"), chaos)
     dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
     layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
-    b, s = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 5), label="S")
-    h = data.draw(st.integers(0, 4), label="H")
+    b, s = data.draw(SIZES, label="B"), data.draw(SIZES, label="S")
+    h = data.draw(SIZES, label="H")
     d = data.draw(st.sampled_from([2, 4, 6, 8, 10, 16, 24, 32, 64, 66, 128]), label="D")
     scheme = data.draw(st.sampled_from(["default", "int", "offsets", "positions", "cu_seqlens"]), label="positions")
     interleaved = data.draw(st.booleans(), label="interleaved")
@@ -299,7 +301,7 @@ def _check_launches(gpu):
 # ---------------------------------------------------------------------------------------------
 # (a) fake device arrays: a sane launch or a clear error, nothing else
 
-@settings(FUZZ, max_examples=900)
+@settings(FUZZ, max_examples=1500)
 @given(st.data())
 def test_fuzz_general_fake_arrays(data):
     api = data.draw(st.sampled_from(["apply_rope", "apply_rope_qk", "plan"]), label="api")
@@ -364,7 +366,7 @@ def draw_tail_case(data):
     return dice, x, cosine, sine, out
 
 
-@settings(FUZZ, max_examples=600)
+@settings(FUZZ, max_examples=800)
 @given(st.data())
 def test_fuzz_tail_fake_arrays(data):
     dice, x, cosine, sine, out = draw_tail_case(data)
@@ -452,7 +454,7 @@ def _bits(a):
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
 
 
-@settings(FUZZ, max_examples=700)
+@settings(FUZZ, max_examples=1000)
 @given(st.data())
 def test_fuzz_general_numpy_backend(data):
     chaos = data.draw(CHAOS, label="chaos")
@@ -461,8 +463,8 @@ def test_fuzz_general_numpy_backend(data):
     api = data.draw(st.sampled_from(["apply_rope", "apply_rope_qk"]), label="api")
     dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
     layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
-    b, s = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 5), label="S")
-    h, d = data.draw(st.integers(0, 3), label="H"), data.draw(st.sampled_from([2, 4, 6, 8, 12, 16]), label="D")
+    b, s, h = data.draw(SIZES, label="B"), data.draw(SIZES, label="S"), data.draw(SIZES, label="H")
+    d = data.draw(st.sampled_from([2, 4, 6, 8, 12, 16]), label="D")
     scheme = data.draw(st.sampled_from(["default", "int", "offsets", "positions", "cu_seqlens"]), label="scheme")
     out_kind = data.draw(st.sampled_from(["none", "same", "fresh"]), label="out")
     if dice.bad():
@@ -556,7 +558,7 @@ def test_fuzz_general_numpy_backend(data):
     COUNTS["general/numpy"][outcome] += 1
 
 
-@settings(FUZZ, max_examples=300)
+@settings(FUZZ, max_examples=400)
 @given(st.data())
 def test_fuzz_tail_numpy_backend(data):
     chaos = data.draw(CHAOS, label="chaos")
@@ -608,9 +610,170 @@ def test_fuzz_tail_numpy_backend(data):
     COUNTS["tail/numpy"][outcome] += 1
 
 
+# ---------------------------------------------------------------------------------------------
+# (c) prepared plans re-use validation per argument signature (all-CuPy arguments): a re-used
+#     validation must decide exactly as full validation would, for every new placement of the
+#     arrays (aligned, misaligned, landing on another argument's bytes).
+
+
+def _params_bytes(plan) -> bytes:
+    import ctypes
+
+    v = plan._args.values
+    return ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v))
+
+
+def _outcome(gpu, call, plan):
+    """('raised', type, message) or ('launched'/'nothing', launch, argument bytes) of one execute."""
+    n = len(gpu.launches)
+    try:
+        call()
+    except CLEAR_ERRORS as exc:
+        _check_clear(exc)
+        assert len(gpu.launches) == n
+        return ("raised", type(exc).__name__, str(exc))
+    if len(gpu.launches) == n:
+        return ("nothing",)
+    launch = gpu.launches[-1]
+    return ("launched", launch["fn"], launch["grid"], launch["block"], _params_bytes(plan))
+
+
+def _count_full_validations(plan) -> list:
+    """Counts the plan's full validations (its _full_prepare), to see which calls re-used one."""
+    calls = []
+    inner = getattr(plan, "_full_prepare", None)
+    if inner is not None:
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return inner(*args, **kwargs)
+
+        plan._full_prepare = counted
+    return calls
+
+
+def _relocated(dice, a, others):
+    """``a``'s shape, strides and dtype at a new address: aligned, or (with chaos) shifted by a few
+    bytes or laid over another argument's bytes."""
+    dtype = np.dtype(a.dtype)
+    roll = dice.rng.random()
+    if roll < dice.chaos / 2 and others:
+        at, shift = _ptr(dice.pick(others)) + dice.int(0, 3) * 16 + dice.pick([0, 0, dtype.itemsize]), 0
+    elif roll < dice.chaos:
+        at, shift = None, dice.pick([1, 2, 4, 6, 8, 12])
+    else:
+        at, shift = None, dice.pick([0, 16, 32, 48])
+    return fake_array(dice, a.shape, dtype, kind="cupy", strides=_strides_el(a), at=at, shift=shift)
+
+
+@settings(FUZZ, max_examples=500)
+@given(st.data())
+def test_fuzz_plan_revalidation_matches_full_validation(data):
+    first = Dice(data.draw(st.integers(0, 2**32 - 1), label="seed"), 0.0)
+    dice = Dice(data.draw(st.integers(0, 2**32 - 1), label="seed 2"), data.draw(RELOCATION_CHAOS, label="chaos"))
+    dtype = data.draw(st.sampled_from(FLOATS), label="dtype")
+    layout = data.draw(st.sampled_from(LAYOUTS), label="layout")
+    b, s, h = data.draw(SIZES, label="B"), data.draw(SIZES, label="S"), data.draw(SIZES, label="H")
+    d = data.draw(st.sampled_from([2, 8, 16, 64, 66]), label="D")
+    scheme = data.draw(st.sampled_from(["default", "int", "offsets", "positions", "cu_seqlens"]), label="scheme")
+    mode = data.draw(st.sampled_from(["in_place", "out_of_place"]), label="outputs")
+    interleaved = data.draw(st.booleans(), label="interleaved")
+    if scheme == "cu_seqlens":
+        layout = "thd"
+    q = fake_array(first, _layout_shape(layout, b, s, h, d), dtype, kind="cupy", shift=0)
+    k = fake_array(first, _layout_shape(layout, b, s, first.int(0, 3), d), dtype, kind="cupy", shift=0)
+    rotary_dim, rotary_offset = draw_window(first, d)
+    r = d if rotary_dim is None else rotary_dim
+    tokens = b * s if layout == "thd" else s
+    rows = tokens + 3 + first.int(0, 3)
+    strides = _strides(first, (rows, r // 2))
+    cos = fake_array(first, (rows, r // 2), np.float32, kind="cupy", strides=strides, shift=0)
+    sin = fake_array(first, (rows, r // 2), np.float32, kind="cupy", strides=strides, shift=0)
+
+    def index(shape):
+        return fake_array(first, shape, first.pick([np.int32, np.int64]), kind="cupy",
+                          strides=_strides(first, shape, contiguous=True), shift=0)
+
+    kw = {}
+    if scheme == "int":
+        kw["offset"] = first.int(0, 3)
+    elif scheme == "offsets":
+        kw["offset"] = index((1 if layout == "thd" else b,))
+    elif scheme == "positions":
+        kw["positions"] = index((b * s,) if layout == "thd" else (b, s))
+    elif scheme == "cu_seqlens":
+        kw["cu_seqlens"] = index((first.int(1, 3) + 1,))
+    q_out = k_out = None
+    if mode == "out_of_place":
+        q_out = fake_array(first, q.shape, dtype, kind="cupy", shift=0)
+        k_out = fake_array(first, k.shape, dtype, kind="cupy", shift=0)
+    opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset)
+
+    def execute(plan, q, k, cos, sin, q_out, k_out, kw):
+        return plan.execute(q, k, cos, sin, positions=kw.get("positions"), q_out=q_out, k_out=k_out,
+                            offset=kw.get("offset"), cu_seqlens=kw.get("cu_seqlens"))
+
+    with FakeGPU() as gpu:
+        warm = RopePlan(q, k, cos, sin, q_out=q_out, k_out=k_out, **opts, **kw)
+        first_outcome = _outcome(gpu, lambda: execute(warm, q, k, cos, sin, q_out, k_out, kw), warm)
+        assert first_outcome[0] != "raised", f"a valid case was rejected: {first_outcome}"
+        # New arrays of the same signature (the plan's template applies), placed anew.
+        args = {"q": q, "k": k, "cos": cos, "sin": sin, **{n: v for n, v in kw.items() if not isinstance(v, int)}}
+        if mode == "out_of_place":
+            args.update(q_out=q_out, k_out=k_out)
+        moved = {}
+        for name, a in args.items():
+            moved[name] = _relocated(dice, a, list(moved.values()))
+        kw2 = {n: moved.get(n, v) for n, v in kw.items()}
+        if "offset" in kw2 and isinstance(kw2["offset"], int):
+            kw2["offset"] = dice.int(-1, 5) if dice.bad() else dice.int(0, 3)
+        elif "positions" in kw2 and dice.bad():
+            kw2["offset"] = dice.int(1, 3)  # not allowed with positions
+        new = (moved["q"], moved["k"], moved["cos"], moved["sin"], moved.get("q_out"), moved.get("k_out"), kw2)
+        full_validations = _count_full_validations(warm)
+        reused = _outcome(gpu, lambda: execute(warm, *new), warm)
+        fresh = RopePlan(q, k, cos, sin, q_out=q_out, k_out=k_out, **opts, **kw)
+        full = _outcome(gpu, lambda: execute(fresh, *new), fresh)
+        assert reused == full
+        _check_launches(gpu)
+    COUNTS["plan/revalidation"][reused[0] + ("" if full_validations else ", validation re-used")] += 1
+
+
+@settings(FUZZ, max_examples=300)
+@given(st.data())
+def test_fuzz_tail_revalidation_matches_full_validation(data):
+    first = Dice(data.draw(st.integers(0, 2**32 - 1), label="seed"), 0.0)
+    dice = Dice(data.draw(st.integers(0, 2**32 - 1), label="seed 2"), data.draw(RELOCATION_CHAOS, label="chaos"))
+    t = data.draw(st.sampled_from([0, 1, 3, 17]), label="T")
+    h = data.draw(st.sampled_from([1, 2, 3]), label="H")
+    d = data.draw(st.sampled_from([128, 512]), label="D")
+    shape = (t, h, d)
+
+    def contiguous(shape, dtype, dice_):
+        return fake_array(dice_, shape, dtype, kind="cupy", strides=_strides(dice_, shape, contiguous=True),
+                          shift=0)
+
+    x, c, s_, o = contiguous(shape, BF16, first), contiguous((t, 32), np.float32, first),         contiguous((t, 32), np.float32, first), contiguous(shape, BF16, first)
+    with FakeGPU() as gpu:
+        warm = TailRoPEForward(x, c, s_, o)
+        first_outcome = _outcome(gpu, lambda: warm.execute(x, c, s_, o), warm)
+        assert first_outcome[0] != "raised", f"a valid case was rejected: {first_outcome}"
+        moved = {}
+        for name, a in (("x", x), ("cosine", c), ("sine", s_), ("out", o)):
+            moved[name] = _relocated(dice, a, list(moved.values()))
+        new = (moved["x"], moved["cosine"], moved["sine"], moved["out"])
+        full_validations = _count_full_validations(warm)
+        reused = _outcome(gpu, lambda: warm.execute(*new), warm)
+        fresh = TailRoPEForward(x, c, s_, o)
+        full = _outcome(gpu, lambda: fresh.execute(*new), fresh)
+        assert reused == full
+        _check_launches(gpu)
+    COUNTS["tail/revalidation"][reused[0] + ("" if full_validations else ", validation re-used")] += 1
+
+
 def test_zz_report_case_counts():
     """Reports the cases tried (run with -s or -rP to see it); runs last in this module."""
-    expected = {"general/fake", "tail/fake", "general/numpy", "tail/numpy"}
+    expected = {"general/fake", "tail/fake", "general/numpy", "tail/numpy", "plan/revalidation",
+                "tail/revalidation"}
     if set(COUNTS) != expected:
         pytest.skip("reports only when every fuzz test of the module ran")
     total = sum(sum(c.values()) for c in COUNTS.values())
@@ -618,7 +781,7 @@ def test_zz_report_case_counts():
              for name, c in sorted(COUNTS.items())]
     print(f"\nfuzz cases tried: {total}\n" + "\n".join(lines))
     for name, c in COUNTS.items():
-        accepted = sum(v for k, v in c.items() if k in ACCEPTED)
+        accepted = sum(v for k, v in c.items() if k.split(",")[0] in ACCEPTED)
         assert accepted >= 0.2 * sum(c.values()), f"{name}: too few valid cases ({dict(c)})"
         assert sum(c.values()) - accepted >= 0.2 * sum(c.values()), f"{name}: too few invalid cases ({dict(c)})"
     assert total >= 2000, lines

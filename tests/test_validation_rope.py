@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import rope_rtc
-from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_like, fake_torch_bf16_cai,
-                   fused_qkv, rope_host_steps)
+from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_like, fake_strided,
+                   fake_torch_bf16_cai, fused_qkv, rope_host_steps)
 from rope_rtc import RopePlan, TensorDesc, apply_rope, apply_rope_qk
 from rope_rtc import arrays as A
 from rope_rtc import rope as R
@@ -64,12 +64,13 @@ API_NAMES = ("apply_rope", "apply_rope_qk", "plan")
 def call(api, q, cos, sin, *, k=None, out=None, k_out=None, **kw):
     if api == "apply_rope":
         return apply_rope(q, cos, sin, out=out, backend="nvrtc", **kw)
-    if k is None:
-        k = fake_like(getattr(q, "shape", (B, S, H, D)), getattr(q, "dtype", np.float16)) \
-            if getattr(q, "dtype", None) in (np.float32, np.float16, BF16) else fake_like((B, S, H, D), np.float16)
+    if k is None:  # a valid k like q (q's own faults are what the case is about)
+        dtype = getattr(q, "dtype", None)
+        ok = dtype in (np.float32, np.float16, BF16)
+        k = fake_like(q.shape if ok else (B, S, H, D), dtype if ok else np.float16)
     if api == "apply_rope_qk":
         return apply_rope_qk(q, k, cos, sin, q_out=out, k_out=k_out, backend="nvrtc", **kw)
-    return RopePlan(q, k, cos, sin, q_out=out, k_out=k_out if out is not None else None, **kw)
+    return RopePlan(q, k, cos, sin, q_out=out, k_out=k_out, **kw)
 
 
 def base(dtype=np.float16, shape=(B, S, H, D), rows=ROWS, cols=D // 2):
@@ -364,9 +365,8 @@ def test_valid_call_fails_only_at_the_gpu_step(dtype):
 
 
 def _canonical_strides(layout, shape):
-    n = {"bshd": "bshd", "bhsd": "bhsd", "sbhd": "sbhd", "thd": "thd"}[layout]
     acc, st = 1, {}
-    for axis, d in zip(reversed(n), reversed(shape)):
+    for axis, d in zip(reversed(layout), reversed(shape)):
         st[axis] = acc
         acc *= d
     if layout == "thd":
@@ -457,6 +457,9 @@ def test_choose_vector_widths():
     # A head stride of 68 fp16 elements (a padded buffer) is only 8-byte aligned.
     padded = FakeDeviceArray((B, S, H, D + 4), np.float16)[..., :D]
     assert _vec_bytes(padded, c, s) == 8
+    assert _vec_bytes(fake_strided((B, S, H, D), np.float16, pad_elems=4), c, s) == 8
+    assert _vec_bytes(fake_strided((B, S, H, D), np.float16, pad_elems=8), c, s) == 16
+    assert _vec_bytes(fake_strided((B, S, H, D), np.float16, pad_elems=8, byte_offset=6), c, s) == 2
     # Windows: the rotated halves start at rotary_offset and rotary_offset + rotary_dim / 2.
     c16, s16 = tables(cols=16)
     c18, s18 = tables(cols=18)
@@ -764,3 +767,28 @@ def test_empty_arrays_with_zero_strides_validate():
     host = np.zeros((0, H, D), np.float16)
     assert R.validate(host, None, np.zeros((4, D // 2), np.float32), np.zeros((4, D // 2), np.float32),
                       layout="thd").num_tokens == 0
+
+
+def test_plan_reused_validation_keeps_every_check(gpu):
+    # A plan validates an argument signature (CuPy arrays' shapes, strides, dtypes) once and then
+    # re-checks only what depends on the pointers; every pointer-dependent error must survive.
+    def arrays():
+        return (fake_cupy((B, S, H, D), np.float16), fake_cupy((B, S, HK, D), np.float16),
+                fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32),
+                fake_cupy((B, S), np.int64))
+
+    q, k, c, s, pos = arrays()
+    plan = RopePlan(q, k, c, s, positions=pos)
+    plan.execute(q, k, c, s, positions=pos)
+    q2, k2, c2, s2, pos2 = arrays()
+    plan.execute(q2, k2, c2, s2, positions=pos2)  # same signature, new pointers: fine
+    assert len(gpu.launches) == 2
+    with pytest.raises(ValueError, match="positions and offset"):
+        plan.execute(q2, k2, c2, s2, positions=pos2, offset=3)
+    with pytest.raises(ValueError, match=r"cos: data pointer .* is not 4-byte aligned"):
+        plan.execute(q2, k2, fake_cupy((ROWS, D // 2), np.float32, byte_offset=2), s2, positions=pos2)
+    with pytest.raises(ValueError, match=r"positions: data pointer .* is not 8-byte aligned"):
+        plan.execute(q2, k2, c2, s2, positions=fake_cupy((B, S), np.int64, byte_offset=4))
+    with pytest.raises(ValueError, match=r"k: addresses or strides are not aligned"):
+        plan.execute(q2, fake_cupy((B, S, HK, D), np.float16, byte_offset=1), c2, s2, positions=pos2)
+    assert len(gpu.launches) == 2

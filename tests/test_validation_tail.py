@@ -406,3 +406,23 @@ def test_tuple_dict():
     assert not hasattr(r, "__dict__")
     two = TupleDict(a=1, b=2)
     assert tuple(two) == (1, 2) and two == {"a": 1, "b": 2}
+
+
+def test_reused_validation_keeps_pointer_checks(gpu):
+    # Plans re-use a validated signature (all CuPy arguments) and re-check only the pointers.
+    def cupy_arrays():
+        return (fake_cupy((T, H, D), BF16), fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32),
+                fake_cupy((T, H, D), BF16))
+
+    plan = TailRoPEForward(*cupy_arrays())
+    plan.execute(*cupy_arrays())
+    plan.execute(*cupy_arrays())
+    assert len(gpu.launches) == 2
+    x, c, s, o = cupy_arrays()
+    with pytest.raises(ValueError, match=r"sine: data pointer .* is not 16-byte aligned"):
+        plan.execute(x, c, fake_cupy((T, 32), np.float32, byte_offset=4), o)
+    with pytest.raises(ValueError, match="out overlaps cosine"):
+        plan.execute(x, c, s, fake_cupy((T, H, D), BF16, ptr=c.data.ptr - 64, byte_offset=64 + 32))
+    with pytest.raises(ValueError, match="out overlaps x"):
+        plan.execute(x, c, s, x)
+    assert len(gpu.launches) == 2

@@ -1,0 +1,459 @@
+"""CPU tests of the benchmark and the demo: arguments, the cases of issue 5, bytes-moved
+arithmetic, the peers' formulas (on NumPy), targets, and the writers on synthetic results."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rope_rtc import bench as B
+from rope_rtc.reference import rope_reference, tail_rope_reference
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------- arguments
+
+
+def test_defaults():
+    a = B.parse_args([])
+    assert not a.quick and a.case_tokens is None
+    assert a.peer_list == list(B.PEERS)
+    assert (a.compile_budget, a.time_budget) == (150.0, 520.0)
+    q = B.parse_args(["--quick"])
+    assert (q.compile_budget, q.time_budget) == (60.0, 200.0)
+
+
+def test_options():
+    a = B.parse_args(["--cases", "blog, tail/T=1/*", "--peers", "cupy,liger", "--compile-budget", "5",
+                      "--time-budget", "9", "--json", "x.json", "--plot", "p.png", "--write-docs", "--targets"])
+    assert a.case_tokens == ["blog", "tail/T=1/*"]
+    assert a.peer_list == ["cupy", "liger"]
+    assert (a.compile_budget, a.time_budget, a.json, a.plot, a.write_docs, a.targets) == (5, 9, "x.json", "p.png", True, True)
+    assert B.parse_args(["--peers", "none"]).peer_list == []
+
+
+def test_unknown_peer_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        B.parse_args(["--peers", "cupy,flashinfer"])
+    assert "flashinfer" in capsys.readouterr().err
+
+
+def test_json_path(monkeypatch, tmp_path):
+    monkeypatch.delenv("OUT", raising=False)
+    assert str(B.default_json_path(B.parse_args([]))) == "bench.json"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert B.default_json_path(B.parse_args([])) == tmp_path / "bench.json"
+    assert str(B.default_json_path(B.parse_args(["--json", "a/b.json"]))) == "a/b.json"
+
+
+def test_regenerate_command():
+    assert B.regenerate_command(B.parse_args([])) == "PYTHONPATH=. python3 scripts/bench.py --write-docs"
+    cmd = B.regenerate_command(B.parse_args(["--quick", "--peers", "cupy"]))
+    assert cmd == "PYTHONPATH=. python3 scripts/bench.py --quick --peers cupy --write-docs"
+
+
+# --------------------------------------------------------------------------------------------- cases
+
+
+def test_blog_cases_match_the_issue():
+    cases = B.blog_cases(False)
+    assert [c.S for c in cases] == [1, 16, 512, 4096, 16384]
+    for c in cases:
+        assert (c.B, c.H, c.Hkv, c.D, c.dtype, c.layout, c.interleaved) == (4, 32, 32, 128, "float32", "bhsd", True)
+
+
+def test_general_cases_match_the_issue():
+    cases = B.general_cases(False)
+    assert len(cases) == 3 * 2 * 2 * 3
+    combos = {(c.dtype, c.interleaved, c.layout, c.S) for c in cases}
+    assert combos == {(d, i, lay, s) for d in ("bfloat16", "float16", "float32") for i in (False, True)
+                      for lay in ("bshd", "bhsd") for s in (512, 4096, 16384)}
+    assert all((c.B, c.H, c.Hkv, c.D) == (4, 32, 32, 128) for c in cases)
+
+
+def test_decode_and_tail_cases_match_the_issue():
+    dec = B.decode_cases(False)
+    assert [c.T for c in dec] == [1, 4, 64]
+    assert all((c.H, c.Hkv, c.D, c.dtype, c.layout) == (32, 8, 128, "bfloat16", "thd") for c in dec)
+    tail = B.tail_cases(False)
+    assert {(c.T, c.H, c.D) for c in tail} == {(t, h, d) for t in (1, 4, 4096, 16384)
+                                               for h, d in ((64, 512), (32, 128), (8, 512), (4, 128), (1, 512), (1, 128))}
+    assert len(tail) == 24 and all(c.Hkv == 0 and c.dtype == "bfloat16" for c in tail)
+
+
+def test_quick_cases_are_a_subset():
+    full = {c.id for c in B.all_cases(False)}
+    quick = {c.id for c in B.all_cases(True)}
+    assert quick < full
+    assert {c.group for c in B.all_cases(True)} == {"blog", "general", "decode", "tail"}
+    ids = [c.id for c in B.all_cases(False)]
+    assert len(ids) == len(set(ids))
+
+
+def test_case_filter():
+    assert B.selected("blog/S=1", "blog", ["blog"])
+    assert B.selected("tail/T=1/H=64/D=512", "tail", ["tail/T=1/*"])
+    assert not B.selected("tail/T=16384/H=64/D=512", "tail", ["tail/T=1/*"])
+    assert B.selected("general/bf16/half/bshd/S=4096", "general", ["bf16/half"])
+    assert not B.selected("decode/bf16/T=1", "decode", ["blog", "tail"])
+    assert B.selected("anything", "host", None)
+    assert B.selected("host", "host", ["host"]) and not B.selected("coldstart", "coldstart", ["host"])
+
+
+def test_list_prints_the_selected_cases(capsys):
+    assert B.main(["--list", "--cases", "decode,host"]) == 0
+    out = capsys.readouterr().out
+    assert "decode/bf16/T=1" in out and "decode/bf16/T=64" in out and "host (section)" in out
+    assert "blog/" not in out and "coldstart" not in out
+
+
+# --------------------------------------------------------------------------------------------- bytes moved
+
+
+def test_bytes_moved_blog():
+    c = B.Case("blog", "float32", "bhsd", True, 4, 4096, 32, 32, 128)
+    q = 4 * 32 * 4096 * 128 * 4
+    assert c.bytes_moved() == 2 * (q + q) + 4096 * 64 * 4 * 2 == 1_075_838_976
+    assert c.footprint() == 2 * q + 2 * 4096 * 64 * 4
+    assert c.shape() == (4, 32, 4096, 128) and c.shape("bshd") == (4, 4096, 32, 128)
+
+
+def test_bytes_moved_general_bf16():
+    c = B.Case("general", "bfloat16", "bshd", False, 4, 512, 32, 32, 128)
+    q = 4 * 512 * 32 * 128 * 2
+    assert c.bytes_moved() == 4 * q + 512 * 64 * 8 == 67_371_008
+
+
+def test_bytes_moved_decode():
+    c = B.Case("decode", "bfloat16", "thd", False, 1, 1, 32, 8, 128)
+    # q and k read and written, one table row of cos and sin, one int32 position
+    assert c.bytes_moved() == 2 * (32 * 128 * 2 + 8 * 128 * 2) + 64 * 4 * 2 + 4 == 20_996
+    assert c.shape() == (1, 32, 128) and c.shape(heads=8) == (1, 8, 128)
+    assert c.table_rows == B.DECODE_POSITIONS and c.shared_table
+    assert c.footprint() == 32 * 128 * 2 + 8 * 128 * 2 + 16   # the table is shared; positions padded to 16 B
+
+
+def test_bytes_moved_tail():
+    c = B.Case("tail", "bfloat16", "thd", True, 1, 16384, 64, 0, 512)
+    assert c.bytes_moved() == 2 * 16384 * 64 * 512 * 2 + 16384 * 32 * 4 * 2 == 2_151_677_952
+    assert c.footprint() == c.bytes_moved()   # x, out and both tables are per set
+    assert c.id == "tail/T=16384/H=64/D=512"
+
+
+def test_cold_sets():
+    l2 = 50 * MiB
+    assert B.cold_sets(2 << 30, l2) == 1                   # one set already exceeds 4x L2
+    assert B.cold_sets(50 * MiB, l2) == 4
+    assert B.cold_sets(51 * MiB, l2) == 4                  # ceil(200/51)
+    assert B.cold_sets(1000, l2) == B.MAX_COLD_SETS        # capped
+    assert B.cold_sets(0, l2) == B.MAX_COLD_SETS
+
+
+def test_impls_per_case():
+    def names(case):
+        return {i.name: i.layout_for(case) for i in B.impls_for(case) if i.layout_for(case) is not None}
+
+    blog = names(B.blog_cases(False)[0])
+    assert blog == {"baseline": "bhsd", "vectorized": "bhsd", "fused": "bhsd", "rope_rtc": "bhsd", "cupy": "bhsd",
+                    "torch": "bhsd", "torch.compile": "bhsd", "liger": "bshd"}
+    g = {c.id: names(c) for c in B.general_cases(True)}
+    assert set(g["general/bf16/half/bhsd/S=4096"]) == {"rope_rtc", "cupy", "torch", "torch.compile"}
+    assert set(g["general/bf16/half/bshd/S=4096"]) == {"rope_rtc", "cupy", "liger"}
+    assert set(g["general/bf16/inter/bshd/S=4096"]) == {"rope_rtc", "cupy"}
+    assert set(names(B.tail_cases(True)[0])) == {"rope_rtc", "cupy", "torch", "torch.compile"}
+    assert set(names(B.decode_cases(True)[0])) == {"rope_rtc", "cupy", "torch", "torch.compile", "liger"}
+
+
+# --------------------------------------------------------------------------------------------- peers' formulas
+
+
+def test_bf16_bit_conversions_round_to_nearest_even():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 10000),
+                        np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.0e38], np.float32)]).astype(np.float32)
+    bits = B.f32_to_bf16_bits(np, x)
+    assert bits.dtype == np.uint16
+    assert np.array_equal(bits, x.astype(BF16).view(np.uint16))
+    assert np.array_equal(B.bf16_bits_to_f32(np, bits), x.astype(BF16).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cupy_peer_formula_on_numpy(dtype, interleaved):
+    """The plain-CuPy peer's arithmetic (run here with NumPy standing in) meets the peer tolerance."""
+    rng = np.random.default_rng(0)
+    S, H, D = 7, 3, 16
+    x32 = rng.standard_normal((S, H, D)).astype(np.float32)
+    x = x32.astype(BF16) if dtype == "bfloat16" else x32.astype(dtype)
+    cos, sin = B.host_tables(S, D)
+    C, Sn = B._expand_pairs(np, cos, interleaved), B._expand_pairs(np, sin, interleaved)
+    arg = x.view(np.uint16) if dtype == "bfloat16" else x
+    y = B.cupy_rope(np, arg, C[:, None, :], Sn[:, None, :], interleaved, dtype)
+    y = y.view(BF16) if dtype == "bfloat16" else y
+    ref = rope_reference(x, cos, sin, np.arange(S), interleaved=interleaved)
+    assert B.tolerance_check(y, ref, x, interleaved, dtype) <= 1.0
+    with pytest.raises(B.Wrong):   # the other pairing is caught
+        B.tolerance_check(y, rope_reference(x, cos, sin, np.arange(S), interleaved=not interleaved), x,
+                          not interleaved, dtype)
+
+
+def test_cupy_tail_peer_on_numpy():
+    rng = np.random.default_rng(2)
+    T, H, D = 5, 2, 128
+    x = rng.standard_normal((T, H, D)).astype(BF16)
+    ang = rng.uniform(-3, 3, (T, 32))
+    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    out = B.cupy_tail(np, x.view(np.uint16), c, s).view(BF16)
+    ref = tail_rope_reference(x, c, s)
+    assert np.array_equal(out[..., :64].view(np.uint16), x[..., :64].view(np.uint16))
+    diff = np.abs(out.astype(np.float64) - ref.astype(np.float64))
+    ulp = np.abs(ref.astype(np.float64)) * 2.0**-7 + 1e-30
+    assert np.all(diff <= ulp)
+
+
+def test_pair_abs_sum():
+    x = np.array([[1.0, -2.0, 3.0, -4.0]])
+    assert np.array_equal(B.pair_abs_sum(x, True), [[3.0, 3.0, 7.0, 7.0]])
+    assert np.array_equal(B.pair_abs_sum(x, False), [[4.0, 6.0, 4.0, 6.0]])
+
+
+def test_general_sample_picks_rows_and_positions():
+    case = B.Case("general", "float16", "bhsd", False, 3, 600, 4, 4, 8)
+    B_, H, S, D = 3, 4, 600, 8
+    b, h, s, d = np.meshgrid(np.arange(B_), np.arange(H), np.arange(S), np.arange(D), indexing="ij")
+    code = (b * 1000 + h * 100 + (s % 64) + d / 10).astype(np.float16)   # fp16 holds these exactly enough
+    sub, bi, si = B.general_sample(case, code, "bhsd", H)
+    assert bi == [0, 2] and si[0] == 0 and si[-1] == S - 1 and len(si) <= B.CHECK_TOKENS
+    assert sub.shape == (2 * len(si), 2, D) and sub.dtype == np.float16
+    n = len(si)
+    assert sub[n + 3, 1, 0] == np.float16(2 * 1000 + 3 * 100 + si[3] % 64)   # batch 2, token si[3], head 3
+
+
+# --------------------------------------------------------------------------------------------- reporting
+
+
+def _timings(us, *, small=False, graph=None, host=None):
+    t = {"hot": {"us": us}, "cold": {"us": us}}
+    if small:
+        t["graph"] = {"us": graph if graph is not None else us / 4}
+        t["graph_cold"] = {"us": (graph if graph is not None else us / 4) * 1.1}
+        t["host"] = {"us": host if host is not None else 4.0}
+    return t
+
+
+def synthetic_result(quick: bool = False) -> dict:
+    """A plausible full result: copy at 4 TB/s, rope_rtc at 98 %, peers slower."""
+    speed = {B.OURS: 0.98, "baseline": 0.6, "vectorized": 0.8, "fused": 0.9, "cupy": 0.2, "torch": 0.12,
+             "torch.compile": 0.95, "liger": 0.93}
+    cases = []
+    for c in B.all_cases(quick):
+        moved = c.bytes_moved()
+        small = moved <= B.SMALL_BYTES
+        copy_us = max(moved / 4.0e6, 1.2)
+        rows = [{"impl": B.COPY, "layout": "-", "check": "-", "note": "", "timings": _timings(copy_us, small=small)}]
+        for impl in B.impls_for(c):
+            lay = impl.layout_for(c)
+            if lay is None:
+                continue
+            us = copy_us / speed[impl.name]
+            check = "bit-exact" if (c.group == "tail" and impl.name == B.OURS) else "ok"
+            rows.append({"impl": impl.name, "layout": lay, "check": check, "note": "",
+                         "timings": _timings(us, small=small, graph=1.3 if impl.name == B.OURS else 15.0,
+                                             host=4.2 if impl.name == B.OURS else 90.0)})
+        cases.append({"id": c.id, "group": c.group, "params": c.params(), "bytes_moved": moved,
+                      "footprint": c.footprint(), "sets": {"cold": 1}, "cold_exact": True, "small": small,
+                      "rows": rows})
+    host = [{"id": "host/decode-bf16-T=1", "group": "host", "params": {}, "bytes_moved": 20996, "rows": [
+        {"impl": "RopePlan.execute (same arrays)", "layout": "thd", "check": "-", "timings": {"host": {"us": 4.1}}}]}]
+    coldstart = [{"scenario": "general", "cache": "empty", "import_s": 0.9, "context_s": 0.2, "first_result_s": 0.8,
+                  "compiles": [{"kernel": "rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=0,ROPE_VEC=8]", "arch": "sm_90",
+                                "seconds": 0.31}]},
+                 {"scenario": "general", "cache": "warm", "import_s": 0.9, "context_s": 0.2, "first_result_s": 0.012,
+                  "compiles": []}]
+    return {"schema": B.SCHEMA, "created": "2026-11-30T12:00:00Z", "quick": quick, "elapsed_s": 400.0,
+            "command": "PYTHONPATH=. python3 scripts/bench.py --write-docs",
+            "env": {"gpu": "NVIDIA H200", "l2_bytes": 60 * MiB, "cuda_driver": "13.0", "nvrtc": "13.0",
+                    "cupy": "14.2.0", "torch": "2.11.0", "nvidia_smi": {"driver_version": "580.1", "clocks.sm": "1980 MHz"}},
+            "big_copy": {"bytes_moved": B.BIG_COPY_MOVED, "us": 1e6, "gbps": 4270.0},
+            "skips": ["skip liger: not installed"], "cases": cases, "host": host, "coldstart": coldstart}
+
+
+def test_derived_figures():
+    res = synthetic_result(True)
+    case = next(c for c in res["cases"] if c["id"] == "blog/S=4096")
+    by = B.rows_by_impl(case)
+    assert B.pct_of_copy(case, by[B.OURS], "cold") == pytest.approx(98.0)
+    assert B.gbps(case, by[B.COPY], "cold") == pytest.approx(4000.0)
+    assert B.fastest_peer(case, "cold")[0] == "torch.compile"
+    assert B.timing(by[B.OURS], "graph") is None
+
+
+def test_summary_has_every_section_and_fits_the_device_tail():
+    text = B.summary_text(synthetic_result(False))
+    for needle in ("blog configuration", "general kernel", "decode", "tail RoPE", "host cost", "cold start",
+                   "=== targets", "98.0%", "fp16/inter/bhsd/S=16384", "T=16384/H=1/D=128"):
+        assert needle in text, needle
+    # the device tool returns the last 12,000 characters of output: the summary must fit
+    assert len(text) < 11_000, len(text)
+    assert text.rstrip().splitlines()[-1].split()[0] in ("PASS", "MISS", "N/A")
+
+
+def test_targets_pass_miss_and_na():
+    res = synthetic_result(True)
+    t = {x["target"]: x for x in B.evaluate_targets(res)}
+    assert t["prefill >= 98% of copy, 256 MiB+ moved"]["status"] == "PASS"
+    assert t["never slower than the fastest peer (within 1%)"]["status"] == "PASS"
+    assert t["decode GPU time under graph replay <= 1.5 µs"]["status"] == "PASS"
+    assert t["RopePlan.execute host time <= 5.0 µs"]["status"] == "PASS"
+    assert t["tail >= 97% of copy, cold L2, every shape"]["status"] == "PASS"
+    assert t["warm cache: first result in a fresh process <= 50 ms beyond imports"]["status"] == "PASS"
+    assert t["cold compile of one kernel <= 1 s"]["status"] == "PASS"
+    # make two of them miss, and remove the data of another
+    tail = next(c for c in res["cases"] if c["group"] == "tail")
+    B.rows_by_impl(tail)[B.OURS]["timings"]["cold"]["us"] = B.timing(B.rows_by_impl(tail)[B.COPY], "cold") / 0.95
+    dec = next(c for c in res["cases"] if c["group"] == "decode")
+    B.rows_by_impl(dec)[B.OURS]["timings"]["host"]["us"] = 6.0
+    res["coldstart"] = []
+    t = {x["target"]: x for x in B.evaluate_targets(res)}
+    miss = t["tail >= 97% of copy, cold L2, every shape"]
+    assert miss["status"] == "MISS" and miss["gap"] == "2.0% short" and miss["where"] == tail["id"]
+    host = t["RopePlan.execute host time <= 5.0 µs"]
+    assert host["status"] == "MISS" and host["gap"] == "1.00 µs over"
+    assert t["cold compile of one kernel <= 1 s"]["status"] == "N/A"
+    assert t["never slower than the fastest peer (within 1%)"]["status"] == "PASS"
+    # a peer 5 % faster than rope_rtc somewhere
+    blog = next(c for c in res["cases"] if c["id"] == "blog/S=4096")
+    by = B.rows_by_impl(blog)
+    by["liger"]["timings"]["cold"]["us"] = B.timing(by[B.OURS], "cold") / 1.05
+    slower = {x["target"]: x for x in B.evaluate_targets(res)}["never slower than the fastest peer (within 1%)"]
+    assert slower["status"] == "MISS" and slower["gap"] == "5.0% slower"
+    assert slower["where"] == "blog/S=4096 (cold) vs liger"
+
+
+def test_wrong_rows_are_not_used():
+    res = synthetic_result(True)
+    case = next(c for c in res["cases"] if c["id"] == "blog/S=4096")
+    B.rows_by_impl(case)["torch.compile"]["check"] = "WRONG: pairing"
+    assert B.fastest_peer(case, "cold")[0] == "liger"
+    assert "WRONG" in B.text_table(B.blog_table(res))
+
+
+def test_json_round_trip_and_from_json_docs(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("OUT", raising=False)
+    res = synthetic_result(True)
+    src = tmp_path / "in" / "bench.json"
+    B.write_json(res, src)
+    assert json.loads(src.read_text()) == json.loads(json.dumps(res))
+    docs = tmp_path / "docs"
+    rc = B.main(["--from-json", str(src), "--write-docs", "--docs-dir", str(docs), "--no-plot"])
+    assert rc == 0
+    md = (docs / "benchmarks.md").read_text()
+    assert "NVIDIA H200" in md and "PYTHONPATH=. python3 scripts/bench.py --write-docs" in md
+    assert "benchmarks/h200.png" in md and "benchmarks/h200.json" in md
+    blog = md.split("## The blog's configuration", 1)[1].split("## General kernel", 1)[0]
+    assert "| 4096 | 1075.8 |" in blog    # the blog table: one row per S
+    assert json.loads((docs / "benchmarks" / "h200.json").read_text())["env"]["gpu"] == "NVIDIA H200"
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].split()[0] in ("PASS", "MISS", "N/A")
+
+
+def test_targets_only(tmp_path, capsys):
+    src = tmp_path / "bench.json"
+    B.write_json(synthetic_result(True), src)
+    assert B.main(["--from-json", str(src), "--targets"]) == 0
+    out = capsys.readouterr().out
+    assert "=== targets" in out and "blog configuration" not in out
+
+
+def test_markdown_placeholder():
+    md = B.render_markdown(None)
+    assert "No run recorded yet" in md and "PYTHONPATH=. python3 scripts/bench.py --write-docs" in md
+
+
+def test_markdown_table_escapes_pipes():
+    assert B.markdown_table([["a", "b"], ["x|y", "z"]]).splitlines()[-1] == "| x\\|y | z |"
+
+
+def test_gpu_slug():
+    assert B.gpu_slug({"env": {"gpu": "NVIDIA H200"}}) == "h200"
+    assert B.gpu_slug({"env": {"gpu": "NVIDIA H100 80GB HBM3"}}) == "h100"
+    assert B.gpu_slug({"env": {}}) == "gpu"
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = synthetic_result(True)
+    series = B.plot_series(res)
+    assert "size-matched copy" in series["tail RoPE"] and "rope_rtc tail" in series["tail RoPE"]
+    assert "rope_rtc general" in series["RoPE (blog, general, decode)"]
+    assert B.write_plot(res, tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_no_gpu_message(monkeypatch, capsys):
+    monkeypatch.setattr(B, "gpu_unavailable_reason", lambda: "no CUDA driver (test)")
+    assert B.main(["--quick"]) == 2
+    assert "no GPU" in capsys.readouterr().err
+
+
+def test_no_gpu_message_on_this_machine(capsys):
+    if B.gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is present")
+    assert B.main([]) == 2
+    assert "no GPU found" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_without_gpu(tmp_path, capsys):
+    from rope_rtc import demo, driver
+
+    if driver.available():
+        pytest.skip("a GPU is present: the demo times the blog's kernels instead")
+    rc = demo.main(["--cache-dir", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no GPU" in out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("rope_rtc:"))
+    values = [float(v) for v in re.findall(r"-?\d+\.\d+", line)]
+    assert np.allclose(values, [-2.23474, 0.07700, 2.14552, 4.51627], atol=1e-4, rtol=0)
+    assert any((tmp_path / "cache").rglob("*")), "the cache was not warmed"
+
+
+def test_demo_worked_example_only(capsys):
+    from rope_rtc import demo
+
+    assert demo.worked_example() == 0
+    assert "max |difference|" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def test_rotation_continues_across_batches():
+    rot = B.Rotation(["a", "b", "c"])
+    assert rot.take(2) == ["a", "b"]
+    assert rot.take(4) == ["c", "a", "b", "c"]
+    assert rot.take(1) == ["a"]
+
+
+def test_compile_log_lines_are_parsed():
+    # the format rope_rtc/build.py logs with ROPE_RTC_LOG_COMPILES=1
+    line = ("compiled rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=0,ROPE_VEC=8] for sm_90 in 0.287 s "
+            "(10240 bytes of cubin); options: -arch=sm_90 -std=c++17")
+    m = B._COMPILE_LOG.search("rope_rtc: compiling x for sm_90 (first use; cached afterwards)\n" + line)
+    assert m.groups() == ("rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=0,ROPE_VEC=8]", "sm_90", "0.287")
+
+
+def test_coldstart_child_reports_failure_instead_of_raising():
+    if B.gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is present")
+    row = B._coldstart_child("tail", "empty", {"PATH": "/usr/bin:/bin"})
+    assert row["scenario"] == "tail" and row["cache"] == "empty" and row["error"]
