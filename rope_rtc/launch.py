@@ -113,9 +113,9 @@ class Launcher:
     call is one tuple splice and the driver call; the status is checked on every launch.
     """
 
-    __slots__ = ("_launch", "_stream_handle", "_stream_obj", "_CUstream", "args_address")
+    __slots__ = ("_launch", "_stream_handle", "_stream_obj", "_CUstream", "args_address", "device", "_get_device")
 
-    def __init__(self, args_address: int) -> None:
+    def __init__(self, args_address: int, device: int | None = None) -> None:
         from cuda.bindings import driver as drv
 
         self._launch = drv.cuLaunchKernel
@@ -123,8 +123,22 @@ class Launcher:
         self._stream_handle = None
         self._stream_obj = None
         self.args_address = args_address
+        self.device = device
+        if device is not None:
+            import cupy
+
+            self._get_device = cupy.cuda.runtime.getDevice
 
     def __call__(self, prefix: tuple, stream: int) -> None:
+        if self.device is not None and self._get_device() != self.device:
+            # A plan stays on its device when the caller's current device changes: launch in
+            # the plan device's context (the stream must belong to that device too).
+            with driver.in_context(self.device):
+                self._launch_here(prefix, stream)
+            return
+        self._launch_here(prefix, stream)
+
+    def _launch_here(self, prefix: tuple, stream: int) -> None:
         if stream != self._stream_handle:
             self._stream_obj = self._CUstream(stream)
             self._stream_handle = stream

@@ -624,7 +624,7 @@ class RopePlan:
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             k = load_kernel(rope_spec(self.dtype, self.interleaved, vec), self.device)
             self._kernels[vec] = k.functions["rope_apply"]
-        self._launch = Launcher(self._args.address)
+        self._launch = Launcher(self._args.address, self.device)
         self._get_stream = cupy.cuda.get_current_stream
         self._compiled = True
         return self

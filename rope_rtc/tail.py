@@ -102,7 +102,7 @@ class TailRoPEForward:
                                   ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
             import cupy
 
-            self._launch = Launcher(self._args.address)
+            self._launch = Launcher(self._args.address, self.device)
             self._get_stream = cupy.cuda.get_current_stream
         return self
 

@@ -18,6 +18,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export ROPE_RTC_REQUIRE_GPU=1 PYTHONUNBUFFERED=1
+if [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]]; then export ROPE_RTC_REQUIRE_MULTI_GPU=1; fi
 export ROPE_RTC_CACHE_DIR=${ROPE_RTC_CACHE_DIR:-$(mktemp -d)}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"

@@ -4,9 +4,12 @@ Markers
 -------
 ``gpu``     needs a CUDA device (and CuPy). Skipped with a reason when none is present.
 ``device``  needs something only the device machine has (a GPU, PyTorch, transformers).
+``multigpu`` needs two or more CUDA devices.
 
 With ``ROPE_RTC_REQUIRE_GPU=1`` (set by ``scripts/device_check.sh``) a skip of a test
-carrying either marker becomes a failure: on the device those tests are not optional.
+carrying ``gpu`` or ``device`` becomes a failure: on the device those tests are not optional.
+``ROPE_RTC_REQUIRE_MULTI_GPU=1`` (set by the script when it sees two GPUs) does the same for
+``multigpu``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["ROPE_RTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="rope_rtc_test_cache_")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
     config.addinivalue_line("markers", "device: needs the device machine (GPU, torch, transformers)")
+    config.addinivalue_line("markers", "multigpu: needs two or more CUDA devices")
 
 
 _GPU_REASON: list[str | None] = []
@@ -52,20 +56,27 @@ def gpu_unavailable_reason() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reason = gpu_unavailable_reason()
+    count = 0
     if reason is None:
-        return
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
     for item in items:
-        if "gpu" in item.keywords:
+        if reason is not None and ("gpu" in item.keywords or "multigpu" in item.keywords):
             item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+        elif "multigpu" in item.keywords and count < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs two CUDA devices, found {count}"))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    if not _require_gpu() or not report.skipped:
+    if not report.skipped:
         return
-    if "gpu" in item.keywords or "device" in item.keywords:
+    required = _require_gpu() and ("gpu" in item.keywords or "device" in item.keywords)
+    required |= os.environ.get("ROPE_RTC_REQUIRE_MULTI_GPU", "") not in ("", "0") and "multigpu" in item.keywords
+    if required:
         report.outcome = "failed"
         report.longrepr = (
             f"ROPE_RTC_REQUIRE_GPU=1 but this device test was skipped: {report.longrepr}"

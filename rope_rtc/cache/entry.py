@@ -31,15 +31,17 @@ class Entry:
     created: float = 0.0
 
 
+def _digest(fields: dict, payload: bytes) -> str:
+    # The checksum covers the header's fields as well as the payload: no field can change unseen.
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    h.update(payload)
+    return h.hexdigest()
+
+
 def encode_entry(e: Entry) -> bytes:
-    header = json.dumps(
-        {
-            "key": e.key, "kernel": e.kernel, "target": e.target, "kind": e.kind, "nvrtc": e.nvrtc,
-            "rope_rtc": e.rope_rtc, "created": e.created, "size": len(e.payload),
-            "sha256": hashlib.sha256(e.payload).hexdigest(),
-        },
-        sort_keys=True,
-    ).encode()
+    fields = {"key": e.key, "kernel": e.kernel, "target": e.target, "kind": e.kind, "nvrtc": e.nvrtc,
+              "rope_rtc": e.rope_rtc, "created": e.created, "size": len(e.payload)}
+    header = json.dumps(dict(fields, sha256=_digest(fields, e.payload)), sort_keys=True).encode()
     return MAGIC + len(header).to_bytes(8, "little") + header + e.payload
 
 
@@ -57,8 +59,9 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
     payload = data[16 + n :]
     if not isinstance(h, dict) or len(payload) != h.get("size"):
         raise EntryError(f"payload is {len(payload)} bytes, header says {h.get('size') if isinstance(h, dict) else '?'}")
-    if hashlib.sha256(payload).hexdigest() != h.get("sha256"):
-        raise EntryError("payload checksum mismatch")
+    fields = {k: v for k, v in h.items() if k != "sha256"}
+    if _digest(fields, payload) != h.get("sha256"):
+        raise EntryError("checksum mismatch (header or payload)")
     if expect_key is not None and h.get("key") != expect_key:
         raise EntryError("entry belongs to another key")
     try:

@@ -132,7 +132,9 @@ class DiskStore:
     # -- reading -----------------------------------------------------------------------
     def _read_bytes(self, path: Path) -> bytes:
         # O_NOFOLLOW: an entry that is a symbolic link is refused, never followed elsewhere.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        # O_NONBLOCK: a FIFO planted under an entry's name must not hang the reader (it then
+        # fails the regular-file check below).
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
