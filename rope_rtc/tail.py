@@ -258,5 +258,8 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         plan = _plans.get(key)
         if plan is None:
             plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
+            plan._decl = None  # a process-wide plan must not keep the caller's arrays alive
             _plans[key] = plan
-        return plan.execute(x, cosine, sine, out, current_stream=handle)
+        result = plan.execute(x, cosine, sine, out, current_stream=handle)
+        plan._last = None  # nor the last call's (the signature cache keeps later calls cheap)
+        return result
