@@ -576,15 +576,20 @@ def test_processes_warming_one_directory_at_once_all_succeed(tmp_path, processes
 
 
 def test_warm_killed_at_random_moments_leaves_a_cache_that_verifies(tmp_path, capsys):
-    root = tmp_path / "killed"
-    d = cache.versioned_cache_dir(root)
+    cmd = lambda root: warm_cmd(root, "--arch", "sm_90", "--tail-heads", "1,2", "--jobs", "1")  # noqa: E731
+    # How long a whole warm takes on this machine, so that kills land inside one.
+    t0 = time.monotonic()
+    assert run(cmd(tmp_path / "timing")).returncode == 0
+    duration = time.monotonic() - t0
     rng = random.Random(20240611)
     killed_mid_warm = 0
-    for _ in range(4):
-        # One job: the warm lasts seconds however many cores the machine has, so kills land mid-warm.
-        p = subprocess.Popen(warm_cmd(root, "--arch", "sm_90", "--tail-heads", "1,2", "--jobs", "1"), cwd=REPO,
-                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(0.3, 2.0))
+    for trial in range(4):
+        # A fresh directory per trial: a warm over a complete cache finishes before any kill.
+        root = tmp_path / f"killed{trial}"
+        d = cache.versioned_cache_dir(root)
+        p = subprocess.Popen(cmd(root), cwd=REPO, env=subprocess_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.2, 0.9) * duration)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=60)
         killed_mid_warm += p.returncode == -signal.SIGKILL
