@@ -9,7 +9,7 @@
 // Everything else (strides, counts, window, positions, direction) is a run-time field of
 // RopeParams, so one binary serves every shape.
 //
-// Work split: one thread per (token, head group g, vector unit), a flat grid like a
+// Work split: one thread per (token, group of HEAD_BATCH heads, vector unit), a flat grid like a
 // copy kernel's. A thread loads its table slice once, issues the loads of all its heads before
 // any store (more bytes in flight, index arithmetic amortised), then rotates and stores. The
 // host picks which of token and head group varies faster (heads_inner) so that neighbouring
@@ -242,9 +242,9 @@ extern "C" __global__ void __launch_bounds__(256) rope_apply(const RopeParams p)
             Unit in[HEAD_BATCH];
 #pragma unroll
             for (int k = 0; k < HEAD_BATCH; ++k) {
-                // Heads g, g + groups, g + 2*groups, ...: neighbouring threads (neighbouring g)
-                // then read neighbouring heads in every load instruction, one contiguous run.
-                const i64 hk = g + k * groups;
+                // Consecutive heads per thread. (Strided heads g + k*groups measured worse:
+                // 76-86% of copy for interleaved pairs against 89-94%; docs/perf_notes.md.)
+                const i64 hk = g * HEAD_BATCH + k;
                 if (hk < heads) {
                     hp[k] = head_ptrs(p, hk, b, s, ch);
                     in[k] = load_unit(hp[k], p.rot_half);
@@ -276,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(256) rope_apply(const RopeParams p)
             }
 #pragma unroll
             for (int k = 0; k < HEAD_BATCH; ++k)
-                if (g + k * groups < heads) rotate_store(hp[k], in[k], c, sn, p.rot_half);
+                if (g * HEAD_BATCH + k < heads) rotate_store(hp[k], in[k], c, sn, p.rot_half);
         } else {
             decompose(i - rot_total, copy_units, heads, p.num_tokens, p.heads_inner, u, h, t);
             split_token(t, p.seq_len, b, s);
