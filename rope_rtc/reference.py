@@ -18,6 +18,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .registry import TAIL_DIMS as TAIL_HEAD_DIMS  # D values the contract allows (named once)
+
 __all__ = [
     "TAIL_CHANNELS",
     "TAIL_HEAD_DIMS",
@@ -38,7 +40,6 @@ TAIL_CHANNELS = 64
 #: One table column per rotated pair.
 TAIL_TABLE_COLUMNS = TAIL_CHANNELS // 2
 #: Head dims the tail contract accepts.
-TAIL_HEAD_DIMS = (128, 512)
 
 # The canonical NaN NVIDIA hardware produces: FP32 arithmetic returns 0x7FFFFFFF for any NaN
 # result, and cvt.rn.bf16.f32 (what __float2bfloat16_rn compiles to) returns 0x7FFF for any NaN

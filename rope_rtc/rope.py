@@ -610,6 +610,9 @@ class RopePlan:
         self.device = int(device)
         self._kernels: dict[int, object] = {}
         self._compiled = False
+        # The last call, for the identity fast path (a flat tuple: indexing it is the cheapest read):
+        # (q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, q.shape, launch prefix or
+        #  None when there is nothing to launch, S for the scalar-offset bound check or 0).
         self._last = None
         self._templates: dict[tuple, _Template] = {}
         self._filled: _Template | None = None

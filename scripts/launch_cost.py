@@ -10,8 +10,6 @@ import time
 import cupy as cp
 from cuda.bindings import driver as drv, nvrtc
 
-from rope_rtc.toolchain import Target
-from rope_rtc.compiler import compile_options  # noqa: F401  (same toolchain as the library)
 
 SRC = b'extern "C" __global__ void empty8(long long a, long long b, long long c, long long d, long long e, long long f, long long g, long long h) {}'
 

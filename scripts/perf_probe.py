@@ -2,7 +2,6 @@
 
 Cold L2: rotate among buffer sets totalling > 4x L2. Prints % of a same-size device copy.
 """
-import sys
 import cupy as cp
 import numpy as np
 import ml_dtypes

@@ -5,7 +5,6 @@ import time
 
 import cupy as cp
 import ml_dtypes
-import numpy as np
 
 import rope_rtc
 from rope_rtc.tail import TailRoPEForward

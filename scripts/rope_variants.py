@@ -1,6 +1,4 @@
 """General-kernel tuning probe: heads per thread (ROPE_HEAD_BATCH), cold L2, vs same-size copy."""
-import sys
-
 import cupy as cp
 import ml_dtypes
 import numpy as np

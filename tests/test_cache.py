@@ -22,42 +22,14 @@ import pytest
 from rope_rtc import build, cache, registry, sources
 from rope_rtc.cache import Entry, EntryError, decode_entry, encode_entry
 from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.store import CacheStore, CacheWarning, DiskStore
+from rope_rtc.cache.store import CacheWarning, DiskStore
 from rope_rtc.cli import main as cli_main
 from rope_rtc.errors import KernelNotCachedError
 from rope_rtc.toolchain import Target
+from cache_fixtures import compiles, fresh_store, isolated  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 SM90 = Target(90, "cubin")
-
-
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("ROPE_RTC_") and name != "ROPE_RTC_REQUIRE_GPU":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "default-cache"))
-    monkeypatch.setattr(store_mod, "_stores", {})
-    monkeypatch.setattr(store_mod, "_warned", set())
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    """Count the NVRTC compiles the build lifecycle makes."""
-    calls: list[str] = []
-    real = build.compile_source
-
-    def spy(kernel, *args, **kwargs):
-        calls.append(kernel)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(build, "compile_source", spy)
-    return calls
-
-
-def fresh_store(directory: Path, **kw) -> CacheStore:
-    """A store with an empty memory layer, as a new process would have."""
-    return CacheStore(DiskStore(directory, **kw))
 
 
 def flip_byte(path: Path, offset_from_end: int = 10) -> None:

@@ -19,41 +19,14 @@ import pytest
 from rope_rtc import build, cache, registry
 from rope_rtc._version import __version__
 from rope_rtc.cache import Entry, decode_entry, encode_entry
-from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.store import CacheStore, CacheWarning, DiskStore
+from rope_rtc.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
 from rope_rtc.toolchain import Target, nvrtc_version
+from cache_fixtures import compiles, fresh_store, isolated  # noqa: F401 (fixtures)
 
 SM90 = Target(90, "cubin")
 SPEC = registry.tail_spec(1, 128)
 OTHER_UID = 4242
-
-
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("ROPE_RTC_") and name != "ROPE_RTC_REQUIRE_GPU":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "default-cache"))
-    monkeypatch.setattr(store_mod, "_stores", {})
-    monkeypatch.setattr(store_mod, "_warned", set())
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    calls: list[str] = []
-    real = build.compile_source
-
-    def spy(kernel, *args, **kwargs):
-        calls.append(kernel)
-        return real(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(build, "compile_source", spy)
-    return calls
-
-
-def fresh(directory: Path, **kw) -> CacheStore:
-    return CacheStore(DiskStore(directory, **kw))
 
 
 def private_dir(path: Path) -> Path:
@@ -70,7 +43,7 @@ def mode(path: Path) -> int:
 def valid_entry(tmp_path):
     """A genuine entry for SPEC/sm_90, built in a directory of its own."""
     d = private_dir(tmp_path / "genuine")
-    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     return d / f"{b.key}.bin", b
 
 
@@ -83,7 +56,7 @@ def test_a_symlinked_entry_is_never_followed(tmp_path, valid_entry, compiles):
     link = d / target.name
     link.symlink_to(target)  # points out of the directory, at a valid entry for this very key
     with pytest.warns(CacheWarning, match="symbolic link"):
-        b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+        b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     assert b.source == "compiled" and compiles == [SPEC.name]
     # Publishing replaced the link itself; what it pointed at is untouched.
     assert not link.is_symlink() and link.is_file()
@@ -107,7 +80,7 @@ def test_a_dangling_symlink_is_a_miss(tmp_path, compiles):
     key = build.spec_key(SPEC, SM90)
     (d / f"{key}.bin").symlink_to(tmp_path / "nowhere.bin")
     with pytest.warns(CacheWarning, match="symbolic link"):
-        assert build.get_binary(SPEC, SM90, store=fresh(d), announce=False).source == "compiled"
+        assert build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False).source == "compiled"
 
 
 # -- writable by others -------------------------------------------------------------------------
@@ -139,7 +112,7 @@ def test_shared_directory_is_used_when_trusted_explicitly(tmp_path, monkeypatch,
     monkeypatch.setenv("ROPE_RTC_TRUST_SHARED_CACHE", "1")
     first = build.get_binary(SPEC, SM90, store=cache.open_store(d), announce=False)
     assert first.source == "compiled" and (d / f"{first.key}.bin").is_file()
-    assert build.get_binary(SPEC, SM90, store=fresh(d, trust_shared=True), announce=False).source == "disk"
+    assert build.get_binary(SPEC, SM90, store=fresh_store(d, trust_shared=True), announce=False).source == "disk"
 
 
 @pytest.mark.parametrize("entry_mode", [0o620, 0o602, 0o666])
@@ -147,7 +120,7 @@ def test_entry_writable_by_others_is_refused(valid_entry, entry_mode, compiles):
     path, genuine = valid_entry
     path.chmod(entry_mode)
     with pytest.warns(CacheWarning, match="writable by other users"):
-        b = build.get_binary(SPEC, SM90, store=fresh(path.parent), announce=False)
+        b = build.get_binary(SPEC, SM90, store=fresh_store(path.parent), announce=False)
     assert b.source == "compiled" and compiles == [SPEC.name]
     # The replacement this process published is private again.
     assert mode(path) == 0o600
@@ -156,7 +129,7 @@ def test_entry_writable_by_others_is_refused(valid_entry, entry_mode, compiles):
 def test_entry_writable_by_others_is_used_when_trusted(valid_entry, compiles):
     path, _ = valid_entry
     path.chmod(0o664)
-    assert build.get_binary(SPEC, SM90, store=fresh(path.parent, trust_shared=True), announce=False).source == "disk"
+    assert build.get_binary(SPEC, SM90, store=fresh_store(path.parent, trust_shared=True), announce=False).source == "disk"
     assert compiles == []
 
 
@@ -169,7 +142,7 @@ def test_entry_owned_by_another_user_is_refused(valid_entry, compiles):
     path, _ = valid_entry
     os.chown(path, OTHER_UID, -1)
     with pytest.warns(CacheWarning, match=f"owned by uid {OTHER_UID}"):
-        assert build.get_binary(SPEC, SM90, store=fresh(path.parent), announce=False).source == "compiled"
+        assert build.get_binary(SPEC, SM90, store=fresh_store(path.parent), announce=False).source == "compiled"
 
 
 @needs_root
@@ -239,7 +212,7 @@ def test_entry_built_for_another_target_nvrtc_or_version_is_never_loaded(tmp_pat
     with os.fdopen(fd, "wb") as f:
         f.write(encode_entry(forged))  # checksum valid: only the header's claim gives it away
     with pytest.warns(CacheWarning, match="was built for"):
-        b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+        b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     assert b.source == "compiled" and compiles == [SPEC.name]
     assert b"forged" not in b.data
     rebuilt = decode_entry(path.read_bytes(), expect_key=key)
@@ -255,13 +228,13 @@ def test_the_same_entry_with_honest_header_is_loaded(tmp_path, compiles):
     fd = os.open(d / f"{key}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(encode_entry(honest))
-    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     assert b.source == "disk" and b.data == honest.payload and compiles == []
 
 
 def test_entries_for_other_architectures_live_under_other_keys(tmp_path, compiles):
     d = private_dir(tmp_path / "cache")
-    a = build.get_binary(SPEC, Target(80), store=fresh(d), announce=False)
-    b = build.get_binary(SPEC, SM90, store=fresh(d), announce=False)
+    a = build.get_binary(SPEC, Target(80), store=fresh_store(d), announce=False)
+    b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     assert a.key != b.key and b.source == "compiled" and a.data != b.data
     assert decode_entry((d / f"{a.key}.bin").read_bytes()).target == "sm_80"

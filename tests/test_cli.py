@@ -14,18 +14,9 @@ from rope_rtc import build, cache, cli, driver, registry, toolchain
 from rope_rtc._version import __version__
 from rope_rtc.cache import store as store_mod
 from rope_rtc.errors import CompileError
+from cache_fixtures import isolated  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("ROPE_RTC_") and name != "ROPE_RTC_REQUIRE_GPU":
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "default-cache"))
-    monkeypatch.setattr(store_mod, "_stores", {})
-    monkeypatch.setattr(store_mod, "_warned", set())
 
 
 @pytest.fixture

@@ -135,7 +135,7 @@ def test_fused_qkv_views_in_place(cp):
     B, S, Hq, Hk, D = 2, 9, 4, 2, 128
     qkv_h = host_random((B, S, Hq + 2 * Hk, D), DTYPES["bfloat16"], 7)
     qkv = cp.asarray(qkv_h)
-    q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hk], qkv[:, :, Hq + Hk:]
+    q, k = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hk]  # v (the rest) must stay untouched
     cos, sin = host_tables(S, D // 2, 3)
     rope_rtc.apply_rope_qk(q, k, cp.asarray(cos), cp.asarray(sin), q_out=q, k_out=k)
     got = cp.asnumpy(qkv)

@@ -9,7 +9,6 @@ checked where they stop without that stand-in: at the GPU step, with a no-driver
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, f
 from rope_rtc import RopePlan, TensorDesc, apply_rope, apply_rope_qk
 from rope_rtc import arrays as A
 from rope_rtc import rope as R
-from rope_rtc.registry import rope_vector_widths
+
 from rope_rtc.rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
 B, S, H, HK, D, ROWS = 2, 8, 4, 2, 64, 16
