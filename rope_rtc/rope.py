@@ -581,7 +581,7 @@ class RopePlan:
     an out-of-place plan needs ``q_out``/``k_out`` at every ``execute``. ``execute`` remembers the
     last arrays it saw (holding references to them) and skips re-validation when they repeat.
     Capturable in a CUDA graph: capture ``execute`` on the capturing stream, then refill the same
-    buffers and replay.
+    buffers and replay. A plan holds one argument block: give each thread its own plan.
     """
 
     def __init__(self, q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",

@@ -37,6 +37,7 @@ class TailRoPEForward:
     ``execute`` allocates nothing, converts nothing and never synchronises; the caller owns array
     lifetimes and inter-stream ordering. The plan remembers the last arrays it saw, so repeating a
     call with the same arrays skips re-validation (it holds references to them until the next call).
+    A plan holds one argument block: give each thread its own plan.
     """
 
     def __init__(self, x, cosine, sine, out, *, backend: str = "nvrtc") -> None:
