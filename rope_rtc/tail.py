@@ -8,6 +8,8 @@ with a fixed FP32 multiply/FMA order (bit-exact); the prefix is copied unchanged
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from . import arrays as A
@@ -228,7 +230,8 @@ def _current_device() -> int:
     return int(cupy.cuda.runtime.getDevice())
 
 
-_plans: dict[tuple, TailRoPEForward] = {}
+# Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
+_local = threading.local()
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleDict:
@@ -258,11 +261,12 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
             with cupy.cuda.ExternalStream(handle):
                 out = cupy.empty_like(base)
         key = (xi.shape[1:], device, backend)
-        plan = _plans.get(key)
+        plans = _local.__dict__.setdefault("plans", {})
+        plan = plans.get(key)
         if plan is None:
             plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
             plan._decl = None  # a process-wide plan must not keep the caller's arrays alive
-            _plans[key] = plan
+            plans[key] = plan
         result = plan.execute(x, cosine, sine, out, current_stream=handle)
         plan._last = None  # nor the last call's (the signature cache keeps later calls cheap)
         return result
