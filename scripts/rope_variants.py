@@ -1,8 +1,7 @@
 """General-kernel tuning probe: heads per thread (ROPE_HEAD_BATCH), cold L2, vs same-size copy."""
 
-
-from rope_rtc import registry, rope
 from perf_probe import copy_time, general_time
+from rope_rtc import registry, rope
 
 base_spec = registry.rope_spec
 CASES = [("fp32", "bhsd", True, 4, 4096, 32, 32, 128), ("bf16", "bshd", False, 4, 4096, 32, 32, 128),
