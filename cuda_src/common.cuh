@@ -61,6 +61,20 @@ __device__ __forceinline__ Vec<Bits, N> load_vec(const void* p) {
     return r;
 }
 
+// The same through the read-only (non-coherent) path, for arrays no thread of the kernel writes
+// (the cos/sin tables: the host refuses outputs that overlap them).
+template <typename Bits, int N>
+__device__ __forceinline__ Vec<Bits, N> ldg_vec(const void* p) {
+    Vec<Bits, N> r;
+    if constexpr (sizeof(Bits) * N == 32) {
+        r.raw.a = __ldg((const uint4*)p);
+        r.raw.b = __ldg((const uint4*)p + 1);
+    } else {
+        r.raw = __ldg((const typename RawAccess<sizeof(Bits) * N>::type*)p);
+    }
+    return r;
+}
+
 template <typename Bits, int N>
 __device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
     *(typename RawAccess<sizeof(Bits) * N>::type*)p = v.raw;

@@ -10,11 +10,13 @@
 // RopeParams, so one binary serves every shape.
 //
 // Work split: one thread per (token, group of HEAD_BATCH heads, vector unit), a flat grid like a
-// copy kernel's. A thread loads its table slice once, issues the loads of all its heads before
-// any store (more bytes in flight, index arithmetic amortised), then rotates and stores. The
-// host picks which of token and head group varies faster (heads_inner) so that neighbouring
-// threads touch neighbouring memory in every layout. A token's cos/sin row is read from DRAM
-// once and served to its other head groups from L1/L2.
+// copy kernel's, in the order (token tile, head group, token in tile, unit). A thread loads its
+// table slice once, issues the loads of all its heads before any store, then rotates and stores.
+// The host picks the tile (token_tile in rope_rtc/rope.py): 1 token when heads are the denser
+// axis (bshd), so a warp covers one token's heads; several when tokens are (bhsd), so a warp
+// covers a run of consecutive rows of one head. Either way the threads of one block share a few
+// cos/sin rows, which L1 then serves to every head: a table row is read from L2 once per block,
+// not once per head.
 #include "common.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC)
@@ -45,6 +47,10 @@ constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 #error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
 #endif
 constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
+// Tables through the read-only path (1) or plain loads (0; a tuning knob for the probes).
+#ifndef ROPE_TABLE_NC
+#define ROPE_TABLE_NC 1
+#endif
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
@@ -79,23 +85,28 @@ struct RopeParams {
     i64 rot_offset, rot_half;  // rotary window [rot_offset, rot_offset + 2 * rot_half)
     i64 pos_mode, index_flags, inverse, copy_passthrough;
     i64 table_vec;         // 1: table rows may be read NPAIR floats at a time (aligned)
-    i64 heads_inner;       // 1: thread order (token, head, unit); 0: (head, token, unit)
+    i64 tile;              // tokens per tile (the thread order is tile, head group, token, unit)
+    // The flat index space, computed on the host: rot_total threads rotate (one per token, head
+    // group and unit, the token count rounded up to whole tiles), then copy threads copy the
+    // window's outside (out of place only). Threads past the last token return at once.
+    i64 units, groups, copy_units, rot_total, total;
+    // narrow = 1: total < 2^31, so one thread per index with 32-bit index arithmetic and the
+    // divisions below as multiply-shifts; 0: the 64-bit grid-stride loop.
+    i64 narrow;
+    u64 div_units, div_groups, div_tile, div_seq, div_copy_units, div_heads;  // fast_div packed
 };
+
+// Division of n < 2^31 by a run-time invariant d in [1, 2^31) as a multiply-shift (Granlund and
+// Montgomery, PLDI 1994): the host packs m = floor(2^32 (2^l - d) / d) + 1 in the low 32 bits and
+// l = ceil(log2 d) above them (rope_rtc/rope_params.py: fast_divisor). Exact for every n < 2^32
+// whose n + umulhi(n, m) does not overflow, which n < 2^31 guarantees. A 32-bit division is a
+// ~20-instruction sequence; this is three.
+__device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
+    return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
+}
 
 __device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
     return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
-}
-
-__device__ __forceinline__ void split_token(i64 t, i64 seq_len, i64& b, i64& s) {
-    // 32-bit division when it fits: a 64-bit one costs several times as many instructions.
-    if (((t | seq_len) >> 31) == 0) {
-        const unsigned ut = (unsigned)t, us = (unsigned)seq_len;
-        b = ut / us;
-        s = ut - (unsigned)b * us;
-    } else {
-        b = t / seq_len;
-        s = t - b * seq_len;
-    }
 }
 
 // The table row for token t; -1 when it falls outside the table (the caller writes NaN rather
@@ -190,99 +201,119 @@ __device__ __forceinline__ void rotate_store(const HeadPtrs& hp, const Unit& u, 
 #endif
 }
 
-// i -> (unit, head, token) for `units` units per head; 32-bit division when everything fits.
-__device__ __forceinline__ void decompose(i64 i, i64 units, i64 heads, i64 tokens, bool heads_inner, i64& u,
-                                          i64& h, i64& t) {
-    if (((i | (units * heads * tokens)) >> 31) == 0) {
-        const unsigned ui = (unsigned)i, uu = (unsigned)units;
-        const unsigned r = ui / uu;
-        u = ui - r * uu;
-        if (heads_inner) {
-            const unsigned uh = (unsigned)heads, q = r / uh;
-            h = r - q * uh;
-            t = q;
+// Rotate unit u of head group g for token t = (b, s): issue every head's loads before any store
+// (in place the compiler may not reorder a load of one head above the store of another on its
+// own: the pointers may alias), then the table row, then rotate and store.
+__device__ __forceinline__ void rotate_group(const RopeParams& p, i64 t, i64 b, i64 s, i64 g, i64 u, float sign) {
+    const i64 heads = p.q_heads + p.k_heads;
+    const i64 ch = p.rot_offset + u * VEC;
+    HeadPtrs hp[HEAD_BATCH];
+    Unit in[HEAD_BATCH];
+#pragma unroll
+    for (int k = 0; k < HEAD_BATCH; ++k) {
+        // Consecutive heads per thread. (Strided heads g + k*groups measured worse:
+        // 76-86% of copy for interleaved pairs against 89-94%; docs/perf_notes.md.)
+        const i64 hk = g * HEAD_BATCH + k;
+        if (hk < heads) {
+            hp[k] = head_ptrs(p, hk, b, s, ch);
+            in[k] = load_unit(hp[k], p.rot_half);
+        }
+    }
+    const i64 row = token_row(p, t, b, s);
+    float c[NPAIR], sn[NPAIR];
+    if (row >= 0) {
+        const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
+        const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
+        if (p.table_vec) {
+#if ROPE_TABLE_NC
+            const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
+            const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
+#else
+            const Vec<float, NPAIR> cv = load_vec<float, NPAIR>(cr);
+            const Vec<float, NPAIR> sv = load_vec<float, NPAIR>(sr);
+#endif
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = cv.v[j];
+                sn[j] = sign * sv.v[j];
+            }
         } else {
-            const unsigned ut = (unsigned)tokens, q = r / ut;
-            t = r - q * ut;
-            h = q;
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = __ldg(cr + j);
+                sn[j] = sign * __ldg(sr + j);
+            }
         }
     } else {
-        const i64 r = i / units;
-        u = i - r * units;
-        if (heads_inner) {
-            t = r / heads;
-            h = r - t * heads;
-        } else {
-            h = r / tokens;
-            t = r - h * tokens;
-        }
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
+    }
+#pragma unroll
+    for (int k = 0; k < HEAD_BATCH; ++k)
+        if (g * HEAD_BATCH + k < heads) rotate_store(hp[k], in[k], c, sn, p.rot_half);
+}
+
+// Copy unit u (of the channels outside the rotary window) of head h for token (b, s).
+__device__ __forceinline__ void copy_unit(const RopeParams& p, i64 b, i64 s, i64 h, i64 u) {
+    const i64 prefix = p.rot_offset / VEC;
+    const i64 ch = u < prefix ? u * VEC : p.rot_offset + 2 * p.rot_half + (u - prefix) * VEC;
+    const HeadPtrs hp = head_ptrs(p, h, b, s, ch);
+    store_vec<bits_t, VEC>(hp.out, load_vec<bits_t, VEC>(hp.in));
+}
+
+// One thread per index, 32-bit arithmetic, multiply-shift divisions (total < 2^31; the host
+// launches exactly ceil(total / 256) blocks).
+__device__ __forceinline__ void narrow_thread(const RopeParams& p, float sign) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned)p.total) return;
+    const bool rot = i < (unsigned)p.rot_total;
+    const unsigned j = rot ? i : i - (unsigned)p.rot_total;
+    const unsigned per = (unsigned)(rot ? p.units : p.copy_units);
+    const unsigned across = (unsigned)(rot ? p.groups : p.q_heads + p.k_heads);
+    const unsigned r = fast_div(j, rot ? p.div_units : p.div_copy_units);
+    const unsigned u = j - r * per;
+    const unsigned r2 = fast_div(r, p.div_tile);
+    const unsigned tt = r - r2 * (unsigned)p.tile;
+    const unsigned tile = fast_div(r2, rot ? p.div_groups : p.div_heads);
+    const unsigned h = r2 - tile * across;
+    const unsigned t = tile * (unsigned)p.tile + tt;
+    if (t >= (unsigned)p.num_tokens) return;  // the last tile's padding
+    const unsigned b = fast_div(t, p.div_seq);
+    const unsigned s = t - b * (unsigned)p.seq_len;
+    if (rot) rotate_group(p, t, b, s, h, u, sign);
+    else copy_unit(p, b, s, h, u);
+}
+
+// The general case: 64-bit indices, grid-stride loop (the grid is capped at the CUDA limit).
+__device__ __forceinline__ void wide_loop(const RopeParams& p, float sign) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.total; i += (i64)gridDim.x * blockDim.x) {
+        const bool rot = i < p.rot_total;
+        const i64 j = rot ? i : i - p.rot_total;
+        const i64 per = rot ? p.units : p.copy_units;
+        const i64 across = rot ? p.groups : p.q_heads + p.k_heads;
+        const i64 r = j / per, u = j - r * per;
+        const i64 r2 = r / p.tile, tt = r - r2 * p.tile;
+        const i64 tile = r2 / across, h = r2 - tile * across;
+        const i64 t = tile * p.tile + tt;
+        if (t >= p.num_tokens) continue;
+        const i64 b = t / p.seq_len, s = t - b * p.seq_len;
+        if (rot) rotate_group(p, t, b, s, h, u, sign);
+        else copy_unit(p, b, s, h, u);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) rope_apply(const RopeParams p) {
-    const i64 units = ROPE_INTERLEAVED ? (2 * p.rot_half) / VEC : p.rot_half / VEC;
-    const i64 heads = p.q_heads + p.k_heads;
-    const i64 groups = (heads + HEAD_BATCH - 1) / HEAD_BATCH;
-    const i64 rot_total = p.num_tokens * groups * units;
-    // Out of place with a partial window: channels outside it are copied, VEC at a time.
-    const i64 prefix = p.rot_offset / VEC;
-    const i64 suffix_start = p.rot_offset + 2 * p.rot_half;
-    const i64 copy_units = p.copy_passthrough ? prefix + (p.head_dim - suffix_start) / VEC : 0;
-    const i64 total = rot_total + p.num_tokens * heads * copy_units;
-    const float sign = p.inverse ? -1.0f : 1.0f;
+// Two entry points so that each gets its own register allocation: the 64-bit loop needs ~10
+// more registers, and the 32-bit path is what every tensor below 2^31 indices runs (at 26-40
+// registers, 6-8 blocks of 256 fit an SM: enough loads in flight to reach the copy rate).
+// ROPE_MIN_BLOCKS is a tuning knob for scripts/rope_variants.py only.
+#ifndef ROPE_MIN_BLOCKS
+#define ROPE_MIN_BLOCKS 1
+#endif
 
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
-        i64 u, h, t, b, s;
-        if (i < rot_total) {
-            i64 g;
-            decompose(i, units, groups, p.num_tokens, p.heads_inner, u, g, t);
-            split_token(t, p.seq_len, b, s);
-            const i64 ch = p.rot_offset + u * VEC;
-            HeadPtrs hp[HEAD_BATCH];
-            Unit in[HEAD_BATCH];
-#pragma unroll
-            for (int k = 0; k < HEAD_BATCH; ++k) {
-                // Consecutive heads per thread. (Strided heads g + k*groups measured worse:
-                // 76-86% of copy for interleaved pairs against 89-94%; docs/perf_notes.md.)
-                const i64 hk = g * HEAD_BATCH + k;
-                if (hk < heads) {
-                    hp[k] = head_ptrs(p, hk, b, s, ch);
-                    in[k] = load_unit(hp[k], p.rot_half);
-                }
-            }
-            const i64 row = token_row(p, t, b, s);
-            float c[NPAIR], sn[NPAIR];
-            if (row >= 0) {
-                const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
-                const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
-                if (p.table_vec) {
-                    const Vec<float, NPAIR> cv = load_vec<float, NPAIR>(cr);
-                    const Vec<float, NPAIR> sv = load_vec<float, NPAIR>(sr);
-#pragma unroll
-                    for (int j = 0; j < NPAIR; ++j) {
-                        c[j] = cv.v[j];
-                        sn[j] = sign * sv.v[j];
-                    }
-                } else {
-#pragma unroll
-                    for (int j = 0; j < NPAIR; ++j) {
-                        c[j] = __ldg(cr + j);
-                        sn[j] = sign * __ldg(sr + j);
-                    }
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
-            }
-#pragma unroll
-            for (int k = 0; k < HEAD_BATCH; ++k)
-                if (g * HEAD_BATCH + k < heads) rotate_store(hp[k], in[k], c, sn, p.rot_half);
-        } else {
-            decompose(i - rot_total, copy_units, heads, p.num_tokens, p.heads_inner, u, h, t);
-            split_token(t, p.seq_len, b, s);
-            const i64 ch = u < prefix ? u * VEC : suffix_start + (u - prefix) * VEC;
-            const HeadPtrs hp = head_ptrs(p, h, b, s, ch);
-            store_vec<bits_t, VEC>(hp.out, load_vec<bits_t, VEC>(hp.in));
-        }
-    }
+extern "C" __global__ void __launch_bounds__(256, ROPE_MIN_BLOCKS) rope_apply(const RopeParams p) {
+    narrow_thread(p, p.inverse ? -1.0f : 1.0f);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rope_apply_wide(const RopeParams p) {
+    wide_loop(p, p.inverse ? -1.0f : 1.0f);
 }

@@ -41,23 +41,39 @@ def blog_spec() -> KernelSpec:
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))
 
 
-def rope_head_batch(interleaved: bool) -> int:
+def rope_head_batch(interleaved: bool, small: bool = False) -> int:
     """Heads one thread of the general kernel rotates (ROPE_HEAD_BATCH).
 
-    Measured on the H200 with cold L2 (scripts/rope_variants.py, 2026-11-30): 1 or 2 heads leave
-    62-88% of the copy rate; 4 gives 90-95% for half-split pairs; interleaved pairs touch one
-    vector per head instead of two and need 8 to reach 93-94%.
+    Measured on the H200 (scripts/rope_variants.py and scripts/decode_variants.py, 2026-11-30,
+    docs/perf_notes.md): small launches (decode) are latency-bound and fastest with 1 head per
+    thread (1.8 against 2.2-2.9 µs for 2-8 at T=1); prefill gains 2-6 points of the copy rate
+    from sharing the table slice and index arithmetic across 2 heads (half-split pairs) or 4
+    (interleaved pairs, which move half as many bytes per head per thread).
     """
-    return 8 if interleaved else 4
+    if small:
+        return 1
+    return 4 if interleaved else 2
 
 
-def rope_spec(dtype: str, interleaved: bool, vec: int) -> KernelSpec:
+def rope_head_batches(interleaved: bool) -> tuple[int, ...]:
+    """Every head batch the general kernel is built with for this pair style."""
+    return tuple(sorted({rope_head_batch(interleaved, True), rope_head_batch(interleaved, False)}))
+
+
+# The general kernel's entry points: 32-bit indices (below 2^31 threads) and the 64-bit loop.
+ROPE_ENTRIES = ("rope_apply", "rope_apply_wide")
+
+
+def rope_spec(dtype: str, interleaved: bool, vec: int, head_batch: int | None = None) -> KernelSpec:
+    """The general kernel for one dtype, pair style, vector width and head batch (default: the
+    prefill batch)."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
+    hb = rope_head_batch(interleaved) if head_batch is None else int(head_batch)
     return KernelSpec(
-        "rope", "rope.cu", ("rope_apply",),
+        "rope", "rope.cu", ROPE_ENTRIES,
         (("ROPE_DTYPE", str(DTYPE_CODES[dtype])), ("ROPE_INTERLEAVED", str(int(interleaved))),
-         ("ROPE_VEC", str(vec)), ("ROPE_HEAD_BATCH", str(rope_head_batch(interleaved)))),
+         ("ROPE_VEC", str(vec)), ("ROPE_HEAD_BATCH", str(hb))),
     )
 
 
@@ -77,6 +93,7 @@ def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSp
     specs = [blog_spec()]
     for dtype in DTYPE_CODES:
         for interleaved in (False, True):
-            specs += [rope_spec(dtype, interleaved, v) for v in rope_vector_widths(dtype, interleaved)]
+            specs += [rope_spec(dtype, interleaved, v, hb) for v in rope_vector_widths(dtype, interleaved)
+                      for hb in rope_head_batches(interleaved)]
     specs += [tail_spec(h, d) for d in TAIL_DIMS for h in sorted(set(tail_heads))]
     return specs

@@ -16,15 +16,19 @@ from . import arrays as A
 from .descriptors import TensorDesc
 from .launch import Launcher, StructArg, launch, launch_prefix, load_kernel, stream_handle
 from .layouts import Canonical, canonical, check_layout, to_bshd_index
-from .registry import rope_head_batch, rope_spec, rope_vector_widths
+from .registry import ROPE_ENTRIES, rope_head_batch, rope_head_batches, rope_spec, rope_vector_widths
 from .rope_params import (IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_CU_SEQLENS, POS_OFFSET,
-                          POS_OFFSETS, POS_POSITIONS, RopeParams)
+                          POS_OFFSETS, POS_POSITIONS, RopeParams, fast_divisor)
 
 BACKENDS = ("auto", "nvrtc", "numpy")
 VARIANTS = ("auto", "baseline", "vectorized", "fused")
 # Threads per block of the general kernel (cuda_src/rope.cu: __launch_bounds__(256)).
 BLOCK_THREADS = 256
 GRID_LIMIT = 2**31 - 1
+# Index spaces below this run the kernel's 32-bit path (rope.cu: narrow_thread).
+NARROW_LIMIT = 2**31
+# Launches with fewer (token, head) pairs than this run one head per thread (decode: latency).
+SMALL_TOKEN_HEADS = 2**14
 
 
 @dataclass
@@ -313,20 +317,73 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
     npair = vec // 2 if req.interleaved else vec
     rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
     p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
-    # Neighbouring threads should touch neighbouring memory: heads vary fastest unless the
-    # token axis is the denser one (bhsd).
-    p.heads_inner = int(req.cq.H <= 1 or req.cq.S * req.cq.B <= 1 or abs(req.cq.sh) <= abs(req.cq.ss))
+    units, groups, copy_units, heads = index_space(req, vec)
+    tile = token_tile(req, units)
+    tokens = -(-req.num_tokens // tile) * tile  # whole tiles; the kernel skips the padding
+    p.tile, p.units, p.groups, p.copy_units = tile, units, groups, copy_units
+    p.rot_total = tokens * groups * units
+    p.total = p.rot_total + tokens * heads * copy_units
+    p.narrow = int(p.total < NARROW_LIMIT)
+    if p.narrow:  # (a zero extent means no thread divides by it: 1 stands in)
+        p.div_units = fast_divisor(max(units, 1))
+        p.div_groups = fast_divisor(max(groups, 1))
+        p.div_tile = fast_divisor(tile)
+        p.div_seq = fast_divisor(p.seq_len)
+        p.div_copy_units = fast_divisor(max(copy_units, 1))
+        p.div_heads = fast_divisor(max(heads, 1))
 
 
-def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, block) of the flat kernel: one thread per (token, head, vector unit), like a copy."""
+def token_tile(req: Request, units: int) -> int:
+    """Tokens per tile of the thread order (tile, head group, token, unit).
+
+    The order follows memory: one token (heads inner) when heads are the denser axis (bshd,
+    thd), every token (heads outer) when tokens are (bhsd), so consecutive threads walk
+    consecutive addresses like a copy. Measured on the H200 against tiles of one warp's worth of
+    tokens (which share cos/sin rows across heads in L1): within noise for bf16 half-split,
+    2-4 points better for interleaved pairs and FP32 (scripts/rope_variants.py, docs/perf_notes.md).
+    """
+    if req.cq.H <= 1 or req.num_tokens <= 1 or abs(req.cq.sh) <= abs(req.cq.ss):
+        return 1
+    return req.num_tokens
+
+
+def total_threads(req: Request, vec: int) -> int:
+    """Threads of the flat index space (fill_params' ``total``), before the grid is capped."""
+    units, groups, copy_units, heads = index_space(req, vec)
+    tile = token_tile(req, units)
+    return -(-req.num_tokens // tile) * tile * (groups * units + heads * copy_units)
+
+
+def is_narrow(req: Request, vec: int) -> bool:
+    """Whether the launch fits the kernel's 32-bit path (rope.cu: rope_apply, not rope_apply_wide)."""
+    return total_threads(req, vec) < NARROW_LIMIT
+
+
+def index_space(req: Request, vec: int) -> tuple[int, int, int, int]:
+    """(units per head group, head groups, copy units per head, heads) of the flat kernel."""
     D, R = req.cq.D, req.rotary_dim
     units = (R if req.interleaved else R // 2) // vec
     copy_units = (D - R) // vec if (not req.in_place and R < D) else 0
     heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
-    groups = -(-heads // rope_head_batch(req.interleaved))
-    total = req.num_tokens * (groups * units + heads * copy_units)
-    blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)  # the kernel grid-strides past the limit
+    return units, -(-heads // head_batch(req)), copy_units, heads
+
+
+def head_batch(req: Request) -> int:
+    """Heads per thread for this launch (registry.rope_head_batch: 1 for small launches)."""
+    heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
+    return rope_head_batch(req.interleaved, small=req.num_tokens * heads < SMALL_TOKEN_HEADS)
+
+
+def kernel_for(kernels: dict, req: Request, vec: int):
+    """The entry (narrow or wide) of the kernel for this launch, from a plan's loaded kernels."""
+    return kernels[(vec, head_batch(req))][0 if is_narrow(req, vec) else 1]
+
+
+def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of the flat kernel: one thread per (token, head, vector unit), like a copy."""
+    total = total_threads(req, vec)
+    # Below NARROW_LIMIT one thread per index; past it the kernel grid-strides up to the limit.
+    blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)
     return (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
 
 
@@ -426,11 +483,11 @@ def _run_gpu(req: Request, stream, variant: str):
             run_blog_variant(variant, req, handle, device)
             return q_out, k_out
         vec = choose_vector(req)
-        kernel = load_kernel(rope_spec(req.dtype, req.interleaved, vec), device)
+        kernel = load_kernel(rope_spec(req.dtype, req.interleaved, vec, head_batch(req)), device)
         args = StructArg(RopeParams)
         fill_params(args.values, req, vec)
         grid, block = launch_shape(req, vec)
-        launch(kernel.functions["rope_apply"], grid, block, handle, args.address)
+        launch(kernel.functions[ROPE_ENTRIES[0 if args.values.narrow else 1]], grid, block, handle, args.address)
         return q_out, k_out
 
 
@@ -625,8 +682,9 @@ class RopePlan:
 
 
         for vec in rope_vector_widths(self.dtype, self.interleaved):
-            k = load_kernel(rope_spec(self.dtype, self.interleaved, vec), self.device)
-            self._kernels[vec] = k.functions["rope_apply"]
+            for hb in rope_head_batches(self.interleaved):
+                k = load_kernel(rope_spec(self.dtype, self.interleaved, vec, hb), self.device)
+                self._kernels[(vec, hb)] = tuple(k.functions[e] for e in ROPE_ENTRIES)  # (narrow, wide)
         self._launch = Launcher(self._args.address, self.device)
         self._get_stream = cupy.cuda.get_current_stream
         self._compiled = True
@@ -740,7 +798,7 @@ class RopePlan:
         if req.num_tokens:
             vec = choose_vector(req)
             fill_params(self._args.values, req, vec)
-            prefix = launch_prefix(self._kernels[vec], *launch_shape(req, vec))
+            prefix = launch_prefix(kernel_for(self._kernels, req, vec), *launch_shape(req, vec))
         self._filled = None
         if sig is not None:
             if len(self._templates) >= 64:  # bounded: engines cycle through a few shapes
@@ -833,5 +891,5 @@ class _Template:
     def prefix(self, kernels: dict, vec: int):
         pre = self._prefixes.get(vec)
         if pre is None and self.req.num_tokens:
-            pre = self._prefixes[vec] = launch_prefix(kernels[vec], *launch_shape(self.req, vec))
+            pre = self._prefixes[vec] = launch_prefix(kernel_for(kernels, self.req, vec), *launch_shape(self.req, vec))
         return pre

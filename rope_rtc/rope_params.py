@@ -18,7 +18,11 @@ FIELDS = [
     ("table_rows", _I64), ("table_stride", _I64),
     ("q_heads", _I64), ("k_heads", _I64), ("head_dim", _I64), ("rot_offset", _I64), ("rot_half", _I64),
     ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("copy_passthrough", _I64),
-    ("table_vec", _I64), ("heads_inner", _I64),
+    ("table_vec", _I64), ("tile", _I64),
+    ("units", _I64), ("groups", _I64), ("copy_units", _I64), ("rot_total", _I64), ("total", _I64),
+    ("narrow", _I64),
+    ("div_units", _U64), ("div_groups", _U64), ("div_tile", _U64), ("div_seq", _U64),
+    ("div_copy_units", _U64), ("div_heads", _U64),
 ]
 
 
@@ -30,3 +34,20 @@ class RopeParams(ctypes.Structure):
 POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS = 0, 1, 2, 3
 # index_flags bits (rope.cu: IDX_*)
 IDX_POSITIONS_I64, IDX_OFFSETS_I64, IDX_CU_SEQLENS_I64 = 1, 2, 4
+
+
+def fast_divisor(d: int) -> int:
+    """``d`` packed for the kernel's ``fast_div``: ``m | l << 32`` with ``l = ceil(log2 d)`` and
+    ``m = floor(2**32 * (2**l - d) / d) + 1``, so that ``(umulhi(n, m) + n) >> l == n // d`` for
+    every ``n < 2**31`` (Granlund and Montgomery's invariant-divisor method)."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_divisor: divisor {d} is outside [1, 2**31)")
+    shift = (d - 1).bit_length()
+    mul = (2**32 * (2**shift - d)) // d + 1
+    return mul | shift << 32
+
+
+def fast_div(n: int, packed: int) -> int:
+    """What the kernel computes for ``n // d`` (the host-side model, for tests)."""
+    mul, shift = packed & 0xFFFFFFFF, packed >> 32
+    return (((n * mul) >> 32) + n) >> shift

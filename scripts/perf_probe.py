@@ -68,6 +68,22 @@ def general_time(dtype, layout, interleaved, B, S, Hq, Hk, D):
     return t, moved
 
 
+def blog_time(variant, B, S, H, D):
+    """(µs per call of the blog's ``variant`` kernel, fp32 bhsd interleaved q+k in place, bytes moved)."""
+    from rope_rtc.blog import prepare_blog_variant
+
+    moved = 2 * 2 * B * H * S * D * 4 + 2 * S * (D // 2) * 4
+    sets = max(1, int(np.ceil(4 * L2 / moved)) + 1)
+    rng = cp.random.default_rng(1)
+    qs = [rng.standard_normal((B, H, S, D), dtype=cp.float32) for _ in range(sets)]
+    ks = [rng.standard_normal((B, H, S, D), dtype=cp.float32) for _ in range(sets)]
+    cos, sin = rope_rtc.rope_tables(S, D, xp=cp)
+    fns = [prepare_blog_variant(variant, qs[i], ks[i], cos, sin, q_out=qs[i], k_out=ks[i]) for i in range(sets)]
+    t = timed(lambda i: fns[i](), sets)
+    del qs, ks, fns
+    return t, moved
+
+
 def general_case(dtype, layout, interleaved, B, S, Hq, Hk, D):
     t, moved = general_time(dtype, layout, interleaved, B, S, Hq, Hk, D)
     c = copy_time(moved)
@@ -81,3 +97,71 @@ if __name__ == "__main__":
                  ("bf16", "bhsd", False, 4, 4096, 32, 32, 128), ("fp32", "bshd", False, 4, 16384, 32, 32, 128),
                  ("bf16", "bshd", False, 4, 512, 32, 32, 128), ("bf16", "bshd", False, 1, 1, 32, 8, 128)]:
         general_case(*args)
+
+
+def graph_time(fn, n=200, reps=7):
+    """µs per call of ``fn()`` replayed as a CUDA graph of ``n`` back-to-back calls (hot L2)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(n):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        res = []
+        for _ in range(reps):
+            s.record(stream)
+            graph.launch(stream)
+            e.record(stream)
+            e.synchronize()
+            res.append(cp.cuda.get_elapsed_time(s, e) / n * 1e3)
+    return float(np.median(res))
+
+
+def decode_probe(T, Hq=32, Hk=8, D=128, rows=8192):
+    """Decode under graph replay: positions array vs a pre-gathered table (Liger's input) vs a copy."""
+    rng = cp.random.default_rng(2)
+    q = rng.standard_normal((T, Hq, D), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((T, Hk, D), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+    cos, sin = rope_rtc.rope_tables(rows, D, xp=cp)
+    pos = cp.asarray(np.random.default_rng(3).integers(0, rows, T), dtype=cp.int32)
+    plan = rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd").compile()
+    t_pos = graph_time(lambda: plan.execute(q, k, cos, sin, pos))
+    gc, gs = cp.ascontiguousarray(cos[pos]), cp.ascontiguousarray(sin[pos])
+    plan_g = rope_rtc.RopePlan(q, k, gc, gs, layout="thd").compile()
+    t_g = graph_time(lambda: plan_g.execute(q, k, gc, gs))
+    n = (q.nbytes + k.nbytes)
+    src, dst = cp.empty(n, cp.uint8), cp.empty(n, cp.uint8)
+    t_c = graph_time(lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, n, 3,
+                                                         cp.cuda.get_current_stream().ptr))
+    return t_pos, t_g, t_c
+
+
+def configure_general(variant):
+    """Point rope_rtc's general kernel at a tuning variant: 'default' (what ships), or
+    'hb=N[,minb=N][,nc=0|1][,vecbytes=N]' (heads per thread, a register bound through
+    __launch_bounds__, tables through the read-only path or not, narrower vectors)."""
+    from rope_rtc import registry, rope
+
+    if not hasattr(configure_general, "production"):
+        configure_general.production = (rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches,
+                                        rope.rope_vector_widths)
+    spec, _, _, widths = configure_general.production
+    rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches, rope.rope_vector_widths = \
+        configure_general.production
+    if variant == "default":
+        return
+    opts = dict(kv.split("=") for kv in variant.split(","))
+    hb = int(opts["hb"])
+    extra = ((("ROPE_MIN_BLOCKS", opts["minb"]),) if "minb" in opts else ()) + \
+        ((("ROPE_TABLE_NC", opts["nc"]),) if "nc" in opts else ())
+    maxb = int(opts.get("vecbytes", 16))
+    rope.rope_vector_widths = lambda d, i: tuple(w for w in widths(d, i) if w * registry.ITEMSIZE[d] <= maxb)
+    rope.rope_spec = lambda d, i, v, head_batch=None: registry.KernelSpec(
+        "rope", "rope.cu", registry.ROPE_ENTRIES, spec(d, i, v).defines[:3] + (("ROPE_HEAD_BATCH", str(hb)),) + extra)
+    rope.rope_head_batch = lambda interleaved, small=False: hb
+    rope.rope_head_batches = lambda interleaved: (hb,)

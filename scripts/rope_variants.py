@@ -1,19 +1,25 @@
-"""General-kernel tuning probe: heads per thread (ROPE_HEAD_BATCH), cold L2, vs same-size copy."""
+"""General-kernel tuning probe, prefill: % of a same-size copy with cold L2, per variant
+(perf_probe.configure_general: 'default' or 'hb=N[,minb=N][,nc=0|1][,vecbytes=N]').
+On a GPU, from the repository root:
+    PYTHONPATH=. python3 scripts/rope_variants.py default hb=1 hb=2 hb=4
+"""
 
-from perf_probe import copy_time, general_time
-from rope_rtc import registry, rope
+import sys
 
-base_spec = registry.rope_spec
-CASES = [("fp32", "bhsd", True, 4, 4096, 32, 32, 128), ("bf16", "bshd", False, 4, 4096, 32, 32, 128),
-         ("bf16", "bhsd", False, 4, 4096, 32, 32, 128), ("fp32", "bshd", False, 4, 16384, 32, 32, 128),
+from perf_probe import blog_time, configure_general, copy_time, general_time
+
+CASES = [("fp32", "bhsd", True, 4, 4096, 32, 32, 128), ("fp32", "bhsd", False, 4, 4096, 32, 32, 128),
+         ("bf16", "bshd", False, 4, 4096, 32, 32, 128), ("bf16", "bhsd", False, 4, 4096, 32, 32, 128),
+         ("bf16", "bhsd", True, 4, 4096, 32, 32, 128), ("fp32", "bshd", False, 4, 16384, 32, 32, 128),
          ("fp16", "bshd", True, 4, 16384, 32, 32, 128)]
 copies = {}
-for hb in (1, 2, 4, 8):
-    registry.rope_spec = lambda d, i, v, hb=hb: registry.KernelSpec(
-        "rope", "rope.cu", ("rope_apply",), base_spec(d, i, v).defines[:3] + (("ROPE_HEAD_BATCH", str(hb)),))
-    rope.rope_spec = registry.rope_spec
-    rope.rope_head_batch = lambda interleaved, hb=hb: hb
-    line = [f"HB={hb}"]
+# Calibration: the blog's fused kernel (98-99% of copy in the benchmark) on its own shape.
+t, moved = blog_time("fused", 4, 4096, 32, 128)
+copies[("fp32", "bhsd", 4096)] = copy_time(moved)
+print(f"blog fused fp32/bhsd/il1/S4096 {100 * copies[('fp32', 'bhsd', 4096)] / t:5.1f}%", flush=True)
+for variant in sys.argv[1:] or ["default", "hb=1", "hb=2", "hb=4"]:
+    configure_general(variant)
+    line = [variant]
     for dtype, layout, il, B, S, Hq, Hk, D in CASES:
         t, moved = general_time(dtype, layout, il, B, S, Hq, Hk, D)
         key = (dtype, layout, S)

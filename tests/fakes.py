@@ -304,7 +304,7 @@ class FakeGPU:
 
         from rope_rtc import arrays as A
         from rope_rtc import rope, tail
-        from rope_rtc.registry import rope_vector_widths
+        from rope_rtc.registry import ROPE_ENTRIES, rope_head_batches, rope_vector_widths
 
         gpu = self
         stream = types.SimpleNamespace(ptr=0)
@@ -326,8 +326,9 @@ class FakeGPU:
             return q_out, k_out
 
         def plan_compile(plan):
-            plan._kernels = {v: ("rope_apply", plan.dtype, plan.interleaved, v)
-                             for v in rope_vector_widths(plan.dtype, plan.interleaved)}
+            plan._kernels = {(v, hb): tuple((e, plan.dtype, plan.interleaved, v, hb) for e in ROPE_ENTRIES)
+                             for v in rope_vector_widths(plan.dtype, plan.interleaved)
+                             for hb in rope_head_batches(plan.interleaved)}
             plan._sms = gpu.num_sms
             plan._launch = gpu.launch
             plan._get_stream = lambda device: stream

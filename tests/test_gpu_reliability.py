@@ -138,23 +138,33 @@ def test_launch_failure_names_the_cuda_error_and_plan_survives(cp):
 
 
 @pytest.mark.gpu
-def test_blog_kernel_past_2_31_elements(cp):
-    """Offsets past 2^32 bytes through the blog's vectorized kernel (FP32: 8.6 GB)."""
+@pytest.mark.parametrize("variant", ["baseline", "vectorized", "fused"])
+def test_blog_kernel_past_2_31_elements(cp, variant):
+    """Offsets past 2^32 bytes through each of the blog's kernels (FP32: 8.6 GB per tensor)."""
     import rope_rtc
 
     D = 128
     S = 2**31 // D + 5
-    x = cp.random.default_rng(3).standard_normal((1, 1, S, D), dtype=cp.float32)
+    rng = cp.random.default_rng(3)
+    x = rng.standard_normal((1, 1, S, D), dtype=cp.float32)
+    k = rng.standard_normal((1, 1, S, D), dtype=cp.float32) if variant == "fused" else None
     ang = cp.random.default_rng(4).uniform(-3, 3, (S, D // 2)).astype(cp.float32)
     cos, sin = cp.cos(ang), cp.sin(ang)
     del ang
     idx = np.array([0, 1, S // 2, S - 2, S - 1])
-    xs = cp.asnumpy(x[0, 0, cp.asarray(idx)])
-    ch, sh = cp.asnumpy(cos[cp.asarray(idx)]), cp.asnumpy(sin[cp.asarray(idx)])
-    rope_rtc.apply_rope(x, cos, sin, layout="bhsd", interleaved=True, out=x, variant="vectorized")
-    got = cp.asnumpy(x[0, 0, cp.asarray(idx)])
-    ref = rope_reference(xs[:, None, :], ch, sh, np.arange(len(idx)), interleaved=True)[:, 0]
-    assert np.abs(got - ref).max() <= 1e-6
+    sel = cp.asarray(idx)
+    before = [cp.asnumpy(a[0, 0, sel]) for a in (x, k) if a is not None]
+    ch, sh = cp.asnumpy(cos[sel]), cp.asnumpy(sin[sel])
+    if variant == "fused":
+        rope_rtc.apply_rope_qk(x, k, cos, sin, layout="bhsd", interleaved=True, q_out=x, k_out=k, variant=variant)
+    else:
+        rope_rtc.apply_rope(x, cos, sin, layout="bhsd", interleaved=True, out=x, variant=variant)
+    for a, xs in zip((x, k), before):
+        got = cp.asnumpy(a[0, 0, sel])
+        ref = rope_reference(xs[:, None, :], ch, sh, np.arange(len(idx)), interleaved=True)[:, 0]
+        assert np.abs(got - ref).max() <= 1e-6
+    del x, k, cos, sin
+    cp.get_default_memory_pool().free_all_blocks()
 
 
 @pytest.mark.multigpu

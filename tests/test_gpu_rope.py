@@ -96,9 +96,40 @@ MATRIX = list(itertools.product(
 ))
 
 
+@pytest.fixture(params=["small", "prefill", "wide"])
+def kernel_path(request, monkeypatch):
+    """Which of the general kernel's three builds runs the matrix's small shapes: one head per
+    thread (what they get), the prefill head batch, or the 64-bit grid-stride entry with a grid
+    of 3 blocks (what only tensors past 2^31 indices get)."""
+    from rope_rtc import rope
+
+    if request.param in ("prefill", "wide"):
+        monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
+    if request.param == "wide":
+        monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
+        monkeypatch.setattr(rope, "GRID_LIMIT", 3)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype,layout,interleaved,window,scheme,in_place,gqa", MATRIX)
-def test_matrix(cp, dtype, layout, interleaved, window, scheme, in_place, gqa):
+def test_matrix(cp, kernel_path, dtype, layout, interleaved, window, scheme, in_place, gqa):
     _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, seed=len(dtype) + len(layout))
+
+
+def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
+    """The monkeypatched limits really change the build and entry a launch takes."""
+    from rope_rtc import rope
+
+    q = cp.asarray(host_random((2, 5, 3, 64), DTYPES["float16"], 1))
+    cos, sin = (cp.asarray(a) for a in host_tables(8, 32, 2))
+    req = rope.validate(q, None, cos, sin, allow_host=False)
+    vec = rope.choose_vector(req)
+    assert rope.head_batch(req) == 1 and rope.is_narrow(req, vec)
+    monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
+    assert rope.head_batch(req) > 1
+    monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
+    monkeypatch.setattr(rope, "GRID_LIMIT", 3)
+    assert not rope.is_narrow(req, vec) and rope.launch_shape(req, vec)[0][0] == 3
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17, 4097])
