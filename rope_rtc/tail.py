@@ -21,6 +21,7 @@ from .registry import TAIL_DIMS, tail_spec
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
 BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
+RECENT_SETS = 16              # argument sets a plan remembers by identity
 BACKENDS = ("nvrtc", "numpy")
 
 
@@ -37,8 +38,9 @@ class TailRoPEForward:
         on host arrays (``ml_dtypes.bfloat16`` and float32), no GPU needed.
 
     ``execute`` allocates nothing, converts nothing and never synchronises; the caller owns array
-    lifetimes and inter-stream ordering. The plan remembers the last arrays it saw, so repeating a
-    call with the same arrays skips re-validation (it holds references to them until the next call).
+    lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets it saw, so
+    repeating one skips re-validation (it holds references to those arrays); new arrays of a
+    shape, stride and dtype signature seen before get the cheaper pointer-only checks.
     A plan holds one argument block: give each thread its own plan.
     """
 
@@ -51,6 +53,7 @@ class TailRoPEForward:
         # (x, cosine, sine, out, x.shape, launch prefix or None, unused, the TupleDict to return).
         self._last = None
         self._validated: dict[tuple, tuple | None] = {}  # signature -> launch prefix
+        self._recent: dict[tuple, tuple] = {}  # ids of an argument set -> (_last, argument fields)
         self.heads = self.dim = self.rank = self.device = None
 
     # -- plan lifecycle ------------------------------------------------------------------------
@@ -154,6 +157,24 @@ class TailRoPEForward:
     def _prepare(self, x, cosine, sine, out) -> None:
         if not self._supported:
             self.check_support()
+        # The last RECENT_SETS argument sets by identity (each entry holds its arrays, so the ids
+        # stay theirs): a repeat restores the five argument fields and skips every check.
+        key = (id(x), id(cosine), id(sine), id(out))
+        hit = self._recent.get(key)
+        if hit is not None and hit[0][4] == x.shape:
+            last, fields = hit
+            if fields is not None:
+                v = self._args.values
+                v.x, v.out, v.cos, v.sin, v.n = fields
+            self._last = last
+            return
+        self._prepare_new(x, cosine, sine, out)
+        if len(self._recent) >= RECENT_SETS:
+            del self._recent[next(iter(self._recent))]  # the oldest
+        v = self._args.values if self._last[5] is not None else None
+        self._recent[key] = (self._last, None if v is None else (v.x, v.out, v.cos, v.sin, v.n))
+
+    def _prepare_new(self, x, cosine, sine, out) -> None:
         sig = _signature(x, cosine, sine, out) if self.backend == "nvrtc" else None
         if sig is not None and sig in self._validated and self._reuse(sig, x, cosine, sine, out):
             return
@@ -269,4 +290,5 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
             plans[key] = plan
         result = plan.execute(x, cosine, sine, out, current_stream=handle)
         plan._last = None  # nor the last call's (the signature cache keeps later calls cheap)
+        plan._recent.clear()
         return result

@@ -100,14 +100,14 @@ MATRIX = list(itertools.product(
 def kernel_path(request, monkeypatch):
     """Which of the general kernel's three builds runs the matrix's small shapes: one head per
     thread (what they get), the prefill head batch, or the 64-bit grid-stride entry with a grid
-    of 3 blocks (what only tensors past 2^31 indices get)."""
+    of one block, so every thread loops (what only tensors past 2^31 indices get)."""
     from rope_rtc import rope
 
     if request.param in ("prefill", "wide"):
         monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
     if request.param == "wide":
         monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
-        monkeypatch.setattr(rope, "GRID_LIMIT", 3)
+        monkeypatch.setattr(rope, "GRID_LIMIT", 1)
     return request.param
 
 
@@ -120,16 +120,17 @@ def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
     """The monkeypatched limits really change the build and entry a launch takes."""
     from rope_rtc import rope
 
-    q = cp.asarray(host_random((2, 5, 3, 64), DTYPES["float16"], 1))
-    cos, sin = (cp.asarray(a) for a in host_tables(8, 32, 2))
+    q = cp.asarray(host_random((2, 50, 3, 64), DTYPES["float16"], 1))  # 100 tokens x 3 heads x 4 units
+    cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 2))
     req = rope.validate(q, None, cos, sin, allow_host=False)
     vec = rope.choose_vector(req)
     assert rope.head_batch(req) == 1 and rope.is_narrow(req, vec)
     monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
     assert rope.head_batch(req) > 1
+    assert rope.launch_shape(req, vec)[0][0] > 1
     monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
-    monkeypatch.setattr(rope, "GRID_LIMIT", 3)
-    assert not rope.is_narrow(req, vec) and rope.launch_shape(req, vec)[0][0] == 3
+    monkeypatch.setattr(rope, "GRID_LIMIT", 1)
+    assert not rope.is_narrow(req, vec) and rope.launch_shape(req, vec)[0][0] == 1
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17, 4097])
@@ -354,3 +355,30 @@ def test_plan_new_arrays_every_call(cp):
     xc = qh.reshape(-1, Hq, D)
     assert_rope_close(cp.asnumpy(out).reshape(xc.shape), rope_reference(xc, ch, sh, pos, interleaved=False), xc,
                       interleaved=False, dtype=xc.dtype)
+
+
+def test_plan_alternating_argument_sets(cp):
+    """Remembered argument sets (an engine's per-layer buffers): each call rotates its own arrays
+    with its own offset, outputs re-poisoned before every call."""
+    import rope_rtc
+
+    dt = DTYPES["float16"]
+    B, S, Hq, Hk, D = 2, 5, 4, 2, 64
+    cos_h, sin_h = host_tables(40, D // 2, 21)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    sets = []
+    for i in range(3):
+        qh, kh = host_random((B, S, Hq, D), dt, 500 + i), host_random((B, S, Hk, D), dt, 600 + i)
+        sets.append((qh, kh, cp.asarray(qh), cp.asarray(kh), cp.empty(qh.shape, dt), cp.empty(kh.shape, dt)))
+    plan = rope_rtc.RopePlan(*sets[0][2:4], cos, sin, q_out=sets[0][4], k_out=sets[0][5]).compile()
+    for rnd in range(3):
+        for i, (qh, kh, q, k, qo, ko) in enumerate(sets):
+            off = 3 * i + rnd
+            qo.fill(cp.nan)
+            ko.fill(cp.nan)
+            plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=off)
+            pos = np.tile(np.arange(S) + off, B)
+            for got, x in ((qo, qh), (ko, kh)):
+                xc = x.reshape(-1, x.shape[2], D)
+                assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos_h, sin_h, pos, interleaved=False),
+                                  xc, interleaved=False, dtype=xc.dtype)

@@ -791,3 +791,29 @@ def test_plan_reused_validation_keeps_every_check(gpu):
     with pytest.raises(ValueError, match=r"k: addresses or strides are not aligned"):
         plan.execute(q2, fake_cupy((B, S, HK, D), np.float16, byte_offset=1), c2, s2, positions=pos2)
     assert len(gpu.launches) == 2
+
+
+def test_plan_recent_argument_sets_restore_their_own_arguments(gpu):
+    """Alternating among remembered argument sets (by identity) writes each set's own pointers
+    and offset; more sets than RECENT_SETS evict the oldest; an offset out of the table on a
+    remembered set is still rejected, and the plan keeps working."""
+    def arrays():
+        return (fake_cupy((B, S, H, D), np.float16), fake_cupy((B, S, HK, D), np.float16),
+                fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32))
+
+    sets = [arrays() for _ in range(R.RECENT_SETS + 3)]
+    plan = RopePlan(*sets[0])
+    p = plan._args.values
+    for rnd in range(3):
+        for i, (q, k, c, s) in enumerate(sets):
+            plan.execute(q, k, c, s, offset=(i + rnd) % (ROWS - S + 1))
+            assert (p.q_in, p.q_out, p.k_in, p.k_out, p.cos, p.sin) == (q.data.ptr, q.data.ptr, k.data.ptr,
+                                                                         k.data.ptr, c.data.ptr, s.data.ptr)
+            assert p.offset == (i + rnd) % (ROWS - S + 1)
+    assert len(plan._recent) == R.RECENT_SETS
+    q, k, c, s = sets[-1]
+    with pytest.raises(ValueError, match="offset"):
+        plan.execute(q, k, c, s, offset=ROWS)
+    plan.execute(*sets[-2], offset=1)
+    assert (p.q_in, p.offset) == (sets[-2][0].data.ptr, 1)
+    assert len(gpu.launches) == 3 * len(sets) + 1

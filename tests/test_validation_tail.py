@@ -426,3 +426,23 @@ def test_reused_validation_keeps_pointer_checks(gpu):
     with pytest.raises(ValueError, match="out overlaps x"):
         plan.execute(x, c, s, x)
     assert len(gpu.launches) == 2
+
+
+def test_recent_argument_sets_restore_their_own_pointers(gpu):
+    from fakes import fake_cupy
+    from rope_rtc import tail as tail_mod
+
+    def arrays(T=5):
+        return (fake_cupy((T, 4, 128), BF16), fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32),
+                fake_cupy((T, 4, 128), BF16))
+
+    sets = [arrays() for _ in range(tail_mod.RECENT_SETS + 2)] + [arrays(T=0)]
+    plan = TailRoPEForward(*sets[0]).check_support().compile()
+    v = plan._args.values
+    for _ in range(2):
+        for x, c, s, o in sets:
+            plan.execute(x, c, s, o)
+            if x.size:
+                assert (v.x, v.cos, v.sin, v.out, v.n) == (x.data.ptr, c.data.ptr, s.data.ptr, o.data.ptr, x.size // 8)
+    assert len(plan._recent) == tail_mod.RECENT_SETS
+    assert len(gpu.launches) == 2 * (len(sets) - 1)  # T = 0 launches nothing
