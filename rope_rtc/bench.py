@@ -1270,12 +1270,15 @@ def run_host_section(ctx) -> list[dict]:
     plan = RopePlan(b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd").compile()
     same = partial(plan.execute, b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0))
     other = partial(plan.execute, b.q(1), b.k(1), b.cos(1), b.sin(1), b.pos(1))
+    q0, k0, c0, s0, p0 = b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0)
+    fresh = lambda: plan.execute(q0[:], k0[:], c0[:], s0[:], p0[:])  # noqa: E731 - new view objects
     one = partial(apply_rope_qk, b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd",
                   q_out=b.q(0), k_out=b.k(0))
     copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
     recs.append(_host_record(ctx, "host/decode-bf16-T=1", dcase, [
         ("RopePlan.execute (same arrays)", [same]),
-        ("RopePlan.execute (2 array sets alternating: full validation)", [same, other]),
+        ("RopePlan.execute (2 remembered array sets alternating)", [same, other]),
+        ("RopePlan.execute (new views each call: pointer checks; incl. 5 slicings)", [fresh]),
         ("apply_rope_qk (one call, in place)", [one]),
         ("cudaMemcpyAsync (reference)", copy.fns[:1]),
     ]))
@@ -1284,10 +1287,13 @@ def run_host_section(ctx) -> list[dict]:
     tplan = TailRoPEForward(tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)).check_support().compile()
     tsame = partial(tplan.execute, tb.q(0), tb.cos(0), tb.sin(0), tb.out(0))
     tother = partial(tplan.execute, tb.q(1), tb.cos(1), tb.sin(1), tb.out(1))
+    tx, tc, ts, to = tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)
+    tfresh = lambda: tplan.execute(tx[:], tc[:], ts[:], to[:])  # noqa: E731 - new view objects
     tone = partial(tail_rope, tb.q(0), tb.cos(0), tb.sin(0))
     recs.append(_host_record(ctx, "host/tail-T=1-H=64-D=512", tcase, [
         ("TailRoPEForward.execute (same arrays)", [tsame]),
-        ("TailRoPEForward.execute (2 array sets alternating: full validation)", [tsame, tother]),
+        ("TailRoPEForward.execute (2 remembered array sets alternating)", [tsame, tother]),
+        ("TailRoPEForward.execute (new views each call: pointer checks; incl. 4 slicings)", [tfresh]),
         ("tail_rope (one call, allocates the output)", [tone]),
     ]))
     ctx.free()

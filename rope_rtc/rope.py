@@ -30,6 +30,8 @@ GRID_LIMIT = 2**31 - 1
 NARROW_LIMIT = 2**31
 # Argument sets a plan remembers by identity (RopePlan._recent).
 RECENT_SETS = 16
+# Threads per token tile when tokens are the denser axis (token_tile): one warp.
+TILE_THREADS = 32
 # Launches with fewer (token, head) pairs than this run one head per thread (decode: latency).
 SMALL_TOKEN_HEADS = 2**14
 
@@ -336,18 +338,24 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
         p.div_heads = fast_divisor(max(heads, 1))
 
 
+def tokens_denser(req: Request) -> bool:
+    """Whether consecutive tokens of a head lie closer in memory than consecutive heads (bhsd)."""
+    return not (req.cq.H <= 1 or req.num_tokens <= 1 or abs(req.cq.sh) <= abs(req.cq.ss))
+
+
 def token_tile(req: Request, units: int) -> int:
     """Tokens per tile of the thread order (tile, head group, token, unit).
 
-    The order follows memory: one token (heads inner) when heads are the denser axis (bshd,
-    thd), every token (heads outer) when tokens are (bhsd), so consecutive threads walk
-    consecutive addresses like a copy. Measured on the H200 against tiles of one warp's worth of
-    tokens (which share cos/sin rows across heads in L1): within noise for bf16 half-split,
-    2-4 points better for interleaved pairs and FP32 (scripts/rope_variants.py, docs/perf_notes.md).
+    1 when heads are the denser axis (bshd, thd): a warp covers one token's heads, in memory
+    order. When tokens are (bhsd), TILE_THREADS // units tokens: a warp reads consecutive rows
+    of one head (one contiguous run), and the block's other warps, on other heads, find the
+    same cos/sin rows in L1. Measured on the H200 (scripts/rope_variants.py): 91-93% of the copy
+    rate at S=4096 and S=16384 alike, where walking each head's tokens end to end (a tile of
+    every token) gave 93-96% at S=4096 but 86-89% at S=16384.
     """
-    if req.cq.H <= 1 or req.num_tokens <= 1 or abs(req.cq.sh) <= abs(req.cq.ss):
+    if not tokens_denser(req):
         return 1
-    return req.num_tokens
+    return max(1, min(TILE_THREADS // max(units, 1), req.num_tokens))
 
 
 def total_threads(req: Request, vec: int) -> int:
@@ -374,7 +382,8 @@ def index_space(req: Request, vec: int) -> tuple[int, int, int, int]:
 def head_batch(req: Request) -> int:
     """Heads per thread for this launch (registry.rope_head_batch: 1 for small launches)."""
     heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
-    return rope_head_batch(req.interleaved, small=req.num_tokens * heads < SMALL_TOKEN_HEADS)
+    return rope_head_batch(req.interleaved, small=req.num_tokens * heads < SMALL_TOKEN_HEADS,
+                           heads_inner=not tokens_denser(req))
 
 
 def kernel_for(kernels: dict, req: Request, vec: int):

@@ -3,6 +3,8 @@
 # failure), then the benchmark. Results land under $OUT (default ./out). Run from the repository
 # root on a GPU machine:
 #     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [extra pytest args]
+# --full-bench also regenerates docs/benchmarks.md and docs/benchmarks/<gpu>.json/.png (copies
+# under $OUT/docs to bring back from a device machine).
 # Wheels the device image lacks (liger-kernel, platformdirs) are installed from ./.whl when present.
 set -uo pipefail
 OUT=${OUT:-$(pwd)/out}
@@ -28,7 +30,8 @@ tests_rc=${PIPESTATUS[0]}
 bench_rc=0
 case $bench in
     quick) python3 scripts/bench.py --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]} ;;
-    full) python3 scripts/bench.py --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]} ;;
+    # The full run is what docs/benchmarks.md shows: it also writes the docs (mirrored under $OUT/docs).
+    full) python3 scripts/bench.py --write-docs --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"; bench_rc=${PIPESTATUS[0]} ;;
 esac
 
 echo "== device check summary =="

@@ -143,19 +143,26 @@ def decode_probe(T, Hq=32, Hk=8, D=128, rows=8192):
 
 def configure_general(variant):
     """Point rope_rtc's general kernel at a tuning variant: 'default' (what ships), or
-    'hb=N[,minb=N][,nc=0|1][,vecbytes=N]' (heads per thread, a register bound through
-    __launch_bounds__, tables through the read-only path or not, narrower vectors)."""
+    'hb=N[,minb=N][,nc=0|1][,vecbytes=N][,tile=warp|N]' (heads per thread, a register bound
+    through __launch_bounds__, tables through the read-only path or not, narrower vectors,
+    tokens per tile when tokens are the denser axis)."""
     from rope_rtc import registry, rope
 
     if not hasattr(configure_general, "production"):
         configure_general.production = (rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches,
-                                        rope.rope_vector_widths)
-    spec, _, _, widths = configure_general.production
-    rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches, rope.rope_vector_widths = \
-        configure_general.production
+                                        rope.rope_vector_widths, rope.token_tile)
+    spec, _, _, widths, tile = configure_general.production
+    (rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches, rope.rope_vector_widths,
+     rope.token_tile) = configure_general.production
     if variant == "default":
         return
     opts = dict(kv.split("=") for kv in variant.split(","))
+    if "tile" in opts:  # tokens per tile where tokens are the denser axis: 'warp' (32 threads) or N
+        n = opts["tile"]
+        rope.token_tile = lambda req, units: (1 if tile(req, units) == 1 else min(
+            req.num_tokens, max(1, 32 // units) if n == "warp" else int(n)))
+    if "hb" not in opts:
+        return
     hb = int(opts["hb"])
     extra = ((("ROPE_MIN_BLOCKS", opts["minb"]),) if "minb" in opts else ()) + \
         ((("ROPE_TABLE_NC", opts["nc"]),) if "nc" in opts else ())

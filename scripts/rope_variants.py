@@ -11,7 +11,9 @@ from perf_probe import blog_time, configure_general, copy_time, general_time
 CASES = [("fp32", "bhsd", True, 4, 4096, 32, 32, 128), ("fp32", "bhsd", False, 4, 4096, 32, 32, 128),
          ("bf16", "bshd", False, 4, 4096, 32, 32, 128), ("bf16", "bhsd", False, 4, 4096, 32, 32, 128),
          ("bf16", "bhsd", True, 4, 4096, 32, 32, 128), ("fp32", "bshd", False, 4, 16384, 32, 32, 128),
-         ("fp16", "bshd", True, 4, 16384, 32, 32, 128)]
+         ("fp16", "bshd", True, 4, 16384, 32, 32, 128), ("bf16", "bshd", True, 4, 16384, 32, 32, 128),
+         ("fp32", "bhsd", True, 4, 16384, 32, 32, 128), ("fp32", "bhsd", False, 4, 16384, 32, 32, 128),
+         ("bf16", "bhsd", False, 4, 16384, 32, 32, 128)]
 copies = {}
 # Calibration: the blog's fused kernel (98-99% of copy in the benchmark) on its own shape.
 t, moved = blog_time("fused", 4, 4096, 32, 128)

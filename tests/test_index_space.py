@@ -97,6 +97,7 @@ def _model_visits(p, heads: int, hb: int):
     (2, 1, 9, 1, 128, 64, True),
     (1, 13, 3, 2, 256, 256, False),
     (28, 300, 2, 0, 64, 64, False),  # 16800 token-heads: the prefill head batch
+    (33, 13, 40, 0, 64, 64, True),  # 17160 token-heads, 13 = 6 tiles of 2 tokens and a padded one
 ])
 def test_narrow_mapping_covers_every_unit_once(layout, interleaved, B, S, H, HK, D, R_, out_of_place):
     shape = (lambda h: (B, S, h, D)) if layout == "bshd" else (lambda h: (B, h, S, D))
@@ -112,8 +113,10 @@ def test_narrow_mapping_covers_every_unit_once(layout, interleaved, B, S, H, HK,
     vec, p, (gx, _, _), (bx, _, _) = rope_host_steps(req)
     assert p.narrow == 1 and gx * bx >= p.total > gx * bx - bx  # one thread per index, no spare block
     heads = H + HK
-    assert p.tile == (B * S if layout == "bhsd" and S > 1 and H > 1 else 1)  # memory order
-    assert R.head_batch(req) == (1 if B * S * (H + HK) < R.SMALL_TOKEN_HEADS else rope_head_batch(interleaved))
+    bhsd = layout == "bhsd" and S > 1 and H > 1
+    assert p.tile == (min(R.TILE_THREADS // p.units, B * S) if bhsd else 1)
+    small = B * S * (H + HK) < R.SMALL_TOKEN_HEADS
+    assert R.head_batch(req) == rope_head_batch(interleaved, small, heads_inner=not bhsd)
     rot, cop = _model_visits(p, heads, R.head_batch(req))
     units = (R_ if interleaved else R_ // 2) // vec
     assert set(rot) == {(t, h, u) for t in range(B * S) for h in range(heads) for u in range(units)}
