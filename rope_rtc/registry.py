@@ -58,7 +58,8 @@ def rope_head_batch(interleaved: bool, small: bool = False, heads_inner: bool = 
 
 def rope_head_batches(interleaved: bool) -> tuple[int, ...]:
     """Every head batch the general kernel is built with for this pair style."""
-    return tuple(sorted({rope_head_batch(interleaved, True), rope_head_batch(interleaved, False)}))
+    return tuple(sorted({rope_head_batch(interleaved, small, inner) for small in (False, True)
+                         for inner in (False, True)}))
 
 
 # The general kernel's entry points: 32-bit indices (below 2^31 threads) and the 64-bit loop.

@@ -43,7 +43,7 @@ def _positions(scheme, B, S, P, rng):
     return {"positions": pos}, pos.reshape(-1)
 
 
-def _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, B=2, S=13, D=64, seed=0):
+def _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, B=2, S=13, D=64, seed=0, plan=False):
     import rope_rtc
 
     rng = np.random.default_rng(seed)
@@ -73,8 +73,13 @@ def _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, B=2
         qo, ko = qd, kd
     else:
         qo, ko = poisoned(cp, q.shape, dt), poisoned(cp, k.shape, dt)
-    rope_rtc.apply_rope_qk(qd, kd, cd, sd, layout=layout, interleaved=interleaved, rotary_dim=rdim,
-                           rotary_offset=roff, q_out=qo, k_out=ko, **kwd)
+    if plan:
+        p = rope_rtc.RopePlan(qd, kd, cd, sd, layout=layout, interleaved=interleaved, rotary_dim=rdim,
+                              rotary_offset=roff, q_out=qo, k_out=ko, **kwd).compile()
+        p.execute(qd, kd, cd, sd, q_out=qo, k_out=ko, **kwd)
+    else:
+        rope_rtc.apply_rope_qk(qd, kd, cd, sd, layout=layout, interleaved=interleaved, rotary_dim=rdim,
+                               rotary_offset=roff, q_out=qo, k_out=ko, **kwd)
     for got, x in ((qo, q), (ko, k)):
         xc = _canon(x, layout)
         ref = rope_reference(xc, cos, sin, pos, interleaved=interleaved, rotary_dim=rdim, rotary_offset=roff)
@@ -114,6 +119,14 @@ def kernel_path(request, monkeypatch):
 @pytest.mark.parametrize("dtype,layout,interleaved,window,scheme,in_place,gqa", MATRIX)
 def test_matrix(cp, kernel_path, dtype, layout, interleaved, window, scheme, in_place, gqa):
     _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, seed=len(dtype) + len(layout))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_plan_through_each_build(cp, kernel_path, layout, interleaved, in_place):
+    """RopePlan (which loads its builds up front) through each build, every layout."""
+    _run_case(cp, "bfloat16", layout, interleaved, (None, 0), "positions", in_place, True, seed=5, plan=True)
 
 
 def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):

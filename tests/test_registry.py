@@ -81,3 +81,15 @@ def test_every_registered_kernel_compiles(arch):
         for entry in spec.entries:
             # The entry points a launch looks up by name must be in the binary, unmangled.
             assert entry.encode() in result.binary, f"{entry} missing from {spec.name} for sm_{arch}"
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_every_head_batch_the_launch_can_choose_is_built(interleaved):
+    """A plan loads rope_head_batches(); every choice of rope_head_batch must be among them."""
+    built = registry.rope_head_batches(interleaved)
+    for small in (False, True):
+        for inner in (False, True):
+            assert registry.rope_head_batch(interleaved, small, inner) in built
+    names = {s.name for s in registry.all_specs()}
+    for hb in built:
+        assert registry.rope_spec("bfloat16", interleaved, 8, hb).name in names

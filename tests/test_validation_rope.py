@@ -817,3 +817,21 @@ def test_plan_recent_argument_sets_restore_their_own_arguments(gpu):
     plan.execute(*sets[-2], offset=1)
     assert (p.q_in, p.offset) == (sets[-2][0].data.ptr, 1)
     assert len(gpu.launches) == 3 * len(sets) + 1
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "thd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("S", [3, 4096])
+def test_plan_launches_the_build_the_launch_chooses(gpu, layout, interleaved, S):
+    """Decode-sized and prefill-sized plans in every layout launch the head batch and entry that
+    head_batch/is_narrow choose, from the kernels compile() loaded (a missing one is a KeyError)."""
+    shape = {"bshd": (4, S, 32, 128), "bhsd": (4, 32, S, 128), "sbhd": (S, 4, 32, 128), "thd": (4 * S, 32, 128)}
+    q = fake_cupy(shape[layout], np.float16)
+    k = fake_cupy(shape[layout], np.float16)
+    c, s = fake_cupy((4 * S, 64), np.float32), fake_cupy((4 * S, 64), np.float32)
+    plan = RopePlan(q, k, c, s, layout=layout, interleaved=interleaved).compile()
+    plan.execute(q, k, c, s)
+    req = R.validate(q, k, c, s, layout=layout, interleaved=interleaved, allow_host=False)
+    entry, _, _, vec, hb = gpu.launches[-1]["fn"]
+    assert (entry, vec, hb) == ("rope_apply", R.choose_vector(req), R.head_batch(req))
+    assert (hb > 1) == (S == 4096 and (not interleaved or layout == "bhsd"))
