@@ -364,6 +364,31 @@ def test_json_round_trip_and_from_json_docs(tmp_path, monkeypatch, capsys):
     assert out.rstrip().splitlines()[-1].split()[0] in ("PASS", "MISS", "N/A")
 
 
+def test_merge_json_replaces_the_later_runs_cases_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.delenv("OUT", raising=False)
+    base = synthetic_result(True)
+    later = synthetic_result(True)
+    later["created"] = "2026-11-30T13:00:00Z"
+    later["cases"] = [dict(c) for c in later["cases"] if c["id"] == "blog/S=4096"]
+    later["cases"][0]["rows"] = [dict(r) for r in later["cases"][0]["rows"]]
+    for r in later["cases"][0]["rows"]:
+        if r["impl"] == B.OURS:
+            r["timings"] = _timings(1e9)  # unmistakably slow: the merged page must show it
+    merged = B.merge_results(base, later)
+    assert [c["id"] for c in merged["cases"]] == [c["id"] for c in base["cases"]]
+    case = next(c for c in merged["cases"] if c["id"] == "blog/S=4096")
+    assert B.rows_by_impl(case)[B.OURS]["timings"]["cold"]["us"] == 1e9
+    assert merged["merged"][0]["cases"] == ["blog/S=4096"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    B.write_json(base, a)
+    B.write_json(later, b)
+    docs = tmp_path / "docs"
+    assert B.main(["--from-json", str(a), "--merge-json", str(b), "--write-docs", "--docs-dir", str(docs),
+                   "--no-plot"]) == 0
+    md = (docs / "benchmarks.md").read_text()
+    assert "2026-11-30T13:00:00Z" in md and "blog/S=4096" in md.split("## Targets", 1)[0]
+
+
 def test_targets_only(tmp_path, capsys):
     src = tmp_path / "bench.json"
     B.write_json(synthetic_result(True), src)
