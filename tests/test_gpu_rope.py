@@ -213,9 +213,16 @@ def test_numpy_inputs_computed_on_gpu(cp):
     assert_rope_close(out.reshape(-1, 3, 64), ref, q.reshape(-1, 3, 64), interleaved=False, dtype=q.dtype)
 
 
-def test_more_than_2_31_elements(cp):
-    """2^31 + a few elements in one array: 64-bit offsets throughout (checked on sampled tokens)."""
+@pytest.mark.parametrize("entry", ["rope_apply", "rope_apply_wide"])
+def test_more_than_2_31_elements(cp, monkeypatch, entry):
+    """2^31 + a few elements in one array (offsets past 2^32 bytes) through each entry point:
+    64-bit offsets throughout (checked on sampled tokens, no element left unwritten). The 64-bit
+    entry runs naturally only past 2^31 threads (2^35 elements here); the limit is lowered."""
     import rope_rtc
+    from rope_rtc import rope
+
+    if entry == "rope_apply_wide":
+        monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
 
     H, D = 8, 128
     T = 2**31 // (H * D) + 3
@@ -233,6 +240,7 @@ def test_more_than_2_31_elements(cp):
                       dtype=xs.dtype)
     assert not bool(cp.isnan(out).any())
     del x, out
+    cp.get_default_memory_pool().free_all_blocks()
 
 
 def test_plan_token_counts_graph_and_no_allocation(cp, monkeypatch):
