@@ -106,6 +106,17 @@ def stream_handle(stream, device: int | None = None) -> int:
     )
 
 
+# Argument sets a plan (RopePlan, TailRoPEForward) remembers by identity.
+RECENT_SETS = 16
+
+
+def remember(recent: dict, key, value) -> None:
+    """Store ``key`` in a plan's bounded identity cache, dropping the oldest entry when it is full."""
+    if len(recent) >= RECENT_SETS:
+        del recent[next(iter(recent))]
+    recent[key] = value
+
+
 class Launcher:
     """The hot path: one ``cuLaunchKernel`` with pre-packed arguments and a memoised stream object.
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from . import arrays as A
 from .descriptors import TensorDesc
-from .launch import Launcher, StructArg, launch, launch_prefix, load_kernel, stream_handle
+from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
+from .launch import Launcher, StructArg, launch, launch_prefix, load_kernel, remember, stream_handle
 from .layouts import Canonical, canonical, check_layout, to_bshd_index
 from .registry import ROPE_ENTRIES, rope_head_batch, rope_head_batches, rope_spec, rope_vector_widths
 from .rope_params import (IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_CU_SEQLENS, POS_OFFSET,
@@ -28,8 +29,6 @@ BLOCK_THREADS = 256
 GRID_LIMIT = 2**31 - 1
 # Index spaces below this run the kernel's 32-bit path (rope.cu: narrow_thread).
 NARROW_LIMIT = 2**31
-# Argument sets a plan remembers by identity (RopePlan._recent).
-RECENT_SETS = 16
 # Threads per token tile when tokens are the denser axis (token_tile): one warp.
 TILE_THREADS = 32
 # Launches with fewer (token, head) pairs than this run one head per thread (decode: latency).
@@ -322,20 +321,16 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
     npair = vec // 2 if req.interleaved else vec
     rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
     p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
-    units, groups, copy_units, heads = index_space(req, vec)
-    tile = token_tile(req, units)
-    tokens = -(-req.num_tokens // tile) * tile  # whole tiles; the kernel skips the padding
-    p.tile, p.units, p.groups, p.copy_units = tile, units, groups, copy_units
-    p.rot_total = tokens * groups * units
-    p.total = p.rot_total + tokens * heads * copy_units
-    p.narrow = int(p.total < NARROW_LIMIT)
-    if p.narrow:  # (a zero extent means no thread divides by it: 1 stands in)
-        p.div_units = fast_divisor(max(units, 1))
-        p.div_groups = fast_divisor(max(groups, 1))
-        p.div_tile = fast_divisor(tile)
+    space = index_space(req, vec)
+    p.tile, p.units, p.groups, p.copy_units = space.tile, space.units, space.groups, space.copy_units
+    p.rot_total, p.total, p.narrow = space.rot_total, space.total, int(space.narrow)
+    if space.narrow:  # (a zero extent means no thread divides by it: 1 stands in)
+        p.div_units = fast_divisor(max(space.units, 1))
+        p.div_groups = fast_divisor(max(space.groups, 1))
+        p.div_tile = fast_divisor(space.tile)
         p.div_seq = fast_divisor(p.seq_len)
-        p.div_copy_units = fast_divisor(max(copy_units, 1))
-        p.div_heads = fast_divisor(max(heads, 1))
+        p.div_copy_units = fast_divisor(max(space.copy_units, 1))
+        p.div_heads = fast_divisor(max(space.heads, 1))
 
 
 def tokens_denser(req: Request) -> bool:
@@ -358,25 +353,43 @@ def token_tile(req: Request, units: int) -> int:
     return max(1, min(TILE_THREADS // max(units, 1), req.num_tokens))
 
 
-def total_threads(req: Request, vec: int) -> int:
-    """Threads of the flat index space (fill_params' ``total``), before the grid is capped."""
-    units, groups, copy_units, heads = index_space(req, vec)
-    tile = token_tile(req, units)
-    return -(-req.num_tokens // tile) * tile * (groups * units + heads * copy_units)
+@dataclass(frozen=True)
+class IndexSpace:
+    """The flat kernel's threads for one launch: rot_total rotating threads (one per token, head
+    group and unit, the token count rounded up to whole tiles), then the copying ones."""
+
+    head_batch: int
+    tile: int
+    units: int        # vector units per head group
+    groups: int       # head groups
+    copy_units: int   # units per head outside the rotary window (out of place), else 0
+    heads: int
+    rot_total: int
+    total: int
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the launch fits the 32-bit entry (rope.cu: rope_apply, not rope_apply_wide)."""
+        return self.total < NARROW_LIMIT
 
 
-def is_narrow(req: Request, vec: int) -> bool:
-    """Whether the launch fits the kernel's 32-bit path (rope.cu: rope_apply, not rope_apply_wide)."""
-    return total_threads(req, vec) < NARROW_LIMIT
-
-
-def index_space(req: Request, vec: int) -> tuple[int, int, int, int]:
-    """(units per head group, head groups, copy units per head, heads) of the flat kernel."""
+def index_space(req: Request, vec: int) -> IndexSpace:
+    """The one derivation of the launch's threads: fill_params, launch_shape and kernel_for all read it."""
     D, R = req.cq.D, req.rotary_dim
     units = (R if req.interleaved else R // 2) // vec
     copy_units = (D - R) // vec if (not req.in_place and R < D) else 0
     heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
-    return units, -(-heads // head_batch(req)), copy_units, heads
+    hb = head_batch(req)
+    groups = -(-heads // hb)
+    tile = token_tile(req, units)
+    tokens = -(-req.num_tokens // tile) * tile  # whole tiles; the kernel skips the padding
+    rot_total = tokens * groups * units
+    return IndexSpace(hb, tile, units, groups, copy_units, heads, rot_total, rot_total + tokens * heads * copy_units)
+
+
+def is_narrow(req: Request, vec: int) -> bool:
+    """Whether the launch runs the 32-bit entry point."""
+    return index_space(req, vec).narrow
 
 
 def head_batch(req: Request) -> int:
@@ -388,12 +401,13 @@ def head_batch(req: Request) -> int:
 
 def kernel_for(kernels: dict, req: Request, vec: int):
     """The entry (narrow or wide) of the kernel for this launch, from a plan's loaded kernels."""
-    return kernels[(vec, head_batch(req))][0 if is_narrow(req, vec) else 1]
+    space = index_space(req, vec)
+    return kernels[(vec, space.head_batch)][0 if space.narrow else 1]
 
 
 def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """(grid, block) of the flat kernel: one thread per (token, head, vector unit), like a copy."""
-    total = total_threads(req, vec)
+    total = index_space(req, vec).total
     # Below NARROW_LIMIT one thread per index; past it the kernel grid-strides up to the limit.
     blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)
     return (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
@@ -761,9 +775,7 @@ class RopePlan:
                 self._set_offset(offset)
             return
         self._prepare_new(q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens)
-        if len(self._recent) >= RECENT_SETS:
-            del self._recent[next(iter(self._recent))]  # the oldest
-        self._recent[key] = (bytes(self._args.values), self._last)
+        remember(self._recent, key, (bytes(self._args.values), self._last))
 
     def _prepare_new(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens) -> None:
         """Arguments not among the recent sets: template reuse or full validation."""

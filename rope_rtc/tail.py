@@ -14,14 +14,14 @@ import numpy as np
 
 from . import arrays as A
 from .descriptors import TensorDesc, TupleDict
-from .launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
+from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
+from .launch import ArgPack, Launcher, launch_prefix, load_kernel, remember, stream_handle
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
 BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
-RECENT_SETS = 16              # argument sets a plan remembers by identity
 BACKENDS = ("nvrtc", "numpy")
 
 
@@ -169,10 +169,8 @@ class TailRoPEForward:
             self._last = last
             return
         self._prepare_new(x, cosine, sine, out)
-        if len(self._recent) >= RECENT_SETS:
-            del self._recent[next(iter(self._recent))]  # the oldest
         v = self._args.values if self._last[5] is not None else None
-        self._recent[key] = (self._last, None if v is None else (v.x, v.out, v.cos, v.sin, v.n))
+        remember(self._recent, key, (self._last, None if v is None else (v.x, v.out, v.cos, v.sin, v.n)))
 
     def _prepare_new(self, x, cosine, sine, out) -> None:
         sig = _signature(x, cosine, sine, out) if self.backend == "nvrtc" else None
