@@ -58,6 +58,7 @@ GROUPS = ("coldstart", "host", "blog", "general", "decode", "tail")
 PEERS = ("cupy", "torch", "torch.compile", "liger")
 OURS = "rope_rtc"
 COPY = "copy"
+COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
 REGIMES = ("hot", "cold", "graph", "graph_cold", "host")
 
@@ -389,28 +390,40 @@ class Clock:
             samples = [self._gpu_seconds(rot.take(calls)) / calls for _ in range(self.reps)]
         return self._stats(samples, calls, self.reps, divisor, sets or len(fns))
 
+    # Calls per timed burst of a host measurement: few enough that the launch queue never fills
+    # (a full queue makes a call wait for the GPU, which is GPU time, not host cost).
+    HOST_BURST = 100
+
     def host(self, fns: list) -> dict:
-        """Host time per call: wall time of a tight loop / N, synchronised before and after."""
+        """Host time per call: the wall time of bursts of calls issued from an idle GPU, per call.
+
+        The stream is synchronised before each burst (untimed), so a call never waits for the
+        GPU to drain the launch queue; the sample is the sum over the bursts / calls."""
         rot = Rotation(fns)
         sync = self.stream.synchronize
+        burst = self.HOST_BURST
         with _no_gc():
             self._warm(rot)
             seq = rot.take(20)
+            sync()
             t0 = time.perf_counter()
             for f in seq:
                 f()
             est = (time.perf_counter() - t0) / 20
             sync()
-            calls = max(50, self._calls(est))
+            calls = max(burst, -(-self._calls(est) // burst) * burst)
             samples = []
             for _ in range(self.reps):
-                seq = rot.take(calls)
-                sync()
-                t0 = time.perf_counter()
-                for f in seq:
-                    f()
-                samples.append((time.perf_counter() - t0) / calls)
-                sync()
+                total = 0.0
+                for _ in range(calls // burst):
+                    seq = rot.take(burst)
+                    sync()
+                    t0 = time.perf_counter()
+                    for f in seq:
+                        f()
+                    total += time.perf_counter() - t0
+                samples.append(total / calls)
+            sync()
         return self._stats(samples, calls, self.reps, 1, len(fns))
 
 
@@ -1185,8 +1198,33 @@ class CopyRunner:
         base = self.slab.data.ptr
         copy = cp.cuda.runtime.memcpyAsync
         kind = cp.cuda.runtime.memcpyDeviceToDevice
-        self.fns = [partial(copy, base + (2 * i + 1) * stride, base + 2 * i * stride, self.half, kind, stream.ptr)
-                    for i in range(n)]
+        self.pairs = [(base + 2 * i * stride, base + (2 * i + 1) * stride) for i in range(n)]  # (src, dst)
+        self.fns = [partial(copy, dst, src, self.half, kind, stream.ptr) for src, dst in self.pairs]
+
+
+class CopyKernelRunner:
+    """The naive copy kernel (one thread per 16 bytes, ``cuda_src/bench_copy.cu``) over a
+    :class:`CopyRunner`'s buffers: at small sizes, the floor of any kernel against the memcpy."""
+
+    BLOCK = 256
+
+    def __init__(self, stream, copy: CopyRunner, device: int) -> None:
+        import ctypes
+
+        from .launch import ArgPack, Launcher, launch_prefix, load_kernel
+        from .registry import KernelSpec
+
+        fn = load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b",)), device).functions["bench_copy_16b"]
+        n16 = copy.half // 16
+        prefix = launch_prefix(fn, (-(-n16 // self.BLOCK), 1, 1), (self.BLOCK, 1, 1))
+        self._keep, self.fns = [], []
+        for src, dst in copy.pairs:
+            args = ArgPack([("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("n", ctypes.c_int64)])
+            args.values.src, args.values.dst, args.values.n = src, dst, n16
+            launcher = Launcher(args.address, device)
+            launcher.replay = False  # a reference launched plainly, as a caller's kernel would be
+            self._keep.append(args)
+            self.fns.append(partial(launcher, prefix, stream.ptr))
 
 
 def run_case(ctx, case: Case) -> dict:
@@ -1205,6 +1243,13 @@ def run_case(ctx, case: Case) -> dict:
     row["timings"] = measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns), small, n)
     rec["rows"].append(row)
     print(format_row(rec, row), flush=True)
+    if case.group == "tail":
+        kern = CopyKernelRunner(ctx.stream, copy, ctx.device)
+        row = {"impl": COPY_KERNEL, "layout": "-", "check": "reference", "note": f"one thread per 16 B, {copy.half} bytes"}
+        row["timings"] = measure(ctx, kern.fns, _cupy_capture(ctx, kern.fns), small, n)
+        rec["rows"].append(row)
+        print(format_row(rec, row), flush=True)
+        del kern
     del copy
     buffers: dict[str, SetBuffers] = {}
     for impl in impls_for(case):
@@ -1278,8 +1323,12 @@ def run_host_section(ctx) -> list[dict]:
     one = partial(apply_rope_qk, b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd",
                   q_out=b.q(0), k_out=b.k(0))
     copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
+    plain = RopePlan(b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd").compile()
+    plain._launch.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
+    plain_same = partial(plain.execute, b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0))
     recs.append(_host_record(ctx, "host/decode-bf16-T=1", dcase, [
         ("RopePlan.execute (same arrays)", [same]),
+        ("RopePlan.execute (same arrays, graph replay off: cuLaunchKernel)", [plain_same]),
         ("RopePlan.execute (2 remembered array sets alternating)", [same, other]),
         ("RopePlan.execute (new views each call: pointer checks; incl. 5 slicings)", [fresh]),
         ("apply_rope_qk (one call, in place)", [one]),
@@ -1293,8 +1342,12 @@ def run_host_section(ctx) -> list[dict]:
     tx, tc, ts, to = tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)
     tfresh = lambda: tplan.execute(tx[:], tc[:], ts[:], to[:])  # noqa: E731 - new view objects
     tone = partial(tail_rope, tb.q(0), tb.cos(0), tb.sin(0))
+    tplain = TailRoPEForward(tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)).check_support().compile()
+    tplain._launch.replay = False
+    tplain_same = partial(tplain.execute, tb.q(0), tb.cos(0), tb.sin(0), tb.out(0))
     recs.append(_host_record(ctx, "host/tail-T=1-H=64-D=512", tcase, [
         ("TailRoPEForward.execute (same arrays)", [tsame]),
+        ("TailRoPEForward.execute (same arrays, graph replay off: cuLaunchKernel)", [tplain_same]),
         ("TailRoPEForward.execute (2 remembered array sets alternating)", [tsame, tother]),
         ("TailRoPEForward.execute (new views each call: pointer checks; incl. 4 slicings)", [tfresh]),
         ("tail_rope (one call, allocates the output)", [tone]),
@@ -1658,10 +1711,7 @@ def _cell(case_rec: dict, row: dict | None, regime: str = "cold*") -> str:
     if not ok(row):
         chk = str(row.get("check", ""))
         return "WRONG" if chk.startswith("WRONG") else ("skip" if chk.startswith("skip") else "error")
-    g, p = gbps(case_rec, row, regime), pct_of_copy(case_rec, row, regime)
-    if g is None:
-        return "-"
-    return f"{g:.0f} ({p:.0f}%)" if p is not None else f"{g:.0f}"
+    return _cell_reference(case_rec, row, regime)
 
 
 def blog_table(result: dict) -> list[list[str]]:
@@ -1724,8 +1774,11 @@ def latency_table(result: dict, group: str) -> list[list[str]]:
     return rows
 
 
-def tail_table(result: dict) -> list[list[str]]:
-    rows = [["case", "MB moved", "copy GB/s", "rope_rtc GB/s (%copy)", "graph µs", "host µs", "fastest peer"]]
+def tail_table(result: dict, copy_kernel: bool = True) -> list[list[str]]:
+    """The tail cases; ``copy_kernel=False`` leaves out the reference kernel's column (the printed
+    summary must fit the device tool's output tail)."""
+    rows = [["case", "MB moved", "copy GB/s", "copy kernel GB/s (%copy)", "rope_rtc GB/s (%copy)", "graph µs",
+             "host µs", "fastest peer"]]
     for c in result["cases"]:
         if c["group"] != "tail":
             continue
@@ -1733,9 +1786,22 @@ def tail_table(result: dict) -> list[list[str]]:
         ours = by.get(OURS)
         best = fastest_peer(c, "cold*")
         rows.append([_short_id(c) + ("" if c.get("cold_exact") else " *"), f"{c['bytes_moved'] / 1e6:.3f}", _cell_copy(c),
-                     _cell(c, ours), _f(timing(ours, "graph"), ".2f", 0).strip(), _f(timing(ours, "host"), ".2f", 0).strip(),
+                     _cell_reference(c, by.get(COPY_KERNEL)), _cell(c, ours),
+                     _f(timing(ours, "graph"), ".2f", 0).strip(), _f(timing(ours, "host"), ".2f", 0).strip(),
                      f"{best[0]} {_cell(c, by[best[0]])}" if best else "-"])
+    if not copy_kernel:
+        rows = [r[:3] + r[4:] for r in rows]
     return rows
+
+
+def _cell_reference(case_rec: dict, row: dict | None, regime: str = "cold*") -> str:
+    """GB/s and % of the copy, with no correctness check to show (the copy kernel's row)."""
+    if row is None:
+        return "-"
+    g, p = gbps(case_rec, row, regime), pct_of_copy(case_rec, row, regime)
+    if g is None:
+        return "-"
+    return f"{g:.0f} ({p:.0f}%)" if p is not None else f"{g:.0f}"
 
 
 def host_table(result: dict) -> list[list[str]]:
@@ -1890,7 +1956,7 @@ def summary_text(result: dict, targets_only: bool = False) -> str:
         for title, rows in (("blog configuration (FP32 interleaved bhsd, fused q+k in place; peers: half-split)", blog_table(result)),
                             ("general kernel (fused q+k in place)", prefill_table(result, "general")),
                             ("decode (bf16 thd, Hq=32 Hkv=8): GPU µs graph / graph cold / host µs", latency_table(result, "decode")),
-                            ("tail RoPE (* partial cold footprint)", tail_table(result)),
+                            ("tail RoPE (* partial cold footprint)", tail_table(result, copy_kernel=False)),
                             ("host cost", host_table(result)), ("cold start", coldstart_table(result))):
             if len(rows) > 1:
                 parts.append(f"--- {title}\n{text_table(rows)}")
@@ -1986,9 +2052,13 @@ METHOD_MD = """\
 - **Regimes**: *hot* = CUDA events around back-to-back calls on the same buffers; *cold* =
   rotating among buffer sets totalling more than 4x the L2 (the same as hot when one set
   already does; marked * where the 4096-set cap leaves it partial); *graph* / *graph cold* =
-  GPU time per call under CUDA-graph replay of captured calls; *host* = wall time of a tight
-  Python loop of calls / N. Figures are medians of repeated samples after a warm-up, on random
-  data (never zeros).
+  GPU time per call under CUDA-graph replay of captured calls; *host* = wall time per call of
+  Python loops of 100 calls, each started on an idle stream (synchronised, untimed) so that no
+  call waits for the GPU to drain a full launch queue. Figures are medians of repeated samples
+  after a warm-up, on random data (never zeros).
+- **Copy kernel** (tail cases): a one-thread-per-16-bytes copy kernel over the copy's buffers.
+  At small sizes launch and memory latency, not bandwidth, set every kernel's time, and this
+  column shows how close the simplest kernel comes to the memcpy there.
 - **Checks**: every implementation's first call is compared with the reference before timing
   (rope_rtc: the project's contract, bit-exact for tail RoPE; peers: within 2 eps of their dtype
   times the pair magnitude). A wrong answer is reported and not timed.
@@ -2062,7 +2132,8 @@ def render_markdown(result: dict | None) -> str:
         "under graph replay, hot / cold, then host µs per call.", "",
         markdown_table(latency_table(result, "decode")), "",
         "## Tail RoPE", "", "BF16, the cuDNN benchmark's geometries, `TailRoPEForward`. GB/s (% of copy), cold L2; "
-        "GPU µs under graph replay and host µs for small shapes. * partial cold footprint.", "",
+        "GPU µs under graph replay and host µs for small shapes; the copy kernel is the naive one-thread-per-16-bytes "
+        "reference. * partial cold footprint.", "",
         markdown_table(tail_table(result)), "",
         "## Host cost", "", markdown_table(host_table(result)), "",
         "## Cold start", "", "Fresh processes with an empty `ROPE_RTC_CACHE_DIR`, then the same (warm) directory. "

@@ -140,6 +140,25 @@ class in_context:
         return False
 
 
+class relaxed_capture:
+    """This thread's stream-capture interaction mode set to relaxed for a block.
+
+    Instantiating and destroying a graph are "potentially unsafe" calls: while any stream of
+    this thread is being captured in global mode they fail, and the failure invalidates that
+    capture. Relaxed mode permits them; they touch no captured stream.
+    """
+
+    def __enter__(self):
+        drv = _drv()
+        self.old = check(drv.cuThreadExchangeStreamCaptureMode(drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+                         "cuThreadExchangeStreamCaptureMode")
+        return self
+
+    def __exit__(self, *exc):
+        check(_drv().cuThreadExchangeStreamCaptureMode(self.old), "cuThreadExchangeStreamCaptureMode")
+        return False
+
+
 def load_module(ordinal: int, image: bytes):
     with in_context(ordinal):
         return check(_drv().cuModuleLoadData(image), f"cuModuleLoadData on device {ordinal}")

@@ -1,7 +1,7 @@
 """Environment switches, read here and nowhere else.
 
 Each variable is read when it is needed (never at import), so a test or a long-running server
-can change it between calls. None of them is read on a launch path.
+can change it between calls. None of them is read on a launch path (``ROPE_RTC_NO_GRAPH_REPLAY`` is read when a plan compiles).
 
 ``ROPE_RTC_CACHE_DIR``
     Root of the on-disk kernel cache. Default: the platform user cache directory
@@ -21,6 +21,9 @@ can change it between calls. None of them is read on a launch path.
     Accept a cache directory or entry that users other than its owner can write (a team's
     deliberately shared cache). This trusts every such user: a cached CUBIN runs with this
     process's access to all of its GPU memory.
+``ROPE_RTC_NO_GRAPH_REPLAY=1``
+    Plans launch with ``cuLaunchKernel`` every time, instead of replaying a repeated launch
+    (same arrays, same stream) as a one-node CUDA graph. Read when a plan is compiled.
 ``ROPE_RTC_CUDA_INCLUDE``
     Folder holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for NVRTC, overriding the search
     (the CUDA runtime wheel's include folder, then a system CUDA of NVRTC's major version).
@@ -44,6 +47,7 @@ class Settings:
     save_source: bool
     log_compiles: bool
     trust_shared_cache: bool
+    no_graph_replay: bool
     cuda_include: str | None
 
 
@@ -56,5 +60,6 @@ def settings() -> Settings:
         save_source=_flag("ROPE_RTC_SAVE_SOURCE"),
         log_compiles=_flag("ROPE_RTC_LOG_COMPILES"),
         trust_shared_cache=_flag("ROPE_RTC_TRUST_SHARED_CACHE"),
+        no_graph_replay=_flag("ROPE_RTC_NO_GRAPH_REPLAY"),
         cuda_include=os.environ.get("ROPE_RTC_CUDA_INCLUDE") or None,
     )

@@ -117,45 +117,149 @@ def remember(recent: dict, key, value) -> None:
     recent[key] = value
 
 
-class Launcher:
-    """The hot path: one ``cuLaunchKernel`` with pre-packed arguments and a memoised stream object.
+class _GraphExec:
+    """One instantiated one-kernel-node CUDA graph; destroyed with the object."""
 
-    ``prefix`` is the prepared ``(function, gx, gy, gz, bx, by, bz, shared_bytes)`` of a plan, so a
-    call is one tuple splice and the driver call; the status is checked on every launch.
+    __slots__ = ("handle", "handle_int", "token")
+
+    def __init__(self, handle, token) -> None:
+        self.handle = handle
+        self.handle_int = int(handle)
+        self.token = token  # the plan's argument-set tuple: held, so its identity stays unique
+
+    def __del__(self) -> None:
+        try:
+            with driver.relaxed_capture():
+                driver.check(driver._drv().cuGraphExecDestroy(self.handle), "cuGraphExecDestroy")
+        except Exception:  # at interpreter exit the driver may already be gone
+            pass
+
+
+class Launcher:
+    """The hot path of the plans: one launch of pre-packed arguments with a checked status.
+
+    ``prefix`` is the prepared ``(function, gx, gy, gz, bx, by, bz, shared_bytes)`` of a plan. The
+    launcher resolves the stream (``None``: CuPy's current stream of its device) and keeps the
+    whole ``cuLaunchKernel`` argument tuple of its last launch. A plan with a device launches in
+    that device's context whichever device is current.
+
+    Graph replay: a plan passes ``token``, an object whose identity changes whenever the
+    argument block's values change (the plans' ``_last`` tuples). The second launch of a
+    token (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node
+    CUDA graph, and that and later launches of the token replay it: ``cudaGraphLaunch`` costs the host about 1.8 µs
+    against 4.4-5.9 µs for ``cuLaunchKernel`` on the H200 machine (scripts/tail_small_probe.py).
+    A graph cannot be launched into a stream that is being captured, so a capturing stream
+    always gets ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
     """
 
-    __slots__ = ("_launch", "_stream_handle", "_stream_obj", "_CUstream", "args_address", "device", "_get_device")
+    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "_external_stream", "args_address",
+                 "device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch", "_graphs", "_seen",
+                 "_wrapped", "replay")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
+        import cupy
         from cuda.bindings import driver as drv
+
+        from .env import settings
 
         self._launch = drv.cuLaunchKernel
         self._CUstream = drv.CUstream
-        self._stream_handle = None
-        self._stream_obj = None
+        self._graph_launch = cupy.cuda.runtime.graphLaunch
+        self._current_stream = cupy.cuda.get_current_stream
+        self._external_stream = cupy.cuda.ExternalStream
+        self._get_device = cupy.cuda.runtime.getDevice
         self.args_address = args_address
         self.device = device
-        if device is not None:
-            import cupy
+        self._stream_device = -1 if device is None else device
+        self._prefix = self._handle = self._argv = None
+        self._graphs: dict[int, _GraphExec] = {}  # id(token) -> its graph
+        self._seen: dict[int, object] = {}        # id(token) -> token, launched plainly once
+        self._wrapped = (None, None)              # (caller's stream object, its CuPy stream)
+        self.replay = not settings().no_graph_replay
 
-            self._get_device = cupy.cuda.runtime.getDevice
-
-    def __call__(self, prefix: tuple, stream: int) -> None:
-        if self.device is not None and self._get_device() != self.device:
+    def __call__(self, prefix: tuple, stream=None, token=None) -> None:
+        device = self.device
+        if device is not None and self._get_device() != device:
             # A plan stays on its device when the caller's current device changes: launch in
             # the plan device's context (the stream must belong to that device too).
-            with driver.in_context(self.device):
-                self._launch_here(prefix, stream)
+            with driver.in_context(device):
+                handle = self._resolve(stream)
+                self._plain(self._pack(prefix, handle), prefix, handle)
             return
-        self._launch_here(prefix, stream)
+        # A CuPy stream object: its is_capturing() is the cheapest capture query (0.2 µs,
+        # against 0.75 µs for cuStreamIsCapturing through cuda.bindings).
+        cs = self._current_stream(self._stream_device) if stream is None else self._cupy_stream(stream)
+        handle = cs.ptr
+        argv = self._argv
+        if prefix is not self._prefix or handle != self._handle:
+            argv = self._pack(prefix, handle)
+        if token is not None and self.replay:
+            graph = self._graphs.get(id(token))
+            if graph is not None or id(token) in self._seen:
+                try:
+                    idle = not cs.is_capturing()
+                except Exception:  # the legacy stream while another stream captures: no graph
+                    idle = False
+                if idle:  # a graph launch into a capturing stream would invalidate the capture
+                    if graph is None:
+                        graph = self._instantiate(prefix, token)
+                    self._graph_launch(graph.handle_int, handle)
+                    return
+            remember(self._seen, id(token), token)
+        self._plain(argv, prefix, handle)
 
-    def _launch_here(self, prefix: tuple, stream: int) -> None:
-        if stream != self._stream_handle:
-            self._stream_obj = self._CUstream(stream)
-            self._stream_handle = stream
-        status = self._launch(*prefix, self._stream_obj, self.args_address, 0)[0]
+    def _cupy_stream(self, stream):
+        """The caller's stream as a CuPy stream object (remembered for a repeated stream)."""
+        if hasattr(stream, "is_capturing") and isinstance(getattr(stream, "ptr", None), int):
+            return stream
+        known, wrapped = self._wrapped
+        if stream is known or (type(stream) is int and stream == known):
+            return wrapped
+        wrapped = self._external_stream(self._resolve(stream), self._stream_device)
+        self._wrapped = (stream, wrapped)
+        return wrapped
+
+    def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
+        status = self._launch(*argv)[0]
         if status:
-            driver.check((status,), f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={stream:#x})")
+            driver.check((status,), f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x})")
+
+    def _resolve(self, stream) -> int:
+        if stream is None:
+            return self._current_stream(self._stream_device).ptr
+        return stream if type(stream) is int else stream_handle(stream, self.device)
+
+    def _pack(self, prefix: tuple, handle: int) -> tuple:
+        # Holding ``prefix`` keeps its identity from being reused while it is remembered.
+        self._prefix, self._handle = prefix, handle
+        self._argv = (*prefix, self._CUstream(handle), self.args_address, 0)
+        return self._argv
+
+    def _instantiate(self, prefix: tuple, token) -> _GraphExec:
+        """The launch of ``prefix`` with the argument block's current values, as an executable
+        one-node graph (the node copies the values)."""
+        drv = driver._drv()
+        params = drv.CUDA_KERNEL_NODE_PARAMS()
+        params.func = prefix[0]
+        params.gridDimX, params.gridDimY, params.gridDimZ = prefix[1:4]
+        params.blockDimX, params.blockDimY, params.blockDimZ = prefix[4:7]
+        params.sharedMemBytes = prefix[7]
+        params.kernelParams = self.args_address
+        with driver.relaxed_capture():  # legal while another stream of this thread is capturing
+            graph = driver.check(drv.cuGraphCreate(0), "cuGraphCreate")
+            try:
+                driver.check(drv.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
+                handle = driver.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            finally:
+                drv.cuGraphDestroy(graph)
+        exe = _GraphExec(handle, token)
+        remember(self._graphs, id(token), exe)
+        return exe
+
+    def forget(self) -> None:
+        """Drop every graph and remembered token (and with them the arrays the tokens hold)."""
+        self._graphs.clear()
+        self._seen.clear()
 
 
 def launch_prefix(function, grid: tuple[int, int, int], block: tuple[int, int, int]) -> tuple:

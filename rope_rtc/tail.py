@@ -37,10 +37,13 @@ class TailRoPEForward:
         ``"nvrtc"``: the CUDA kernel (CuPy/device arrays). ``"numpy"``: the bit-exact NumPy reference
         on host arrays (``ml_dtypes.bfloat16`` and float32), no GPU needed.
 
-    ``execute`` allocates nothing, converts nothing and never synchronises; the caller owns array
-    lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets it saw, so
-    repeating one skips re-validation (it holds references to those arrays); new arrays of a
-    shape, stride and dtype signature seen before get the cheaper pointer-only checks.
+    ``execute`` allocates no device memory, converts nothing and never synchronises; the caller
+    owns array lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets
+    it saw, so repeating one skips re-validation (it holds references to those arrays); new
+    arrays of a shape, stride and dtype signature seen before get the cheaper pointer-only
+    checks. From its second launch, a remembered set is launched as a one-node CUDA graph
+    instantiated once for it (about 2 µs of host time instead of 4-6 µs for ``cuLaunchKernel``;
+    never into a stream that is being captured; ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off).
     A plan holds one argument block: give each thread its own plan.
     """
 
@@ -108,10 +111,7 @@ class TailRoPEForward:
             self._function = self._kernel.functions["tail_rope_bf16_x1"]
             self._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
                                   ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
-            import cupy
-
             self._launch = Launcher(self._args.address, self.device)
-            self._get_stream = cupy.cuda.get_current_stream
         return self
 
     def scratch_workspace_bytes(self) -> int:
@@ -129,17 +129,13 @@ class TailRoPEForward:
                 self.compile()
             self._prepare(x, cosine, sine, out)
             last = self._last
-        if self.backend == "numpy":
+        prefix = last[5]  # None for the NumPy backend and when there is nothing to launch
+        if prefix is not None:
+            self._launch(prefix, current_stream, last)
+        elif self.backend == "numpy":
             from .reference import tail_rope_reference
 
             out[...] = tail_rope_reference(x, cosine, sine)
-            return last[7]
-        if last[5] is not None:
-            if current_stream is None:
-                stream = self._get_stream(self.device).ptr
-            else:
-                stream = stream_handle(current_stream)
-            self._launch(last[5], stream)
         return last[7]
 
     def _check_shapes(self, x, c, s, o) -> None:
@@ -289,4 +285,5 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         result = plan.execute(x, cosine, sine, out, current_stream=handle)
         plan._last = None  # nor the last call's (the signature cache keeps later calls cheap)
         plan._recent.clear()
+        plan._launch.forget()
         return result

@@ -290,24 +290,26 @@ class FakeGPU:
         setattr(owner, name, value)
 
     def launch(self, *args) -> None:
-        """The plans' launcher: ``(prefix, stream)`` with ``prefix = (function, gx, gy, gz, bx, by, bz,
+        """The plans' launcher: ``(prefix, stream[, token])`` with ``prefix = (function, gx, gy, gz, bx, by, bz,
         shared)``, or the older ``(function, grid, block, stream, args_address)``."""
-        if len(args) == 2:
-            prefix, stream = args
+        if len(args) in (2, 3):  # (prefix, stream[, token])
+            prefix, stream = args[:2]
             fn, grid, block = prefix[0], tuple(prefix[1:4]), tuple(prefix[4:7])
         else:
             fn, grid, block, stream = args[0], tuple(args[1]), tuple(args[2]), args[3]
         self.launches.append({"fn": fn, "grid": grid, "block": block, "stream": stream})
 
-    def __enter__(self) -> "FakeGPU":
-        import types
+    __call__ = launch  # a plan's launcher is the fake itself
 
+    def forget(self) -> None:
+        """The launcher's graph cache: nothing to drop."""
+
+    def __enter__(self) -> "FakeGPU":
         from rope_rtc import arrays as A
         from rope_rtc import rope, tail
         from rope_rtc.registry import ROPE_ENTRIES, rope_head_batches, rope_vector_widths
 
         gpu = self
-        stream = types.SimpleNamespace(ptr=0)
 
         def run_gpu(req, stream_arg, variant):
             if req.q_out is None:
@@ -330,8 +332,7 @@ class FakeGPU:
                              for v in rope_vector_widths(plan.dtype, plan.interleaved)
                              for hb in rope_head_batches(plan.interleaved)}
             plan._sms = gpu.num_sms
-            plan._launch = gpu.launch
-            plan._get_stream = lambda device: stream
+            plan._launch = gpu
             plan._compiled = True
             return plan
 
@@ -353,9 +354,8 @@ class FakeGPU:
                 plan._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
                                       ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
                 plan._sms = gpu.num_sms
-                plan._launch = gpu.launch
-                plan._get_stream = lambda device: stream
-            return plan
+                plan._launch = gpu
+                return plan
 
         self._patch(rope, "_run_gpu", run_gpu)
         self._patch(rope.RopePlan, "compile", plan_compile)

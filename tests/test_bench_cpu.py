@@ -483,3 +483,19 @@ def test_coldstart_child_reports_failure_instead_of_raising():
         pytest.skip("a GPU is present")
     row = B._coldstart_child("tail", "empty", {"PATH": "/usr/bin:/bin"})
     assert row["scenario"] == "tail" and row["cache"] == "empty" and row["error"]
+
+
+def test_tail_table_shows_the_copy_kernel_reference():
+    """The reference copy kernel's column: its % of the memcpy, and never a peer."""
+    res = synthetic_result(False)
+    tail = next(c for c in res["cases"] if c["group"] == "tail" and not c["small"])
+    copy_us = B.timing(B.rows_by_impl(tail)[B.COPY], "cold*")
+    tail["rows"].append({"impl": B.COPY_KERNEL, "layout": "-", "check": "reference", "note": "",
+                         "timings": _timings(copy_us / 0.96, small=tail["small"])})
+    rows = B.tail_table(res)
+    assert rows[0][3] == "copy kernel GB/s (%copy)"
+    mine = next(r for r in rows if r[0].split(" ")[0] == B._short_id(tail))
+    assert mine[3].endswith("(96%)"), mine
+    assert all(r[3] == "-" for r in rows[1:] if r is not mine)
+    assert B.fastest_peer(tail, "cold*")[0] != B.COPY_KERNEL
+    assert all(len(r) == 7 for r in B.tail_table(res, copy_kernel=False))

@@ -100,18 +100,21 @@ def test_module_table_loads_once_under_threads(cp, monkeypatch):
 def test_out_of_memory_is_cupys_error_and_nothing_written(cp):
     import rope_rtc
 
-    pool = cp.get_default_memory_pool()
-    x = cp.asarray(host_random((64, 128, 8, 128), np.float32, 5))
-    before = cp.asnumpy(x)
-    cos, sin = (cp.asarray(t) for t in host_tables(128, 64, 2))
-    limit = pool.get_limit()
-    pool.free_all_blocks()
-    pool.set_limit(size=pool.total_bytes() + 1024)
+    # A private pool holding exactly the inputs, so that what earlier tests left in the default
+    # pool (free space inside split chunks) cannot serve the output.
+    pool = cp.cuda.MemoryPool()
+    previous = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(pool.malloc)
     try:
+        x = cp.asarray(host_random((64, 128, 8, 128), np.float32, 5))
+        before = cp.asnumpy(x)
+        cos, sin = (cp.asarray(t) for t in host_tables(128, 64, 2))
+        pool.set_limit(size=pool.total_bytes() + 1024)
         with pytest.raises(cp.cuda.memory.OutOfMemoryError):
             rope_rtc.apply_rope(x, cos, sin)
     finally:
-        pool.set_limit(size=limit)
+        pool.set_limit(size=0)  # no limit
+        cp.cuda.set_allocator(previous)
     assert np.array_equal(cp.asnumpy(x), before)
     out = rope_rtc.apply_rope(x, cos, sin)  # usable afterwards
     _check_general(cp, out, before, cp.asnumpy(cos), cp.asnumpy(sin), np.tile(np.arange(128), 64))

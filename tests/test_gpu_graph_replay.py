@@ -1,0 +1,200 @@
+"""Plans replay a repeated launch as a one-node CUDA graph (rope_rtc.launch.Launcher): the replay
+sees in-place changes of the inputs, keeps stream order, never reaches a capturing stream, and
+its instantiation does not disturb another stream's capture. Outputs are re-poisoned before
+every call; tail results are compared bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_util import DTYPES, bits, busy_stream_kernel, host_random, host_tables
+from rope_rtc.reference import rope_reference, tail_rope_reference
+from tail_cases import tail_random_inputs
+from test_gpu_rope import assert_rope_close
+
+pytestmark = pytest.mark.gpu
+
+T, H, D = 33, 4, 128
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _tail_plan(cp, seed=1):
+    import rope_rtc
+
+    x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=seed)
+    x, c, s = cp.asarray(x_h), cp.asarray(c_h), cp.asarray(s_h)
+    out = cp.full(x.shape, cp.nan, dtype=x.dtype)
+    return rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile(), (x, c, s, out)
+
+
+def _refill(cp, arrays, seed):
+    """New values in place (same objects, same addresses); the output re-poisoned."""
+    x, c, s, out = arrays
+    x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=seed)
+    x.set(x_h)
+    c.set(c_h)
+    s.set(s_h)
+    out.fill(cp.nan)
+    return x_h, c_h, s_h
+
+
+def _exact(cp, host, out):
+    assert np.array_equal(bits(cp.asnumpy(out)), bits(tail_rope_reference(*host)))
+
+
+def test_repeated_tail_launch_replays_a_graph_with_fresh_inputs(cp):
+    plan, arrays = _tail_plan(cp)
+    for gen in range(6):
+        host = _refill(cp, arrays, 100 + gen)
+        plan.execute(*arrays)
+        cp.cuda.get_current_stream().synchronize()
+        _exact(cp, host, arrays[3])
+    assert len(plan._launch._graphs) == 1, "the repeated argument set was not replayed as a graph"
+
+
+def test_graph_replay_keeps_stream_order(cp):
+    """The graph exists before the busy stream is filled: replay still waits for the fill."""
+    plan, (x, c, s, out) = _tail_plan(cp, seed=2)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        plan.execute(x, c, s, out, current_stream=stream)
+    stream.synchronize()
+    assert plan._launch._graphs
+    x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=61)
+    pinned = cp.cuda.alloc_pinned_memory(x_h.nbytes)
+    src = np.frombuffer(pinned, x_h.dtype, x_h.size).reshape(x_h.shape)
+    src[...] = x_h
+    c.set(c_h)
+    s.set(s_h)
+    out.fill(cp.nan)
+    cp.cuda.Device().synchronize()
+    spin = busy_stream_kernel(cp)
+    with stream:
+        spin((1,), (1,), (np.int64(200_000_000),))
+        x.set(src, stream=stream)
+    plan.execute(x, c, s, out, current_stream=stream)
+    stream.synchronize()
+    _exact(cp, (x_h, c_h, s_h), out)
+
+
+@pytest.mark.parametrize("mode", ["relaxed", "global", "thread_local"])
+def test_capture_of_a_replayed_plan_records_a_kernel(cp, mode):
+    """A graph cannot be launched into a capturing stream: the capture gets a kernel launch."""
+    rt = cp.cuda.runtime
+    modes = {"relaxed": rt.streamCaptureModeRelaxed, "global": rt.streamCaptureModeGlobal,
+             "thread_local": rt.streamCaptureModeThreadLocal}
+    plan, arrays = _tail_plan(cp, seed=3)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        plan.execute(*arrays, current_stream=stream)
+    assert plan._launch._graphs
+    stream.synchronize()
+    stream.begin_capture(modes[mode])
+    plan.execute(*arrays, current_stream=stream)
+    graph = stream.end_capture()
+    for gen in range(2):
+        host = _refill(cp, arrays, 300 + gen)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        _exact(cp, host, arrays[3])
+
+
+def test_instantiating_does_not_break_another_streams_global_capture(cp):
+    """The plan's graph is instantiated (twice the same set, on an idle stream) while another
+    stream of this thread captures in global mode; that capture still ends and replays."""
+    plan, arrays = _tail_plan(cp, seed=4)
+    other_plan, other = _tail_plan(cp, seed=5)
+    capturing = cp.cuda.Stream(non_blocking=True)
+    idle = cp.cuda.Stream(non_blocking=True)
+    host = _refill(cp, arrays, 400)
+    plan.execute(*arrays, current_stream=idle)  # validated before the capture begins
+    other_plan.execute(*other, current_stream=idle)
+    cp.cuda.Device().synchronize()
+    capturing.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+    other_plan.execute(*other, current_stream=capturing)  # a repeat, but capturing: no graph
+    plan.execute(*arrays, current_stream=idle)  # instantiates
+    plan.execute(*arrays, current_stream=idle)  # replays
+    graph = capturing.end_capture()
+    assert not other_plan._launch._graphs
+    idle.synchronize()
+    assert plan._launch._graphs
+    _exact(cp, host, arrays[3])
+    other_host = _refill(cp, other, 401)
+    cp.cuda.Device().synchronize()
+    graph.launch(capturing)
+    capturing.synchronize()
+    _exact(cp, other_host, other[3])
+
+
+def test_rope_plan_replay_same_offset_then_new_offsets(cp):
+    """RopePlan: a repeated (arrays, offset) set replays its graph; a new offset is a new
+    argument set (no stale offset is ever replayed)."""
+    import rope_rtc
+
+    dt = DTYPES["bfloat16"]
+    B, S, Hq, Hk, Dh = 1, 3, 8, 2, 128
+    cos_h, sin_h = host_tables(64, Dh // 2, 7)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    q, k = cp.empty((B, S, Hq, Dh), dt), cp.empty((B, S, Hk, Dh), dt)
+    qo, ko = cp.empty(q.shape, dt), cp.empty(k.shape, dt)
+    plan = rope_rtc.RopePlan(q, k, cos, sin, q_out=qo, k_out=ko).compile()
+    for step, off in enumerate([5, 5, 5, 5, 9, 9, 2, 9]):
+        qh, kh = host_random(q.shape, dt, 700 + step), host_random(k.shape, dt, 800 + step)
+        q.set(qh)
+        k.set(kh)
+        qo.fill(cp.nan)
+        ko.fill(cp.nan)
+        plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=off)
+        pos = np.tile(np.arange(S) + off, B)
+        for got, x in ((qo, qh), (ko, kh)):
+            xc = x.reshape(-1, x.shape[2], Dh)
+            assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos_h, sin_h, pos, interleaved=False),
+                              xc, interleaved=False, dtype=xc.dtype)
+    assert len(plan._launch._graphs) == 2  # offset 5 and the first run of 9s; the last 9 is a new set
+
+
+def test_no_graph_replay_switch(cp, monkeypatch):
+    monkeypatch.setenv("ROPE_RTC_NO_GRAPH_REPLAY", "1")
+    plan, arrays = _tail_plan(cp, seed=6)
+    for gen in range(3):
+        host = _refill(cp, arrays, 600 + gen)
+        plan.execute(*arrays)
+        cp.cuda.get_current_stream().synchronize()
+        _exact(cp, host, arrays[3])
+    assert not plan._launch._graphs
+
+
+def test_one_call_tail_rope_keeps_no_graphs_or_arrays(cp):
+    import rope_rtc
+
+    x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=7)
+    x, c, s = cp.asarray(x_h), cp.asarray(c_h), cp.asarray(s_h)
+    for _ in range(3):
+        out, = rope_rtc.tail_rope(x, c, s)
+        _exact(cp, (x_h, c_h, s_h), out)
+    from rope_rtc import tail
+
+    for plan in tail._local.plans.values():
+        assert not plan._launch._graphs and not plan._launch._seen
+
+
+def test_alternating_argument_sets_each_replay(cp):
+    """Two argument sets alternating (an engine's per-layer buffers): each set's second launch
+    instantiates its own graph; every result exact with fresh inputs."""
+    plan, a = _tail_plan(cp, seed=8)
+    _, b = _tail_plan(cp, seed=9)
+    for rnd in range(3):
+        for i, arrays in enumerate((a, b)):
+            host = _refill(cp, arrays, 900 + 2 * rnd + i)
+            plan.execute(*arrays)
+            cp.cuda.get_current_stream().synchronize()
+            _exact(cp, host, arrays[3])
+    assert len(plan._launch._graphs) == 2
