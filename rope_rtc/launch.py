@@ -135,6 +135,22 @@ class _GraphExec:
             pass
 
 
+class _RawStream:
+    """A stream handle given as an integer (or a non-CuPy stream object), with the capture query
+    the launcher needs (``cuStreamIsCapturing``: 0.3-0.8 µs, against 0.2 µs through a CuPy stream)."""
+
+    __slots__ = ("ptr", "_obj", "_query")
+
+    def __init__(self, handle: int) -> None:
+        drv = driver._drv()
+        self.ptr = handle
+        self._obj = drv.CUstream(handle)
+        self._query = drv.cuStreamIsCapturing
+
+    def is_capturing(self) -> bool:
+        return bool(driver.check(self._query(self._obj), "cuStreamIsCapturing"))
+
+
 class Launcher:
     """The hot path of the plans: one launch of pre-packed arguments with a checked status.
 
@@ -152,7 +168,7 @@ class Launcher:
     always gets ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
     """
 
-    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "_external_stream", "args_address",
+    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "args_address",
                  "device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch", "_graphs", "_seen",
                  "_wrapped", "replay")
 
@@ -166,7 +182,6 @@ class Launcher:
         self._CUstream = drv.CUstream
         self._graph_launch = cupy.cuda.runtime.graphLaunch
         self._current_stream = cupy.cuda.get_current_stream
-        self._external_stream = cupy.cuda.ExternalStream
         self._get_device = cupy.cuda.runtime.getDevice
         self.args_address = args_address
         self.device = device
@@ -209,13 +224,14 @@ class Launcher:
         self._plain(argv, prefix, handle)
 
     def _cupy_stream(self, stream):
-        """The caller's stream as a CuPy stream object (remembered for a repeated stream)."""
+        """The caller's stream as an object with ``ptr`` and ``is_capturing()``: a CuPy stream as
+        it is, anything else wrapped once (remembered for a repeated stream)."""
         if hasattr(stream, "is_capturing") and isinstance(getattr(stream, "ptr", None), int):
             return stream
         known, wrapped = self._wrapped
         if stream is known or (type(stream) is int and stream == known):
             return wrapped
-        wrapped = self._external_stream(self._resolve(stream), self._stream_device)
+        wrapped = _RawStream(self._resolve(stream))
         self._wrapped = (stream, wrapped)
         return wrapped
 

@@ -84,20 +84,23 @@ def test_graph_replay_keeps_stream_order(cp):
     _exact(cp, (x_h, c_h, s_h), out)
 
 
+@pytest.mark.parametrize("as_int", [False, True], ids=["cupy-stream", "int-handle"])
 @pytest.mark.parametrize("mode", ["relaxed", "global", "thread_local"])
-def test_capture_of_a_replayed_plan_records_a_kernel(cp, mode):
-    """A graph cannot be launched into a capturing stream: the capture gets a kernel launch."""
+def test_capture_of_a_replayed_plan_records_a_kernel(cp, mode, as_int):
+    """A graph cannot be launched into a capturing stream: the capture gets a kernel launch,
+    whether the stream is passed as a CuPy stream or as a raw handle."""
     rt = cp.cuda.runtime
     modes = {"relaxed": rt.streamCaptureModeRelaxed, "global": rt.streamCaptureModeGlobal,
              "thread_local": rt.streamCaptureModeThreadLocal}
     plan, arrays = _tail_plan(cp, seed=3)
     stream = cp.cuda.Stream(non_blocking=True)
+    arg = stream.ptr if as_int else stream
     for _ in range(3):
-        plan.execute(*arrays, current_stream=stream)
+        plan.execute(*arrays, current_stream=arg)
     assert plan._launch._graphs
     stream.synchronize()
     stream.begin_capture(modes[mode])
-    plan.execute(*arrays, current_stream=stream)
+    plan.execute(*arrays, current_stream=arg)
     graph = stream.end_capture()
     for gen in range(2):
         host = _refill(cp, arrays, 300 + gen)
