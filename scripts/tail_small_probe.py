@@ -5,9 +5,12 @@
 nodes: per-node GPU time under graph replay (1024 nodes, one buffer set each, as the benchmark's
        graph_cold rows) of a memcpy node, an empty kernel, a 16-byte copy kernel and variants of
        the tail kernel, for each small shape.
-host:  host µs per call of the raw launch and of TailRoPEForward.execute, in a tight loop (the
-       benchmark's method) and in short bursts from an idle GPU (the launch queue never fills),
-       plus the pieces execute adds to the launch.
+host:  host µs per call of the raw launch, a graph launch and the plans' execute (graph replay
+       on and off), in a tight loop and in bursts of 100 from an idle GPU (the benchmark's method:
+       the launch queue never fills), plus the pieces execute adds to the launch.
+kernels: variants of the tail kernel against the production one (bit-identical outputs).
+graphs: whether a graph launch works inside a caller's capture (it does not), and the cost of
+       the capture queries.
 """
 import argparse
 import ctypes
@@ -312,15 +315,16 @@ def graphs_part():
         driver.check(drv.cuLaunchKernel(*prefix, drv.CUstream(priv.ptr), addr, 0), "launch")
         g2 = priv.end_capture()
         drv.cuThreadExchangeStreamCaptureMode(old)
-        rt.graphLaunch(g2.graphExec, user.ptr)
-        ug = user.end_capture()
+        user.end_capture()  # the caller's capture survived the instantiation
         o.fill(cp.nan)
         cp.cuda.Device().synchronize()
-        ug.launch(user)
-        user.synchronize()
-        print("instantiate during a global capture (mode exchanged): exact:", ok())
+        rt.graphLaunch(g2.graphExec, priv.ptr)
+        priv.synchronize()
+        print("instantiate during another stream's global capture (mode exchanged): exact:", ok())
     except Exception as exc:
         print(f"instantiate during a global capture: {type(exc).__name__}: {exc}")
+        if user.is_capturing():
+            user.end_capture()
     cur = cp.cuda.get_current_stream()
     hp = cur.ptr
     isc = drv.cuStreamIsCapturing
