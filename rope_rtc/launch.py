@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 
 from . import driver
 from .build import Binary, get_binary
+from .errors import CudaError
 from .registry import KernelSpec
 from .toolchain import target_for
 
@@ -215,9 +217,9 @@ class Launcher:
                     idle = not cs.is_capturing()
                 except Exception:  # the legacy stream while another stream captures: no graph
                     idle = False
-                if idle:  # a graph launch into a capturing stream would invalidate the capture
-                    if graph is None:
-                        graph = self._instantiate(prefix, token)
+                if idle and graph is None:
+                    graph = self._instantiate_or_stop(prefix, token)
+                if idle and graph is not None:  # never into a capturing stream: that invalidates the capture
                     self._graph_launch(graph.handle_int, handle)
                     return
             remember(self._seen, id(token), token)
@@ -251,6 +253,18 @@ class Launcher:
         self._argv = (*prefix, self._CUstream(handle), self.args_address, 0)
         return self._argv
 
+    def _instantiate_or_stop(self, prefix: tuple, token) -> "_GraphExec | None":
+        """A graph for ``token``; if the driver cannot make one (out of resources, say), this
+        launcher stops replaying and launches plainly, so the call still succeeds."""
+        try:
+            exe = self._instantiate(prefix, token)
+        except CudaError as exc:
+            self.replay = False
+            warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning, stacklevel=4)
+            return None
+        remember(self._graphs, id(token), exe)
+        return exe
+
     def _instantiate(self, prefix: tuple, token) -> _GraphExec:
         """The launch of ``prefix`` with the argument block's current values, as an executable
         one-node graph (the node copies the values)."""
@@ -268,9 +282,7 @@ class Launcher:
                 handle = driver.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             finally:
                 drv.cuGraphDestroy(graph)
-        exe = _GraphExec(handle, token)
-        remember(self._graphs, id(token), exe)
-        return exe
+        return _GraphExec(handle, token)
 
     def forget(self) -> None:
         """Drop every graph and remembered token (and with them the arrays the tokens hold)."""

@@ -71,3 +71,28 @@ def busy_stream_kernel(cp):
         }''',
         "spin",
     )
+
+
+def fill_behind_busy_kernel(cp, stream, dst, host: np.ndarray):
+    """Queue about 0.1 s of spinning on ``stream``, then the copy of ``host`` into ``dst`` on it.
+
+    The copy is from pinned memory, so it really waits in the stream. Returns the pinned buffer:
+    keep it until the stream has run."""
+    pinned = cp.cuda.alloc_pinned_memory(host.nbytes)
+    src = np.frombuffer(pinned, host.dtype, host.size).reshape(host.shape)
+    src[...] = host
+    spin = busy_stream_kernel(cp)
+    with stream:
+        spin((1,), (1,), (np.int64(200_000_000),))
+        dst.set(src, stream=stream)
+    return pinned
+
+
+def assert_half_split_qk(cp, outs, hosts, cos_h, sin_h, pos) -> None:
+    """Each device output (q, k, ...) against the half-split NumPy reference of its host input."""
+    from rope_rtc.reference import assert_rope_close, rope_reference
+
+    for got, x in zip(outs, hosts):
+        xc = x.reshape(-1, x.shape[2], x.shape[-1])
+        assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos_h, sin_h, pos, interleaved=False),
+                          xc, interleaved=False, dtype=xc.dtype)

@@ -8,10 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, bits, busy_stream_kernel, host_random, host_tables
-from rope_rtc.reference import rope_reference, tail_rope_reference
+from gpu_util import DTYPES, assert_half_split_qk, bits, fill_behind_busy_kernel, host_random, host_tables
+from rope_rtc.reference import tail_rope_reference
 from tail_cases import tail_random_inputs
-from test_gpu_rope import assert_rope_close
 
 pytestmark = pytest.mark.gpu
 
@@ -68,19 +67,14 @@ def test_graph_replay_keeps_stream_order(cp):
     stream.synchronize()
     assert plan._launch._graphs
     x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=61)
-    pinned = cp.cuda.alloc_pinned_memory(x_h.nbytes)
-    src = np.frombuffer(pinned, x_h.dtype, x_h.size).reshape(x_h.shape)
-    src[...] = x_h
     c.set(c_h)
     s.set(s_h)
     out.fill(cp.nan)
     cp.cuda.Device().synchronize()
-    spin = busy_stream_kernel(cp)
-    with stream:
-        spin((1,), (1,), (np.int64(200_000_000),))
-        x.set(src, stream=stream)
+    pinned = fill_behind_busy_kernel(cp, stream, x, x_h)
     plan.execute(x, c, s, out, current_stream=stream)
     stream.synchronize()
+    del pinned
     _exact(cp, (x_h, c_h, s_h), out)
 
 
@@ -156,11 +150,7 @@ def test_rope_plan_replay_same_offset_then_new_offsets(cp):
         qo.fill(cp.nan)
         ko.fill(cp.nan)
         plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=off)
-        pos = np.tile(np.arange(S) + off, B)
-        for got, x in ((qo, qh), (ko, kh)):
-            xc = x.reshape(-1, x.shape[2], Dh)
-            assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos_h, sin_h, pos, interleaved=False),
-                              xc, interleaved=False, dtype=xc.dtype)
+        assert_half_split_qk(cp, (qo, ko), (qh, kh), cos_h, sin_h, np.tile(np.arange(S) + off, B))
     assert len(plan._launch._graphs) == 2  # offset 5 and the first run of 9s; the last 9 is a new set
 
 

@@ -8,7 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, busy_stream_kernel, count_allocations, count_compiles, host_random, host_tables, poisoned
+from gpu_util import (DTYPES, assert_half_split_qk, count_allocations, count_compiles, fill_behind_busy_kernel,
+                      host_random, host_tables, poisoned)
 from rope_rtc.layouts import to_bshd_index
 from rope_rtc.reference import assert_rope_close, rope_reference
 
@@ -297,16 +298,11 @@ def test_non_default_stream_ordering(cp):
     xh = host_random(x.shape, dt, 21)
     cos, sin = (cp.asarray(t) for t in host_tables(64, 64, 9))
     stream = cp.cuda.Stream(non_blocking=True)
-    spin = busy_stream_kernel(cp)
-    pinned = cp.cuda.alloc_pinned_memory(xh.nbytes)
-    src = np.frombuffer(pinned, dt, xh.size).reshape(xh.shape)
-    src[...] = xh
     out = poisoned(cp, x.shape, dt)
-    with stream:
-        spin((1,), (1,), (np.int64(200_000_000),))  # ~0.1 s of a busy stream
-        x.set(src, stream=stream)
-        rope_rtc.apply_rope(x, cos, sin, out=out, stream=stream)
+    pinned = fill_behind_busy_kernel(cp, stream, x, xh)
+    rope_rtc.apply_rope(x, cos, sin, out=out, stream=stream)
     stream.synchronize()
+    del pinned
     xc = xh.reshape(-1, 8, 128)
     assert_rope_close(cp.asnumpy(out).reshape(xc.shape), rope_reference(xc, cp.asnumpy(cos), cp.asnumpy(sin),
                       np.tile(np.arange(64), 4), interleaved=False), xc, interleaved=False, dtype=xc.dtype)
@@ -357,10 +353,7 @@ def test_plan_new_arrays_every_call(cp):
         q, k = cp.asarray(qh), cp.asarray(kh)
         qo, ko = poisoned(cp, q.shape, dt), poisoned(cp, k.shape, dt)
         plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=4)
-        for got, x in ((qo, qh), (ko, kh)):
-            xc = x.reshape(-1, x.shape[2], D)
-            assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, ch, sh, pos, interleaved=False),
-                              xc, interleaved=False, dtype=xc.dtype)
+        assert_half_split_qk(cp, (qo, ko), (qh, kh), ch, sh, pos)
     # Same signature, but the outputs now overlap an input / are misaligned: still rejected.
     buf = cp.empty((2 * B * S * Hq * D,), dtype=dt)
     q = buf[: B * S * Hq * D].reshape(B, S, Hq, D)
@@ -398,8 +391,4 @@ def test_plan_alternating_argument_sets(cp):
             qo.fill(cp.nan)
             ko.fill(cp.nan)
             plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=off)
-            pos = np.tile(np.arange(S) + off, B)
-            for got, x in ((qo, qh), (ko, kh)):
-                xc = x.reshape(-1, x.shape[2], D)
-                assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos_h, sin_h, pos, interleaved=False),
-                                  xc, interleaved=False, dtype=xc.dtype)
+            assert_half_split_qk(cp, (qo, ko), (qh, kh), cos_h, sin_h, np.tile(np.arange(S) + off, B))

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_util import bits, busy_stream_kernel, count_allocations, count_compiles
+from gpu_util import bits, count_allocations, count_compiles, fill_behind_busy_kernel
 from rope_rtc.reference import tail_rope_reference
 from tail_cases import tail_edge_inputs, tail_random_inputs
 
@@ -153,15 +153,10 @@ def test_stream_ordering(cp):
     out = cp.full(x.shape, cp.nan, dtype=x.dtype)
     plan = rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile()
     stream = cp.cuda.Stream(non_blocking=True)
-    pinned = cp.cuda.alloc_pinned_memory(x_h.nbytes)
-    src = np.frombuffer(pinned, x_h.dtype, x_h.size).reshape(x_h.shape)
-    src[...] = x_h
-    spin = busy_stream_kernel(cp)
-    with stream:
-        spin((1,), (1,), (np.int64(200_000_000),))
-        x.set(src, stream=stream)
+    pinned = fill_behind_busy_kernel(cp, stream, x, x_h)
     plan.execute(x, c, s, out, current_stream=stream)
     stream.synchronize()
+    del pinned
     _compare(cp, (x_h, c_h, s_h), (x, c, s), out)
 
 

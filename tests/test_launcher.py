@@ -1,0 +1,155 @@
+"""The launcher's graph-replay decisions, on the CPU: the driver calls are replaced by recorders,
+so what is checked is which launch path each call takes and when a graph is instantiated."""
+
+from __future__ import annotations
+
+import pytest
+
+from rope_rtc import launch as L
+from rope_rtc.errors import CudaError
+
+PREFIX = ("fn", 1, 1, 1, 256, 1, 1, 0)
+
+
+class FakeStream:
+    def __init__(self, ptr: int = 7) -> None:
+        self.ptr = ptr
+        self.capturing = False
+        self.fail = False
+
+    def is_capturing(self) -> bool:
+        if self.fail:
+            raise RuntimeError("cudaErrorStreamCaptureImplicit")
+        return self.capturing
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    """A launcher whose driver calls are recorded: ("plain", stream) / ("graph", token id, stream)."""
+    pytest.importorskip("cupy")
+    calls, made = [], []
+    stream = FakeStream()
+    launcher = L.Launcher(1234, device=0)
+    launcher._get_device = lambda: 0
+    launcher._current_stream = lambda device: stream
+    launcher._CUstream = lambda handle: ("CUstream", handle)
+    launcher._launch = lambda *argv: calls.append(("plain", argv[8][1])) or (0,)
+
+    class Exec:
+        def __init__(self, token):
+            self.token, self.handle_int = token, id(token)
+
+    def instantiate(self, prefix, token):
+        made.append(id(token))
+        return Exec(token)
+
+    monkeypatch.setattr(L.Launcher, "_instantiate", instantiate)
+    launcher._graph_launch = lambda handle, stream_ptr: calls.append(("graph", handle, stream_ptr))
+    launcher.replay = True
+    return launcher, stream, calls, made
+
+
+def test_second_launch_of_a_set_instantiates_then_replays(rig):
+    launcher, stream, calls, made = rig
+    token = ("argument set",)
+    for _ in range(4):
+        launcher(PREFIX, None, token)
+    assert calls == [("plain", 7)] + [("graph", id(token), 7)] * 3
+    assert made == [id(token)]
+
+
+def test_a_capturing_stream_always_gets_the_kernel_launch(rig):
+    launcher, stream, calls, made = rig
+    token = ("set",)
+    launcher(PREFIX, None, token)
+    launcher(PREFIX, None, token)  # graph made and replayed
+    stream.capturing = True
+    launcher(PREFIX, None, token)
+    stream.capturing = False
+    launcher(PREFIX, None, token)
+    assert [c[0] for c in calls] == ["plain", "graph", "plain", "graph"]
+
+
+def test_no_instantiation_while_capturing(rig):
+    launcher, stream, calls, made = rig
+    token = ("set",)
+    launcher(PREFIX, None, token)
+    stream.capturing = True
+    launcher(PREFIX, None, token)
+    assert made == [] and [c[0] for c in calls] == ["plain", "plain"]
+    stream.capturing = False
+    launcher(PREFIX, None, token)
+    assert made == [id(token)] and calls[-1][0] == "graph"
+
+
+def test_a_failing_capture_query_means_no_graph(rig):
+    launcher, stream, calls, made = rig
+    token = ("set",)
+    stream.fail = True
+    for _ in range(3):
+        launcher(PREFIX, None, token)
+    assert made == [] and [c[0] for c in calls] == ["plain"] * 3
+
+
+def test_new_argument_sets_each_call_never_instantiate(rig):
+    launcher, stream, calls, made = rig
+    for step in range(40):  # a decode loop with a new scalar offset every step
+        launcher(PREFIX, None, ("offset", step))
+    assert made == [] and {c[0] for c in calls} == {"plain"}
+    assert len(launcher._seen) <= L.RECENT_SETS
+
+
+def test_alternating_sets_each_get_a_graph_and_the_cache_is_bounded(rig):
+    launcher, stream, calls, made = rig
+    tokens = [("set", i) for i in range(L.RECENT_SETS + 4)]
+    for _ in range(2):
+        for t in tokens[:2]:
+            launcher(PREFIX, None, t)
+    assert made == [id(tokens[0]), id(tokens[1])]
+    for t in tokens:
+        launcher(PREFIX, None, t)
+        launcher(PREFIX, None, t)
+    assert len(launcher._graphs) == L.RECENT_SETS
+    launcher.forget()
+    assert not launcher._graphs and not launcher._seen
+
+
+def test_replay_off_never_instantiates(rig):
+    launcher, stream, calls, made = rig
+    launcher.replay = False
+    token = ("set",)
+    for _ in range(3):
+        launcher(PREFIX, None, token)
+    assert made == [] and [c[0] for c in calls] == ["plain"] * 3
+
+
+def test_an_instantiation_failure_falls_back_to_plain_launches(rig, monkeypatch):
+    launcher, stream, calls, made = rig
+
+    def fail(self, prefix, token):
+        raise CudaError("cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY", name="CUDA_ERROR_OUT_OF_MEMORY", code=2)
+
+    monkeypatch.setattr(L.Launcher, "_instantiate", fail)
+    token = ("set",)
+    launcher(PREFIX, None, token)
+    with pytest.warns(RuntimeWarning, match="without graph replay"):
+        launcher(PREFIX, None, token)
+    launcher(PREFIX, None, token)
+    assert [c[0] for c in calls] == ["plain"] * 3 and launcher.replay is False
+
+
+def test_an_explicit_int_stream_is_wrapped_once(rig, monkeypatch):
+    launcher, stream, calls, made = rig
+    wrapped = []
+
+    class Raw(FakeStream):
+        def __init__(self, handle):
+            super().__init__(handle)
+            wrapped.append(handle)
+
+    monkeypatch.setattr(L, "_RawStream", Raw)
+    token = ("set",)
+    for _ in range(3):
+        launcher(PREFIX, 99, token)
+    assert wrapped == [99]
+    assert calls == [("plain", 99), ("graph", id(token), 99), ("graph", id(token), 99)]
