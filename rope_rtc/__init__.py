@@ -19,7 +19,7 @@ _EXPORTS = {
     "inverse_frequencies": "tables",
     "apply_rope": "rope",
     "apply_rope_qk": "rope",
-    "RopePlan": "rope",
+    "RopePlan": "rope_plan",
     "TailRoPEForward": "tail",
     "tail_rope": "tail",
     "TensorDesc": "descriptors",

@@ -146,29 +146,37 @@ def configure_general(variant):
     'hb=N[,minb=N][,nc=0|1][,vecbytes=N][,tile=warp|N]' (heads per thread, a register bound
     through __launch_bounds__, tables through the read-only path or not, narrower vectors,
     tokens per tile when tokens are the denser axis)."""
-    from rope_rtc import registry, rope
+    from rope_rtc import registry, rope, rope_launch, rope_plan
 
-    if not hasattr(configure_general, "production"):
-        configure_general.production = (rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches,
-                                        rope.rope_vector_widths, rope.token_tile)
-    spec, _, _, widths, tile = configure_general.production
-    (rope.rope_spec, rope.rope_head_batch, rope.rope_head_batches, rope.rope_vector_widths,
-     rope.token_tile) = configure_general.production
+    names = ("rope_spec", "rope_head_batch", "rope_head_batches", "rope_vector_widths", "token_tile")
+    if not hasattr(configure_general, "production"):  # every module-level binding of each name
+        configure_general.production = {(m, n): getattr(m, n) for m in (rope, rope_launch, rope_plan)
+                                         for n in names if hasattr(m, n)}
+    production = configure_general.production
+    for (m, n), v in production.items():
+        setattr(m, n, v)
+
+    def use(name, value):
+        for (m, n) in production:
+            if n == name:
+                setattr(m, n, value)
+
+    spec, widths, tile = registry.rope_spec, registry.rope_vector_widths, production[(rope_launch, "token_tile")]
     if variant == "default":
         return
     opts = dict(kv.split("=") for kv in variant.split(","))
     if "tile" in opts:  # tokens per tile where tokens are the denser axis: 'warp' (32 threads) or N
         n = opts["tile"]
-        rope.token_tile = lambda req, units: (1 if tile(req, units) == 1 else min(
-            req.num_tokens, max(1, 32 // units) if n == "warp" else int(n)))
+        use("token_tile", lambda req, units: (1 if tile(req, units) == 1 else min(
+            req.num_tokens, max(1, 32 // units) if n == "warp" else int(n))))
     if "hb" not in opts:
         return
     hb = int(opts["hb"])
     extra = ((("ROPE_MIN_BLOCKS", opts["minb"]),) if "minb" in opts else ()) + \
         ((("ROPE_TABLE_NC", opts["nc"]),) if "nc" in opts else ())
     maxb = int(opts.get("vecbytes", 16))
-    rope.rope_vector_widths = lambda d, i: tuple(w for w in widths(d, i) if w * registry.ITEMSIZE[d] <= maxb)
-    rope.rope_spec = lambda d, i, v, head_batch=None: registry.KernelSpec(
-        "rope", "rope.cu", registry.ROPE_ENTRIES, spec(d, i, v).defines[:3] + (("ROPE_HEAD_BATCH", str(hb)),) + extra)
-    rope.rope_head_batch = lambda interleaved, small=False: hb
-    rope.rope_head_batches = lambda interleaved: (hb,)
+    use("rope_vector_widths", lambda d, i: tuple(w for w in widths(d, i) if w * registry.ITEMSIZE[d] <= maxb))
+    use("rope_spec", lambda d, i, v, head_batch=None: registry.KernelSpec(
+        "rope", "rope.cu", registry.ROPE_ENTRIES, spec(d, i, v).defines[:3] + (("ROPE_HEAD_BATCH", str(hb)),) + extra))
+    use("rope_head_batch", lambda interleaved, small=False, heads_inner=True: hb)
+    use("rope_head_batches", lambda interleaved: (hb,))

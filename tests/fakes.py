@@ -369,30 +369,15 @@ class FakeGPU:
         return False
 
 
-def _takes(fn, n: int) -> bool:
-    import inspect
-
-    return len(inspect.signature(fn).parameters) >= n
-
-
 def rope_host_steps(req, num_sms: int = 132):
-    """What the general API does on the host before a launch: ``(vec, params, grid, block)``.
-
-    Follows the signatures of ``fill_params`` (with or without ``vec``) and ``launch_shape``
-    (with or without the SM count) as the launch code evolves."""
-    from rope_rtc import rope
+    """What the general API does on the host before a launch: ``(vec, params, grid, block)``."""
+    from rope_rtc import rope_launch
     from rope_rtc.rope_params import RopeParams
 
-    vec = rope.choose_vector(req)
+    vec = rope_launch.choose_vector(req)
     params = RopeParams()
-    if _takes(rope.fill_params, 3):
-        rope.fill_params(params, req, vec)
-    else:
-        rope.fill_params(params, req)
-    if _takes(rope.launch_shape, 3):
-        grid, block = rope.launch_shape(req, vec, num_sms)
-    else:
-        grid, block = rope.launch_shape(req, vec)
+    rope_launch.fill_params(params, req, vec)
+    grid, block = rope_launch.launch_shape(req, vec)
     return vec, params, tuple(grid), tuple(block)
 
 

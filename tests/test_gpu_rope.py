@@ -107,13 +107,13 @@ def kernel_path(request, monkeypatch):
     """Which of the general kernel's three builds runs the matrix's small shapes: one head per
     thread (what they get), the prefill head batch, or the 64-bit grid-stride entry with a grid
     of one block, so every thread loops (what only tensors past 2^31 indices get)."""
-    from rope_rtc import rope
+    from rope_rtc import rope_launch
 
     if request.param in ("prefill", "wide"):
-        monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
+        monkeypatch.setattr(rope_launch, "SMALL_TOKEN_HEADS", 0)
     if request.param == "wide":
-        monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
-        monkeypatch.setattr(rope, "GRID_LIMIT", 1)
+        monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 0)
+        monkeypatch.setattr(rope_launch, "GRID_LIMIT", 1)
     return request.param
 
 
@@ -132,19 +132,20 @@ def test_plan_through_each_build(cp, kernel_path, layout, interleaved, in_place)
 
 def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
     """The monkeypatched limits really change the build and entry a launch takes."""
-    from rope_rtc import rope
+    from rope_rtc import rope_launch
+    from rope_rtc.rope_request import validate
 
     q = cp.asarray(host_random((2, 50, 3, 64), DTYPES["float16"], 1))  # 100 tokens x 3 heads x 4 units
     cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 2))
-    req = rope.validate(q, None, cos, sin, allow_host=False)
-    vec = rope.choose_vector(req)
-    assert rope.head_batch(req) == 1 and rope.is_narrow(req, vec)
-    monkeypatch.setattr(rope, "SMALL_TOKEN_HEADS", 0)
-    assert rope.head_batch(req) > 1
-    assert rope.launch_shape(req, vec)[0][0] > 1
-    monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
-    monkeypatch.setattr(rope, "GRID_LIMIT", 1)
-    assert not rope.is_narrow(req, vec) and rope.launch_shape(req, vec)[0][0] == 1
+    req = validate(q, None, cos, sin, allow_host=False)
+    vec = rope_launch.choose_vector(req)
+    assert rope_launch.head_batch(req) == 1 and rope_launch.is_narrow(req, vec)
+    monkeypatch.setattr(rope_launch, "SMALL_TOKEN_HEADS", 0)
+    assert rope_launch.head_batch(req) > 1
+    assert rope_launch.launch_shape(req, vec)[0][0] > 1
+    monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 0)
+    monkeypatch.setattr(rope_launch, "GRID_LIMIT", 1)
+    assert not rope_launch.is_narrow(req, vec) and rope_launch.launch_shape(req, vec)[0][0] == 1
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17, 4097])
@@ -220,10 +221,10 @@ def test_more_than_2_31_elements(cp, monkeypatch, entry):
     64-bit offsets throughout (checked on sampled tokens, no element left unwritten). The 64-bit
     entry runs naturally only past 2^31 threads (2^35 elements here); the limit is lowered."""
     import rope_rtc
-    from rope_rtc import rope
+    from rope_rtc import rope_launch
 
     if entry == "rope_apply_wide":
-        monkeypatch.setattr(rope, "NARROW_LIMIT", 0)
+        monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 0)
 
     H, D = 8, 128
     T = 2**31 // (H * D) + 3

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from fakes import FakeDeviceArray, fake_like, rope_host_steps
-from rope_rtc import rope as R
+from rope_rtc import rope_launch as RL
+from rope_rtc.rope_request import validate
 from rope_rtc.registry import rope_head_batch
 from rope_rtc.rope_params import fast_div, fast_divisor
 
@@ -109,15 +110,15 @@ def test_narrow_mapping_covers_every_unit_once(layout, interleaved, B, S, H, HK,
         kw["q_out"] = fake_like(q.shape, np.float16)
         if k is not None:
             kw["k_out"] = fake_like(k.shape, np.float16)
-    req = R.validate(q, k, c, s, layout=layout, interleaved=interleaved, rotary_dim=R_, **kw)
+    req = validate(q, k, c, s, layout=layout, interleaved=interleaved, rotary_dim=R_, **kw)
     vec, p, (gx, _, _), (bx, _, _) = rope_host_steps(req)
     assert p.narrow == 1 and gx * bx >= p.total > gx * bx - bx  # one thread per index, no spare block
     heads = H + HK
     bhsd = layout == "bhsd" and S > 1 and H > 1
-    assert p.tile == (min(R.TILE_THREADS // p.units, B * S) if bhsd else 1)
-    small = B * S * (H + HK) < R.SMALL_TOKEN_HEADS
-    assert R.head_batch(req) == rope_head_batch(interleaved, small, heads_inner=not bhsd)
-    rot, cop = _model_visits(p, heads, R.head_batch(req))
+    assert p.tile == (min(RL.TILE_THREADS // p.units, B * S) if bhsd else 1)
+    small = B * S * (H + HK) < RL.SMALL_TOKEN_HEADS
+    assert RL.head_batch(req) == rope_head_batch(interleaved, small, heads_inner=not bhsd)
+    rot, cop = _model_visits(p, heads, RL.head_batch(req))
     units = (R_ if interleaved else R_ // 2) // vec
     assert set(rot) == {(t, h, u) for t in range(B * S) for h in range(heads) for u in range(units)}
     assert set(rot.values()) == {1}
@@ -131,7 +132,7 @@ def test_wide_entry_past_2_31_indices():
     T, H, D = 2**27, 32, 128  # 2^27 tokens x 8 head groups x 8 units: 2^33 indices
     q = fake_like((T, H, D), np.float16)
     c = s = FakeDeviceArray((T, D // 2), np.float32)
-    req = R.validate(q, None, c, s, layout="thd")
+    req = validate(q, None, c, s, layout="thd")
     vec, p, (gx, _, _), _ = rope_host_steps(req)
-    assert p.total >= 2**31 and p.narrow == 0 and gx <= R.GRID_LIMIT
-    assert not R.is_narrow(req, vec)
+    assert p.total >= 2**31 and p.narrow == 0 and gx <= RL.GRID_LIMIT
+    assert not RL.is_narrow(req, vec)

@@ -18,6 +18,7 @@ from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, f
 from rope_rtc import RopePlan, TensorDesc, apply_rope, apply_rope_qk
 from rope_rtc import arrays as A
 from rope_rtc import rope as R
+from rope_rtc import rope_launch as RL
 
 from rope_rtc.rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
@@ -395,7 +396,7 @@ def test_request_canonical_view(layout, dtype):
     assert not req.in_place
     assert req.q.array is q and req.k.array is k  # no copy
     assert req.dtype == A.dtype_name(dtype)
-    assert R.choose_vector(req) * req.q.itemsize == 16
+    assert RL.choose_vector(req) * req.q.itemsize == 16
 
 
 def test_request_position_schemes():
@@ -435,7 +436,7 @@ def test_request_in_place_flags():
 
 def _vec_bytes(q, c, s, **kw):
     req = R.validate(q, None, c, s, **kw)
-    return R.choose_vector(req) * req.q.itemsize
+    return RL.choose_vector(req) * req.q.itemsize
 
 
 def test_choose_vector_widths():
@@ -481,15 +482,15 @@ def test_choose_vector_names_the_misaligned_array():
     q = fake_like((B, S, H, D), np.float16)
     k = FakeDeviceArray((B, S, HK, D), np.float16).shifted(1)
     with pytest.raises(ValueError, match=r"^k: addresses or strides are not aligned"):
-        R.choose_vector(R.validate(q, k, c, s))
+        RL.choose_vector(R.validate(q, k, c, s))
     k_out = FakeDeviceArray((B, S, HK, D), np.float16).shifted(1)
     with pytest.raises(ValueError, match=r"^k_out: addresses"):
-        R.choose_vector(R.validate(q, fake_like((B, S, HK, D), np.float16), c, s, q_out=q,
+        RL.choose_vector(R.validate(q, fake_like((B, S, HK, D), np.float16), c, s, q_out=q,
                                    k_out=k_out))
     # An odd stride along a used axis: no width works for interleaved pairs.
     odd = FakeDeviceArray((B, S, H, D + 1), np.float16)[..., :D]
     with pytest.raises(ValueError, match=r"^x: addresses or strides are not aligned to 4 bytes"):
-        R.choose_vector(R.validate(odd, None, c, s, interleaved=True, names=("x", "k")))
+        RL.choose_vector(R.validate(odd, None, c, s, interleaved=True, names=("x", "k")))
 
 
 @pytest.mark.parametrize("tokens,heads,k_heads", [(0, 4, 0), (1, 32, 8), (3, 4, 2), (17, 1, 0), (4097, 32, 8),
@@ -504,7 +505,7 @@ def test_launch_shape_is_sane(tokens, heads, k_heads, interleaved):
     vec, params, (gx, gy, gz), (bx, by, bz) = rope_host_steps(req, sms)
     assert vec * 2 == 16
     assert min(gx, gy, gz, bx, by, bz) >= 1  # never a zero dimension, even with no heads
-    assert bx * by * bz <= R.BLOCK_THREADS
+    assert bx * by * bz <= RL.BLOCK_THREADS
     assert gx <= 2**31 - 1 and gy <= 65535 and gz == 1 and bz == 1
     all_heads = heads + k_heads
     if tokens >= 4 * sms:
@@ -529,7 +530,7 @@ def test_fused_qkv_views(gpu, layout, cupy_fake):
         assert req.cq.H == Hq and req.ck.H == Hkv
         assert req.in_place == (q_out is not None)
         assert not A.overlaps(req.q, req.k)
-        assert R.choose_vector(req) == 8  # 16 bytes: head slices of an aligned buffer stay aligned
+        assert RL.choose_vector(req) == 8  # 16 bytes: head slices of an aligned buffer stay aligned
     # k's bytes start right after q's heads.
     head_stride = {"bshd": D, "bhsd": S * D, "sbhd": D, "thd": D}[layout]
     assert A.describe(k, "k").ptr - A.describe(q, "q").ptr == Hq * head_stride * 2
@@ -833,5 +834,5 @@ def test_plan_launches_the_build_the_launch_chooses(gpu, layout, interleaved, S)
     plan.execute(q, k, c, s)
     req = R.validate(q, k, c, s, layout=layout, interleaved=interleaved, allow_host=False)
     entry, _, _, vec, hb = gpu.launches[-1]["fn"]
-    assert (entry, vec, hb) == ("rope_apply", R.choose_vector(req), R.head_batch(req))
+    assert (entry, vec, hb) == ("rope_apply", RL.choose_vector(req), RL.head_batch(req))
     assert (hb > 1) == (S == 4096 and (not interleaved or layout == "bhsd"))

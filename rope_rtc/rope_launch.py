@@ -1,0 +1,214 @@
+"""How a validated :class:`~rope_rtc.rope_request.Request` becomes a launch of the general kernel
+(cuda_src/rope.cu): the vector width, the argument block, the index space, the build (heads per
+thread, 32- or 64-bit entry) and the grid. The one-call APIs and the plans share it.
+
+The module-level limits are read at each call, so tests may lower them to force a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layouts import canonical
+from .registry import rope_head_batch, rope_vector_widths
+from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, RopeParams, fast_divisor
+from .rope_request import Request
+
+# Threads per block of the general kernel (cuda_src/rope.cu: __launch_bounds__(256)).
+BLOCK_THREADS = 256
+GRID_LIMIT = 2**31 - 1
+# Index spaces below this run the kernel's 32-bit path (rope.cu: narrow_thread).
+NARROW_LIMIT = 2**31
+# Threads per token tile when tokens are the denser axis (token_tile): one warp.
+TILE_THREADS = 32
+# Launches with fewer (token, head) pairs than this run one head per thread (decode: latency).
+SMALL_TOKEN_HEADS = 2**14
+
+
+def _views(req: Request):
+    """(info, canonical strides) of the four tensors the kernel touches (outputs default to inputs)."""
+    lay = req.layout
+    q_out = req.q_out or req.q
+    out = [(req.q, req.cq), (q_out, canonical(q_out.shape, q_out.strides, lay, q_out.name))]
+    if req.k is not None:
+        k_out = req.k_out or req.k
+        out += [(req.k, req.ck), (k_out, canonical(k_out.shape, k_out.strides, lay, k_out.name))]
+    return out
+
+
+def allowed_vectors(req: Request) -> tuple[int, ...]:
+    """Vector widths (elements, widest first) the window and strides allow, pointers aside."""
+    D, R, ro = req.cq.D, req.rotary_dim, req.rotary_offset
+    copy = not req.in_place and R < D
+    out = []
+    for vec in rope_vector_widths(req.dtype, req.interleaved):
+        if ro % vec or ((R // 2) if not req.interleaved else R) % vec or (copy and D % vec):
+            continue
+        if all(extent <= 1 or stride % vec == 0 for _, c in _views(req)
+               for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh))):
+            out.append(vec)
+    return tuple(out)
+
+
+def choose_vector(req: Request) -> int:
+    """The widest vector (elements) every address the kernel forms is aligned to."""
+    size = req.q.itemsize
+    D, R, ro = req.cq.D, req.rotary_dim, req.rotary_offset
+    half = R // 2
+    views = _views(req)
+    copy = not req.in_place and R < D
+    culprit = req.q.name  # what stopped the narrowest width: the error names it
+    for vec in rope_vector_widths(req.dtype, req.interleaved):
+        if ro % vec or (half if not req.interleaved else R) % vec:
+            culprit = "rotary_offset/rotary_dim"
+            continue
+        if copy and (D % vec):
+            culprit = f"{req.q.name} (head dim {D})"
+            continue
+        ok = True
+        for info, c in views:
+            if info.ptr % (vec * size):
+                ok = False
+            for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh)):
+                if extent > 1 and stride % vec:
+                    ok = False
+            if not ok:
+                culprit = info.name
+                break
+        if ok:
+            return vec
+    worst = min(rope_vector_widths(req.dtype, req.interleaved))
+    raise ValueError(
+        f"{culprit}: addresses or strides are not aligned to {worst * size} bytes, the smallest access "
+        f"{'interleaved pairs' if req.interleaved else 'the kernel'} can use for {req.dtype}; pass an aligned copy"
+    )
+
+
+def fill_params(p: RopeParams, req: Request, vec: int) -> None:
+    views = _views(req)
+    (qi, cq), (qo, cqo) = views[0], views[1]
+    p.q_in, p.q_out = qi.ptr, qo.ptr
+    p.q_in_sb, p.q_in_ss, p.q_in_sh = cq.sb, cq.ss, cq.sh
+    p.q_out_sb, p.q_out_ss, p.q_out_sh = cqo.sb, cqo.ss, cqo.sh
+    if req.k is not None:
+        (ki, ck), (ko, cko) = views[2], views[3]
+        p.k_in, p.k_out = ki.ptr, ko.ptr
+        p.k_in_sb, p.k_in_ss, p.k_in_sh = ck.sb, ck.ss, ck.sh
+        p.k_out_sb, p.k_out_ss, p.k_out_sh = cko.sb, cko.ss, cko.sh
+        p.k_heads = ck.H
+    else:
+        p.k_in = p.k_out = 0
+        p.k_in_sb = p.k_in_ss = p.k_in_sh = p.k_out_sb = p.k_out_ss = p.k_out_sh = 0
+        p.k_heads = 0
+    p.cos, p.sin = req.cos.ptr, req.sin.ptr
+    p.table_rows = req.cos.shape[0]
+    p.table_stride = req.cos.strides[0]
+    p.positions = req.positions.ptr if req.positions is not None else 0
+    p.offsets = req.offsets.ptr if req.offsets is not None else 0
+    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
+    p.offset = req.offset
+    p.num_tokens = req.num_tokens
+    p.seq_len = max(req.cq.S, 1)
+    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else req.cq.B
+    p.q_heads, p.head_dim = req.cq.H, req.cq.D
+    p.rot_offset, p.rot_half = req.rotary_offset, req.rotary_dim // 2
+    p.pos_mode = req.pos_mode
+    p.index_flags = ((IDX_POSITIONS_I64 if req.positions is not None and req.positions.dtype == "int64" else 0)
+                     | (IDX_OFFSETS_I64 if req.offsets is not None and req.offsets.dtype == "int64" else 0)
+                     | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
+    p.inverse = int(req.inverse)
+    p.copy_passthrough = int(not req.in_place and req.rotary_dim < req.cq.D)
+    # Table rows read NPAIR floats per access when every row slice is aligned to that.
+    npair = vec // 2 if req.interleaved else vec
+    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
+    p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
+    space = index_space(req, vec)
+    p.tile, p.units, p.groups, p.copy_units = space.tile, space.units, space.groups, space.copy_units
+    p.rot_total, p.total, p.narrow = space.rot_total, space.total, int(space.narrow)
+    if space.narrow:  # (a zero extent means no thread divides by it: 1 stands in)
+        p.div_units = fast_divisor(max(space.units, 1))
+        p.div_groups = fast_divisor(max(space.groups, 1))
+        p.div_tile = fast_divisor(space.tile)
+        p.div_seq = fast_divisor(p.seq_len)
+        p.div_copy_units = fast_divisor(max(space.copy_units, 1))
+        p.div_heads = fast_divisor(max(space.heads, 1))
+
+
+def tokens_denser(req: Request) -> bool:
+    """Whether consecutive tokens of a head lie closer in memory than consecutive heads (bhsd)."""
+    return not (req.cq.H <= 1 or req.num_tokens <= 1 or abs(req.cq.sh) <= abs(req.cq.ss))
+
+
+def token_tile(req: Request, units: int) -> int:
+    """Tokens per tile of the thread order (tile, head group, token, unit).
+
+    1 when heads are the denser axis (bshd, thd): a warp covers one token's heads, in memory
+    order. When tokens are (bhsd), TILE_THREADS // units tokens: a warp reads consecutive rows
+    of one head (one contiguous run), and the block's other warps, on other heads, find the
+    same cos/sin rows in L1. Measured on the H200 (scripts/rope_variants.py): 91-93% of the copy
+    rate at S=4096 and S=16384 alike, where walking each head's tokens end to end (a tile of
+    every token) gave 93-96% at S=4096 but 86-89% at S=16384.
+    """
+    if not tokens_denser(req):
+        return 1
+    return max(1, min(TILE_THREADS // max(units, 1), req.num_tokens))
+
+
+@dataclass(frozen=True)
+class IndexSpace:
+    """The flat kernel's threads for one launch: rot_total rotating threads (one per token, head
+    group and unit, the token count rounded up to whole tiles), then the copying ones."""
+
+    head_batch: int
+    tile: int
+    units: int        # vector units per head group
+    groups: int       # head groups
+    copy_units: int   # units per head outside the rotary window (out of place), else 0
+    heads: int
+    rot_total: int
+    total: int
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the launch fits the 32-bit entry (rope.cu: rope_apply, not rope_apply_wide)."""
+        return self.total < NARROW_LIMIT
+
+
+def index_space(req: Request, vec: int) -> IndexSpace:
+    """The one derivation of the launch's threads: fill_params, launch_shape and kernel_for all read it."""
+    D, R = req.cq.D, req.rotary_dim
+    units = (R if req.interleaved else R // 2) // vec
+    copy_units = (D - R) // vec if (not req.in_place and R < D) else 0
+    heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
+    hb = head_batch(req)
+    groups = -(-heads // hb)
+    tile = token_tile(req, units)
+    tokens = -(-req.num_tokens // tile) * tile  # whole tiles; the kernel skips the padding
+    rot_total = tokens * groups * units
+    return IndexSpace(hb, tile, units, groups, copy_units, heads, rot_total, rot_total + tokens * heads * copy_units)
+
+
+def is_narrow(req: Request, vec: int) -> bool:
+    """Whether the launch runs the 32-bit entry point."""
+    return index_space(req, vec).narrow
+
+
+def head_batch(req: Request) -> int:
+    """Heads per thread for this launch (registry.rope_head_batch: 1 for small launches)."""
+    heads = req.cq.H + (req.ck.H if req.ck is not None else 0)
+    return rope_head_batch(req.interleaved, small=req.num_tokens * heads < SMALL_TOKEN_HEADS,
+                           heads_inner=not tokens_denser(req))
+
+
+def kernel_for(kernels: dict, req: Request, vec: int):
+    """The entry (narrow or wide) of the kernel for this launch, from a plan's loaded kernels."""
+    space = index_space(req, vec)
+    return kernels[(vec, space.head_batch)][0 if space.narrow else 1]
+
+
+def launch_shape(req: Request, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block) of the flat kernel: one thread per (token, head, vector unit), like a copy."""
+    total = index_space(req, vec).total
+    # Below NARROW_LIMIT one thread per index; past it the kernel grid-strides up to the limit.
+    blocks = min(max(1, -(-total // BLOCK_THREADS)), GRID_LIMIT)
+    return (blocks, 1, 1), (BLOCK_THREADS, 1, 1)
