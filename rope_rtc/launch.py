@@ -162,12 +162,13 @@ class Launcher:
     that device's context whichever device is current.
 
     Graph replay: a plan passes ``token``, an object whose identity changes whenever the
-    argument block's values change (the plans' ``_last`` tuples). The second launch of a
-    token (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node
-    CUDA graph, and that and later launches of the token replay it: ``cudaGraphLaunch`` costs the host about 1.8 µs
-    against 4.4-5.9 µs for ``cuLaunchKernel`` on the H200 machine (scripts/tail_small_probe.py).
-    A graph cannot be launched into a stream that is being captured, so a capturing stream
-    always gets ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
+    argument block's values change (the plans' ``_last`` tuples). The second launch of a token
+    (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node CUDA
+    graph; that launch and later ones of the token replay it. ``cudaGraphLaunch`` costs the
+    host 1.9-3.0 µs against 4.4-5.9 µs for ``cuLaunchKernel`` on the H200 machine
+    (scripts/tail_small_probe.py). A graph cannot be launched into a stream that is being
+    captured, so a capturing stream always gets ``cuLaunchKernel`` (which the capture records).
+    ``RECENT_SETS`` graphs at most.
     """
 
     __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "args_address",
