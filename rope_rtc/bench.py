@@ -1315,45 +1315,42 @@ def run_host_section(ctx) -> list[dict]:
     recs = []
     dcase = Case("decode", "bfloat16", "thd", False, 1, 1, 32, 8, 128)
     b = SetBuffers(ctx.cp, dcase, "thd", 2, ctx.seed)
-    plan = RopePlan(b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd").compile()
-    same = partial(plan.execute, b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0))
-    other = partial(plan.execute, b.q(1), b.k(1), b.cos(1), b.sin(1), b.pos(1))
-    q0, k0, c0, s0, p0 = b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0)
-    fresh = lambda: plan.execute(q0[:], k0[:], c0[:], s0[:], p0[:])  # noqa: E731 - new view objects
+    qk = [(b.q(i), b.k(i), b.cos(i), b.sin(i), b.pos(i)) for i in range(2)]
     one = partial(apply_rope_qk, b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd",
                   q_out=b.q(0), k_out=b.k(0))
     copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
-    plain = RopePlan(b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd").compile()
-    plain._launch.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
-    plain_same = partial(plain.execute, b.q(0), b.k(0), b.cos(0), b.sin(0), b.pos(0))
-    recs.append(_host_record(ctx, "host/decode-bf16-T=1", dcase, [
-        ("RopePlan.execute (same arrays)", [same]),
-        ("RopePlan.execute (same arrays, graph replay off: cuLaunchKernel)", [plain_same]),
-        ("RopePlan.execute (2 remembered array sets alternating)", [same, other]),
-        ("RopePlan.execute (new views each call: pointer checks; incl. 5 slicings)", [fresh]),
+    recs.append(_host_record(ctx, "host/decode-bf16-T=1", dcase, plan_host_rows(
+        "RopePlan.execute", lambda: RopePlan(*qk[0][:4], positions=b.pos(0), layout="thd").compile(), qk) + [
         ("apply_rope_qk (one call, in place)", [one]),
         ("cudaMemcpyAsync (reference)", copy.fns[:1]),
     ]))
     tcase = Case("tail", "bfloat16", "thd", True, 1, 1, 64, 0, 512)
     tb = SetBuffers(ctx.cp, tcase, "thd", 2, ctx.seed)
-    tplan = TailRoPEForward(tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)).check_support().compile()
-    tsame = partial(tplan.execute, tb.q(0), tb.cos(0), tb.sin(0), tb.out(0))
-    tother = partial(tplan.execute, tb.q(1), tb.cos(1), tb.sin(1), tb.out(1))
-    tx, tc, ts, to = tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)
-    tfresh = lambda: tplan.execute(tx[:], tc[:], ts[:], to[:])  # noqa: E731 - new view objects
+    tsets = [(tb.q(i), tb.cos(i), tb.sin(i), tb.out(i)) for i in range(2)]
     tone = partial(tail_rope, tb.q(0), tb.cos(0), tb.sin(0))
-    tplain = TailRoPEForward(tb.q(0), tb.cos(0), tb.sin(0), tb.out(0)).check_support().compile()
-    tplain._launch.replay = False
-    tplain_same = partial(tplain.execute, tb.q(0), tb.cos(0), tb.sin(0), tb.out(0))
-    recs.append(_host_record(ctx, "host/tail-T=1-H=64-D=512", tcase, [
-        ("TailRoPEForward.execute (same arrays)", [tsame]),
-        ("TailRoPEForward.execute (same arrays, graph replay off: cuLaunchKernel)", [tplain_same]),
-        ("TailRoPEForward.execute (2 remembered array sets alternating)", [tsame, tother]),
-        ("TailRoPEForward.execute (new views each call: pointer checks; incl. 4 slicings)", [tfresh]),
+    recs.append(_host_record(ctx, "host/tail-T=1-H=64-D=512", tcase, plan_host_rows(
+        "TailRoPEForward.execute", lambda: TailRoPEForward(*tsets[0]).check_support().compile(), tsets) + [
         ("tail_rope (one call, allocates the output)", [tone]),
     ]))
     ctx.free()
     return recs
+
+
+def plan_host_rows(label: str, make_plan, sets: list) -> list:
+    """The host rows of one prepared plan, from ``make_plan()`` (a compiled plan) and two argument
+    sets: the same arrays with graph replay on and off, the two sets alternating, and new views
+    of the first set every call (the pointer checks; the slicing is included)."""
+    plan, plain = make_plan(), make_plan()
+    plain._launch.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
+    same, other = (partial(plan.execute, *args) for args in sets)
+    first = sets[0]
+    fresh = lambda: plan.execute(*(a[:] for a in first))  # noqa: E731 - new view objects
+    return [
+        (f"{label} (same arrays)", [same]),
+        (f"{label} (same arrays, graph replay off: cuLaunchKernel)", [partial(plain.execute, *first)]),
+        (f"{label} (2 remembered array sets alternating)", [same, other]),
+        (f"{label} (new views each call: pointer checks; incl. {len(first)} slicings)", [fresh]),
+    ]
 
 
 def _host_record(ctx, ident: str, case: Case, items: list) -> dict:

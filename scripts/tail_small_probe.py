@@ -24,6 +24,7 @@ import numpy as np
 from cuda.bindings import driver as drv, nvrtc
 
 from rope_rtc import driver
+from rope_rtc.launch import ArgPack
 from rope_rtc.tail import TailRoPEForward
 from rope_rtc.toolchain import cuda_headers
 
@@ -114,12 +115,19 @@ def compile_variants(heads: int, dim: int):
     return mod, {k: driver.get_function(mod, k) for k in ("empty5", "copy16", "tail32", *KVARIANTS)}
 
 
-class Args:
-    def __init__(self, a, b, c, d, n):
-        self.vals = (ctypes.c_uint64 * 5)(a, b, c, d, n)
-        base = ctypes.addressof(self.vals)
-        self.ptrs = (ctypes.c_void_p * 5)(*(base + 8 * i for i in range(5)))
-        self.addr = ctypes.addressof(self.ptrs)
+def Args(a, b, c, d, n) -> ArgPack:
+    """The five 8-byte arguments every kernel here takes (pointers or unused, then a count)."""
+    pack = ArgPack([(f, ctypes.c_uint64) for f in ("a", "b", "c", "d", "n")])
+    v = pack.values
+    v.a, v.b, v.c, v.d, v.n = a, b, c, d, n
+    return pack
+
+
+def launches(sh, f, args, n, block=256) -> list:
+    """One launch callable per argument pack: ``n`` threads of ``f`` in blocks of ``block``."""
+    grid = -(-n // block)
+    return [lambda a=a: driver.check(drv.cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, sh, a.address, 0), "launch")
+            for a in args]
 
 
 def node_time(stream, launches) -> float:
@@ -169,9 +177,7 @@ def nodes_part():
         cargs = [Args(s_.data.ptr, d_.data.ptr, 0, 0, half // 16) for s_, d_ in zip(src, dst)]
 
         def kl(f, block, args, n):
-            grid = -(-n // block)
-            return [lambda a=a: driver.check(drv.cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, sh, a.addr, 0), "launch")
-                    for a in args]
+            return launches(sh, f, args, n, block)
 
         row = {}
         row["memcpy"] = node_time(stream, [lambda s_=s_, d_=d_: cp.cuda.runtime.memcpyAsync(d_.data.ptr, s_.data.ptr, half, 3, stream.ptr)
@@ -222,9 +228,7 @@ def kernels_part():
         cargs = [Args(s_.data.ptr, d_.data.ptr, 0, 0, half // 16) for s_, d_ in zip(src, dst)]
 
         def kl(f, args, n, block=256):
-            grid = -(-n // block)
-            return [lambda a=a: driver.check(drv.cuLaunchKernel(f, grid, 1, 1, block, 1, 1, 0, sh, a.addr, 0), "launch")
-                    for a in args]
+            return launches(sh, f, args, n, block)
         mc = [lambda s_=s_, d_=d_: cp.cuda.runtime.memcpyAsync(d_.data.ptr, s_.data.ptr, half, 3, stream.ptr)
               for s_, d_ in zip(src, dst)]
         # bit-identical to the production kernel (fills and compares on the launch stream)

@@ -499,3 +499,36 @@ def test_tail_table_shows_the_copy_kernel_reference():
     assert all(r[3] == "-" for r in rows[1:] if r is not mine)
     assert B.fastest_peer(tail, "cold*")[0] != B.COPY_KERNEL
     assert all(len(r) == 7 for r in B.tail_table(res, copy_kernel=False))
+
+
+def test_plan_host_rows_time_what_their_names_say():
+    """Each host row calls the plan it names with the arrays it names (fake plans record calls)."""
+    import types
+
+    calls = []
+
+    class Plan:
+        def __init__(self):
+            self._launch = types.SimpleNamespace(replay=True)
+
+        def execute(self, *args):
+            calls.append((self._launch.replay, args))
+
+    sets = [(np.arange(4), np.arange(3)), (np.arange(5), np.arange(2))]
+    rows = dict(B.plan_host_rows("P.execute", Plan, sets))
+    assert list(rows) == ["P.execute (same arrays)", "P.execute (same arrays, graph replay off: cuLaunchKernel)",
+                          "P.execute (2 remembered array sets alternating)",
+                          "P.execute (new views each call: pointer checks; incl. 2 slicings)"]
+    for name, fns in rows.items():
+        calls.clear()
+        for f in fns:
+            f()
+        replay_on = "replay off" not in name
+        assert all(on == replay_on for on, _ in calls), name
+        got = [args for _, args in calls]
+        if "alternating" in name:
+            assert [a[0] for a in got] == [sets[0][0], sets[1][0]]
+        elif "new views" in name:
+            assert got[0][0] is not sets[0][0] and got[0][0].base is sets[0][0]
+        else:
+            assert got == [sets[0]]
