@@ -145,14 +145,16 @@ def _warm_each(arch: int, cache_dir: str | None) -> tuple[int, int, str]:
 def gpu_demo() -> int:
     import cupy as cp
 
-    from . import bench
+    from .benchmark.cases import Case
+    from .benchmark.runner import CopyRunner
+    from .benchmark.timing import Clock
     from .reference import assert_rope_close, rope_reference
     from .rope import apply_rope_qk
 
     B, H, S, D = (BLOG_SHAPE[k] for k in ("B", "H", "S", "D"))
-    case = bench.Case("blog", "float32", "bhsd", True, B, S, H, H, D)
+    case = Case("blog", "float32", "bhsd", True, B, S, H, H, D)
     stream = cp.cuda.Stream(non_blocking=True)
-    clock = bench.Clock(cp, stream, quick=True)
+    clock = Clock(cp, stream, quick=True)
     name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
     print(f"rope_rtc demo on {name}: B={B} H={H} S={S} D={D}, FP32, interleaved pairs, bhsd, q and k together")
@@ -166,7 +168,7 @@ def gpu_demo() -> int:
         cos_h, sin_h = cp.asnumpy(cos), cp.asnumpy(sin)
         positions = np.tile(np.arange(S), B)
         refs = [rope_reference(x, cos_h, sin_h, positions, interleaved=True) for x in (qh, kh)]
-        copy = bench.CopyRunner(cp, stream, case.bytes_moved(), 1)
+        copy = CopyRunner(cp, stream, case.bytes_moved(), 1)
         copy_us = clock.events(copy.fns)["us"]
         moved = case.bytes_moved()
         print(f"bytes moved per call {moved / 1e6:.1f} MB (q and k read and written, table rows read once); "

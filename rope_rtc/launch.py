@@ -137,22 +137,6 @@ class _GraphExec:
             pass
 
 
-class _RawStream:
-    """A stream handle given as an integer (or a non-CuPy stream object), with the capture query
-    the launcher needs (``cuStreamIsCapturing``: 0.3-0.8 µs, against 0.2 µs through a CuPy stream)."""
-
-    __slots__ = ("ptr", "_obj", "_query")
-
-    def __init__(self, handle: int) -> None:
-        drv = driver._drv()
-        self.ptr = handle
-        self._obj = drv.CUstream(handle)
-        self._query = drv.cuStreamIsCapturing
-
-    def is_capturing(self) -> bool:
-        return bool(driver.check(self._query(self._obj), "cuStreamIsCapturing"))
-
-
 class Launcher:
     """The hot path of the plans: one launch of pre-packed arguments with a checked status.
 
@@ -171,9 +155,9 @@ class Launcher:
     ``RECENT_SETS`` graphs at most.
     """
 
-    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "args_address",
+    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "_capturing", "args_address",
                  "device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch", "_graphs", "_seen",
-                 "_wrapped", "replay", "_last_token", "_last_graph")
+                 "replay", "_last_token", "_last_graph")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
         import cupy
@@ -186,13 +170,16 @@ class Launcher:
         self._graph_launch = cupy.cuda.runtime.graphLaunch
         self._current_stream = cupy.cuda.get_current_stream
         self._get_device = cupy.cuda.runtime.getDevice
+        # CuPy's binding of cudaStreamIsCapturing takes any raw handle and costs about half of
+        # cuStreamIsCapturing through cuda.bindings (0.4 against 0.8 µs, scripts/tail_small_probe.py);
+        # it raises for an invalidated capture.
+        self._capturing = cupy.cuda.runtime.streamIsCapturing
         self.args_address = args_address
         self.device = device
         self._stream_device = -1 if device is None else device
         self._prefix = self._handle = self._argv = None
         self._graphs: dict[int, _GraphExec] = {}  # id(token) -> its graph
         self._seen: dict[int, object] = {}        # id(token) -> token, launched plainly once
-        self._wrapped = (None, None)              # (caller's stream object, its CuPy stream)
         self._last_token = self._last_graph = None  # the set replayed last, and its graph
         self.replay = not settings().no_graph_replay
 
@@ -205,42 +192,27 @@ class Launcher:
                 handle = self._resolve(stream)
                 self._plain(self._pack(prefix, handle), prefix, handle)
             return
-        # A CuPy stream object: its is_capturing() is the cheapest capture query (0.2 µs,
-        # against 0.75 µs for cuStreamIsCapturing through cuda.bindings).
-        cs = self._current_stream(self._stream_device) if stream is None else self._cupy_stream(stream)
+        handle = self._current_stream(self._stream_device).ptr if stream is None else self._resolve(stream)
         if token is not None and self.replay:
             # The hot path: the set launched last time, whose graph is at hand without a lookup.
             graph = self._last_graph if token is self._last_token else self._graphs.get(id(token))
             if graph is not None or id(token) in self._seen:
                 try:
-                    idle = not cs.is_capturing()
-                except Exception:  # the legacy stream while another stream captures: no graph
+                    idle = not self._capturing(handle)
+                except Exception:  # the legacy stream while another stream captures; an invalidated capture
                     idle = False
                 if idle:  # never launch a graph into a capturing stream: that invalidates the capture
                     if graph is None:
                         graph = self._instantiate_or_stop(prefix, token)
                     if graph is not None:
                         self._last_token, self._last_graph = token, graph
-                        self._graph_launch(graph.handle_int, cs.ptr)
+                        self._graph_launch(graph.handle_int, handle)
                         return
             remember(self._seen, id(token), token)
-        handle = cs.ptr
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
             argv = self._pack(prefix, handle)
         self._plain(argv, prefix, handle)
-
-    def _cupy_stream(self, stream):
-        """The caller's stream as an object with ``ptr`` and ``is_capturing()``: a CuPy stream as
-        it is, anything else wrapped once (remembered for a repeated stream)."""
-        if hasattr(stream, "is_capturing") and isinstance(getattr(stream, "ptr", None), int):
-            return stream
-        known, wrapped = self._wrapped
-        if stream is known or (type(stream) is int and stream == known):
-            return wrapped
-        wrapped = _RawStream(self._resolve(stream))
-        self._wrapped = (stream, wrapped)
-        return wrapped
 
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
         status = self._launch(*argv)[0]

@@ -6,7 +6,7 @@
     PYTHONPATH=. python3 scripts/bench.py --write-docs     # also regenerate docs/benchmarks.md
     python3 scripts/bench.py --help
 
-The same as ``rope-rtc bench``; everything lives in rope_rtc/bench.py.
+The same as ``rope-rtc bench``; everything lives in the rope_rtc/benchmark/ package.
 """
 import sys
 from pathlib import Path

@@ -410,6 +410,7 @@ def host_part():
         ("RopePlan.execute decode, graph replay off", lambda: rp_plain.execute(q, k, cos, sin, offset=7)),
         ("cuStreamIsCapturing (bindings)", lambda: drv.cuStreamIsCapturing(sobj)),
         ("cupy Stream.is_capturing()", cur.is_capturing),
+        ("cupy runtime.streamIsCapturing(ptr)", lambda: cp.cuda.runtime.streamIsCapturing(cur.ptr)),
         ("cupy Graph.launch (one kernel node)", lambda: graph.launch(cur)),
         ("raw cuLaunchKernel, function as int", lambda: launch(int(prefix[0]), *prefix[1:], st, addr, 0)),
         ("cudaMemcpyAsync 16 B (cupy runtime)", lambda: cp.cuda.runtime.memcpyAsync(o.data.ptr, x.data.ptr, 16, 3, cur.ptr)),

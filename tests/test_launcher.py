@@ -32,6 +32,7 @@ def rig(monkeypatch):
     launcher = L.Launcher(1234, device=0)
     launcher._get_device = lambda: 0
     launcher._current_stream = lambda device: stream
+    launcher._capturing = lambda handle: stream.is_capturing()
     launcher._CUstream = lambda handle: ("CUstream", handle)
     launcher._launch = lambda *argv: calls.append(("plain", argv[8][1])) or (0,)
 
@@ -138,18 +139,18 @@ def test_an_instantiation_failure_falls_back_to_plain_launches(rig, monkeypatch)
     assert [c[0] for c in calls] == ["plain"] * 3 and launcher.replay is False
 
 
-def test_an_explicit_int_stream_is_wrapped_once(rig, monkeypatch):
+def test_an_explicit_stream_is_used_as_its_handle(rig):
     launcher, stream, calls, made = rig
-    wrapped = []
+    asked = []
+    launcher._capturing = lambda handle: asked.append(handle) or False
 
-    class Raw(FakeStream):
-        def __init__(self, handle):
-            super().__init__(handle)
-            wrapped.append(handle)
+    class Other:  # a non-CuPy stream object: the handle comes from __cuda_stream__
+        def __cuda_stream__(self):
+            return (0, 55)
 
-    monkeypatch.setattr(L, "_RawStream", Raw)
-    token = ("set",)
-    for _ in range(3):
-        launcher(PREFIX, 99, token)
-    assert wrapped == [99]
-    assert calls == [("plain", 99), ("graph", id(token), 99), ("graph", id(token), 99)]
+    token, other = ("set",), Other()
+    for s in (99, 99, 99, other, other):
+        launcher(PREFIX, s, token)
+    assert calls == [("plain", 99), ("graph", id(token), 99), ("graph", id(token), 99),
+                     ("graph", id(token), 55), ("graph", id(token), 55)]
+    assert asked == [99, 99, 55, 55]  # the capture query asks about the stream launched into

@@ -1,0 +1,55 @@
+"""Figures derived from a result record: timings per regime, GB/s, % of the copy, checks, the
+fastest peer."""
+
+from __future__ import annotations
+
+from .cases import COPY, PEERS
+
+
+# =============================================================================================
+# derived figures
+
+
+def rows_by_impl(case_rec: dict) -> dict[str, dict]:
+    return {r["impl"]: r for r in case_rec["rows"]}
+
+
+def timing(row: dict | None, regime: str) -> float | None:
+    """Median µs per call of ``regime``. ``"cold*"`` is the device time with cold L2: the CUDA
+    graph replay figure where one was captured (small cases, where a loop of calls measures the
+    host's launch rate rather than the GPU), else the event-timed loop."""
+    if not row:
+        return None
+    if regime == "cold*":
+        return timing(row, "graph_cold") or timing(row, "cold")
+    t = row.get("timings", {}).get(regime)
+    if not t or "us" not in t:
+        return None
+    return float(t["us"])
+
+
+def gbps(case_rec: dict, row: dict | None, regime: str) -> float | None:
+    us = timing(row, regime)
+    return case_rec["bytes_moved"] / us / 1e3 if us else None
+
+
+def pct_of_copy(case_rec: dict, row: dict | None, regime: str) -> float | None:
+    us = timing(row, regime)
+    cu = timing(rows_by_impl(case_rec).get(COPY), regime)
+    return 100.0 * cu / us if us and cu else None
+
+
+def ok(row: dict | None) -> bool:
+    return bool(row) and str(row.get("check", "")).startswith(("ok", "bit-exact"))
+
+
+def fastest_peer(case_rec: dict, regime: str) -> tuple[str, float] | None:
+    best = None
+    for r in case_rec["rows"]:
+        if r["impl"] in PEERS and ok(r):
+            us = timing(r, regime)
+            if us and (best is None or us < best[1]):
+                best = (r["impl"], us)
+    return best
+
+

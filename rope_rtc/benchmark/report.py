@@ -1,0 +1,533 @@
+"""Reporting: the text and Markdown tables, the targets (PASS / MISS / N/A / INFO), the stdout
+summary, the JSON file, the plot, docs/benchmarks.md, merging runs, and :func:`report`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, NOISE, OURS, PEERS, PLAN_HOST_US,
+                    PREFILL_RULES, TAIL_COPY_PCT, TAIL_GPU_US, TAIL_HOST_US, WARM_FIRST_S, MiB)
+from .figures import fastest_peer, gbps, ok, pct_of_copy, rows_by_impl, timing
+
+
+# =============================================================================================
+# reporting: tables
+
+
+ROW_HEADER = (f"  {'impl':<14}{'layout':<11}{'check':<22}{'hot µs':>10}{'cold µs':>10}{'GB/s':>9}{'%copy':>7}"
+              f"{'graph µs':>10}{'gr.cold':>9}{'host µs':>9}")
+
+
+def _f(v, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}{fmt}}"
+
+
+def format_row(case_rec: dict, row: dict) -> str:
+    check = str(row.get("check", ""))
+    if len(check) > 21:
+        check = check[:20] + "…"
+    return (f"  {row['impl']:<14}{row.get('layout', ''):<11}{check:<22}"
+            f"{_f(timing(row, 'hot'), '.2f', 10)}{_f(timing(row, 'cold'), '.2f', 10)}"
+            f"{_f(gbps(case_rec, row, 'cold'), '.0f', 9)}{_f(pct_of_copy(case_rec, row, 'cold'), '.1f', 7)}"
+            f"{_f(timing(row, 'graph'), '.2f', 10)}{_f(timing(row, 'graph_cold'), '.2f', 9)}"
+            f"{_f(timing(row, 'host'), '.2f', 9)}")
+
+
+def _cell(case_rec: dict, row: dict | None, regime: str = "cold*") -> str:
+    if row is None:
+        return "-"
+    if not ok(row):
+        chk = str(row.get("check", ""))
+        return "WRONG" if chk.startswith("WRONG") else ("skip" if chk.startswith("skip") else "error")
+    return _cell_reference(case_rec, row, regime)
+
+
+def blog_table(result: dict) -> list[list[str]]:
+    impls = list(BLOG_VARIANTS) + [OURS] + list(PEERS)
+    head = ["S", "MB moved", "copy GB/s"] + [("auto" if i == OURS else i) for i in impls]
+    rows = [head]
+    for c in result["cases"]:
+        if c["group"] != "blog":
+            continue
+        by = rows_by_impl(c)
+        rows.append([str(c["params"]["S"]), f"{c['bytes_moved'] / 1e6:.1f}", _cell_copy(c)]
+                    + [_cell(c, by.get(i)) for i in impls])
+    return rows
+
+
+def _short_id(c: dict) -> str:
+    """The case id without its group (each table is one group)."""
+    return c["id"].split("/", 1)[1] if "/" in c["id"] else c["id"]
+
+
+def _cell_copy(c: dict) -> str:
+    g = gbps(c, rows_by_impl(c).get(COPY), "cold*")
+    return "-" if g is None else f"{g:.0f}"
+
+
+def prefill_table(result: dict, group: str) -> list[list[str]]:
+    rows = [["case", "MB moved", "copy GB/s", "rope_rtc GB/s (%copy)", "fastest peer", "cupy"]]
+    for c in result["cases"]:
+        if c["group"] != group:
+            continue
+        by = rows_by_impl(c)
+        best = fastest_peer(c, "cold*")
+        best_txt = "-"
+        if best:
+            best_txt = f"{best[0]} {_cell(c, by[best[0]])}"
+        rows.append([_short_id(c), f"{c['bytes_moved'] / 1e6:.1f}", _cell_copy(c), _cell(c, by.get(OURS)), best_txt,
+                     _cell(c, by.get("cupy"))])
+    return rows
+
+
+def latency_table(result: dict, group: str) -> list[list[str]]:
+    """Small cases: GPU µs under graph replay (hot / cold) and host µs per call, ours and peers."""
+    impls = [COPY, OURS] + list(PEERS)
+    rows = [["case"] + impls]
+    for c in result["cases"]:
+        if c["group"] != group or not c.get("small"):
+            continue
+        by = rows_by_impl(c)
+        cells = [_short_id(c)]
+        for i in impls:
+            r = by.get(i)
+            if r is None:
+                cells.append("-")
+            elif i != COPY and not ok(r):
+                cells.append(_cell(c, r))
+            else:
+                cells.append("/".join("-" if timing(r, g) is None else f"{timing(r, g):.2f}"
+                                      for g in ("graph", "graph_cold", "host")))
+        rows.append(cells)
+    return rows
+
+
+def tail_table(result: dict, copy_kernel: bool = True) -> list[list[str]]:
+    """The tail cases; ``copy_kernel=False`` leaves out the reference kernel's column (the printed
+    summary must fit the device tool's output tail)."""
+    rows = [["case", "MB moved", "copy GB/s", "copy kernel GB/s (%copy)", "rope_rtc GB/s (%copy)", "graph µs",
+             "host µs", "fastest peer"]]
+    for c in result["cases"]:
+        if c["group"] != "tail":
+            continue
+        by = rows_by_impl(c)
+        ours = by.get(OURS)
+        best = fastest_peer(c, "cold*")
+        rows.append([_short_id(c) + ("" if c.get("cold_exact") else " *"), f"{c['bytes_moved'] / 1e6:.3f}", _cell_copy(c),
+                     _cell_reference(c, by.get(COPY_KERNEL)), _cell(c, ours),
+                     _f(timing(ours, "graph"), ".2f", 0).strip(), _f(timing(ours, "host"), ".2f", 0).strip(),
+                     f"{best[0]} {_cell(c, by[best[0]])}" if best else "-"])
+    if not copy_kernel:
+        rows = [r[:3] + r[4:] for r in rows]
+    return rows
+
+
+def _cell_reference(case_rec: dict, row: dict | None, regime: str = "cold*") -> str:
+    """GB/s and % of the copy, with no correctness check to show (the copy kernel's row)."""
+    if row is None:
+        return "-"
+    g, p = gbps(case_rec, row, regime), pct_of_copy(case_rec, row, regime)
+    if g is None:
+        return "-"
+    return f"{g:.0f} ({p:.0f}%)" if p is not None else f"{g:.0f}"
+
+
+def host_table(result: dict) -> list[list[str]]:
+    rows = [["shape", "call", "host µs/call"]]
+    for rec in result.get("host", []):
+        for r in rec["rows"]:
+            us = timing(r, "host")
+            rows.append([rec["id"].removeprefix("host/"), r["impl"], "-" if us is None else f"{us:.2f}"])
+    return rows
+
+
+def coldstart_table(result: dict) -> list[list[str]]:
+    rows = [["API", "cache", "import s", "context s", "first result ms", "compiles"]]
+    for r in result.get("coldstart", []):
+        if r.get("error"):
+            rows.append([r["scenario"], r["cache"], "error", "", "", r["error"][:60]])
+            continue
+        comp = "; ".join(f"{c['kernel']} {c['seconds']:.3f} s" for c in r.get("compiles", [])) or "none"
+        rows.append([r["scenario"], r["cache"], f"{r['import_s']:.3f}", f"{r['context_s']:.3f}",
+                     f"{r['first_result_s'] * 1e3:.1f}", comp])
+    return rows
+
+
+def text_table(rows: list[list[str]]) -> str:
+    if not rows:
+        return ""
+    widths = [max(len(str(r[i])) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    if len(rows) < 2:
+        return "_no cases in this run_"
+    esc = [[str(v).replace("|", "\\|") for v in r] for r in rows]
+    out = ["| " + " | ".join(esc[0]) + " |", "|" + "|".join(" --- " for _ in esc[0]) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in esc[1:]]
+    return "\n".join(out)
+
+
+# =============================================================================================
+# reporting: targets
+
+
+def _host_points(result: dict, cases: list, host_row: str) -> list:
+    """(µs, where) host times of our rows in ``cases`` plus the host-cost section's ``host_row``."""
+    return ([(timing(rows_by_impl(c).get(OURS), "host"), c["id"]) for c in cases]
+            + [(timing(r, "host"), rec["id"]) for rec in result.get("host", []) for r in rec["rows"]
+               if r["impl"] == host_row])
+
+
+def evaluate_targets(result: dict) -> list[dict]:
+    """Each target of issues 4 and 5: PASS / MISS (with the gap) / N/A (not measured in this run)."""
+    cases = result.get("cases", [])
+    out: list[dict] = []
+
+    def add(name, status, measured, gap="", where=""):
+        out.append({"target": name, "status": status, "measured": measured, "gap": gap, "where": where})
+
+    # prefill fraction of the same-size copy (cold)
+    prefill = [c for c in cases if c["group"] in ("general", "blog")]
+    for i, (floor, need) in enumerate(PREFILL_RULES):
+        ceiling = PREFILL_RULES[i - 1][0] if i else None
+        name = (f"prefill >= {need:.0f}% of copy, {floor // MiB} MiB+ moved" if ceiling is None
+                else f"prefill >= {need:.0f}% of copy, {floor // MiB}-{ceiling // MiB} MiB moved")
+        pts = [(pct_of_copy(c, rows_by_impl(c).get(OURS), "cold*"), c["id"]) for c in prefill
+               if c["bytes_moved"] >= floor and (ceiling is None or c["bytes_moved"] < ceiling)]
+        _worst_at_least(add, name, pts, need, "%")
+    # never slower than the fastest peer
+    worst = None
+    for c in cases:
+        if c["group"] not in ("general", "blog", "decode", "tail"):
+            continue
+        ours = rows_by_impl(c).get(OURS)
+        for regime in ("cold*", "graph"):
+            best, us = fastest_peer(c, regime), timing(ours, regime) if ok(ours) else None
+            if best and us:
+                ratio = us / best[1]
+                if worst is None or ratio > worst[0]:
+                    worst = (ratio, f"{c['id']} ({regime}) vs {best[0]}")
+    if worst is None:
+        add("never slower than the fastest peer (within 1%)", "N/A", "no peer measured")
+    else:
+        st = "PASS" if worst[0] <= NOISE else "MISS"
+        add("never slower than the fastest peer (within 1%)", st, f"worst time ratio {worst[0]:.3f}",
+            "" if st == "PASS" else f"{(worst[0] - 1) * 100:.1f}% slower", worst[1])
+    # decode
+    dec = [c for c in cases if c["group"] == "decode"]
+    _worst_at_most(add, f"decode GPU time under graph replay <= {DECODE_GPU_US} µs",
+                   [(timing(rows_by_impl(c).get(OURS), "graph"), c["id"]) for c in dec], DECODE_GPU_US, " µs")
+    _worst_at_most(add, f"RopePlan.execute host time <= {PLAN_HOST_US} µs",
+                   _host_points(result, dec, "RopePlan.execute (same arrays)"), PLAN_HOST_US, " µs")
+    # tail
+    tail = [c for c in cases if c["group"] == "tail"]
+    # The issue's condition is a cold L2. Shapes of a few KB cannot be measured cold (4096 sets of
+    # them still fit the L2); there latency, not bandwidth, sets the time, even for the naive
+    # copy kernel, so they are reported beside the target rather than judged by it.
+    cold = [c for c in tail if c.get("cold_exact")]
+    warm = [c for c in tail if not c.get("cold_exact")]
+    _worst_at_least(add, f"tail >= {TAIL_COPY_PCT:.0f}% of copy, cold L2, every shape measured cold",
+                    [(pct_of_copy(c, rows_by_impl(c).get(OURS), "cold*"), c["id"]) for c in cold], TAIL_COPY_PCT, "%")
+    _tail_too_small(add, warm)
+    key = [c for c in tail if c["params"]["T"] in (1, 4) and (c["params"]["H"], c["params"]["D"]) == (64, 512)]
+    _worst_at_most(add, f"tail T=1,4 H=64 D=512 GPU time under graph replay <= {TAIL_GPU_US} µs",
+                   [(timing(rows_by_impl(c).get(OURS), "graph"), c["id"]) for c in key], TAIL_GPU_US, " µs")
+    _worst_at_most(add, f"TailRoPEForward.execute host time <= {TAIL_HOST_US} µs",
+                   _host_points(result, key, "TailRoPEForward.execute (same arrays)"), TAIL_HOST_US, " µs")
+    # cold start
+    cs = [r for r in result.get("coldstart", []) if not r.get("error")]
+    _worst_at_most(add, f"warm cache: first result in a fresh process <= {WARM_FIRST_S * 1e3:.0f} ms beyond imports",
+                   [(r["first_result_s"] * 1e3, r["scenario"]) for r in cs if r["cache"] == "warm"],
+                   WARM_FIRST_S * 1e3, " ms")
+    _worst_at_most(add, f"cold compile of one kernel <= {COMPILE_ONE_S:.0f} s",
+                   [(c["seconds"], c["kernel"]) for r in cs for c in r.get("compiles", [])], COMPILE_ONE_S, " s")
+    return out
+
+
+def _tail_too_small(add, cases: list) -> None:
+    """INFO: the tail kernel and the naive copy kernel, as % of the memcpy, on shapes too small for a cold L2."""
+    pts = [(pct_of_copy(c, rows_by_impl(c).get(OURS), "cold*"), c["id"]) for c in cases]
+    pts = [(v, w) for v, w in pts if v is not None]
+    if not pts:
+        return
+    ref = [pct_of_copy(c, rows_by_impl(c).get(COPY_KERNEL), "cold*") for c in cases]
+    ref = [v for v in ref if v is not None]
+    v, where = min(pts)
+    measured = f"worst {v:.1f}%" + (f"; copy kernel worst {min(ref):.1f}%" if ref else "")
+    add(f"tail on {len(cases)} shapes too small for a cold L2 (latency-bound), % of copy", "INFO", measured, "", where)
+
+
+def _worst(add, name, pts, bound, unit, *, floor: bool) -> None:
+    """PASS/MISS on the worst point: the smallest against a floor, or the largest against a ceiling."""
+    pts = [(v, w) for v, w in pts if v is not None]
+    if not pts:
+        add(name, "N/A", "not measured in this run")
+        return
+    v, where = min(pts) if floor else max(pts)
+    passed = v >= bound * (1 - 1e-12) if floor else v <= bound * (1 + 1e-12)
+    digits = 1 if floor else 2
+    gap = "" if passed else (f"{bound - v:.1f}{unit} short" if floor else f"{v - bound:.2f}{unit} over")
+    add(name, "PASS" if passed else "MISS", f"worst {v:.{digits}f}{unit}", gap, where)
+
+
+def _worst_at_least(add, name, pts, need, unit):
+    _worst(add, name, pts, need, unit, floor=True)
+
+
+def _worst_at_most(add, name, pts, limit, unit):
+    _worst(add, name, pts, limit, unit, floor=False)
+
+
+def targets_table(result: dict) -> list[list[str]]:
+    rows = [["status", "target", "measured", "gap", "where"]]
+    for t in evaluate_targets(result):
+        rows.append([t["status"], t["target"], t["measured"], t["gap"], t["where"]])
+    return rows
+
+
+# =============================================================================================
+# reporting: stdout, JSON, plot, docs
+
+
+def summary_text(result: dict, targets_only: bool = False) -> str:
+    parts = []
+    if not targets_only:
+        env = result.get("env", {})
+        big = result.get("big_copy") or {}
+        parts.append(f"=== summary: {env.get('gpu', '?')}, {result.get('created', '')}, "
+                     f"{'quick' if result.get('quick') else 'full'} run, {result.get('elapsed_s', '?')} s; "
+                     f"4 GiB copy {big.get('gbps', float('nan')):.0f} GB/s; GB/s and % of the size-matched copy, cold L2")
+        for title, rows in (("blog configuration (FP32 interleaved bhsd, fused q+k in place; peers: half-split)", blog_table(result)),
+                            ("general kernel (fused q+k in place)", prefill_table(result, "general")),
+                            ("decode (bf16 thd, Hq=32 Hkv=8): GPU µs graph / graph cold / host µs", latency_table(result, "decode")),
+                            ("tail RoPE (* partial cold footprint)", tail_table(result, copy_kernel=False)),
+                            ("host cost", host_table(result)), ("cold start", coldstart_table(result))):
+            if len(rows) > 1:
+                parts.append(f"--- {title}\n{text_table(rows)}")
+        if result.get("skips"):
+            parts.append("--- skipped\n" + "\n".join(result["skips"]))
+    parts.append("=== targets (issues 4 and 5)\n" + text_table(targets_table(result)))
+    return "\n\n".join(parts)
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def plot_series(result: dict) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """{panel: {label: [(bytes moved, GB/s cold)]}} for the plot (testable without matplotlib)."""
+    panels: dict[str, dict[str, list]] = {"RoPE (blog, general, decode)": {}, "tail RoPE": {}}
+    for c in result.get("cases", []):
+        panel = "tail RoPE" if c["group"] == "tail" else "RoPE (blog, general, decode)"
+        for r in c["rows"]:
+            if r["impl"] != COPY and not ok(r):
+                continue
+            g = gbps(c, r, "cold*")
+            if g is None:
+                continue
+            label = "size-matched copy" if r["impl"] == COPY else (
+                f"rope_rtc {c['group']}" if r["impl"] == OURS else r["impl"])
+            panels[panel].setdefault(label, []).append((float(c["bytes_moved"]), g))
+    for series in panels.values():
+        for label in series:
+            series[label].sort()
+    return panels
+
+
+def write_plot(result: dict, path: Path) -> str | None:
+    """Bandwidth against bytes moved; returns None on success, else why it was skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as exc:
+        return f"matplotlib unavailable ({type(exc).__name__}: {exc}); pip install 'rope-rtc[plot]'"
+    panels = plot_series(result)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    big = (result.get("big_copy") or {}).get("gbps")
+    for ax, (title, series) in zip(axes, panels.items()):
+        for label, pts in sorted(series.items()):
+            xs, ys = zip(*pts)
+            if label == "size-matched copy":
+                ax.plot(xs, ys, color="black", linewidth=2, label=label, zorder=1)
+            else:   # markers only: one implementation's points span dtypes and layouts
+                ax.plot(xs, ys, marker="o", markersize=4, linestyle="none", label=label, zorder=2)
+        if big:
+            ax.axhline(big, color="grey", linestyle="--", linewidth=1, label=f"4 GiB copy ({big:.0f} GB/s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes moved per call")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("effective bandwidth, GB/s (cold L2)")
+    env = result.get("env", {})
+    fig.suptitle(f"rope_rtc on {env.get('gpu', '?')} ({result.get('created', '')})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _safe_plot(result: dict, path: Path) -> str | None:
+    try:
+        return write_plot(result, path)
+    except Exception as exc:   # a plot is never worth losing the run's report
+        return f"{type(exc).__name__}: {exc}"
+
+
+def gpu_slug(result: dict) -> str:
+    name = str(result.get("env", {}).get("gpu", "gpu"))
+    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Za-z]*)\b", name)
+    slug = m.group(1) if m else name
+    return re.sub(r"[^a-z0-9]+", "-", slug.lower()).strip("-") or "gpu"
+
+
+METHOD_MD = """\
+- **Bytes moved** (the numerator of every GB/s figure) is a property of the case: input read +
+  output written + the cos/sin table rows the positions use (FP32) + position indices. A peer
+  that reads a wider table is not credited for it.
+- **Ceiling**: a `cudaMemcpyAsync` device-to-device copy moving the same number of bytes (half
+  read, half written), measured the same way in the same run; a 4 GiB copy is given for scale.
+- **Regimes**: *hot* = CUDA events around back-to-back calls on the same buffers; *cold* =
+  rotating among buffer sets totalling more than 4x the L2 (the same as hot when one set
+  already does; marked * where the 4096-set cap leaves it partial); *graph* / *graph cold* =
+  GPU time per call under CUDA-graph replay of captured calls; *host* = wall time per call of
+  Python loops of 100 calls, each started on an idle stream (synchronised, untimed) so that no
+  call waits for the GPU to drain a full launch queue. Figures are medians of repeated samples
+  after a warm-up, on random data (never zeros).
+- **Copy kernel** (tail cases): a one-thread-per-16-bytes copy kernel over the copy's buffers.
+  At small sizes launch and memory latency, not bandwidth, set every kernel's time, and this
+  column shows how close the simplest kernel comes to the memcpy there.
+- **Checks**: every implementation's first call is compared with the reference before timing
+  (rope_rtc: the project's contract, bit-exact for tail RoPE; peers: within 2 eps of their dtype
+  times the pair magnitude). A wrong answer is reported and not timed.
+- **Peers**: plain CuPy (FP32 elementwise, out of place); PyTorch eager with Hugging Face's
+  `apply_rotary_pos_emb` (half-split, logical bhsd, out of place, cos/sin in the q dtype, as HF
+  computes them once per step) and the tail seed's expression; `torch.compile(dynamic=False)` of
+  the same functions; Liger's Triton `LigerRopeFunction` (half-split, in place on bshd memory
+  seen as bhsd, its intended layout). On the blog's interleaved case the peers run half-split.
+"""
+
+
+def merge_results(base: dict, later: dict) -> dict:
+    """``base`` with each case that ``later`` measured replaced by ``later``'s record of it (which
+    holds its own copy ceiling and peers, measured beside it). The replacement is recorded in
+    ``merged`` so the rendered page says which rows come from which run."""
+    new = {c["id"]: c for c in later.get("cases", [])}
+    replaced = [c["id"] for c in base.get("cases", []) if c["id"] in new]
+    added = [i for i in new if i not in replaced]
+    out = dict(base)
+    out["cases"] = [new.get(c["id"], c) for c in base.get("cases", [])] + [new[i] for i in added]
+    out["merged"] = list(base.get("merged", [])) + [{
+        "created": later.get("created"), "command": later.get("command"), "cases": replaced + added,
+        "gpu": later.get("env", {}).get("gpu")}]
+    return out
+
+
+def _merged_note(result: dict) -> list[str]:
+    lines = []
+    for m in result.get("merged", []):
+        lines += [f"Rows of these cases come from a later run, **{m.get('created')}** on {m.get('gpu')} "
+                  f"(`{m.get('command')}`), each with its own copy ceiling and peers: "
+                  f"{', '.join(m.get('cases', []))}.", ""]
+    return lines
+
+
+def render_markdown(result: dict | None) -> str:
+    head = ["# Benchmarks", "",
+            "<!-- Generated by rope_rtc/benchmark/report.py (render_markdown); edit that, not this file. -->", ""]
+    if result is None:
+        return "\n".join(head + [
+            "No run recorded yet. On the GPU machine, from the repository root:", "",
+            "    PYTHONPATH=. python3 scripts/bench.py --write-docs", "",
+            "writes this page, `docs/benchmarks/<gpu>.json` (every sample) and `docs/benchmarks/<gpu>.png`.",
+            "A saved run re-renders without a GPU: `python3 scripts/bench.py --from-json bench.json --write-docs`.",
+            "", "## Method", "", METHOD_MD])
+    env = result.get("env", {})
+    slug = gpu_slug(result)
+    big = result.get("big_copy") or {}
+    versions = ", ".join(f"{k} {env[k]}" for k in ("rope_rtc", "nvrtc", "cupy", "cuda-bindings", "torch", "triton",
+                                                   "transformers", "liger-kernel") if env.get(k))
+    smi = env.get("nvidia_smi") if isinstance(env.get("nvidia_smi"), dict) else {}
+    lines = head + [
+        f"Latest run: **{result.get('created', '?')}** on **{env.get('gpu', '?')}** "
+        f"(driver {smi.get('driver_version', env.get('cuda_driver', '?'))}, CUDA driver API {env.get('cuda_driver', '?')}, "
+        f"L2 {int(env.get('l2_bytes', 0)) // MiB} MiB, SM clock {smi.get('clocks.sm', '?')} of {smi.get('clocks.max.sm', '?')}); "
+        f"{versions}. {'Quick' if result.get('quick') else 'Full'} run, {result.get('elapsed_s', '?')} s.", "",
+        *_merged_note(result),
+        "Regenerate on the GPU machine, from the repository root:", "",
+        f"    {result.get('command', 'PYTHONPATH=. python3 scripts/bench.py --write-docs')}", "",
+        f"Every sample and the environment: [benchmarks/{slug}.json](benchmarks/{slug}.json). "
+        f"Reference copy: 4 GiB moved at **{big.get('gbps', float('nan')):.0f} GB/s**.", "",
+        f"![bandwidth against bytes moved](benchmarks/{slug}.png)", "",
+        "## Targets (issues 4 and 5)", "", markdown_table(targets_table(result)), "",
+        "## The blog's configuration", "",
+        "B=4, H=32, D=128, FP32, interleaved, bhsd, q and k rotated in place. GB/s (% of the "
+        "size-matched copy), cold L2. `auto` is the production kernel (`RopePlan`).", "",
+        markdown_table(blog_table(result)), "",
+        "## General kernel", "", "Fused q+k in place, B=4, H=32, D=128. GB/s (% of copy), cold L2.", "",
+        markdown_table(prefill_table(result, "general")), "",
+        "## Decode", "", "bf16, `thd` with positions, Hq=32, Hkv=8, D=128. Per implementation: GPU µs per call "
+        "under graph replay, hot / cold, then host µs per call.", "",
+        markdown_table(latency_table(result, "decode")), "",
+        "## Tail RoPE", "", "BF16, the cuDNN benchmark's geometries, `TailRoPEForward`. GB/s (% of copy), cold L2; "
+        "GPU µs under graph replay and host µs for small shapes; the copy kernel is the naive one-thread-per-16-bytes "
+        "reference. * partial cold footprint.", "",
+        markdown_table(tail_table(result)), "",
+        "## Host cost", "", markdown_table(host_table(result)), "",
+        "## Cold start", "", "Fresh processes with an empty `ROPE_RTC_CACHE_DIR`, then the same (warm) directory. "
+        "First result excludes imports and CUDA context creation, reported separately.", "",
+        markdown_table(coldstart_table(result)), "",
+    ]
+    if result.get("skips"):
+        lines += ["## Skipped", ""] + [f"- {s}" for s in result["skips"]] + [""]
+    lines += ["## Method", "", METHOD_MD]
+    return "\n".join(lines)
+
+
+def write_docs(result: dict, docs_dir: Path, mirror: Path | None) -> list[Path]:
+    slug = gpu_slug(result)
+    written = []
+    for root in [docs_dir] + ([mirror] if mirror else []):
+        md = root / "benchmarks.md"
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(render_markdown(result))
+        write_json(result, root / "benchmarks" / f"{slug}.json")
+        written += [md, root / "benchmarks" / f"{slug}.json"]
+        why = _safe_plot(result, root / "benchmarks" / f"{slug}.png")
+        if why:
+            print(f"plot skipped: {why}", flush=True)
+        else:
+            written.append(root / "benchmarks" / f"{slug}.png")
+    return written
+
+
+def report(result: dict, args: argparse.Namespace, json_path: Path | None) -> None:
+    if json_path is not None:
+        write_json(result, json_path)
+        print(f"\nJSON: {json_path}", flush=True)
+    if not args.no_plot and (args.plot or json_path is not None):
+        plot_path = Path(args.plot) if args.plot else json_path.with_name("bench.png")
+        why = _safe_plot(result, plot_path)
+        print(f"plot skipped: {why}" if why else f"plot: {plot_path}", flush=True)
+    if args.write_docs:
+        docs = Path(args.docs_dir) if args.docs_dir else Path(__file__).resolve().parents[2] / "docs"
+        out = os.environ.get("OUT")
+        for p in write_docs(result, docs, Path(out) / "docs" if out else None):
+            print(f"docs: {p}", flush=True)
+    print("\n" + summary_text(result, targets_only=args.targets), flush=True)
+
+

@@ -1,0 +1,554 @@
+"""Running the benchmark: one case (check, then every regime of the copy, the copy kernel and each
+implementation), the host-cost and cold-start sections, the GPU context and environment, and
+:func:`run_benchmark`, the whole run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from .arguments import default_json_path, regenerate_command
+from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
+from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, GRAPH_COLD_CALLS, GRAPH_HOT_CALLS, SCHEMA,
+                    SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
+from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
+from .report import ROW_HEADER, format_row, write_json
+from .timing import Clock
+
+
+# =============================================================================================
+# running one case
+
+
+def check_runner(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
+    """Run the first call of set 0 and compare it with the reference; raises Wrong."""
+    if case.group == "tail":
+        return _check_tail(ctx, case, bufs, runner)
+    from ..reference import assert_rope_close, rope_reference
+
+    heads = (case.H, case.Hkv)
+    inputs = [general_sample(case, a, bufs.layout, h) for a, h in ((bufs.q(0, False), heads[0]),
+                                                                     (bufs.k(0, False), heads[1]))]
+    cos, sin = ctx.cp.asnumpy(bufs.cos(0)), ctx.cp.asnumpy(bufs.sin(0))
+    pos_all = ctx.cp.asnumpy(bufs.pos(0)).astype(np.int64) if case.group == "decode" else None
+    outs = runner.run_once()
+    ctx.stream.synchronize()
+    worst = 0.0
+    for (x, bi, si), out, h in zip(inputs, outs, heads):
+        actual, _, _ = general_sample(case, out, runner.out_layout, h)
+        spos = np.asarray(si, np.int64) if pos_all is None else pos_all[si]
+        positions = np.tile(spos, len(bi))
+        ref = rope_reference(x, cos, sin, positions, interleaved=runner.interleaved)
+        if runner.strict:
+            try:
+                assert_rope_close(actual, ref, x, interleaved=runner.interleaved, dtype=np.dtype(actual.dtype))
+            except AssertionError as exc:
+                raise Wrong(str(exc).splitlines()[0][:300]) from None
+        else:
+            worst = max(worst, tolerance_check(actual, ref, x, runner.interleaved, case.dtype))
+    return "ok" if runner.strict else f"ok ({worst:.2f} of tol)"
+
+
+def _check_tail(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
+    from ..reference import tail_rope_reference
+
+    cp = ctx.cp
+    ti = _subsample_indices(case.T, TAIL_CHECK_TOKENS)
+    x = to_host(bufs.q(0, native=False)[ti], "bfloat16")
+    cos, sin = cp.asnumpy(bufs.cos(0)[ti]), cp.asnumpy(bufs.sin(0)[ti])
+    (out,) = runner.run_once()
+    ctx.stream.synchronize()
+    actual = to_host(_bits(out)[ti], "bfloat16")
+    ref = tail_rope_reference(x, cos, sin)
+    differ = int(np.count_nonzero(actual.view(np.uint16) != ref.view(np.uint16)))
+    if runner.strict:
+        if differ:
+            raise Wrong(f"{differ} of {ref.size} values differ from the bit-exact reference")
+        return "bit-exact"
+    lo = case.D - 2 * TAIL_COLS
+    if not np.array_equal(actual[..., :lo].view(np.uint16), x[..., :lo].view(np.uint16)):
+        raise Wrong("the unrotated prefix was changed")
+    from ..reference import rope_reference
+
+    n, h, d = x.shape
+    xt = x[..., lo:].reshape(n, h, 2 * TAIL_COLS)
+    ref64 = rope_reference(xt, cos, sin, np.arange(n), interleaved=True)
+    tolerance_check(actual[..., lo:], ref64, xt, True, "bfloat16")
+    return "ok (bit-exact)" if not differ else f"ok ({differ}/{ref.size} not bit-exact)"
+
+
+def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
+    """Every regime for one implementation (or the copy)."""
+    clock = ctx.clock
+    t: dict = {"hot": clock.events(runner_fns[:1])}
+    if cold_n > 1:
+        t["cold"] = clock.events(runner_fns[:cold_n])
+    else:
+        t["cold"] = dict(t["hot"], same_as="hot")
+    if small and capture is not None:
+        for regime, indices in (("graph", [0] * GRAPH_HOT_CALLS), ("graph_cold", list(range(min(cold_n, GRAPH_COLD_CALLS))))):
+            if regime == "graph_cold" and cold_n == 1:
+                t[regime] = dict(t["graph"], same_as="graph")
+                continue
+            try:
+                launch, keep = capture(indices)
+                t[regime] = clock.events([launch], divisor=len(indices), sets=len(set(indices)))
+                del launch, keep
+            except Exception as exc:
+                t[regime] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                with contextlib.suppress(Exception):
+                    ctx.stream.synchronize()
+    if small:
+        t["host"] = clock.host(runner_fns[:1])
+    return t
+
+
+class CopyRunner:
+    """Device-to-device copies moving ``moved`` bytes (half read, half written), n buffer sets."""
+
+    def __init__(self, cp, stream, moved: int, n: int) -> None:
+        self.half = max(moved // 2, 16)
+        stride = -(-self.half // 256) * 256
+        self.slab = cp.random.RandomState(1).standard_normal(size=(2 * n * stride) // 4, dtype=cp.float32)
+        base = self.slab.data.ptr
+        copy = cp.cuda.runtime.memcpyAsync
+        kind = cp.cuda.runtime.memcpyDeviceToDevice
+        self.pairs = [(base + 2 * i * stride, base + (2 * i + 1) * stride) for i in range(n)]  # (src, dst)
+        self.fns = [partial(copy, dst, src, self.half, kind, stream.ptr) for src, dst in self.pairs]
+
+
+class CopyKernelRunner:
+    """The naive copy kernel (one thread per 16 bytes, ``cuda_src/bench_copy.cu``) over a
+    :class:`CopyRunner`'s buffers: at small sizes, the floor of any kernel against the memcpy."""
+
+    BLOCK = 256
+
+    def __init__(self, stream, copy: CopyRunner, device: int) -> None:
+        import ctypes
+
+        from ..launch import ArgPack, Launcher, launch_prefix, load_kernel
+        from ..registry import KernelSpec
+
+        fn = load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b",)), device).functions["bench_copy_16b"]
+        n16 = copy.half // 16
+        prefix = launch_prefix(fn, (-(-n16 // self.BLOCK), 1, 1), (self.BLOCK, 1, 1))
+        self._keep, self.fns = [], []
+        for src, dst in copy.pairs:
+            args = ArgPack([("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("n", ctypes.c_int64)])
+            args.values.src, args.values.dst, args.values.n = src, dst, n16
+            launcher = Launcher(args.address, device)
+            launcher.replay = False  # a reference launched plainly, as a caller's kernel would be
+            self._keep.append(args)
+            self.fns.append(partial(launcher, prefix, stream.ptr))
+
+
+def run_case(ctx, case: Case) -> dict:
+    cp = ctx.cp
+    moved, foot = case.bytes_moved(), case.footprint()
+    n = cold_sets(foot, ctx.l2)
+    small = moved <= SMALL_BYTES
+    rec = {"id": case.id, "group": case.group, "params": case.params(), "bytes_moved": moved, "footprint": foot,
+           "sets": {"cold": n, "graph_cold": min(n, GRAPH_COLD_CALLS)},
+           "cold_exact": n * foot >= COLD_FACTOR * ctx.l2, "small": small, "rows": []}
+    print(f"\n[{case.id}] {moved / 1e6:.3f} MB moved, {n} cold set(s) of {foot / 1e6:.3f} MB"
+          + ("" if rec["cold_exact"] else f" (partial: {n * foot / 1e6:.0f} MB < {COLD_FACTOR}x L2)"), flush=True)
+    print(ROW_HEADER, flush=True)
+    copy = CopyRunner(cp, ctx.stream, moved, n)
+    row = {"impl": COPY, "layout": "-", "check": "-", "note": f"cudaMemcpyAsync of {copy.half} bytes"}
+    row["timings"] = measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns), small, n)
+    rec["rows"].append(row)
+    print(format_row(rec, row), flush=True)
+    if case.group == "tail":
+        kern = CopyKernelRunner(ctx.stream, copy, ctx.device)
+        row = {"impl": COPY_KERNEL, "layout": "-", "check": "reference", "note": f"one thread per 16 B, {copy.half} bytes"}
+        row["timings"] = measure(ctx, kern.fns, _cupy_capture(ctx, kern.fns), small, n)
+        rec["rows"].append(row)
+        print(format_row(rec, row), flush=True)
+        del kern
+    del copy
+    buffers: dict[str, SetBuffers] = {}
+    for impl in impls_for(case):
+        row = run_impl(ctx, case, impl, buffers, n, small, rec)
+        if row is not None:
+            rec["rows"].append(row)
+            print(format_row(rec, row), flush=True)
+    buffers.clear()
+    ctx.free()
+    return rec
+
+
+def run_impl(ctx, case: Case, impl: Impl, buffers: dict, n: int, small: bool, rec: dict) -> dict | None:
+    layout = impl.layout_for(case)
+    if layout is None or (impl.peer is not None and impl.peer not in ctx.peers.wanted):
+        return None
+    row = {"impl": impl.name, "layout": layout, "check": "", "note": "", "timings": {}}
+    if impl.peer is not None and not ctx.peers.available(impl.peer):
+        row["check"] = "skip: unavailable (see the skip lines)"
+        return row
+    runner = None
+    try:
+        if layout not in buffers:
+            buffers[layout] = SetBuffers(cp=ctx.cp, case=case, layout=layout, n=n, seed=ctx.seed)
+        runner = impl.setup(ctx, case, buffers[layout])
+        row["layout"], row["note"] = runner.layout_note, runner.note
+        row["check"] = check_runner(ctx, case, buffers[layout], runner)
+    except Skip as exc:
+        row["check"] = f"skip: {exc}"
+        return row
+    except Wrong as exc:
+        row["check"] = f"WRONG: {exc}"
+        return row
+    except Exception as exc:
+        row["check"] = f"error: {type(exc).__name__}: {exc}"[:400]
+        _recover(ctx)
+        return row
+    try:
+        row["timings"] = measure(ctx, runner.fns, runner.capture, small, n)
+    except Exception as exc:
+        row["note"] += f"; timing failed: {type(exc).__name__}: {exc}"[:300]
+        _recover(ctx)
+    return row
+
+
+def _recover(ctx) -> None:
+    with contextlib.suppress(Exception):
+        if ctx.stream.is_capturing():
+            ctx.stream.end_capture()
+    with contextlib.suppress(Exception):
+        ctx.stream.synchronize()
+
+
+# --- host cost and cold start ------------------------------------------------------------------
+
+
+def run_host_section(ctx) -> list[dict]:
+    """Host µs per call of the prepared plans and the one-call APIs (small shapes, same arrays)."""
+    from ..rope import RopePlan, apply_rope_qk
+    from ..tail import TailRoPEForward, tail_rope
+
+    cp = ctx.cp
+    recs = []
+    dcase = Case("decode", "bfloat16", "thd", False, 1, 1, 32, 8, 128)
+    b = SetBuffers(ctx.cp, dcase, "thd", 2, ctx.seed)
+    qk = [(b.q(i), b.k(i), b.cos(i), b.sin(i), b.pos(i)) for i in range(2)]
+    one = partial(apply_rope_qk, b.q(0), b.k(0), b.cos(0), b.sin(0), positions=b.pos(0), layout="thd",
+                  q_out=b.q(0), k_out=b.k(0))
+    copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
+    recs.append(_host_record(ctx, "host/decode-bf16-T=1", dcase, plan_host_rows(
+        "RopePlan.execute", lambda: RopePlan(*qk[0][:4], positions=b.pos(0), layout="thd").compile(), qk) + [
+        ("apply_rope_qk (one call, in place)", [one]),
+        ("cudaMemcpyAsync (reference)", copy.fns[:1]),
+    ]))
+    tcase = Case("tail", "bfloat16", "thd", True, 1, 1, 64, 0, 512)
+    tb = SetBuffers(ctx.cp, tcase, "thd", 2, ctx.seed)
+    tsets = [(tb.q(i), tb.cos(i), tb.sin(i), tb.out(i)) for i in range(2)]
+    tone = partial(tail_rope, tb.q(0), tb.cos(0), tb.sin(0))
+    recs.append(_host_record(ctx, "host/tail-T=1-H=64-D=512", tcase, plan_host_rows(
+        "TailRoPEForward.execute", lambda: TailRoPEForward(*tsets[0]).check_support().compile(), tsets) + [
+        ("tail_rope (one call, allocates the output)", [tone]),
+    ]))
+    ctx.free()
+    return recs
+
+
+def plan_host_rows(label: str, make_plan, sets: list) -> list:
+    """The host rows of one prepared plan, from ``make_plan()`` (a compiled plan) and two argument
+    sets: the same arrays with graph replay on and off, the two sets alternating, and new views
+    of the first set every call (the pointer checks; the slicing is included)."""
+    plan, plain = make_plan(), make_plan()
+    plain._launch.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
+    same, other = (partial(plan.execute, *args) for args in sets)
+    first = sets[0]
+    fresh = lambda: plan.execute(*(a[:] for a in first))  # noqa: E731 - new view objects
+    return [
+        (f"{label} (same arrays)", [same]),
+        (f"{label} (same arrays, graph replay off: cuLaunchKernel)", [partial(plain.execute, *first)]),
+        (f"{label} (2 remembered array sets alternating)", [same, other]),
+        (f"{label} (new views each call: pointer checks; incl. {len(first)} slicings)", [fresh]),
+    ]
+
+
+def _host_record(ctx, ident: str, case: Case, items: list) -> dict:
+    rec = {"id": ident, "group": "host", "params": case.params(), "bytes_moved": case.bytes_moved(),
+           "footprint": case.footprint(), "sets": {}, "cold_exact": False, "small": True, "rows": []}
+    print(f"\n[{ident}]", flush=True)
+    for name, fns in items:
+        row = {"impl": name, "layout": case.layout, "check": "-", "note": "", "timings": {}}
+        try:
+            row["timings"]["host"] = ctx.clock.host(fns)
+            print(f"  {name:<66} {row['timings']['host']['us']:8.2f} µs/call", flush=True)
+        except Exception as exc:
+            row["check"] = f"error: {type(exc).__name__}: {exc}"[:300]
+            print(f"  {name:<66} {row['check']}", flush=True)
+            _recover(ctx)
+        rec["rows"].append(row)
+    return rec
+
+
+COLDSTART_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np, ml_dtypes, cupy as cp
+import rope_rtc, rope_rtc.rope, rope_rtc.tail, rope_rtc.launch, rope_rtc.build
+from cuda.bindings import driver as _drv
+t1 = time.perf_counter()
+cp.cuda.Device(0).use(); cp.empty(1); cp.cuda.runtime.deviceSynchronize()
+t2 = time.perf_counter()
+rng = np.random.default_rng(0)
+bf16 = ml_dtypes.bfloat16
+if sys.argv[1] == "general":
+    q = cp.asarray(rng.standard_normal((1, 16, 8, 128)).astype(bf16))
+    k = cp.asarray(rng.standard_normal((1, 16, 2, 128)).astype(bf16))
+    c, s = rope_rtc.rope_tables(16, 128, xp=cp)
+else:
+    x = cp.asarray(rng.standard_normal((4, 8, 512)).astype(bf16))
+    ang = rng.uniform(-3, 3, (4, 32))
+    c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+cp.cuda.runtime.deviceSynchronize()
+t3 = time.perf_counter()
+if sys.argv[1] == "general":
+    rope_rtc.apply_rope_qk(q, k, c, s, layout="bshd")
+else:
+    rope_rtc.tail_rope(x, c, s)
+cp.cuda.runtime.deviceSynchronize()
+t4 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "context_s": t2 - t1, "first_result_s": t4 - t3}))
+"""
+
+_COMPILE_LOG = re.compile(r"compiled (\S+) for (\S+) in ([0-9.]+) s")
+
+
+def run_coldstart(ctx) -> list[dict]:
+    """First result in fresh processes: empty cache, then the same (now warm) cache."""
+    rows = []
+    repo = str(Path(__file__).resolve().parents[2])
+    print("\n[coldstart] fresh processes, ROPE_RTC_CACHE_DIR = an empty temporary directory", flush=True)
+    for scenario in ("general", "tail"):
+        with tempfile.TemporaryDirectory(prefix="rope_rtc_bench_cache_") as cache:
+            env = dict(os.environ, ROPE_RTC_CACHE_DIR=cache, ROPE_RTC_LOG_COMPILES="1",
+                       PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p))
+            env.pop("ROPE_RTC_NO_COMPILE", None)
+            for state in ("empty", "warm"):
+                rows.append(_coldstart_child(scenario, state, env))
+                r = rows[-1]
+                if r.get("error"):
+                    print(f"  {scenario:<8} {state:<6} error: {r['error']}", flush=True)
+                else:
+                    comp = ", ".join(f"{c['kernel']} {c['seconds']:.3f} s" for c in r["compiles"]) or "none"
+                    print(f"  {scenario:<8} {state:<6} import {r['import_s']:.3f} s, context {r['context_s']:.3f} s, "
+                          f"first result {r['first_result_s'] * 1e3:.1f} ms; compiles: {comp}", flush=True)
+    return rows
+
+
+def _coldstart_child(scenario: str, state: str, env: dict) -> dict:
+    row = {"scenario": scenario, "cache": state, "compiles": []}
+    try:
+        proc = subprocess.run([sys.executable, "-c", COLDSTART_CHILD, scenario], env=env, capture_output=True,
+                              text=True, timeout=180)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            row["error"] = f"exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-400:]}"
+            return row
+        row.update(json.loads(lines[-1]))
+        row["compiles"] = [{"kernel": m.group(1), "arch": m.group(2), "seconds": float(m.group(3))}
+                           for m in _COMPILE_LOG.finditer(proc.stderr)]
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    return row
+
+
+# =============================================================================================
+# the run
+
+
+class Context:
+    """The GPU, the stream every measurement uses, the clock, the peers."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import cupy as cp
+
+        self.cp = cp
+        self.device = args.device
+        cp.cuda.Device(args.device).use()
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.l2 = _l2_bytes(cp, args.device)
+        self.clock = Clock(cp, self.stream, args.quick)
+        self.seed = args.seed
+        self.peers: Peers | None = None
+
+    def free(self) -> None:
+        gc.collect()
+        with contextlib.suppress(Exception):
+            self.stream.synchronize()
+            self.cp.get_default_memory_pool().free_all_blocks()
+        if self.peers is not None and self.peers.torch is not None:
+            with contextlib.suppress(Exception):
+                self.peers.torch.cuda.empty_cache()
+
+
+def _l2_bytes(cp, device: int) -> int:
+    try:
+        return int(cp.cuda.Device(device).attributes["L2CacheSize"])
+    except Exception:
+        try:
+            return int(cp.cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
+        except Exception:
+            return 60 * MiB
+
+
+def gpu_unavailable_reason() -> str | None:
+    try:
+        import cupy as cp
+    except Exception as exc:
+        return f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        from .. import driver
+
+        reason = driver.unavailable_reason()
+        if reason:
+            return reason
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        if cp.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def environment(ctx) -> dict:
+    from .._version import __version__
+
+    cp = ctx.cp
+    env: dict = {"python": sys.version.split()[0], "platform": platform.platform(), "rope_rtc": __version__,
+                 "cupy": cp.__version__}
+    with contextlib.suppress(Exception):
+        props = cp.cuda.runtime.getDeviceProperties(ctx.device)
+        name = props.get("name", b"")
+        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        env["compute_capability"] = f"{props.get('major')}.{props.get('minor')}"
+        env["sm_count"] = props.get("multiProcessorCount")
+        env["memory_bytes"] = props.get("totalGlobalMem")
+        for key in ("clockRate", "memoryClockRate", "memoryBusWidth"):
+            if props.get(key) is not None:
+                env[key] = props.get(key)
+    env["l2_bytes"] = ctx.l2
+    with contextlib.suppress(Exception):
+        env["cuda_runtime"] = _cuda_version_text(cp.cuda.runtime.runtimeGetVersion())
+        env["cuda_driver"] = _cuda_version_text(cp.cuda.runtime.driverGetVersion())
+    with contextlib.suppress(Exception):
+        from ..toolchain import nvrtc_version
+
+        env["nvrtc"] = "%d.%d" % nvrtc_version()
+    for dist in ("cuda-bindings", "numpy", "ml_dtypes", "torch", "triton", "transformers", "liger-kernel", "matplotlib"):
+        v = _dist_version(dist)
+        if v:
+            env[dist] = v
+    env["nvidia_smi"] = _nvidia_smi()
+    return env
+
+
+def _cuda_version_text(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def _nvidia_smi() -> dict | str:
+    fields = ("name", "driver_version", "clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
+              "power.limit", "temperature.gpu", "persistence_mode")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)
+        if out.returncode != 0:
+            return f"nvidia-smi exit {out.returncode}"
+        first = out.stdout.strip().splitlines()[0]
+        return dict(zip(fields, (v.strip() for v in first.split(","))))
+    except Exception as exc:
+        return f"unavailable ({type(exc).__name__})"
+
+
+def measure_big_copy(ctx) -> dict | None:
+    try:
+        copy = CopyRunner(ctx.cp, ctx.stream, BIG_COPY_MOVED, 1)
+        t = ctx.clock.events(copy.fns)
+        del copy
+        ctx.free()
+        return {"bytes_moved": BIG_COPY_MOVED, "us": t["us"], "gbps": BIG_COPY_MOVED / t["us"] / 1e3, "timing": t}
+    except Exception as exc:
+        print(f"big copy failed: {type(exc).__name__}: {exc}", flush=True)
+        _recover(ctx)
+        ctx.free()
+        return None
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    started = time.monotonic()
+    deadline = started + args.time_budget
+    ctx = Context(args)
+    json_path = default_json_path(args)
+    result: dict = {"schema": SCHEMA, "tool": "rope_rtc.bench",
+                    "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "command": regenerate_command(args), "argv": sys.argv[1:], "quick": args.quick,
+                    "options": {"peers": args.peer_list, "cases": args.cases, "compile_budget_s": args.compile_budget,
+                                "time_budget_s": args.time_budget, "seed": args.seed},
+                    "skips": [], "cases": [], "host": [], "coldstart": []}
+    with ctx.stream:
+        result["env"] = environment(ctx)
+        result["l2_bytes"] = ctx.l2
+        env = result["env"]
+        print(f"{env.get('gpu', '?')}: L2 {ctx.l2 / MiB:.0f} MiB, CUDA driver {env.get('cuda_driver', '?')}, "
+              f"NVRTC {env.get('nvrtc', '?')}, CuPy {env.get('cupy')}, torch {env.get('torch', '-')}, "
+              f"Liger {env.get('liger-kernel', '-')}", flush=True)
+        tokens = args.case_tokens
+        if selected("coldstart", "coldstart", tokens):
+            result["coldstart"] = run_coldstart(ctx)
+        ctx.peers = Peers(args.peer_list, args.compile_budget, ctx.stream.ptr)
+        result["skips"] = ctx.peers.skips
+        result["env"].update({f"peer_{k}": v for k, v in ctx.peers.versions.items()})
+        result["env"]["hf_apply"] = ctx.peers.hf_source
+        if selected("host", "host", tokens):
+            try:
+                result["host"] = run_host_section(ctx)
+            except Exception as exc:
+                result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
+                print(result["skips"][-1], flush=True)
+                _recover(ctx)
+        result["big_copy"] = measure_big_copy(ctx)
+        for case in all_cases(args.quick):
+            if not selected(case.id, case.group, tokens):
+                continue
+            if time.monotonic() > deadline:
+                line = f"skip {case.id}: time budget of {args.time_budget:.0f} s spent (--time-budget)"
+                result["skips"].append(line)
+                print(line, flush=True)
+                continue
+            try:
+                result["cases"].append(run_case(ctx, case))
+            except Exception as exc:
+                line = f"case {case.id} failed: {type(exc).__name__}: {exc}"[:400]
+                result["skips"].append(line)
+                print(line, flush=True)
+                _recover(ctx)
+                ctx.free()
+            result["compile_log"] = ctx.peers.compile_log
+            result["elapsed_s"] = round(time.monotonic() - started, 1)
+            write_json(result, json_path)   # partial results survive a kill
+    result["elapsed_s"] = round(time.monotonic() - started, 1)
+    result["compile_log"] = ctx.peers.compile_log if ctx.peers else []
+    return result
+
+

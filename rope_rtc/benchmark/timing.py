@@ -1,0 +1,156 @@
+"""Timing: round-robin rotation over buffer sets, the CUDA-event / host-timer :class:`Clock`
+with adaptive call counts, and CUDA-graph capture through CuPy or torch."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import time
+from functools import partial
+
+
+# =============================================================================================
+# timing
+
+
+class Rotation:
+    """Callables taken round-robin, continuing where the last batch stopped (so a cold rotation
+    never restarts on a set that may still be in L2)."""
+
+    def __init__(self, fns: list) -> None:
+        self.fns = fns
+        self.pos = 0
+
+    def take(self, k: int) -> list:
+        n = len(self.fns)
+        out = [self.fns[(self.pos + i) % n] for i in range(k)]
+        self.pos = (self.pos + k) % n
+        return out
+
+
+@contextlib.contextmanager
+def _no_gc():
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class Clock:
+    """CUDA events and host timers on one stream, with adaptive call counts."""
+
+    def __init__(self, cp, stream, quick: bool) -> None:
+        self.cp = cp
+        self.stream = stream
+        self.reps = 7 if quick else 15
+        self.warmup = 10 if quick else 50
+        self.sample_s = 1e-3 if quick else 2e-3       # aim: each sample lasts at least this
+        self.min_total = 50 if quick else 200         # timed calls per figure, when affordable
+        self.max_s = 0.15 if quick else 0.4           # cap on one figure's timed calls
+        self.max_calls = 5000
+
+    def _gpu_seconds(self, seq: list) -> float:
+        cp = self.cp
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(self.stream)
+        for f in seq:
+            f()
+        end.record(self.stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) * 1e-3
+
+    def _warm(self, rot: Rotation) -> None:
+        t0 = time.perf_counter()
+        for f in rot.take(self.warmup):
+            f()
+            if time.perf_counter() - t0 > 0.25:
+                break
+        self.stream.synchronize()
+
+    def _calls(self, est: float) -> int:
+        est = max(est, 1e-7)
+        calls = max(math.ceil(self.sample_s / est), math.ceil(self.min_total / self.reps))
+        affordable = max(1, int(self.max_s / (self.reps * est)))
+        return max(1, min(calls, affordable, self.max_calls))
+
+    @staticmethod
+    def _stats(per_call_s: list[float], calls: int, reps: int, divisor: int, sets: int) -> dict:
+        us = [s * 1e6 / divisor for s in per_call_s]
+        return {"us": statistics.median(us), "min_us": min(us), "samples_us": [round(x, 4) for x in us],
+                "calls": calls, "reps": reps, "divisor": divisor, "sets": sets}
+
+    def events(self, fns: list, divisor: int = 1, sets: int | None = None) -> dict:
+        """GPU time per call: CUDA events around ``calls`` back-to-back calls, median of reps."""
+        rot = Rotation(fns)
+        with _no_gc():
+            self._warm(rot)
+            est = self._gpu_seconds(rot.take(3)) / 3
+            calls = self._calls(est)
+            samples = [self._gpu_seconds(rot.take(calls)) / calls for _ in range(self.reps)]
+        return self._stats(samples, calls, self.reps, divisor, sets or len(fns))
+
+    # Calls per timed burst of a host measurement: few enough that the launch queue never fills
+    # (a full queue makes a call wait for the GPU, which is GPU time, not host cost).
+    HOST_BURST = 100
+
+    def host(self, fns: list) -> dict:
+        """Host time per call: the wall time of bursts of calls issued from an idle GPU, per call.
+
+        The stream is synchronised before each burst (untimed), so a call never waits for the
+        GPU to drain the launch queue; the sample is the sum over the bursts / calls."""
+        rot = Rotation(fns)
+        sync = self.stream.synchronize
+        burst = self.HOST_BURST
+        with _no_gc():
+            self._warm(rot)
+            seq = rot.take(20)
+            sync()
+            t0 = time.perf_counter()
+            for f in seq:
+                f()
+            est = (time.perf_counter() - t0) / 20
+            sync()
+            calls = max(burst, -(-self._calls(est) // burst) * burst)
+            samples = []
+            for _ in range(self.reps):
+                total = 0.0
+                for _ in range(calls // burst):
+                    seq = rot.take(burst)
+                    sync()
+                    t0 = time.perf_counter()
+                    for f in seq:
+                        f()
+                    total += time.perf_counter() - t0
+                samples.append(total / calls)
+            sync()
+        return self._stats(samples, calls, self.reps, 1, len(fns))
+
+
+def capture_cupy(stream, seq: list):
+    """A CUDA graph of ``seq`` captured on ``stream`` (CuPy stream capture); returns its launcher."""
+    stream.begin_capture()
+    try:
+        for f in seq:
+            f()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            stream.end_capture()
+        raise
+    graph = stream.end_capture()
+    return partial(graph.launch, stream), graph
+
+
+def capture_torch(torch, seq: list):
+    """A CUDA graph of ``seq`` captured with ``torch.cuda.graph`` (torch's allocator knows of it)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in seq:
+            f()
+    return g.replay, g
+
+
