@@ -1,6 +1,6 @@
 """Where the small tail shapes and the execute() host time go (issue 4), on the GPU machine.
 
-    PYTHONPATH=. python3 scripts/tail_small_probe.py [--part nodes|host|all]
+    PYTHONPATH=. python3 scripts/tail_small_probe.py [--part nodes|host|kernels|graphs|queue|all]
 
 nodes: per-node GPU time under graph replay (1024 nodes, one buffer set each, as the benchmark's
        graph_cold rows) of a memcpy node, an empty kernel, a 16-byte copy kernel and variants of
@@ -11,6 +11,9 @@ host:  host µs per call of the raw launch, a graph launch and the plans' execut
 kernels: variants of the tail kernel against the production one (bit-identical outputs).
 graphs: whether a graph launch works inside a caller's capture (it does not), and the cost of
        the capture queries.
+queue: whether graph replays wait for the GPU (calls behind a 2 ms kernel), and each plan's host
+       time in bursts of 10 and 100 against its GPU time per back-to-back launch: a plan whose
+       graph takes the GPU longer than the host takes to launch it measures GPU time in long bursts.
 """
 import argparse
 import ctypes
@@ -443,9 +446,60 @@ def host_part():
     print(f"  GPU time per launch over 20000 back-to-back raw launches: {cp.cuda.get_elapsed_time(s_, e_) * 1e3 / 20000:.2f} µs")
 
 
+def queue_part():
+    spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        const long long t = clock64(); while (clock64() - t < cycles) {} }''', "spin")
+    rng = np.random.default_rng(0)
+    x = cp.asarray(rng.standard_normal((1, 64, 512)).astype(ml_dtypes.bfloat16))
+    c, s = cp.ones((1, 32), cp.float32), cp.zeros((1, 32), cp.float32)
+    o, o2 = cp.empty_like(x), cp.empty_like(x)
+    tail = TailRoPEForward(x, c, s, o).check_support().compile()
+    plain = TailRoPEForward(x, c, s, o).check_support().compile()
+    plain._launch.replay = False
+    from rope_rtc.rope import RopePlan
+    from rope_rtc.tables import rope_tables
+    cos, sin = rope_tables(8192, 128, xp=cp)
+    q = cp.asarray(rng.standard_normal((1, 32, 128)).astype(ml_dtypes.bfloat16))
+    k = cp.asarray(rng.standard_normal((1, 8, 128)).astype(ml_dtypes.bfloat16))
+    pos = cp.asarray(np.array([1234], np.int32))
+    rp = RopePlan(q, k, cos, sin, positions=pos, layout="thd").compile()
+    for _ in range(5):
+        tail.execute(x, c, s, o), tail.execute(x, c, s, o2), plain.execute(x, c, s, o)
+    cp.cuda.runtime.deviceSynchronize()
+    print("calls issued behind a 2 ms kernel: host µs per call, and the first call that waited > 50 µs")
+    for name, f in (("graph replay, one graph", lambda i: tail.execute(x, c, s, o)),
+                    ("graph replay, two graphs alternating", lambda i: tail.execute(x, c, s, o if i % 2 else o2)),
+                    ("cuLaunchKernel", lambda i: plain.execute(x, c, s, o))):
+        for n in (100, 1000, 3000):
+            spin((1,), (1,), (np.int64(4_000_000),))  # about 2 ms at 1.98 GHz
+            t0 = time.perf_counter()
+            marks = []
+            for i in range(n):
+                f(i)
+                marks.append(time.perf_counter())
+            steps = np.diff([t0] + marks)
+            waited = np.flatnonzero(steps > 50e-6)
+            cp.cuda.runtime.deviceSynchronize()
+            print(f"  {name:38s} n={n:5d}: {(marks[-1] - t0) / n * 1e6:6.2f} µs/call, "
+                  f"first wait at call {waited[0] if waited.size else None}")
+    print("host µs per call in bursts of 10 | 100 (median/min of 9), and GPU µs per back-to-back call")
+    for name, f in (("TailRoPEForward.execute", lambda: tail.execute(x, c, s, o)),
+                    ("RopePlan.execute (decode, positions)", lambda: rp.execute(q, k, cos, sin, pos))):
+        b10, b100 = per_call(f, 20000, burst=10), per_call(f, 20000, burst=100)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        cp.cuda.runtime.deviceSynchronize()
+        e0.record()
+        for _ in range(2000):
+            f()
+        e1.record()
+        e1.synchronize()
+        print(f"  {name:38s} {b10[0]:6.2f}/{b10[1]:6.2f} | {b100[0]:6.2f}/{b100[1]:6.2f} | "
+              f"GPU {cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 2000:.2f}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="all", choices=("nodes", "host", "kernels", "graphs", "all"))
+    ap.add_argument("--part", default="all", choices=("nodes", "host", "kernels", "graphs", "queue", "all"))
     a = ap.parse_args()
     if a.part in ("host", "all"):
         host_part()
@@ -455,3 +509,5 @@ if __name__ == "__main__":
         kernels_part()
     if a.part in ("graphs", "all"):
         graphs_part()
+    if a.part in ("queue", "all"):
+        queue_part()

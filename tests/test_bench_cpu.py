@@ -556,3 +556,43 @@ def test_plan_host_rows_time_what_their_names_say():
             assert got[0][0] is not sets[0][0] and got[0][0].base is sets[0][0]
         else:
             assert got == [sets[0]]
+
+
+class _Stream:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+
+def test_host_timing_queues_each_burst_behind_a_gpu_hold():
+    log: list = []
+    clock = timing.Clock(None, _Stream(log), quick=True)
+    clock.hold = lambda us: log.append(("hold", us))
+    res = clock.host([lambda: log.append("call")])
+    assert res["held"] is True and res["us"] > 0
+    holds = [i for i, e in enumerate(log) if isinstance(e, tuple)]
+    assert holds, "no burst was held"
+    for i in holds:  # synchronised, held, then one whole burst of calls
+        assert log[i - 1] == "sync"
+        assert log[i + 1:i + 1 + clock.HOST_BURST] == ["call"] * clock.HOST_BURST
+        assert log[i][1] >= clock.HOLD_MARGIN_US
+    assert len(holds) * clock.HOST_BURST == res["calls"] * res["reps"]
+
+
+def test_host_timing_falls_back_to_an_idle_gpu_when_a_burst_outlasts_the_hold():
+    # A hold shorter than the burst stands for a call that waited for the GPU (it synchronises):
+    # such calls are timed from an idle stream, and the result says so.
+    log: list = []
+    clock = timing.Clock(None, _Stream(log), quick=True)
+    clock.HOLD_FACTOR, clock.HOLD_MARGIN_US = 0.01, 0.0
+    clock.hold = lambda us: log.append(("hold", us))
+    res = clock.host([lambda: sum(range(200))])
+    assert res["held"] is False
+    assert sum(isinstance(e, tuple) for e in log) == 1  # the first held burst was abandoned
+
+
+def test_host_timing_without_a_hold():
+    clock = timing.Clock(None, _Stream([]), quick=True)
+    assert clock.host([lambda: None])["held"] is False

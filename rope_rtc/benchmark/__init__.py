@@ -22,7 +22,8 @@ Method (DESIGN.md, "Performance"):
 * Regimes: ``hot`` (CUDA events around back-to-back calls on the same buffers), ``cold``
   (rotating among buffer sets whose total exceeds 4x the L2; identical to hot when one set
   already does), and for small cases ``graph`` / ``graph_cold`` (GPU time per call under CUDA
-  graph replay of K captured calls) and ``host`` (wall time of a tight Python loop / N).
+  graph replay of K captured calls) and ``host`` (wall time of bursts of 100 calls queued
+  behind a GPU kernel that outlasts them, so that the GPU never holds the host back).
   Each figure is the median of repeated samples after a warm-up; call counts adapt so that a
   sample lasts about a millisecond or more.
 * Every implementation's output is checked before it is timed (a subsample against the float64

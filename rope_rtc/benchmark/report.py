@@ -405,8 +405,9 @@ METHOD_MD = """\
   rotating among buffer sets totalling more than 4x the L2 (the same as hot when one set
   already does; marked * where the 4096-set cap leaves it partial); *graph* / *graph cold* =
   GPU time per call under CUDA-graph replay of captured calls; *host* = wall time per call of
-  Python loops of 100 calls, each started on an idle stream (synchronised, untimed) so that no
-  call waits for the GPU to drain a full launch queue. Figures are medians of repeated samples
+  Python loops of 100 calls, each issued behind a GPU kernel that outlasts it (`bench_spin`, on
+  a stream synchronised first, untimed), so that no call waits for the GPU; calls that
+  synchronise with the GPU cannot be timed that way and are timed from an idle stream. Figures are medians of repeated samples
   after a warm-up, on random data (never zeros).
 - **Copy kernel** (tail cases): a one-thread-per-16-bytes copy kernel over the copy's buffers.
   At small sizes launch and memory latency, not bandwidth, set every kernel's time, and this

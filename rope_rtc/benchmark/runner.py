@@ -131,6 +131,14 @@ class CopyRunner:
         self.fns = [partial(copy, dst, src, self.half, kind, stream.ptr) for src, dst in self.pairs]
 
 
+def _bench_kernels(device: int):
+    """``cuda_src/bench_copy.cu`` loaded on ``device``: the copy and spin kernels."""
+    from ..launch import load_kernel
+    from ..registry import KernelSpec
+
+    return load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin")), device)
+
+
 class CopyKernelRunner:
     """The naive copy kernel (one thread per 16 bytes, ``cuda_src/bench_copy.cu``) over a
     :class:`CopyRunner`'s buffers: at small sizes, the floor of any kernel against the memcpy."""
@@ -140,10 +148,9 @@ class CopyKernelRunner:
     def __init__(self, stream, copy: CopyRunner, device: int) -> None:
         import ctypes
 
-        from ..launch import ArgPack, Launcher, launch_prefix, load_kernel
-        from ..registry import KernelSpec
+        from ..launch import ArgPack, Launcher, launch_prefix
 
-        fn = load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b",)), device).functions["bench_copy_16b"]
+        fn = _bench_kernels(device).functions["bench_copy_16b"]
         n16 = copy.half // 16
         prefix = launch_prefix(fn, (-(-n16 // self.BLOCK), 1, 1), (self.BLOCK, 1, 1))
         self._keep, self.fns = [], []
@@ -154,6 +161,27 @@ class CopyKernelRunner:
             launcher.replay = False  # a reference launched plainly, as a caller's kernel would be
             self._keep.append(args)
             self.fns.append(partial(launcher, prefix, stream.ptr))
+
+
+class GpuHold:
+    """``hold(us)``: enqueue on ``stream`` a one-thread kernel that keeps the GPU busy for ``us``
+    microseconds (``bench_spin``), so that calls timed on the host right after it queue behind
+    it and never wait for the GPU (:meth:`Clock.host`)."""
+
+    def __init__(self, stream, device: int) -> None:
+        import ctypes
+
+        from ..launch import ArgPack, Launcher, launch_prefix
+
+        self._args = ArgPack([("ns", ctypes.c_int64)])
+        self._launch = Launcher(self._args.address, device)
+        self._launch.replay = False
+        self._prefix = launch_prefix(_bench_kernels(device).functions["bench_spin"], (1, 1, 1), (1, 1, 1))
+        self._stream = stream.ptr
+
+    def __call__(self, us: float) -> None:
+        self._args.values.ns = int(us * 1e3)
+        self._launch(self._prefix, self._stream)
 
 
 def run_case(ctx, case: Case) -> dict:
@@ -387,6 +415,7 @@ class Context:
         self.stream = cp.cuda.Stream(non_blocking=True)
         self.l2 = _l2_bytes(cp, args.device)
         self.clock = Clock(cp, self.stream, args.quick)
+        self.clock.hold = GpuHold(self.stream, args.device)
         self.seed = args.seed
         self.peers: Peers | None = None
 

@@ -94,18 +94,26 @@ class Clock:
             samples = [self._gpu_seconds(rot.take(calls)) / calls for _ in range(self.reps)]
         return self._stats(samples, calls, self.reps, divisor, sets or len(fns))
 
-    # Calls per timed burst of a host measurement: few enough that the launch queue never fills
-    # (a full queue makes a call wait for the GPU, which is GPU time, not host cost).
+    # Calls per timed burst of a host measurement.
     HOST_BURST = 100
+    # How long ``hold`` keeps the GPU busy before a burst: this many times the burst's estimated
+    # host time, plus a margin, so the whole burst is issued while the GPU is still held.
+    HOLD_FACTOR = 3.0
+    HOLD_MARGIN_US = 50.0
+    hold = None  # ``hold(us)``: keep the stream's GPU busy for ``us`` µs (runner.GpuHold); None: no hold
 
     def host(self, fns: list) -> dict:
-        """Host time per call: the wall time of bursts of calls issued from an idle GPU, per call.
+        """Host time per call: the wall time of bursts of calls, per call.
 
-        The stream is synchronised before each burst (untimed), so a call never waits for the
-        GPU to drain the launch queue; the sample is the sum over the bursts / calls."""
+        Before each burst the stream is synchronised (untimed) and, when ``hold`` is set, a GPU
+        kernel that outlasts the burst is enqueued: the calls queue behind it, so none of them
+        waits for the GPU. Without it a call whose GPU work outlasts its host work (a graph launch
+        on a slow GPU clock, say) makes later calls of the burst wait, and the figure would be GPU
+        time. A burst that lasts as long as the hold waited for it (a call that synchronises):
+        such calls are measured from an idle GPU instead (``held`` False in the result). The
+        sample is the sum over the bursts / calls."""
         rot = Rotation(fns)
         sync = self.stream.synchronize
-        burst = self.HOST_BURST
         with _no_gc():
             self._warm(rot)
             seq = rot.take(20)
@@ -115,20 +123,35 @@ class Clock:
                 f()
             est = (time.perf_counter() - t0) / 20
             sync()
-            calls = max(burst, -(-self._calls(est) // burst) * burst)
-            samples = []
-            for _ in range(self.reps):
-                total = 0.0
-                for _ in range(calls // burst):
-                    seq = rot.take(burst)
-                    sync()
-                    t0 = time.perf_counter()
-                    for f in seq:
-                        f()
-                    total += time.perf_counter() - t0
-                samples.append(total / calls)
+            calls = max(self.HOST_BURST, -(-self._calls(est) // self.HOST_BURST) * self.HOST_BURST)
+            hold_us = self.HOST_BURST * est * 1e6 * self.HOLD_FACTOR + self.HOLD_MARGIN_US
+            samples = self._host_samples(rot, calls, hold_us) if self.hold is not None else None
+            held = samples is not None
+            if samples is None:
+                samples = self._host_samples(rot, calls, None)
             sync()
-        return self._stats(samples, calls, self.reps, 1, len(fns))
+        return {**self._stats(samples, calls, self.reps, 1, len(fns)), "held": held}
+
+    def _host_samples(self, rot: Rotation, calls: int, hold_us: float | None) -> list[float] | None:
+        """Seconds per call of each rep; None when a burst lasted as long as the GPU was held."""
+        sync, burst = self.stream.synchronize, self.HOST_BURST
+        samples = []
+        for _ in range(self.reps):
+            total = 0.0
+            for _ in range(calls // burst):
+                seq = rot.take(burst)
+                sync()
+                if hold_us is not None:
+                    self.hold(hold_us)
+                t0 = time.perf_counter()
+                for f in seq:
+                    f()
+                dt = time.perf_counter() - t0
+                if hold_us is not None and dt * 1e6 >= 0.9 * hold_us:
+                    return None
+                total += dt
+            samples.append(total / calls)
+        return samples
 
 
 def capture_cupy(stream, seq: list):
