@@ -370,6 +370,18 @@ def per_call(fn, n, reps=9, burst=None):
     return statistics.median(res), min(res)
 
 
+def gpu_us_per_call(fn, n: int) -> float:
+    """GPU µs per call of ``n`` back-to-back calls (CUDA events on the current stream)."""
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    cp.cuda.runtime.deviceSynchronize()
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) * 1e3 / n
+
+
 def host_part():
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, 64, 512)).astype(ml_dtypes.bfloat16))
     c = cp.ones((1, 32), cp.float32)
@@ -435,15 +447,7 @@ def host_part():
         tight = per_call(f, 20000)
         burst = per_call(f, 20000, burst=100)
         print(f"  {name:48s} {tight[0]:6.2f}/{tight[1]:6.2f} | {burst[0]:6.2f}/{burst[1]:6.2f}", flush=True)
-    # GPU-side rate of back-to-back stream launches: events around 2000 launches
-    s_, e_ = cp.cuda.Event(), cp.cuda.Event()
-    cp.cuda.runtime.deviceSynchronize()
-    s_.record()
-    for _ in range(20000):
-        raw()
-    e_.record()
-    e_.synchronize()
-    print(f"  GPU time per launch over 20000 back-to-back raw launches: {cp.cuda.get_elapsed_time(s_, e_) * 1e3 / 20000:.2f} µs")
+    print(f"  GPU time per launch over 20000 back-to-back raw launches: {gpu_us_per_call(raw, 20000):.2f} µs")
 
 
 def queue_part():
@@ -486,15 +490,8 @@ def queue_part():
     for name, f in (("TailRoPEForward.execute", lambda: tail.execute(x, c, s, o)),
                     ("RopePlan.execute (decode, positions)", lambda: rp.execute(q, k, cos, sin, pos))):
         b10, b100 = per_call(f, 20000, burst=10), per_call(f, 20000, burst=100)
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        cp.cuda.runtime.deviceSynchronize()
-        e0.record()
-        for _ in range(2000):
-            f()
-        e1.record()
-        e1.synchronize()
         print(f"  {name:38s} {b10[0]:6.2f}/{b10[1]:6.2f} | {b100[0]:6.2f}/{b100[1]:6.2f} | "
-              f"GPU {cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 2000:.2f}")
+              f"GPU {gpu_us_per_call(f, 2000):.2f}")
 
 
 if __name__ == "__main__":
