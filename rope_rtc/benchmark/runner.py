@@ -139,6 +139,17 @@ def _bench_kernels(device: int):
     return load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin")), device)
 
 
+def _plain_launcher(device: int, fields: list) -> tuple:
+    """``(args, launcher)`` for a benchmark kernel: its own argument pack, launched plainly (no
+    graph replay), as a caller's kernel would be."""
+    from ..launch import ArgPack, Launcher
+
+    args = ArgPack(fields)
+    launcher = Launcher(args.address, device)
+    launcher.replay = False
+    return args, launcher
+
+
 class CopyKernelRunner:
     """The naive copy kernel (one thread per 16 bytes, ``cuda_src/bench_copy.cu``) over a
     :class:`CopyRunner`'s buffers: at small sizes, the floor of any kernel against the memcpy."""
@@ -148,17 +159,16 @@ class CopyKernelRunner:
     def __init__(self, stream, copy: CopyRunner, device: int) -> None:
         import ctypes
 
-        from ..launch import ArgPack, Launcher, launch_prefix
+        from ..launch import launch_prefix
 
         fn = _bench_kernels(device).functions["bench_copy_16b"]
         n16 = copy.half // 16
         prefix = launch_prefix(fn, (-(-n16 // self.BLOCK), 1, 1), (self.BLOCK, 1, 1))
         self._keep, self.fns = [], []
         for src, dst in copy.pairs:
-            args = ArgPack([("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("n", ctypes.c_int64)])
+            args, launcher = _plain_launcher(device, [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64),
+                                                      ("n", ctypes.c_int64)])
             args.values.src, args.values.dst, args.values.n = src, dst, n16
-            launcher = Launcher(args.address, device)
-            launcher.replay = False  # a reference launched plainly, as a caller's kernel would be
             self._keep.append(args)
             self.fns.append(partial(launcher, prefix, stream.ptr))
 
@@ -171,11 +181,9 @@ class GpuHold:
     def __init__(self, stream, device: int) -> None:
         import ctypes
 
-        from ..launch import ArgPack, Launcher, launch_prefix
+        from ..launch import launch_prefix
 
-        self._args = ArgPack([("ns", ctypes.c_int64)])
-        self._launch = Launcher(self._args.address, device)
-        self._launch.replay = False
+        self._args, self._launch = _plain_launcher(device, [("ns", ctypes.c_int64)])
         self._prefix = launch_prefix(_bench_kernels(device).functions["bench_spin"], (1, 1, 1), (1, 1, 1))
         self._stream = stream.ptr
 
