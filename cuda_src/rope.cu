@@ -47,7 +47,7 @@ constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 #error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
 #endif
 constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
-// Tables through the read-only path (1) or plain loads (0; a tuning knob for the probes).
+// Tables through the read-only path (1; a launch never writes them) or plain loads (0).
 #ifndef ROPE_TABLE_NC
 #define ROPE_TABLE_NC 1
 #endif
@@ -211,8 +211,8 @@ __device__ __forceinline__ void rotate_group(const RopeParams& p, i64 t, i64 b, 
     Unit in[HEAD_BATCH];
 #pragma unroll
     for (int k = 0; k < HEAD_BATCH; ++k) {
-        // Consecutive heads per thread. (Strided heads g + k*groups measured worse:
-        // 76-86% of copy for interleaved pairs against 89-94%; docs/perf_notes.md.)
+        // Consecutive heads per thread: strided heads (g + k*groups) measured slower for
+        // interleaved pairs (docs/performance.md).
         const i64 hk = g * HEAD_BATCH + k;
         if (hk < heads) {
             hp[k] = head_ptrs(p, hk, b, s, ch);
@@ -305,7 +305,8 @@ __device__ __forceinline__ void wide_loop(const RopeParams& p, float sign) {
 // Two entry points so that each gets its own register allocation: the 64-bit loop needs ~10
 // more registers, and the 32-bit path is what every tensor below 2^31 indices runs (at 26-40
 // registers, 6-8 blocks of 256 fit an SM: enough loads in flight to reach the copy rate).
-// ROPE_MIN_BLOCKS is a tuning knob for scripts/rope_variants.py only.
+// ROPE_MIN_BLOCKS bounds registers through __launch_bounds__; the default 1 sets no bound, as a
+// bound of 8 blocks spilled the multi-head builds and did not speed up the one-head build.
 #ifndef ROPE_MIN_BLOCKS
 #define ROPE_MIN_BLOCKS 1
 #endif

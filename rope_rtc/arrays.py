@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .descriptors import TensorDesc, _bind_device
+from .errors import UnsupportedLayoutError
 
 try:  # a base dependency; bfloat16 on the host and in CuPy
     import ml_dtypes
@@ -27,6 +28,11 @@ INDEX_DTYPES = ("int32", "int64")
 # The widest global access; tail RoPE requires it of every non-empty array (seed contract).
 ALIGN_BYTES = 16
 INT32_MAX = 2**31 - 1
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of one of the names ``dtype_name`` gives."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
 
 
 def dtype_name(dtype) -> str:
@@ -97,6 +103,11 @@ def _resolve_dtype_uncached(dtype, name: str) -> tuple[str, int]:
     dt = np.dtype(dtype)
     if BFLOAT16 is not None and dt == BFLOAT16:
         return "bfloat16", 2
+    if not dt.isnative:
+        # The kernels and the references read native-order values; a byte-swapped array would
+        # be rotated as garbage (or rejected after a first output was written).
+        raise TypeError(f"{name}: dtype {dt.str} is in non-native byte order; pass "
+                        f"{name}.astype({name}.dtype.newbyteorder('='))")
     if dt.kind == "V":
         raise TypeError(
             f"{name}: dtype {dt.str} is an unnamed {dt.itemsize}-byte type (PyTorch reports bfloat16 this way through "
@@ -220,17 +231,20 @@ def check_ndim(info: ArrayInfo, ndims: tuple[int, ...], meaning: str) -> None:
         raise ValueError(f"{info.name}: expected {meaning}, got shape {info.shape}")
 
 
-def check_last_dim_contiguous(info: ArrayInfo) -> None:
+def check_last_dim_contiguous(info: ArrayInfo, hint: str = "") -> None:
+    if not info.shape:
+        raise ValueError(f"{info.name}: expected an array with at least one dimension, got a 0-d array")
     if info.size and info.shape[-1] > 1 and info.strides[-1] != 1:
-        raise ValueError(
+        raise UnsupportedLayoutError(
             f"{info.name}: the last dimension must be contiguous (stride 1 element), got strides {info.strides} "
-            "in elements; pass a copy made with .copy() or ascontiguousarray()"
+            f"in elements{hint or '; pass a copy made with .copy() or ascontiguousarray()'}"
         )
 
 
-def check_contiguous(info: ArrayInfo) -> None:
+def check_contiguous(info: ArrayInfo, what: str = "must be C-contiguous") -> None:
     if not info.is_c_contiguous():
-        raise ValueError(f"{info.name}: must be C-contiguous, got shape {info.shape} with strides {info.strides} elements")
+        raise UnsupportedLayoutError(f"{info.name}: {what}, got shape {info.shape} with strides {info.strides} "
+                                     "elements; pass a contiguous copy")
 
 
 def check_aligned(info: ArrayInfo, nbytes: int = ALIGN_BYTES) -> None:

@@ -1,15 +1,17 @@
-"""The blog seed's three kernels behind ``variant=``: FP32, interleaved, contiguous ``bhsd``,
-whole-head rotation, positions ``offset + s``. They exist to show the progression in the
-benchmark; ``variant="auto"`` is the production kernel and is never slower."""
+"""The three kernels of the blog "Rotary Positional Embeddings in CUDA: From Math to
+High-Performance Kernels": FP32, interleaved, contiguous ``bhsd``, whole-head rotation,
+positions ``offset + s``. They show the progression in the benchmark and the demo
+(:func:`prepare_blog_variant`); the general API's kernel serves every other use."""
 
 from __future__ import annotations
 
 import ctypes
 
-from .launch import ArgPack, launch, load_kernel, stream_handle
+from .launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
 from .registry import blog_spec
 
 BLOG_BLOCK = 256
+VARIANTS = ("baseline", "vectorized", "fused")
 
 
 def check_blog_variant(variant: str, req) -> None:
@@ -33,7 +35,8 @@ def check_blog_variant(variant: str, req) -> None:
         problems.append("q and k of different shapes")
     if problems:
         raise ValueError(f"variant: {variant!r} is the blog's kernel (FP32, interleaved, contiguous bhsd, whole head, "
-                         f"offset positions, q/k of one shape for 'fused'); not for {', '.join(problems)}; use variant='auto'")
+                         f"offset positions, q/k of one shape for 'fused'); not for {', '.join(problems)}; use "
+                         "apply_rope / apply_rope_qk")
 
 
 def _packed_table(req):
@@ -84,29 +87,31 @@ def _launcher(variant: str, req, device: int):
             launches.append((k.functions["rope_blog_fused_qk"], (-(-total // BLOG_BLOCK), 1, 1),
                              (BLOG_BLOCK, 1, 1), a))
 
+    # One launcher per argument pack, built once: the timed calls only launch.
+    prepared = []
+    for fn, grid, block, pack in launches:
+        launcher = Launcher(pack.address, device)
+        launcher.replay = False
+        prepared.append((launcher, launch_prefix(fn, grid, block), pack))
+
     def run(stream: int) -> None:
-        for fn, grid, block, pack in launches:
-            launch(fn, grid, block, stream, pack.address)
+        for launcher, prefix, _ in prepared:
+            launcher(prefix, stream)
 
     run.table = table  # the packed table lives as long as the launcher
     return run
 
 
-def run_blog_variant(variant: str, req, stream: int, device: int) -> None:
-    """One call of ``apply_rope``/``apply_rope_qk`` with ``variant=``: packs the table per call."""
-    run = _launcher(variant, req, device)
-    run(stream)
-    if run.table is not None:
-        _keep_alive(run.table, stream)
-
-
 def prepare_blog_variant(variant: str, q, k, cos, sin, *, q_out, k_out=None, offset: int = 0):
-    """A ready launcher for the benchmark: validated once, packed table built once, so the timed
-    calls do only the launches (and can be captured in a CUDA graph). Returns ``run(stream=None)``."""
+    """One of the blog's kernels (``variant``: "baseline", "vectorized" or "fused"), ready to run
+    on these arrays: validated once, packed table built once, so each call only launches (and
+    can be captured in a CUDA graph). Returns ``run(stream=None)``."""
     import cupy
 
-    from .rope import validate
+    from .rope_request import validate
 
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
     req = validate(q, k, cos, sin, offset=offset, layout="bhsd", interleaved=True, q_out=q_out, k_out=k_out,
                    allow_host=False)
     check_blog_variant(variant, req)
@@ -118,12 +123,3 @@ def prepare_blog_variant(variant: str, q, k, cos, sin, *, q_out, k_out=None, off
 
     call.table = run.table
     return call
-
-
-def _keep_alive(table, stream: int) -> None:
-    import cupy
-
-    # CuPy's allocator reuses freed blocks in stream order, so freeing on the launch stream is
-    # safe when that stream is CuPy's current one; otherwise wait for it (benchmark path only).
-    if stream != cupy.cuda.get_current_stream().ptr:
-        cupy.cuda.ExternalStream(stream).synchronize()

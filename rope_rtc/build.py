@@ -47,7 +47,7 @@ def spec_key(spec: KernelSpec, target: Target) -> str:
         target=target.name,
         kind=target.kind,
         source_name=spec.source,
-        sources=sources.all_sources(),
+        sources=sources.included_sources(spec.source),
         options=compile_options(spec.defines, target),
     )
 

@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -95,10 +96,11 @@ def _disk_store(cache_dir: str | None):
     return DiskStore(versioned_cache_dir(cache_dir), trust_shared=settings().trust_shared_cache, create=False)
 
 
-def _entry_problem(error: str) -> str:
-    if "Too many levels of symbolic links" in error:
-        return "is a symbolic link (never followed)"
-    return error
+def _entry_name(e) -> str:
+    """A listed entry as a person knows it: kernel and architecture when its header says, and
+    the start of its key."""
+    what = " ".join(x for x in (e.kernel, e.target) if x)
+    return f"{what} ({e.key[:12]}…)" if what else e.path.name
 
 
 # -- info ------------------------------------------------------------------------------------
@@ -111,23 +113,39 @@ def _cmd_info(args: argparse.Namespace) -> int:
         ("rope_rtc", f"{__version__} ({Path(__file__).resolve().parent})"),
         ("Python", f"{platform.python_version()} ({sys.executable})"),
     ]
+    # Which CUDA toolchain this is: each part's version, where it came from, and its CUDA major
+    # (one extra installs one coherent set; parts of two majors cannot work on one driver).
+    majors: dict[str, int] = {}
     try:
         major, minor = toolchain.nvrtc_version()
-        rows.append(("NVRTC", f"{major}.{minor}"))
+        majors["NVRTC"] = major
+        lib = toolchain.nvrtc_library()
+        wheel = toolchain.installed_from(lib, toolchain.NVRTC_PACKAGES.values()) if lib else None
+        where = ", ".join(x for x in (wheel, lib) if x)
+        rows.append(("NVRTC", f"{major}.{minor}" + (f" ({where})" if where else "")))
     except Exception as exc:
         rows.append(("NVRTC", f"unavailable ({exc})"))
-    rows.append(("cuda-bindings", _dist_version("cuda-bindings") or "not installed"))
-    cupy_version = _dist_version("cupy-cuda13x", "cupy-cuda12x", "cupy")
+    bindings = toolchain.bindings_version()
+    if toolchain.bindings_major() is not None:
+        majors["cuda-bindings"] = toolchain.bindings_major()
+    rows.append(("cuda-bindings", bindings or f"not installed ({toolchain.install_hint()})"))
+    cupy_dist = next((n for n in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if _dist_version(n)), None)
+    cupy_version = _dist_version(cupy_dist) if cupy_dist else None
+    if cupy_dist and cupy_dist != "cupy":
+        majors["CuPy"] = int(cupy_dist[len("cupy-cuda"):-1])
+        cupy_version = f"{cupy_version} ({cupy_dist})"
     if cupy_version is None and importlib.util.find_spec("cupy") is not None:
         cupy_version = "installed (version unknown)"
-    rows.append(("CuPy", cupy_version or "not installed (pip install 'rope-rtc[cuda13]' or '[cuda12]')"))
+    rows.append(("CuPy", cupy_version or f"not installed ({toolchain.install_hint()})"))
     rows.append(("NumPy", _dist_version("numpy") or "not installed"))
     rows.append(("ml_dtypes", _dist_version("ml_dtypes", "ml-dtypes") or "not installed"))
 
     gpu = driver.available()
+    driver_major = None
     if gpu:
         try:
             v = driver.driver_version()
+            driver_major = v // 1000
             rows.append(("CUDA driver", f"{v // 1000}.{(v % 1000) // 10}"))
         except Exception as exc:
             rows.append(("CUDA driver", f"unknown ({exc})"))
@@ -136,9 +154,31 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     try:
         h = toolchain.cuda_headers()
-        rows.append(("CUDA headers", f"{h.path} (CUDA {h.version_text}, from {h.origin})"))
+        majors["CUDA headers"] = h.cuda_version // 1000
+        origin = h.origin
+        if h.origin == "wheel":
+            wheel = toolchain.installed_from(Path(h.path) / "cuda_fp16.h", toolchain.RUNTIME_PACKAGES.values())
+            origin = f"the {wheel} wheel" if wheel else "a wheel"
+        elif h.origin == "system":
+            origin = "a system CUDA"
+        rows.append(("CUDA headers", f"{h.path} (CUDA {h.version_text}, from {origin})"))
     except Exception as exc:
         rows.append(("CUDA headers", f"not found ({exc})"))
+
+    found = sorted(set(majors.values()))
+    if "NVRTC" not in majors:
+        summary = f"no CUDA toolchain: {toolchain.install_hint(driver_major)}"
+    elif len(found) == 1:
+        extra = toolchain.EXTRAS.get(found[0])
+        summary = f"CUDA {found[0]}" + (f" (the rope-rtc[{extra}] set)" if extra else "")
+        if driver_major is not None and driver_major < found[0]:
+            summary += f"; the CUDA {driver_major} driver needs the CUDA {driver_major} one: " \
+                       f"{toolchain.install_hint(driver_major)}"
+    else:
+        parts = ", ".join(f"{name} {m}" for name, m in majors.items())
+        summary = (f"mixed CUDA versions ({parts}): install one set, "
+                   f"{toolchain.install_hint(driver_major)}")
+    rows.insert(2, ("toolchain", summary))
     try:
         archs = toolchain.supported_archs()
         rows.append(("NVRTC archs", " ".join(f"sm_{a}" for a in archs)
@@ -209,34 +249,46 @@ def _cmd_warm(args: argparse.Namespace) -> int:
                               progress=not args.no_progress)
     except (RopeRtcError, ValueError) as exc:
         raise _Usage(str(exc)) from None
-    print(f"warmed {report.total // len(report.targets)} kernels for "
-          f"{', '.join(t.name for t in report.targets)} in {report.directory}")
+    print(report.headline())
     print(report.summary())
     if report.failed:
-        print(f"{len(report.failed)} failed:", file=sys.stderr)
-        for f in report.failed:
-            print(f"- {f.kernel} for {f.target}: {f.error}", file=sys.stderr)
-        hint = warming.no_compile_hint()
-        if hint:
-            print(hint, file=sys.stderr)
+        for line in report.failure_lines():
+            print(line, file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
 
 # -- cache -----------------------------------------------------------------------------------
 
+def _cannot_read(store) -> bool:
+    """True (having said why on stderr) when the directory exists but the store cannot read it."""
+    if store.usable or (store.missing and not store.problem):
+        return False
+    _err(f"cache {store.directory}: {store.problem}")
+    return True
+
+
 def _cmd_cache_list(args: argparse.Namespace) -> int:
     store = _disk_store(args.cache_dir)
     print(f"cache {store.directory}")
-    if store.problem and store.directory.exists():
-        print(f"note: {store.problem}")
     listed = store.list()
-    for e in listed:
-        if e.entry is not None:
-            print(f"  {e.entry.kernel:<48} {e.entry.target:<12} {e.entry.kind:<5} {_size(e.size):>10}  "
-                  f"{_when(e.entry.created)}")
-        else:
-            print(f"  UNUSABLE {e.path.name}: {_entry_problem(e.error or '')}")
+    if _cannot_read(store):
+        return EXIT_FAILED
+    if store.problem:
+        print(f"note: {store.problem}")
+    good = sorted((e for e in listed if e.entry is not None), key=lambda e: (e.entry.kernel, e.entry.target, e.key))
+    bad = sorted((e for e in listed if e.entry is None), key=lambda e: (e.kernel or "~", e.target or "", e.key))
+    rows = [(e.entry.kernel, e.entry.target, e.entry.kind, _size(e.size), _when(e.entry.created), e.key[:12], "")
+            for e in good]
+    rows += [(e.kernel or "?", e.target or "?", "-", _size(e.size), "-", e.key[:12], f"UNUSABLE: {e.error}")
+             for e in bad]
+    if rows:
+        header = ("kernel", "arch", "kind", "size", "created", "key", "")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
+        for r in [header, *rows]:
+            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2]), r[3].rjust(widths[3]),
+                     r[4].ljust(widths[4]), r[5].ljust(widths[5])]
+            print(("  " + "  ".join(cells) + (f"  {r[6]}" if r[6] else "")).rstrip())
     temps = store.temp_files()
     for p in temps:
         try:
@@ -245,21 +297,62 @@ def _cmd_cache_list(args: argparse.Namespace) -> int:
                   f"interrupted write unless a warm is running)")
         except OSError:
             pass
-    sources = sorted(store.directory.glob("*.cu")) if store.directory.is_dir() else []
     total = sum(e.size for e in listed)
-    print(f"{len(listed)} entries, {_size(total)}; {len(temps)} temporary files; {len(sources)} saved sources")
+    print(f"{len(listed)} entries, {_size(total)}; {len(temps)} temporary files; "
+          f"{len(store.saved_sources())} saved sources")
     return EXIT_OK
+
+
+def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
+    """("refused", why) when the loader would refuse this verified entry under its key,
+    ("stale", why) when no kernel of this installation looks its key up (built from other
+    sources or by another NVRTC: never loaded, never deleted by a load), None when it loads."""
+    from . import build, toolchain
+    from .warm import spec_named
+
+    if entry.rope_rtc != __version__:
+        return "refused", f"built by rope_rtc {entry.rope_rtc}, not {__version__}"
+    spec = spec_named(entry.kernel)
+    if spec is None:
+        return "stale", f"names no kernel of rope_rtc {__version__}"
+    candidates = [toolchain.Target(a, kind) for a in toolchain.supported_archs() for kind in ("cubin", "ptx")]
+    try:  # the header's own claim first: for a sound entry that is the only key computed
+        claimed = toolchain.Target(toolchain.parse_arch(entry.target), entry.kind)
+        candidates.insert(0, claimed)
+    except ValueError:
+        pass
+    for target in candidates:
+        if build.spec_key(spec, target) == key:
+            # The very check the loader makes before it loads a hit (build.get_binary).
+            if build._expected(entry, target):
+                return None
+            major, minor = toolchain.nvrtc_version()
+            return "refused", (f"its key is {spec.name} for {target.name} {target.kind} built by NVRTC "
+                               f"{major}.{minor}, but its header says {entry.target} {entry.kind}, NVRTC "
+                               f"{entry.nvrtc}: the loader refuses it")
+    return "stale", "built from other sources or by another NVRTC; never loaded"
 
 
 def _cmd_cache_verify(args: argparse.Namespace) -> int:
     store = _disk_store(args.cache_dir)
     listed = store.list()
-    bad = []
+    if _cannot_read(store):
+        _err("verify: the loader cannot use this directory, so none of its entries is served")
+        return EXIT_FAILED
+    bad, stale, unchecked = [], 0, None
     for e in listed:
         if e.error:
-            bad.append(f"{e.path.name}: {_entry_problem(e.error)}")
-        elif e.entry is not None and e.entry.rope_rtc != __version__:
-            bad.append(f"{e.path.name}: built by rope_rtc {e.entry.rope_rtc}, not {__version__}")
+            bad.append(f"{_entry_name(e)}: {e.error}")
+            continue
+        try:
+            verdict = _loader_refusal(e.entry, e.key)
+        except Exception as exc:  # no NVRTC here: the checksum still held; say what was not checked
+            unchecked = f"{type(exc).__name__}: {exc}"
+            verdict = None
+        if verdict and verdict[0] == "refused":
+            bad.append(f"{_entry_name(e)}: {verdict[1]}")
+        elif verdict:
+            stale += 1
     if bad:
         print(f"{len(bad)} of {len(listed)} entries in {store.directory} fail verification:", file=sys.stderr)
         for line in bad:
@@ -268,23 +361,38 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     temps = len(store.temp_files())
     print(f"all {len(listed)} entries in {store.directory} verified"
-          + (f" ({temps} temporary files left by interrupted writes; `rope-rtc cache clear` removes them)"
-             if temps else ""))
+          + (f" ({temps} temporary files left by interrupted writes; `rope-rtc warm` removes those older "
+             "than an hour, `rope-rtc cache clear` all of them)" if temps else ""))
+    if stale:
+        print(f"{stale} of them are never loaded by this installation (built from other sources or by another "
+              "NVRTC); `rope-rtc cache clear` removes them")
+    if unchecked:
+        print(f"note: whether the loader accepts each entry's header was not checked ({unchecked})")
     return EXIT_OK
 
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
     store = _disk_store(args.cache_dir)
     d = store.directory
-    if not d.is_dir():
+    if store.missing and not store.problem:
         print(f"nothing to clear: {d} does not exist")
         return EXIT_OK
-    counts = {what: len(list(d.glob(pattern))) for what, pattern in
-              (("entries", "*.bin"), ("saved sources", "*.cu"), ("temporary files", ".tmp-*"))}
-    removed = store.clear()
-    print(f"removed {removed} files from {d} ({', '.join(f'{n} {w}' for w, n in counts.items())})")
-    if removed < sum(counts.values()):
-        _err(f"{sum(counts.values()) - removed} files could not be removed")
+    if _cannot_read(store):
+        _err("clear: nothing removed")
+        return EXIT_FAILED
+    try:
+        done = store.clear()
+    except OSError as exc:
+        _err(f"clear: cannot read {d}: {exc.strerror}; nothing removed")
+        return EXIT_FAILED
+    print(f"removed {done.removed} files from {d} ({done.entries} entries, {done.sources} saved sources, "
+          f"{done.temporary} temporary files)")
+    if done.left:
+        shown = ", ".join(done.left[:5]) + (", …" if len(done.left) > 5 else "")
+        print(f"left {len(done.left)} files that are not the cache's: {shown}")
+    if done.failed:
+        _err(f"{len(done.failed)} files could not be removed: "
+             + "; ".join(f"{name} ({why})" for name, why in done.failed[:5]))
         return EXIT_FAILED
     return EXIT_OK
 
@@ -315,6 +423,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # -- parser ----------------------------------------------------------------------------------
 
+WARM_DESCRIPTION = ("Compile every registered kernel specialisation for each --arch into the disk cache "
+                    "(no GPU needed). Entries already present and valid are left as they are.")
+
+
+def _add_cache_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", metavar="D", default=None,
+                   help="cache root, like ROPE_RTC_CACHE_DIR (a version subdirectory is appended)")
+
+
+def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
+    from .registry import DEFAULT_TAIL_HEADS
+
+    w.add_argument("--arch", action="append", metavar="ARCH",
+                   help="architecture to build for, e.g. sm_90 (repeatable, or comma-separated); "
+                        "default: those of this machine's GPUs")
+    w.add_argument("--jobs", "-j", type=_positive_int, default=None, help="concurrent compiles (default: CPU count)")
+    w.add_argument("--tail-heads", type=_int_list, default=list(DEFAULT_TAIL_HEADS), metavar="H,H,...",
+                   help=f"head counts to build the tail kernel for (default: {','.join(map(str, DEFAULT_TAIL_HEADS))})")
+    w.add_argument("--kernels", action="append", metavar="GLOB",
+                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*'")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.set_defaults(func=_cmd_warm, command="warm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rope-rtc",
@@ -324,35 +456,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     cache_dir = argparse.ArgumentParser(add_help=False)
-    cache_dir.add_argument("--cache-dir", metavar="D", default=None,
-                           help="cache root, like ROPE_RTC_CACHE_DIR (a version subdirectory is appended)")
+    _add_cache_dir(cache_dir)
 
     info = sub.add_parser("info", parents=[cache_dir], help="versions, CUDA headers, devices, cache (no GPU needed)")
     info.set_defaults(func=_cmd_info)
 
     w = sub.add_parser("warm", parents=[cache_dir],
                        help="compile every registered kernel for some architectures (no GPU needed)",
-                       description="Compile every registered kernel specialisation for each --arch into the "
-                                   "disk cache. Entries already present and valid are left as they are.")
-    w.add_argument("--arch", action="append", metavar="ARCH",
-                   help="architecture to build for, e.g. sm_90 (repeatable, or comma-separated); "
-                        "default: those of this machine's GPUs")
-    w.add_argument("--jobs", "-j", type=_positive_int, default=None, help="concurrent compiles (default: CPU count)")
-    from .registry import DEFAULT_TAIL_HEADS
-
-    w.add_argument("--tail-heads", type=_int_list, default=list(DEFAULT_TAIL_HEADS), metavar="H,H,...",
-                   help=f"head counts to build the tail kernel for (default: {','.join(map(str, DEFAULT_TAIL_HEADS))})")
-    w.add_argument("--kernels", action="append", metavar="GLOB",
-                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*'")
-    w.add_argument("--no-progress", action="store_true", help="no progress bar")
-    w.set_defaults(func=_cmd_warm)
+                       description=WARM_DESCRIPTION)
+    _add_warm_arguments(w)
 
     c = sub.add_parser("cache", help="list, verify or clear the kernel cache")
     csub = c.add_subparsers(dest="cache_command", metavar="ACTION")
     for name, func, text in (
-        ("list", _cmd_cache_list, "each entry (kernel, target, kind, size, created) and leftover temporary files"),
-        ("verify", _cmd_cache_verify, "check every entry; exit 1 naming any that is corrupt"),
-        ("clear", _cmd_cache_clear, "remove every entry, saved source and temporary file"),
+        ("list", _cmd_cache_list, "each entry (kernel, architecture, kind, size, created, key), sorted, and "
+                                  "leftover temporary files"),
+        ("verify", _cmd_cache_verify, "check every entry as the loader would; exit 1 naming any it would refuse"),
+        ("clear", _cmd_cache_clear, "remove every entry, saved source and temporary file (and nothing else)"),
     ):
         csub.add_parser(name, parents=[cache_dir], help=text, description=text).set_defaults(func=func)
     c.set_defaults(func=None, parser=c)
@@ -367,32 +487,64 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
     try:
-        if argv[:1] == ["bench"]:
-            # REMAINDER does not take a leading option ("bench --iters 5"): hand everything over as is.
-            args = parser.parse_args(["bench"])
-            args.bench_args = argv[1:]
-        else:
-            args = parser.parse_args(argv)
+        return parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, bad arguments: argparse has printed why
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    func = getattr(args, "func", None)
-    if func is None:
-        (getattr(args, "parser", None) or parser).print_help(sys.stderr)
-        return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            return func(args)
+            return args.func(args)
         except _Usage as exc:
             _err(f"{args.command}: {exc}")
             return EXIT_USAGE
         except KeyboardInterrupt:
             _err("interrupted")
             return 130
+        except BrokenPipeError:
+            # The reader has gone (`rope-rtc cache list | head -5`): stop quietly, as a Unix tool
+            # does, and keep the interpreter's final flush of stdout from failing again.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+            return 128 + signal.SIGPIPE
+        except OSError as exc:  # the environment (a directory, a disk), not a bug: one line, no traceback
+            _err(f"{args.command}: {exc}")
+            return EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # REMAINDER does not take a leading option ("bench --iters 5"): hand everything over as is.
+        args = _parse(parser, ["bench"])
+        if not isinstance(args, int):
+            args.bench_args = argv[1:]
+    else:
+        args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
+    if getattr(args, "func", None) is None:
+        (getattr(args, "parser", None) or parser).print_help(sys.stderr)
+        return EXIT_USAGE
+    return _run(args)
+
+
+def warm_main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """``rope-rtc warm`` as a program of its own (``scripts/warm_cache.py``), named ``prog``."""
+    parser = argparse.ArgumentParser(prog=prog or os.path.basename(sys.argv[0]), description=WARM_DESCRIPTION)
+    _add_cache_dir(parser)
+    _add_warm_arguments(parser)
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
+    return args if isinstance(args, int) else _run(args)
 
 
 if __name__ == "__main__":

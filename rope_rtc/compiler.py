@@ -36,7 +36,8 @@ def compile_source(
 ) -> CompileResult:
     nvrtc = _nvrtc()
     src = sources.read_source(source_name)
-    hdrs = sources.headers()
+    # Only the headers the key holds (sources.included_sources): nothing else can leak in.
+    hdrs = sources.included_headers(source_name)
     options = compile_options(defines, target)
     include = f"-I{cuda_headers().path}"
     argv = [o.encode() for o in (*options, include)]

@@ -91,52 +91,23 @@ def worked_example() -> int:
 
 
 def warm_cache(arch: str, cache_dir: str | None) -> int:
-    """Compile every kernel for ``arch`` into the cache (rope_rtc.warm when present)."""
+    """Compile every kernel for ``arch`` into the cache; 0 when every one is there."""
     from .toolchain import parse_arch
+    from .warm import warm
 
     number = parse_arch(arch)
     print(f"\nwarming the kernel cache for sm_{number} (what a GPU machine will load without compiling)")
     t0 = time.perf_counter()
     try:
-        try:
-            from .warm import warm
-        except ImportError:
-            warm = None
-        if warm is not None:
-            rep = warm([number], cache_dir=cache_dir, jobs=None, progress=True)
-            failed = list(getattr(rep, "failed", []) or [])
-            print(f"  {getattr(rep, 'compiled', '?')} compiled, {getattr(rep, 'cached', '?')} already cached, "
-                  f"{len(failed)} failed, in {time.perf_counter() - t0:.1f} s: {getattr(rep, 'directory', '?')}")
-            for f in failed[:5]:
-                print(f"  FAILED: {f}")
-            return 1 if failed else 0
-        compiled, cached, where = _warm_each(number, cache_dir)
-    except Exception as exc:
+        rep = warm([number], cache_dir=cache_dir, jobs=None, progress=True)
+    except Exception as exc:  # an architecture NVRTC lacks, an unusable cache: say so, run the rest
         print(f"  FAILED: {type(exc).__name__}: {exc}")
         return 1
-    print(f"  {compiled + cached} kernels ({compiled} compiled, {cached} already cached) in "
-          f"{time.perf_counter() - t0:.1f} s: {where}")
-    return 0
-
-
-def _warm_each(arch: int, cache_dir: str | None) -> tuple[int, int, str]:
-    from .build import get_binary
-    from .cache import open_store
-    from .cache.location import versioned_cache_dir
-    from .registry import all_specs
-    from .toolchain import target_for
-
-    store = open_store(versioned_cache_dir(cache_dir) if cache_dir else None)
-    target = target_for(arch)
-    compiled = cached = 0
-    for spec in all_specs():
-        b = get_binary(spec, target, store=store, announce=False)
-        if b.source == "compiled":
-            compiled += 1
-        else:
-            cached += 1
-    where = str(store.disk.directory) if getattr(store, "disk", None) is not None else "memory only"
-    return compiled, cached, where
+    print(f"  {rep.compiled} compiled, {rep.cached} already cached, {len(rep.failed)} failed, in "
+          f"{time.perf_counter() - t0:.1f} s: {rep.directory}")
+    for line in rep.failure_lines():
+        print(f"  {line}")
+    return 0 if rep.ok else 1
 
 
 # --------------------------------------------------------------------------------------------- GPU
@@ -149,7 +120,6 @@ def gpu_demo() -> int:
     from .benchmark.runner import CopyRunner
     from .benchmark.timing import Clock
     from .reference import assert_rope_close, rope_reference
-    from .rope import apply_rope_qk
 
     B, H, S, D = (BLOG_SHAPE[k] for k in ("B", "H", "S", "D"))
     case = Case("blog", "float32", "bhsd", True, B, S, H, H, D)
@@ -176,7 +146,8 @@ def gpu_demo() -> int:
         print(f"{'variant':<12}{'max |err|':>11}{'check':>8}{'µs':>10}{'GB/s':>9}{'% of copy':>11}")
         failures = 0
         for variant in VARIANTS:
-            qo, ko = apply_rope_qk(q, k, cos, sin, layout="bhsd", interleaved=True, variant=variant)
+            qo, ko = cp.empty_like(q), cp.empty_like(k)
+            _run_variant(variant, q, k, cos, sin, qo, ko)
             stream.synchronize()
             err, verdict = 0.0, "ok"
             for out, x, ref in ((qo, qh, refs[0]), (ko, kh, refs[1])):
@@ -190,8 +161,7 @@ def gpu_demo() -> int:
                 verdict = "FAILED"
             failures += verdict != "ok"
             qq, kk = q.copy(), k.copy()
-            fn = partial(apply_rope_qk, qq, kk, cos, sin, layout="bhsd", interleaved=True, q_out=qq, k_out=kk,
-                         variant=variant)
+            fn = partial(_run_variant, variant, qq, kk, cos, sin, qq, kk)
             us = clock.events([fn])["us"]
             print(f"{variant:<12}{err:>11.1e}{verdict:>8}{us:>10.1f}{moved / us / 1e3:>9.0f}{100 * copy_us / us:>10.1f}%")
             del qo, ko, qq, kk
@@ -199,6 +169,17 @@ def gpu_demo() -> int:
           f"(max |err| <= {BLOG_MAX_ABS_ERROR:g}, the blog's claim, and the project's bound 2^-22 (|x0|+|x1|)); "
           "'auto' is the production kernel")
     return 1 if failures else 0
+
+
+def _run_variant(variant: str, q, k, cos, sin, q_out, k_out) -> None:
+    """One of the blog's kernels ("auto": the production kernel through apply_rope_qk)."""
+    from .blog import prepare_blog_variant
+    from .rope import apply_rope_qk
+
+    if variant == "auto":
+        apply_rope_qk(q, k, cos, sin, layout="bhsd", interleaved=True, q_out=q_out, k_out=k_out)
+    else:
+        prepare_blog_variant(variant, q, k, cos, sin, q_out=q_out, k_out=k_out)()
 
 
 def _canonical(x_bhsd: np.ndarray) -> np.ndarray:

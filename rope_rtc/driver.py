@@ -1,14 +1,24 @@
 """The CUDA driver, through cuda-python's bindings: status checks, devices, modules.
 
 Imported lazily by everything that needs a GPU; ``import rope_rtc`` never loads libcuda.
+:func:`unavailable_reason` says why there is no usable GPU in words a user can act on,
+:func:`require_gpu` turns that into an error, and :func:`import_cupy` names the package to
+install when CuPy is missing.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 import threading
 
-from .errors import CudaError
+from .errors import CudaError, NoDeviceError, ToolchainError
+from .toolchain import install_hint
+
+# The driver library the dynamic loader must find; the CUDA toolkit's libcuda.so is only a stub.
+LIBCUDA = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+NO_DRIVER = "no CUDA driver found"
 
 
 def _drv():
@@ -39,8 +49,48 @@ def check(result, what: str):
 
 
 _init_lock = threading.Lock()
-_init_error: list[str] = []
+_init_error: list[CudaError] = []
 _initialised = False
+
+
+def _libcuda_load_error() -> str | None:
+    """Why the dynamic loader cannot open the driver library, or None when it can."""
+    try:
+        ctypes.CDLL(LIBCUDA)
+    except OSError as exc:
+        return str(exc) or f"{LIBCUDA} cannot be loaded"
+    return None
+
+
+def _explain(exc: CudaError) -> str:
+    """cuInit's failure in words a user can act on; the CUresult name stays in the text."""
+    if exc.name == "CUDA_ERROR_STUB_LIBRARY":
+        return f"{NO_DRIVER} (the CUDA toolkit's stub driver library was loaded instead of a driver: {exc})"
+    if exc.name == "CUDA_ERROR_NO_DEVICE":
+        return f"no CUDA device found ({exc})"
+    if exc.name == "CUDA_ERROR_INSUFFICIENT_DRIVER":
+        return (f"the CUDA driver is older than this toolchain needs ({exc}): upgrade the driver, or install the "
+                f"toolchain of the driver's CUDA version: {install_hint()}")
+    return str(exc)
+
+
+def _init_failure() -> CudaError | None:
+    try:
+        drv = _drv()
+    except ImportError as exc:
+        return CudaError(f"cuda-bindings is not installed ({exc}): {install_hint()}",
+                         name="CUDA_ERROR_NOT_INITIALIZED", code=3)
+    try:
+        check(drv.cuInit(0), "cuInit")
+    except CudaError as exc:
+        return CudaError(_explain(exc), name=exc.name, code=exc.code)
+    except Exception as exc:  # the bindings could not load the driver library
+        missing = _libcuda_load_error()
+        if missing is not None:
+            return CudaError(f"{NO_DRIVER} ({missing})", name="CUDA_ERROR_NO_DEVICE", code=100)
+        return CudaError(f"cuda-bindings could not load the CUDA driver ({type(exc).__name__}: {exc})",
+                         name="CUDA_ERROR_NOT_INITIALIZED", code=3)
+    return None
 
 
 def init() -> None:
@@ -51,17 +101,14 @@ def init() -> None:
     with _init_lock:
         if _initialised:
             return
-        if _init_error:
-            raise CudaError(_init_error[0], name="CUDA_ERROR_NO_DEVICE", code=100)
-        try:
-            check(_drv().cuInit(0), "cuInit")
-        except CudaError as exc:
-            _init_error.append(str(exc))
-            raise
-        except Exception as exc:  # libcuda not found: a machine without the NVIDIA driver
-            _init_error.append(f"no CUDA driver: {exc}")
-            raise CudaError(_init_error[0], name="CUDA_ERROR_NO_DEVICE", code=100) from None
-        _initialised = True
+        if not _init_error:
+            failure = _init_failure()
+            if failure is None:
+                _initialised = True
+                return
+            _init_error.append(failure)
+        first = _init_error[0]
+        raise CudaError(str(first), name=first.name, code=first.code)
 
 
 def available() -> bool:
@@ -73,11 +120,37 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
+    """Why no CUDA device can be used here ("no CUDA driver found (...)", ...), or None when one can."""
     try:
         init()
+        count = device_count()
     except CudaError as exc:
         return str(exc)
-    return None if device_count() > 0 else "no CUDA device"
+    return None if count > 0 else "no CUDA device found"
+
+
+def require_gpu() -> None:
+    """Return when a CUDA device is usable; else raise :class:`NoDeviceError` with the reason."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise NoDeviceError(f"no usable CUDA GPU: {reason}; use backend='numpy' (the NumPy reference on the CPU) "
+                            "or run on a machine with an NVIDIA GPU and its driver")
+
+
+def import_cupy():
+    """The ``cupy`` module; a :class:`ToolchainError` naming the extra to install when it is missing."""
+    try:
+        import cupy
+    except ImportError as exc:
+        major = None
+        if available():
+            try:
+                major = driver_version() // 1000
+            except CudaError:
+                pass
+        message = f"the GPU backend needs CuPy, which is not importable ({exc}): {install_hint(major)}"
+        raise ToolchainError(message) from exc
+    return cupy
 
 
 def device_count() -> int:

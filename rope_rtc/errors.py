@@ -32,3 +32,16 @@ class CudaError(RopeRtcError):
         super().__init__(message)
         self.name = name
         self.code = code
+
+
+class UnsupportedLayoutError(ValueError, NotImplementedError):
+    """An array layout the kernels do not support (strides, contiguity): rejected, never copied.
+
+    Both a ``ValueError`` (the argument's value is the problem) and a ``NotImplementedError``
+    (the prepared tail RoPE contract's word for a rejected layout), so either ``except`` works
+    and the general and tail APIs raise the same type for the same problem.
+    """
+
+
+class NoDeviceError(RopeRtcError):
+    """The GPU backend was asked for on a machine with no usable CUDA driver or device."""

@@ -108,15 +108,16 @@ def stream_handle(stream, device: int | None = None) -> int:
     )
 
 
-# Argument sets a plan (RopePlan, TailRoPEForward) remembers by identity.
+# Argument sets a plan remembers by identity (rope_rtc.prepared), and graphs a launcher keeps:
+# engines cycle through a few buffers (per layer, per double-buffered step).
 RECENT_SETS = 16
 
 
-def remember(recent: dict, key, value) -> None:
-    """Store ``key`` in a plan's bounded identity cache, dropping the oldest entry when it is full."""
-    if len(recent) >= RECENT_SETS:
-        del recent[next(iter(recent))]
-    recent[key] = value
+def remember(cache: dict, key, value, limit: int = RECENT_SETS) -> None:
+    """Store ``key`` in a bounded cache, dropping the oldest entry when it is full."""
+    if len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
 
 
 class _GraphExec:
@@ -146,13 +147,12 @@ class Launcher:
     that device's context whichever device is current.
 
     Graph replay: a plan passes ``token``, an object whose identity changes whenever the
-    argument block's values change (the plans' ``_last`` tuples). The second launch of a token
+    argument block's values change (a plan's :class:`~rope_rtc.prepared.Call`). The second launch of a token
     (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node CUDA
-    graph; that launch and later ones of the token replay it. ``cudaGraphLaunch`` costs the
-    host 1.9-3.0 µs against 4.4-5.9 µs for ``cuLaunchKernel`` on the H200 machine
-    (scripts/tail_small_probe.py). A graph cannot be launched into a stream that is being
-    captured, so a capturing stream always gets ``cuLaunchKernel`` (which the capture records).
-    ``RECENT_SETS`` graphs at most.
+    graph; that launch and later ones of the token replay it, because ``cudaGraphLaunch`` of a
+    one-node graph costs the host less than ``cuLaunchKernel`` (docs/performance.md). A graph
+    cannot be launched into a stream that is being captured, so a capturing stream always gets
+    ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
     """
 
     __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "_capturing", "args_address",
@@ -170,9 +170,8 @@ class Launcher:
         self._graph_launch = cupy.cuda.runtime.graphLaunch
         self._current_stream = cupy.cuda.get_current_stream
         self._get_device = cupy.cuda.runtime.getDevice
-        # CuPy's binding of cudaStreamIsCapturing takes any raw handle and costs about half of
-        # cuStreamIsCapturing through cuda.bindings (0.4 against 0.8 µs, scripts/tail_small_probe.py);
-        # it raises for an invalidated capture.
+        # CuPy's binding of cudaStreamIsCapturing takes any raw handle and costs the host about
+        # half of cuStreamIsCapturing through cuda.bindings; it raises for an invalidated capture.
         self._capturing = cupy.cuda.runtime.streamIsCapturing
         self.args_address = args_address
         self.device = device
@@ -272,6 +271,14 @@ def launch_prefix(function, grid: tuple[int, int, int], block: tuple[int, int, i
     return (function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0)
 
 
-def launch(function, grid: tuple[int, int, int], block: tuple[int, int, int], stream: int, args_address: int) -> None:
-    """Launch once (one-call APIs; plans keep a :class:`Launcher`)."""
-    Launcher(args_address)(launch_prefix(function, grid, block), stream)
+def allocate(shape: tuple, dtype, device: int, stream: int):
+    """A new C-contiguous CuPy array on ``device``, allocated in the order of raw stream ``stream``
+    (CuPy's pool reuses memory in the order of the stream it was allocated on). For the outputs
+    the one-call functions allocate."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        if stream == cupy.cuda.get_current_stream().ptr:
+            return cupy.empty(shape, dtype)
+        with cupy.cuda.ExternalStream(stream):
+            return cupy.empty(shape, dtype)

@@ -44,12 +44,10 @@ def blog_spec() -> KernelSpec:
 def rope_head_batch(interleaved: bool, small: bool = False, heads_inner: bool = True) -> int:
     """Heads one thread of the general kernel rotates (ROPE_HEAD_BATCH).
 
-    Measured on the H200 with cold L2 (scripts/rope_variants.py and scripts/decode_variants.py,
-    2026-11-30, docs/perf_notes.md): small launches (decode) are latency-bound and fastest with 1
-    head per thread (1.8-1.9 µs at T=1 against 2.0-2.9 µs for 2-8). Prefill: half-split pairs
-    gain 1-3 points of the copy rate from sharing the table slice and index arithmetic across 2
-    heads; interleaved pairs gain 3-6 points from 4 heads when tokens are the denser axis (bhsd)
-    but lose 4-5 points against 1 head when heads are (bshd, thd).
+    Small launches (decode) are latency-bound and fastest with one head per thread. Prefill:
+    half-split pairs gain from sharing the table slice and the index arithmetic across 2 heads;
+    interleaved pairs gain from 4 heads when tokens are the denser axis (bhsd) but lose against
+    1 head when heads are (bshd, thd). The measurements are in docs/performance.md.
     """
     if small or (interleaved and heads_inner):
         return 1

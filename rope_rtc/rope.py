@@ -1,53 +1,69 @@
-"""The general RoPE API: ``apply_rope``, ``apply_rope_qk`` and the prepared ``RopePlan``.
+"""The general RoPE API's one-call functions: ``apply_rope`` and ``apply_rope_qk``.
 
 Numerical contract (DESIGN.md): load, convert to FP32, ``o0 = x0*c - x1*s``,
 ``o1 = x1*c + x0*s`` in FP32, one round-to-nearest-even to the output dtype. Channels outside
 the rotary window are copied (out of place) or left untouched (in place).
 
-This module holds the one-call APIs; validation is in ``rope_request``, the kernel's launch
-configuration in ``rope_launch`` and the plan in ``rope_plan``.
+On CuPy arrays a call runs through a :class:`~rope_rtc.RopePlan` of the calling thread, found
+by the call's signature (options, and each array's shape, strides, dtype and device): a call
+with new arrays of a signature seen before makes only the address checks and one launch, and
+remembers none of its arrays. Validation is in ``rope_request``, the plan in ``rope_plan``, the
+mechanism under both in ``prepared`` (docs/design.md).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import numpy as np
 
 from . import arrays as A
-from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
-from .launch import StructArg, launch, load_kernel, stream_handle
+from . import launch
+from .launch import remember, stream_handle
 from .layouts import to_bshd_index
-from .registry import ROPE_ENTRIES, rope_spec
-from .rope_launch import choose_vector, fill_params, head_batch, launch_shape
-from .rope_params import RopeParams
-from .rope_plan import RopePlan  # noqa: F401 - part of this module's interface
+from .prepared import signature
+from .rope_plan import RopePlan, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 BACKENDS = ("auto", "nvrtc", "numpy")
-VARIANTS = ("auto", "baseline", "vectorized", "fused")
+# Signatures, and plans, one thread keeps for the one-call functions.
+ONE_CALL_PLANS = 64
 
 # backends
 
 _numpy_fallback_warned = False
+_gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 
 
 def _resolve_backend(backend: str) -> str:
-    global _numpy_fallback_warned
+    global _numpy_fallback_warned, _gpu_present
+    if _gpu_present and (backend == "auto" or backend == "nvrtc"):
+        return "nvrtc"
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
-    if backend != "auto":
-        return backend
     from . import driver
 
+    if backend == "nvrtc":
+        driver.require_gpu()
+        driver.import_cupy()
+        _gpu_present = True
+        return backend
+    if backend == "numpy":
+        return backend
     if driver.available():
+        driver.import_cupy()
+        _gpu_present = True
         return "nvrtc"
     if not _numpy_fallback_warned:
         _numpy_fallback_warned = True
+        # stacklevel: this function, _apply, apply_rope(_qk), then the caller's line.
         warnings.warn(f"rope_rtc: no usable GPU ({driver.unavailable_reason()}); backend='auto' runs the NumPy "
-                      "reference on the CPU", RuntimeWarning, stacklevel=3)
+                      "reference on the CPU", RuntimeWarning, stacklevel=4)
     return "numpy"
 
+
+# the NumPy backend
 
 def _host(x):
     return None if x is None else (x.array if isinstance(x.array, np.ndarray) else np.asarray(x.array))
@@ -62,18 +78,15 @@ def _token_positions(req: Request) -> np.ndarray:
     if req.cu_seqlens is not None:
         cu = _host(req.cu_seqlens).astype(np.int64)
         t = np.arange(S, dtype=np.int64)
-        seq = np.searchsorted(cu, t, side="right") - 1
-        valid = (t >= cu[0]) & (t < cu[-1])
-        seq = np.clip(seq, 0, len(cu) - 2)
+        seq = np.clip(np.searchsorted(cu, t, side="right") - 1, 0, len(cu) - 2)
         base = _host(req.offsets).astype(np.int64)[seq] if req.offsets is not None else req.offset
-        pos = t - cu[seq] + base
-        return np.where(valid, pos, -1)
+        return t - cu[seq] + base
     if req.offsets is not None:
         return (_host(req.offsets).astype(np.int64)[:, None] + s[None, :]).reshape(-1)
     return np.broadcast_to(req.offset + s, (B, S)).reshape(-1)
 
 
-def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray, out) -> np.ndarray:
+def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray) -> np.ndarray:
     from .reference import rope_reference, round_to_dtype
 
     arr = _host(x)
@@ -84,68 +97,144 @@ def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray, out) -> np.ndarray
     res = rope_reference(flat, _host(req.cos), _host(req.sin), pos, interleaved=req.interleaved,
                          rotary_dim=req.rotary_dim, rotary_offset=req.rotary_offset, inverse=req.inverse)
     res = round_to_dtype(res, arr.dtype).reshape(shape)
-    res = np.transpose(res, np.argsort(perm))
-    if out is None:
-        return np.ascontiguousarray(res)
-    out[...] = res
-    return out
+    return np.ascontiguousarray(np.transpose(res, np.argsort(perm)))
 
 
 def _run_numpy(req: Request):
+    # Every result first, then the writes: an error leaves every output untouched.
     pos = _token_positions(req)
-    q = _numpy_one(req.q, req, pos, _host(req.q_out) if req.q_out is not None else None)
-    k = None
-    if req.k is not None:
-        k = _numpy_one(req.k, req, pos, _host(req.k_out) if req.k_out is not None else None)
-    return q, k
+    results = [(_numpy_one(x, req, pos), out) for x, out in ((req.q, req.q_out), (req.k, req.k_out)) if x is not None]
+    returned = []
+    for res, out in results:
+        if out is None:
+            returned.append(res)
+        else:
+            _host(out)[...] = res
+            returned.append(out.array)
+    return returned[0], (returned[1] if len(returned) > 1 else None)
 
 
-def _run_gpu(req: Request, stream, variant: str):
-    """Allocate missing outputs (one-call API only) and launch once."""
+# the GPU backend
+
+_local = threading.local()
+
+
+def _thread_caches() -> tuple[dict, dict]:
+    """This thread's (signature -> plan, plan key -> plan): a plan's block is written on every
+    call, so plans are never shared between threads."""
+    try:
+        return _local.by_signature, _local.by_key
+    except AttributeError:
+        _local.by_signature, _local.by_key = {}, {}
+        return _local.by_signature, _local.by_key
+
+
+def _plan_for(arrays: tuple, scalar: int, opts: dict, names: tuple[str, str]) -> RopePlan:
+    """The thread's plan for a call's fixed properties (built and compiled lazily)."""
+    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
+    req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **opts)
+    key = (tuple(opts.values()), names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
+           req.in_place, req.pos_mode, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
+                                                                                      req.cu_seqlens)), req.device)
+    _, by_key = _thread_caches()
+    plan = by_key.get(key)
+    if plan is None:
+        plan = RopePlan(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **opts)
+        plan._names = names
+        plan._ensure_core()
+        remember(by_key, key, plan, ONE_CALL_PLANS)
+    return plan
+
+
+def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: dict,
+                names: tuple[str, str], device: int | None = None):
+    """One launch through the thread's plan for this signature; outputs allocated when omitted.
+    ``device``: q's device when q is not a CuPy array."""
+    scalar, offsets = split_offset(offset)
+    if device is None:
+        device = q.data.device_id
+    handle = stream_handle(stream, device)
+    if q_out is None:
+        q_out = launch.allocate(q.shape, q.dtype, device, handle)
+    if k is not None and k_out is None:
+        k_out = launch.allocate(k.shape, k.dtype, device, handle)
+    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
+    sig = signature(arrays)
+    by_signature, _ = _thread_caches()
+    key = None if sig is None else (opts["layout"], opts["interleaved"], opts["rotary_dim"],
+                                    opts["rotary_offset"], opts["inverse"], names, sig)
+    plan = by_signature.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_for(arrays, scalar, opts, names)
+        if key is not None:
+            remember(by_signature, key, plan, ONE_CALL_PLANS)
+    core = plan._core
+    if plan._check_positions:
+        check_positions_of(arrays, scalar, opts)
+    # The plan's own signature adds the in-place flags, which the one-call key implies.
+    call = core.bind(arrays, scalar, None if sig is None else (sig, q_out is q, k_out is k), sig_known=True)
+    if call.prefix is not None:
+        core.launcher(call.prefix, handle)
+    return q_out, k_out
+
+
+def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
+           opts: dict):
+    backend = _resolve_backend(backend)
+    if backend == "nvrtc" and type(q).__module__.startswith("cupy"):
+        return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
+    req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
+                   k_out=k_out, names=names, **opts)
+    host = req.q.device is None
+    if backend == "numpy":
+        if not host:
+            raise TypeError(f"{req.q.name}: backend='numpy' takes host (NumPy) arrays; use backend='nvrtc' for "
+                            "device arrays")
+        return _run_numpy(req)
+    if not host:  # other device arrays (DLPack, __cuda_array_interface__): their CuPy views or themselves
+        view = [None if i is None else i.array for i in (req.q, req.k, req.cos, req.sin, req.positions,
+                                                            req.offsets, req.cu_seqlens, req.q_out, req.k_out)]
+        handle = stream_handle(stream, req.device)
+        for i, info in ((7, req.q), (8, req.k)):
+            if view[i] is None and info is not None:
+                view[i] = launch.allocate(info.shape, A.numpy_dtype(info.dtype), req.device, handle)
+        stream = handle
+        qo, ko = _run_device(view[0], view[1], view[2], view[3], view[4], req.offset if view[5] is None else view[5],
+                             view[6], view[7], view[8], stream, opts, names, req.device)
+        return (q_out if q_out is not None else qo), (k_out if k_out is not None or k is None else ko)
+    return _run_staged(req, names, q, k, stream, opts)
+
+
+def _run_staged(req: Request, names, q, k, stream, opts: dict):
+    """NumPy in, NumPy out, computed on the GPU: stage, launch, synchronise the launch's stream,
+    copy back (into the caller's outputs only once everything has succeeded)."""
     import cupy
 
-
-    device = req.device if req.device is not None else cupy.cuda.runtime.getDevice()
-    with cupy.cuda.Device(device):
-        handle = stream_handle(stream, device)
-        if req.q_out is None:
-            req.q_out = A.describe(cupy.empty_like(req.q.array), "out" if req.k is None else "q_out")
-        if req.k is not None and req.k_out is None:
-            req.k_out = A.describe(cupy.empty_like(req.k.array), "k_out")
-        q_out = req.q_out.array
-        k_out = req.k_out.array if req.k is not None else None
-        if req.num_tokens == 0 or (q_out.size == 0 and (k_out is None or k_out.size == 0)):
-            return q_out, k_out
-        if variant != "auto":
-            from .blog import run_blog_variant
-
-            run_blog_variant(variant, req, handle, device)
-            return q_out, k_out
-        vec = choose_vector(req)
-        kernel = load_kernel(rope_spec(req.dtype, req.interleaved, vec, head_batch(req)), device)
-        args = StructArg(RopeParams)
-        fill_params(args.values, req, vec)
-        grid, block = launch_shape(req, vec)
-        launch(kernel.functions[ROPE_ENTRIES[0 if args.values.narrow else 1]], grid, block, handle, args.address)
-        return q_out, k_out
-
-
-def _stage_host(req_kwargs: dict, names: tuple[str, ...]):
-    """Copy NumPy arguments to the device (NumPy inputs, GPU present)."""
-    import cupy
-
-    staged = dict(req_kwargs)
-    for n in names:
-        v = staged.get(n)
-        if isinstance(v, np.ndarray):
-            staged[n] = cupy.asarray(v)
-    return staged
+    device = cupy.cuda.runtime.getDevice()
+    handle = stream_handle(stream, device)
+    staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos, req.sin, req.positions,
+                                                                        req.offsets, req.cu_seqlens)]
+    sq, sk = staged[0], staged[1]
+    q_out = sq if req.q_out is not None and req.q_out.array is q else None
+    k_out = sk if req.k_out is not None and req.k is not None and req.k_out.array is k else None
+    qd, kd = _run_device(sq, sk, staged[2], staged[3], staged[4], req.offset if staged[5] is None else staged[5],
+                         staged[6], q_out, k_out, handle, opts, names, device)
+    cupy.cuda.runtime.streamSynchronize(handle)  # the stream the kernel ran on, not the current one
+    results = [None if d is None else cupy.asnumpy(d) for d in (qd, kd)]
+    returned = []
+    for res, user_out in zip(results, (req.q_out, req.k_out)):
+        if res is not None and user_out is not None:
+            user_out.array[...] = res
+            res = user_out.array
+        returned.append(res)
+    return returned[0], returned[1]
 
 
 def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                   interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-                  inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto",
-                  variant: str = "auto"):
+                  inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto"):
     """Rotate q and k in one launch. q and k may have different head counts (GQA/MQA).
 
     Parameters
@@ -163,7 +252,7 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
         Default positions are ``offset + s``; an array gives each sequence its own start (decode with
         different cache lengths). With ``cu_seqlens``, the per-sequence start of the restarted positions.
     cu_seqlens : int array ``[B + 1]``, optional
-        ``layout="thd"`` only: sequence boundaries of packed tokens; positions restart at each.
+        ``layout="thd"`` only: sequence boundaries of packed tokens ``[0, ..., T]``; positions restart at each.
     layout : {"bshd", "bhsd", "sbhd", "thd"}
     interleaved : bool
         ``False``: half-split pairs ``(x[i], x[i + r/2])`` — GPT-NeoX, Hugging Face ``rotate_half``,
@@ -181,9 +270,6 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
     backend : {"auto", "nvrtc", "numpy"}
         ``"numpy"`` runs the float64-accumulating reference on the CPU; ``"auto"`` uses the GPU when one
         is present, else NumPy (with a one-time warning).
-    variant : {"auto", "baseline", "vectorized", "fused"}
-        The blog's kernels, for FP32 interleaved ``bhsd`` only (benchmark progression); ``"auto"`` is the
-        production kernel.
 
     Returns
     -------
@@ -192,73 +278,27 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
     Raises
     ------
     TypeError, ValueError
-        Before anything is launched or written, naming the argument.
+        Before anything is launched or written, naming the argument. Positions given as host
+        arrays are checked value by value; device-resident ones are not read back (a position
+        outside the table gives NaN for its token) unless ``ROPE_RTC_CHECK_POSITIONS=1``.
+    rope_rtc.errors.NoDeviceError
+        ``backend="nvrtc"`` on a machine with no usable CUDA driver or GPU.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
-    return _apply(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout=layout,
-                  interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset, inverse=inverse,
-                  q_out=q_out, k_out=k_out, stream=stream, backend=backend, variant=variant)
+    return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
+                  {"layout": layout, "interleaved": interleaved, "rotary_dim": rotary_dim,
+                   "rotary_offset": rotary_offset, "inverse": inverse})
 
 
 def apply_rope(x, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-               inverse: bool = False, out=None, stream=None, backend: str = "auto", variant: str = "auto"):
+               inverse: bool = False, out=None, stream=None, backend: str = "auto"):
     """Rotate one tensor. Same arguments as :func:`apply_rope_qk` with ``x``/``out`` for ``q``/``q_out``.
 
     ``out=x`` rotates in place. Returns the output array.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: {variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
-    if variant == "fused":
-        raise ValueError("variant: 'fused' rotates q and k together; use apply_rope_qk")
-    q, _ = _apply(x, None, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout=layout,
-                  interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset, inverse=inverse,
-                  q_out=out, k_out=None, stream=stream, backend=backend, variant=variant, names=("x", "k"))
+    q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
+                  {"layout": layout, "interleaved": interleaved, "rotary_dim": rotary_dim,
+                   "rotary_offset": rotary_offset, "inverse": inverse})
     return q
-
-
-def _apply(q, k, cos, sin, *, backend, variant, stream, names=("q", "k"), **kw):
-    backend = _resolve_backend(backend)
-    req = validate(q, k, cos, sin, names=names, **kw)
-    host = req.q.device is None
-    if variant != "auto":
-        from .blog import check_blog_variant
-
-        check_blog_variant(variant, req)
-    if backend == "numpy":
-        if not host:
-            raise TypeError(f"{req.q.name}: backend='numpy' takes host (NumPy) arrays; use backend='nvrtc' for device arrays")
-        if variant != "auto":
-            raise ValueError("variant: the blog variants are GPU kernels; use backend='nvrtc'")
-        return _run_numpy(req)
-    if not host:
-        return _run_gpu(req, stream, variant)
-    # NumPy in, NumPy out, computed on the GPU.
-    import cupy
-
-    names_all = ("q", "k", "cos", "sin", "positions", "offset", "cu_seqlens")
-    staged = _stage_host({"q": q, "k": k, "cos": cos, "sin": sin, "positions": kw.get("positions"),
-                          "offset": kw.get("offset"), "cu_seqlens": kw.get("cu_seqlens")}, names_all)
-    kw2 = {n: kw[n] for n in kw if n not in ("positions", "offset", "cu_seqlens", "q_out", "k_out")}
-    in_place_q = req.q_out is not None and req.in_place
-    in_place_k = req.k_out is not None and req.k is not None and A.same_view(req.k_out, req.k)
-    dreq = validate(staged["q"], staged["k"], staged["cos"], staged["sin"], positions=staged["positions"],
-                    offset=staged["offset"], cu_seqlens=staged["cu_seqlens"], q_out=staged["q"] if in_place_q else None,
-                    k_out=staged["k"] if in_place_k else None, names=names, **kw2)
-    qd, kd = _run_gpu(dreq, stream, variant)
-    cupy.cuda.get_current_stream().synchronize()
-    results = []
-    for dev_arr, user_out in ((qd, req.q_out), (kd, req.k_out)):
-        if dev_arr is None:
-            results.append(None)
-            continue
-        host_arr = cupy.asnumpy(dev_arr)
-        if user_out is not None:
-            user_out.array[...] = host_arr
-            results.append(user_out.array)
-        else:
-            results.append(host_arr)
-    return results[0], results[1]

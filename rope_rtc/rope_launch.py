@@ -145,9 +145,9 @@ def token_tile(req: Request, units: int) -> int:
     1 when heads are the denser axis (bshd, thd): a warp covers one token's heads, in memory
     order. When tokens are (bhsd), TILE_THREADS // units tokens: a warp reads consecutive rows
     of one head (one contiguous run), and the block's other warps, on other heads, find the
-    same cos/sin rows in L1. Measured on the H200 (scripts/rope_variants.py): 91-93% of the copy
-    rate at S=4096 and S=16384 alike, where walking each head's tokens end to end (a tile of
-    every token) gave 93-96% at S=4096 but 86-89% at S=16384.
+    same cos/sin rows in L1. This order keeps its rate at every sequence length, where walking
+    each head's tokens end to end (a tile of every token) falls behind on long sequences
+    (docs/performance.md).
     """
     if not tokens_denser(req):
         return 1

@@ -1,17 +1,30 @@
-"""``RopePlan``: the general API prepared once for an inference engine, then executed with
-cheap re-validation (argument sets remembered by identity, templates per signature) and one
-launch per call (rope_rtc.launch.Launcher)."""
+"""``RopePlan``: the general API prepared once, as a thin layer over the prepared-launch core
+(rope_rtc.prepared): what the plan fixes, how a call is validated (rope_request) and how the
+argument block is filled (rope_launch). The one-call functions in ``rope`` keep plans of their
+own, per thread."""
 
 from __future__ import annotations
 
-import ctypes
+import numpy as np
 
 from . import arrays as A
-from .launch import Launcher, StructArg, launch_prefix, load_kernel, remember
+from .launch import StructArg, launch_prefix, load_kernel
+from .prepared import Call, Op, Prepared, pointers, signature
 from .registry import ROPE_ENTRIES, rope_head_batches, rope_spec, rope_vector_widths
-from .rope_launch import allowed_vectors, choose_vector, fill_params, kernel_for, launch_shape
-from .rope_params import POS_OFFSET, POS_POSITIONS, RopeParams
-from .rope_request import Request, validate
+from .rope_launch import allowed_vectors, choose_vector, fill_params, index_space, launch_shape
+from .rope_params import POS_OFFSET, RopeParams
+from .rope_request import Request, check_device_positions, validate
+
+# Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
+# offset array. The scalar is the int offset.
+Q, K, COS, SIN, POSITIONS, Q_OUT, K_OUT, CU_SEQLENS, OFFSETS = range(9)
+_TABLES_AND_INDICES = (COS, SIN, POSITIONS, CU_SEQLENS, OFFSETS)
+
+
+def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int, device: int) -> tuple:
+    """The (32-bit, 64-bit) entries of one build of the general kernel, loaded on ``device``."""
+    k = load_kernel(rope_spec(dtype, interleaved, vec, head_batch), device)
+    return tuple(k.functions[e] for e in ROPE_ENTRIES)
 
 
 class RopePlan:
@@ -27,12 +40,12 @@ class RopePlan:
     an out-of-place plan needs ``q_out``/``k_out`` at every ``execute``. ``execute`` remembers the
     last 16 argument sets it saw (holding references to them) and skips re-validation when one
     repeats; new arrays of a shape, stride and dtype signature seen before get the cheaper
-    pointer-only checks. From its second launch, a remembered set is launched as a one-node
-    CUDA graph instantiated once for it (about 2 µs of host time instead of 4-6 µs for
-    ``cuLaunchKernel``; never into a stream that is being captured; a new scalar ``offset`` is
-    a new set; ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off).
-    Capturable in a CUDA graph: capture ``execute`` on the capturing stream, then refill the same
-    buffers and replay. A plan holds one argument block: give each thread its own plan.
+    address-only checks. From its second launch, a remembered set is launched as a one-node
+    CUDA graph instantiated once for it, which costs the host less than ``cuLaunchKernel``
+    (never into a stream that is being captured; a new scalar ``offset`` is a new set;
+    ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off). Capturable in a CUDA graph: capture
+    ``execute`` on the capturing stream, then refill the same buffers and replay. A plan holds
+    one argument block: give each thread its own plan.
     """
 
     def __init__(self, q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
@@ -59,213 +72,165 @@ class RopePlan:
         if device is None:
             device = req.device if req.device is not None else _current_device()
         self.device = int(device)
-        self._kernels: dict[int, object] = {}
-        self._compiled = False
-        # The last call, for the identity fast path (a flat tuple: indexing it is the cheapest read):
-        # (q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, q.shape, launch prefix or
-        #  None when there is nothing to launch, S for the scalar-offset bound check or 0).
-        self._last = None
-        self._templates: dict[tuple, _Template] = {}
-        self._filled: _Template | None = None
-        self._args = StructArg(RopeParams)
-        self._params_address = ctypes.addressof(self._args.values)
-        # The last RECENT_SETS argument sets by identity, each with its filled argument block:
-        # engines cycle through a few buffers (per layer, per double-buffered step), and a
-        # repeat restores the block in one copy instead of re-deriving it. Keyed by the
-        # arguments' ids; each entry holds its arguments (in its _last tuple), so the ids cannot
-        # be reused while the entry lives.
-        self._recent: dict[tuple, tuple] = {}
+        self._kernels: dict[tuple[int, int], tuple] = {}
+        self._core: Prepared | None = None
+        self._check_positions = False
+        self._names = ("q", "k")  # what errors call q and k (apply_rope's plans: "x")
 
     def compile(self) -> "RopePlan":
-        """Load the kernels this plan can launch (every vector width of its dtype and pair style),
-        compiling on a cache miss. After this, ``execute`` never compiles."""
+        """Load the kernels this plan can launch (every vector width and head batch of its dtype
+        and pair style), compiling on a cache miss. After this, ``execute`` never compiles."""
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             for hb in rope_head_batches(self.interleaved):
-                k = load_kernel(rope_spec(self.dtype, self.interleaved, vec, hb), self.device)
-                self._kernels[(vec, hb)] = tuple(k.functions[e] for e in ROPE_ENTRIES)  # (narrow, wide)
-        self._launch = Launcher(self._args.address, self.device)
-        self._compiled = True
+                self.kernel(vec, hb)
+        self._ensure_core()
         return self
+
+    def kernel(self, vec: int, head_batch: int) -> tuple:
+        """The (32-bit, 64-bit) entries of one build, loaded on first use."""
+        fns = self._kernels.get((vec, head_batch))
+        if fns is None:
+            fns = self._kernels[(vec, head_batch)] = load_rope_functions(self.dtype, self.interleaved, vec,
+                                                                         head_batch, self.device)
+        return fns
+
+    def _ensure_core(self) -> Prepared:
+        if self._core is None:
+            from .env import settings
+
+            self._check_positions = bool(getattr(settings(), "check_positions", False))
+            self._core = Prepared(_RopeOp(self), StructArg(RopeParams), self.device)
+        return self._core
 
     def execute(self, q, k=None, cos=None, sin=None, positions=None, q_out=None, k_out=None, stream=None, *,
                 offset=None, cu_seqlens=None):
         """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
-        last = self._last
-        off = 0 if offset is None else offset
-        if not (last is not None and q is last[0] and k is last[1] and cos is last[2] and sin is last[3]
-                and positions is last[4] and q_out is last[5] and k_out is last[6] and cu_seqlens is last[8]
-                and q.shape == last[9] and (off is last[7] or (type(off) is int and type(last[7]) is int))):
-            self._prepare(q, k, cos, sin, positions, q_out, k_out, off, cu_seqlens)
-            last = self._last
-        elif type(off) is int and off != last[7]:
-            # A new decode step with a new scalar offset: only that field changes.
-            self._set_offset(off)
-            last = self._last
-        qo = q if q_out is None else q_out
-        ko = k if k_out is None else k_out
-        if last[10] is None:
-            return qo, ko
-        self._launch(last[10], stream, last)
-        return qo, ko
-
-    def _set_offset(self, offset: int) -> None:
-        if self.pos_mode == POS_POSITIONS:
-            raise ValueError("positions and offset: pass one of them (positions are absolute)")
-        rows = self._args.values.table_rows
-        S = self._last[11]
-        if S and (offset < 0 or offset + S > rows):
-            raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside the table's {rows} rows")
-        self._args.values.offset = offset
-        self._last = self._last[:7] + (offset,) + self._last[8:]
-
-    def _prepare(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens) -> None:
-        if not self._compiled:
-            self.compile()
-        key = (id(q), id(k), id(cos), id(sin), id(positions), id(q_out), id(k_out), id(cu_seqlens),
-               None if type(offset) is int else id(offset))
-        hit = self._recent.get(key)
-        if hit is not None and hit[1][9] == q.shape:
-            snapshot, last = hit
-            ctypes.memmove(self._params_address, snapshot, len(snapshot))
-            self._filled = None  # the block no longer matches what the templates last wrote
-            self._last = last
-            if type(offset) is int and offset != last[7]:
-                self._set_offset(offset)
-            return
-        self._prepare_new(q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens)
-        remember(self._recent, key, (bytes(self._args.values), self._last))
-
-    def _prepare_new(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens) -> None:
-        """Arguments not among the recent sets: template reuse or full validation."""
-        qo = q if (q_out is None and self.in_place) else q_out
-        ko = k if (k_out is None and self.in_place) else k_out
-        arrays = (q, k, cos, sin, positions, qo, ko, cu_seqlens, None if type(offset) is int else offset)
-        sig = _signature(arrays, qo is q, ko is k)
-        tmpl = self._templates.get(sig) if sig is not None else None
-        if tmpl is not None and self._reuse(tmpl, arrays, offset, q_out, k_out):
-            return
-        self._full_prepare(q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, arrays, sig)
-
-    def _reuse(self, tmpl: "_Template", arrays, offset, q_out, k_out) -> bool:
-        """Arrays of a shape/stride/dtype signature validated before: only pointer-dependent
-        checks run (alignment, and overlap when the arrays' relative placement is new). False
-        sends the call through full validation (which raises on a real problem)."""
-        ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
-        if not tmpl.placement_ok(ptrs):
-            return False
-        if type(offset) is int and offset and tmpl.req.positions is not None:
-            return False  # positions and an offset: full validation rejects it
-        for i, mask in tmpl.natural:
-            if ptrs[i] & mask:
-                return False  # a table or index array off its natural alignment
-        vec = tmpl.vector_for(ptrs)
-        if vec is None:
-            return False
-        if type(offset) is int and tmpl.pos_offset_rows is not None:
-            S, rows = tmpl.pos_offset_rows
-            if S and (offset < 0 or offset + S > rows):
-                return False
-        p = self._args.values
-        if self._filled is not tmpl or tmpl.filled_vec != vec:
-            fill_params(p, tmpl.req, vec)
-            self._filled, tmpl.filled_vec = tmpl, vec
-        tmpl.write_pointers(p, ptrs, vec, offset)
-        q, k, cos, sin, positions, _, _, cu_seqlens, _ = arrays
-        self._last = (q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, q.shape,
-                      tmpl.prefix(self._kernels, vec), tmpl.pos_offset_rows[0] if tmpl.pos_offset_rows else 0)
-        return True
-
-    def _full_prepare(self, q, k, cos, sin, positions, q_out, k_out, offset, cu_seqlens, arrays, sig) -> None:
-        if self.has_k != (k is not None):
-            raise TypeError("k: this plan was built " + ("with" if self.has_k else "without") + " k")
+        core = self._core or self.compile()._core
+        scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
         if self.in_place:
-            if q_out is not None and q_out is not q:
-                raise ValueError("q_out: this plan rotates in place; pass q_out=None or q_out=q")
-            if k_out is not None and k_out is not k:
-                raise ValueError("k_out: this plan rotates in place; pass k_out=None or k_out=k")
-            qo, ko = q, k
-        else:
-            if q_out is None or (self.has_k and k_out is None):
-                raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
-            qo, ko = q_out, k_out
-        req = validate(q, k, cos, sin, positions=positions, offset=offset,
-                       cu_seqlens=cu_seqlens, q_out=qo, k_out=ko, allow_host=False, **self._opts)
-        if req.device is not None and req.device != self.device:
-            A.check_same_device([req.q], self.device)
+            if q_out is None:
+                q_out = q
+            if k_out is None:
+                k_out = k
+        arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
+        if self._check_positions:
+            check_positions_of(arrays, scalar, self._opts)
+        return core.execute(arrays, scalar, stream)
+
+
+def split_offset(offset) -> tuple[int, object]:
+    """``(int offset, offset array or None)`` of an ``offset`` argument (anything that is not an
+    int is left for validation to accept as an array or reject)."""
+    if type(offset) is int:
+        return offset, None
+    if offset is None:
+        return 0, None
+    if isinstance(offset, np.integer):
+        return int(offset), None
+    return 0, offset
+
+
+def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read a call's device-resident index arrays back
+    (synchronising) and raise on a position outside the table or a malformed ``cu_seqlens``."""
+    if arrays[POSITIONS] is None and arrays[OFFSETS] is None and arrays[CU_SEQLENS] is None:
+        return
+    req = validate(*arrays[:4], positions=arrays[POSITIONS], offset=scalar if arrays[OFFSETS] is None
+                   else arrays[OFFSETS], cu_seqlens=arrays[CU_SEQLENS], q_out=arrays[Q_OUT], k_out=arrays[K_OUT],
+                   allow_host=False, **opts)
+    check_device_positions(req)
+
+
+class _RopeOp(Op):
+    """What a RopePlan fixes and checks."""
+
+    def __init__(self, plan: RopePlan) -> None:
+        self.plan = plan
+
+    def signature(self, arrays: tuple):
+        sig = signature(arrays)
+        if sig is None:
+            return None
+        return sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K]
+
+    def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
+        plan = self.plan
+        q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
+        if plan.has_k != (k is not None):
+            raise TypeError("k: this plan was built " + ("with" if plan.has_k else "without") + " k")
+        if not plan.in_place and (q_out is None or (plan.has_k and k_out is None)):
+            raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
+        req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                       cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
+                       **plan._opts)
+        if plan.in_place:
+            for out, own, name in ((req.q_out, req.q, "q"), (req.k_out, req.k, "k")):
+                if out is not None and not A.same_view(out, own):
+                    raise ValueError(f"{name}_out: this plan rotates in place; pass {name}_out=None or {name}_out={name}")
+        if req.device is not None and req.device != plan.device:
+            A.check_same_device([req.q], plan.device)
         problems = []
-        if req.dtype != self.dtype:
-            problems.append(f"dtype {req.dtype} (plan: {self.dtype})")
-        if (req.cq.H, req.cq.D) != (self.q_heads, self.head_dim):
-            problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(self.q_heads, self.head_dim)})")
-        if req.ck is not None and req.ck.H != self.k_heads:
-            problems.append(f"k heads {req.ck.H} (plan: {self.k_heads})")
-        if req.pos_mode != self.pos_mode:
+        if req.dtype != plan.dtype:
+            problems.append(f"dtype {req.dtype} (plan: {plan.dtype})")
+        if (req.cq.H, req.cq.D) != (plan.q_heads, plan.head_dim):
+            problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(plan.q_heads, plan.head_dim)})")
+        if req.ck is not None and req.ck.H != plan.k_heads:
+            problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
+        if req.pos_mode != plan.pos_mode:
             problems.append("the position scheme (positions / offset array / cu_seqlens) differs from the plan's")
         if problems:
             raise ValueError("execute: " + "; ".join(problems))
-        prefix = None
         if req.num_tokens:
-            vec = choose_vector(req)
-            fill_params(self._args.values, req, vec)
-            prefix = launch_prefix(kernel_for(self._kernels, req, vec), *launch_shape(req, vec))
-        self._filled = None
-        if sig is not None:
-            if len(self._templates) >= 64:  # bounded: engines cycle through a few shapes
-                self._templates.clear()
-            self._templates[sig] = _Template(req, arrays)
-        self._last = (q, k, cos, sin, positions, q_out, k_out, offset,
-                      cu_seqlens, q.shape, prefix, req.cq.S if req.pos_mode == POS_OFFSET else 0)
+            choose_vector(req)  # raises, naming the misaligned argument
+        return _RopeTemplate(plan, req)
 
 
-def _current_device() -> int:
-    import cupy
+class _RopeTemplate:
+    """What full validation established for one argument signature, minus the addresses (it
+    holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS)."""
 
-    return int(cupy.cuda.runtime.getDevice())
+    OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
 
-
-def _signature(arrays, q_in_place: bool, k_in_place: bool):
-    """Shape/stride/dtype/device of each argument, when every one is a CuPy array (else None)."""
-    parts = []
-    for a in arrays:
-        if a is None:
-            parts.append(None)
-        elif type(a).__name__ == "ndarray" and type(a).__module__.startswith("cupy"):
-            parts.append((a.shape, a.strides, a.dtype, a.data.device_id))
-        else:
-            return None
-    return (tuple(parts), q_in_place, k_in_place)
-
-
-class _Template:
-    """What full validation established for one argument signature, minus the pointers.
-
-    Order of ``arrays``/``ptrs``: q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset array.
-    """
-
-    OUTPUTS = ((5, 0), (6, 1))  # (output index, its own input index)
-
-    def __init__(self, req: Request, arrays) -> None:
-        self.req = req
-        infos = (req.q, req.k, req.cos, req.sin, req.positions, req.q_out, req.k_out, req.cu_seqlens, req.offsets)
-        ptrs = tuple(0 if a is None else a.data.ptr for a in arrays)
+    def __init__(self, plan: RopePlan, req: Request) -> None:
+        infos = req.infos()
+        self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
+        self.req = req = req.without_arrays()
+        self.plan = plan
         # Extents relative to each array's pointer; and the placement full validation accepted.
         self.extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
                              for i in infos)
-        self.validated = tuple(p - ptrs[0] for p in ptrs)
-        self.in_place = tuple(arrays[o] is not None and arrays[o] is arrays[i] for o, i in self.OUTPUTS)
-        self.allowed = allowed_vectors(req)
+        self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
+        self.in_place = tuple(infos[o] is not None and A.same_view(infos[o], infos[i]) for o, i in self.OUTPUTS)
+        self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
-        self.natural = tuple((i, info.itemsize - 1) for i, info in enumerate(infos)
-                             if i in (2, 3, 4, 7, 8) and info is not None)
+        self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)
         self.npair_div = 2 if req.interleaved else 1
-        self.pos_offset_rows = (req.cq.S, req.cos.shape[0]) if req.pos_mode == POS_OFFSET and req.cu_seqlens is None else None
+        self.has_positions = req.positions is not None
+        self.offset_rows = (req.cq.S, req.cos.shape[0]) if req.pos_mode == POS_OFFSET else None
+        self.table_rows = req.cos.shape[0]
         self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 else 0
-        self.filled_vec = None
         self._prefixes: dict[int, tuple] = {}
 
-    def placement_ok(self, ptrs) -> bool:
-        if tuple(p - ptrs[0] for p in ptrs) == self.validated:
+    pointers = staticmethod(pointers)
+
+    def check_scalar(self, offset: int) -> None:
+        """A new int offset for arguments already validated (ValueError when it cannot be used)."""
+        if self.has_positions and offset:
+            raise ValueError("positions and offset: pass one of them (positions are absolute)")
+        if offset < 0 or offset > self.table_rows:
+            raise ValueError(f"offset: {offset} is not a position of the table's {self.table_rows} rows")
+        if self.offset_rows is not None:
+            S, rows = self.offset_rows
+            if offset + S > rows:
+                raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside the table's {rows} rows")
+
+    @staticmethod
+    def write_scalar(block: RopeParams, offset: int) -> None:
+        block.offset = offset
+
+    def _placement_ok(self, ptrs: tuple) -> bool:
+        if tuple(p - ptrs[0] for p in ptrs) == self.placement:
             return True  # same relative placement as a validated call: same overlap answer
         for (o, own), same in zip(self.OUTPUTS, self.in_place):
             eo = self.extents[o]
@@ -276,29 +241,54 @@ class _Template:
                 if ej is None or j == o or (same and j == own):
                     continue
                 if ptrs[j] + ej[0] < hi and lo < ptrs[j] + ej[1]:
-                    return False  # extents meet: let full validation decide exactly
+                    return False  # extents meet: full validation decides exactly
         return True
 
-    def vector_for(self, ptrs) -> int | None:
-        combined = ptrs[0] | ptrs[1] | ptrs[5] | ptrs[6]
+    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
+        """Address checks, then the block; None sends the call through full validation."""
+        if not self._placement_ok(ptrs):
+            return None
+        if offset and self.has_positions:
+            return None
+        if offset < 0 or offset > self.table_rows:
+            return None
+        if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:
+            return None
+        for i, mask in self.natural:
+            if ptrs[i] & mask:
+                return None  # a table or index array off its natural alignment
+        result = (arrays[Q_OUT], arrays[K_OUT])
+        if not self.allowed:  # nothing to launch
+            return Call(arrays, offset, self, None, result)
+        combined = ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]
         for vec in self.allowed:
             if combined % (vec * self.itemsize) == 0:
-                return vec
-        return None
-
-    def write_pointers(self, p: RopeParams, ptrs, vec: int, offset) -> None:
-        q, k, cos, sin, positions, q_out, k_out, cu, offs = ptrs
-        p.q_in, p.k_in, p.cos, p.sin = q, k, cos, sin
-        p.q_out = q_out or q
-        p.k_out = k_out or k
-        p.positions, p.cu_seqlens, p.offsets = positions, cu, offs
-        if type(offset) is int:
-            p.offset = offset
+                break
+        else:
+            return None
+        p = core.block
+        if core.filled is not self or core.filled_vec != vec:
+            fill_params(p, self.req, vec)
+            core.filled, core.filled_vec = self, vec
+        p.q_in, p.k_in, p.cos, p.sin = ptrs[Q], ptrs[K], ptrs[COS], ptrs[SIN]
+        p.q_out, p.k_out = ptrs[Q_OUT], ptrs[K_OUT]
+        p.positions, p.cu_seqlens, p.offsets = ptrs[POSITIONS], ptrs[CU_SEQLENS], ptrs[OFFSETS]
+        p.offset = offset
         npair = vec // self.npair_div
-        p.table_vec = int(self.rows_stride % npair == 0 and cos % (4 * npair) == 0 and sin % (4 * npair) == 0)
+        p.table_vec = int(self.rows_stride % npair == 0 and ptrs[COS] % (4 * npair) == 0
+                          and ptrs[SIN] % (4 * npair) == 0)
+        return Call(arrays, offset, self, self.prefix(vec), result)
 
-    def prefix(self, kernels: dict, vec: int):
+    def prefix(self, vec: int) -> tuple:
         pre = self._prefixes.get(vec)
-        if pre is None and self.req.num_tokens:
-            pre = self._prefixes[vec] = launch_prefix(kernel_for(kernels, self.req, vec), *launch_shape(self.req, vec))
+        if pre is None:
+            space = index_space(self.req, vec)
+            fn = self.plan.kernel(vec, space.head_batch)[0 if space.narrow else 1]
+            pre = self._prefixes[vec] = launch_prefix(fn, *launch_shape(self.req, vec))
         return pre
+
+
+def _current_device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())

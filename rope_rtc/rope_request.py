@@ -1,10 +1,18 @@
 """One call of the general API checked and put in canonical (B, S, H, D) terms: ``validate``
-returns a :class:`Request`, or raises TypeError/ValueError before anything is launched or
-written. The one-call APIs and :class:`~rope_rtc.RopePlan` share it."""
+returns a :class:`Request`, or raises TypeError/ValueError (a layout the kernel cannot serve:
+:class:`~rope_rtc.errors.UnsupportedLayoutError`) before anything is launched or written. The
+one-call APIs and :class:`~rope_rtc.RopePlan` share it; the checks on single arrays live in
+``arrays``.
+
+Positions that live on the host (NumPy ``positions``, ``offset`` or ``cu_seqlens``) are
+checked value by value (:func:`check_position_values`). Device-resident ones are not read
+back (that would synchronise): a position outside the table gives NaN for that token, unless
+``ROPE_RTC_CHECK_POSITIONS=1`` asks the API to read them back and raise.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -12,7 +20,6 @@ from . import arrays as A
 from .descriptors import TensorDesc
 from .layouts import Canonical, canonical, check_layout
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
-
 
 @dataclass
 class Request:
@@ -61,6 +68,19 @@ class Request:
             return POS_POSITIONS
         return POS_OFFSETS if self.offsets is not None else POS_OFFSET
 
+    def infos(self) -> tuple:
+        """Every argument's info (None where absent), in the plans' argument order: q, k, cos, sin,
+        positions, q_out, k_out, cu_seqlens, offset array."""
+        return (self.q, self.k, self.cos, self.sin, self.positions, self.q_out, self.k_out, self.cu_seqlens,
+                self.offsets)
+
+    def without_arrays(self) -> "Request":
+        """The same request holding no caller's array (what a template keeps)."""
+        strip = {f: replace(getattr(self, f), array=None) for f in
+                 ("q", "k", "q_out", "k_out", "cos", "sin", "positions", "offsets", "cu_seqlens")
+                 if getattr(self, f) is not None}
+        return replace(self, **strip)
+
 
 def _int_arg(value, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -68,59 +88,86 @@ def _int_arg(value, name: str) -> int:
     return int(value)
 
 
-def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout="bshd", interleaved=False,
-             rotary_dim=None, rotary_offset=0, inverse=False, q_out=None, k_out=None, allow_host=True,
-             names=("q", "k"), allow_desc=False) -> Request:
-    """Every check of the general API, in one place, before anything is launched or written."""
-    check_layout(layout)
-    if not isinstance(interleaved, (bool, np.bool_)):
-        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
-    if not isinstance(inverse, (bool, np.bool_)):
-        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__}")
-    qn, kn = names
-    qi = A.describe(q, qn, allow_host=allow_host)
-    A.check_dtype(qi, A.FLOAT_DTYPES)
-    A.check_last_dim_contiguous(qi)
-    cq = canonical(qi.shape, qi.strides, layout, qn)
-    ki = ck = None
-    if k is not None:
-        ki = A.describe(k, kn, allow_host=allow_host)
-        if ki.dtype != qi.dtype:
-            raise TypeError(f"{kn}: dtype {ki.dtype} differs from {qn}'s {qi.dtype}")
-        A.check_last_dim_contiguous(ki)
-        ck = canonical(ki.shape, ki.strides, layout, kn)
-        if (ck.B, ck.S, ck.D) != (cq.B, cq.S, cq.D):
-            raise ValueError(f"{kn}: shape {ki.shape} does not match {qn}'s {qi.shape} outside the head axis "
-                             f"(only head counts may differ, for GQA/MQA)")
-    D = cq.D
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
-    # rotary window
-    rdim = D if rotary_dim is None else _int_arg(rotary_dim, "rotary_dim")
+
+def check_options(layout, interleaved, inverse) -> None:
+    check_layout(layout)
+    for name, value in (("interleaved", interleaved), ("inverse", inverse)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def _tensor(x, name: str, layout: str, allow_host: bool) -> tuple[A.ArrayInfo, Canonical]:
+    info = A.describe(x, name, allow_host=allow_host)
+    A.check_dtype(info, A.FLOAT_DTYPES)
+    c = canonical(info.shape, info.strides, layout, name)  # the rank first: 0-d arrays have no last axis
+    A.check_last_dim_contiguous(info)
+    return info, c
+
+
+def check_window(D: int, rotary_dim, rotary_offset, name: str = "q") -> tuple[int, int]:
+    """``(rotary_dim, rotary_offset)`` of a head of ``D`` channels (``name``'s)."""
+    if rotary_dim is None:
+        if D % 2:
+            raise ValueError(f"{name}: head dim {D} is odd; RoPE rotates channel pairs, so pass an even rotary_dim "
+                             f"(the rotated channels) and rotary_offset to rotate part of the head")
+        rdim = D
+    else:
+        rdim = _int_arg(rotary_dim, "rotary_dim")
     roff = _int_arg(rotary_offset, "rotary_offset")
     if rdim <= 0 or rdim % 2:
         raise ValueError(f"rotary_dim: must be a positive even number, got {rdim}")
     if roff < 0 or roff + rdim > D:
         raise ValueError(f"rotary_dim/rotary_offset: window [{roff}, {roff + rdim}) does not fit the head dim {D}")
+    return rdim, roff
 
-    # tables
+
+def check_tables(cos, sin, rdim: int, rotary_dim_given: bool, D: int, allow_host: bool) -> tuple[A.ArrayInfo, A.ArrayInfo]:
     ci = A.describe(cos, "cos", allow_host=allow_host)
     si = A.describe(sin, "sin", allow_host=allow_host)
     for t in (ci, si):
         A.check_dtype(t, ("float32",), " (tables are float32: build them with rope_tables)")
         A.check_ndim(t, (2,), "a 2-d table [max_positions, rotary_dim // 2]")
-        A.check_last_dim_contiguous(t)
+        if t.size and t.shape[-1] > 1 and t.strides[-1] != 1:
+            transposed = len(t.shape) == 2 and t.strides[0] == 1
+            hint = (f" (it looks transposed: a table is [max_positions, rotary_dim // 2], rows of positions; "
+                    f"pass {t.name}.T.copy() if you built it as [rotary_dim // 2, max_positions])") if transposed else ""
+            A.check_last_dim_contiguous(t, hint)
     if ci.shape != si.shape:
         raise ValueError(f"sin: shape {si.shape} differs from cos's {ci.shape}")
-    if ci.shape[1] != rdim // 2:
-        hint = "" if rotary_dim is not None else f" (rotary_dim defaults to the head dim {D}; pass rotary_dim={2 * ci.shape[1]}?)"
-        raise ValueError(f"cos: has {ci.shape[1]} columns but rotary_dim {rdim} needs {rdim // 2}{hint}")
+    cols = ci.shape[1]
+    if cols != rdim // 2:
+        if cols == rdim:
+            raise ValueError(f"cos: has {cols} columns, the full rotary dim {rdim}: this looks like a Hugging Face "
+                             f"table with both halves duplicated (cat(freqs, freqs)); pass cos[:, :{rdim // 2}] and "
+                             f"sin[:, :{rdim // 2}] (rope_rtc tables hold each frequency once)")
+        hint = ""
+        if not rotary_dim_given and 2 * cols < D:
+            hint = (f" (rotary_dim defaults to the head dim {D}; to rotate only the first {2 * cols} channels "
+                    f"pass rotary_dim={2 * cols})")
+        raise ValueError(f"cos: has {cols} columns but rotary_dim {rdim} needs {rdim // 2}{hint}")
     if ci.shape[0] > 1 and ci.strides[0] != si.strides[0]:
         raise ValueError(f"sin: row stride {si.strides[0]} differs from cos's {ci.strides[0]}")
     for t in (ci, si):
         if t.device is not None:  # the kernel loads table entries as aligned floats
             A.check_aligned(t, t.itemsize)
+    return ci, si
 
-    # positions
+
+def _index_array(x, name: str, ndim_meaning: tuple[tuple[int, ...], str], allow_host: bool) -> A.ArrayInfo:
+    info = A.describe(x, name, allow_host=allow_host)
+    A.check_dtype(info, A.INDEX_DTYPES)
+    A.check_ndim(info, *ndim_meaning)
+    A.check_contiguous(info)
+    if info.device is not None:  # loaded as aligned int32/int64
+        A.check_aligned(info, info.itemsize)
+    return info
+
+
+def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, rows: int, allow_host: bool):
+    """``(positions, offset array, cu_seqlens, scalar offset)`` of one call."""
     pi = oi = cui = None
     off = 0
     if cu_seqlens is not None:
@@ -128,56 +175,51 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
             raise ValueError(f"cu_seqlens: only for layout 'thd' (packed tokens), not {layout!r}")
         if positions is not None:
             raise ValueError("positions and cu_seqlens: pass one of them, not both")
-        cui = A.describe(cu_seqlens, "cu_seqlens", allow_host=allow_host)
-        A.check_dtype(cui, A.INDEX_DTYPES)
-        A.check_ndim(cui, (1,), "a 1-d array [num_seqs + 1]")
+        cui = _index_array(cu_seqlens, "cu_seqlens", ((1,), "a 1-d array [num_seqs + 1]"), allow_host)
         if cui.shape[0] < 2:
             raise ValueError(f"cu_seqlens: needs at least 2 entries ([0, T] for one sequence), got {cui.shape[0]}")
-        A.check_contiguous(cui)
-        if cui.device is not None:  # loaded as aligned int32/int64
-            A.check_aligned(cui, cui.itemsize)
     if positions is not None:
-        if offset is not None and not (isinstance(offset, (int, np.integer)) and int(offset) == 0):
+        if offset is not None and not (_is_int(offset) and int(offset) == 0):
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
-        pi = A.describe(positions, "positions", allow_host=allow_host)
-        A.check_dtype(pi, A.INDEX_DTYPES)
         want = (cq.S,) if layout == "thd" else (cq.B, cq.S)
+        pi = _index_array(positions, "positions", ((len(want),), f"shape {want} (one position per token)"), allow_host)
         if pi.shape != want:
             raise ValueError(f"positions: expected shape {want} (one per token), got {pi.shape}")
-        A.check_contiguous(pi)
-        if pi.device is not None:  # loaded as aligned int32/int64
-            A.check_aligned(pi, pi.itemsize)
-    elif isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_)):
+    elif _is_int(offset):
         off = int(offset)
-        if cui is None and cq.S and cq.B and (off < 0 or off + cq.S > ci.shape[0]):
-            raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside the table's {ci.shape[0]} rows")
+        if cui is None and (off < 0 or off + cq.S > rows):
+            raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside the table's {rows} rows")
+        if off < 0 or off > rows:
+            raise ValueError(f"offset: {off} is not a position of the table's {rows} rows")
     elif offset is None:
         off = 0
+    elif isinstance(offset, (float, np.floating)) or isinstance(offset, (bool, np.bool_)):
+        raise TypeError(f"offset: expected an int or an int array (one start per sequence), got "
+                        f"{type(offset).__name__} {offset!r}")
     else:
-        oi = A.describe(offset, "offset", allow_host=allow_host)
-        A.check_dtype(oi, A.INDEX_DTYPES)
         nseq = (cui.shape[0] - 1) if cui is not None else cq.B
+        oi = _index_array(offset, "offset", ((1,), f"an int, or an array of shape ({nseq},) (one start per sequence)"),
+                          allow_host)
         if oi.shape != (nseq,):
             raise ValueError(f"offset: an array offset needs shape ({nseq},) (one per sequence), got {oi.shape}")
-        A.check_contiguous(oi)
-        if oi.device is not None:
-            A.check_aligned(oi, oi.itemsize)
+    return pi, oi, cui, off
 
-    # outputs
+
+def _outputs(q_out, k_out, qi, ki, qn: str, kn: str, k_given: bool, allow_host: bool):
     qo = ko = None
     if q_out is not None:
-        qo = A.describe(q_out, f"{qn}_out" if k is not None else "out", allow_host=allow_host)
+        qo = A.describe(q_out, f"{qn}_out" if k_given else "out", allow_host=allow_host)
         _check_out(qo, qi)
     if k_out is not None:
-        if k is None:
+        if not k_given:
             raise ValueError("k_out: given without k")
         ko = A.describe(k_out, f"{kn}_out", allow_host=allow_host)
         _check_out(ko, ki)
+    return qo, ko
 
-    inputs = [x for x in (qi, ki, ci, si, pi, oi, cui) if x is not None]
-    outs = [(qo, qi)] + ([(ko, ki)] if ko is not None else [])
-    A.check_outputs([(o, own) for o, own in outs if o is not None], inputs)
-    everything = inputs + [o for o, _ in outs if o is not None]
+
+def _check_kinds(everything: list[A.ArrayInfo], allow_desc: bool) -> int | None:
+    """Arrays (not declarations, unless allowed), all on the host or all on one device."""
     if not allow_desc:
         for x in everything:
             if isinstance(x.array, TensorDesc):  # no address: launching would read address 0
@@ -187,9 +229,92 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
     if len(hosts) > 1:
         host = [x.name for x in everything if x.device is None]
         raise TypeError(f"{', '.join(host)}: host (NumPy) arrays mixed with device arrays; pass all of one kind")
-    device = A.check_same_device(everything)
-    return Request(qi, ki, qo, ko, ci, si, pi, oi, cui, off, cq, ck, layout, bool(interleaved), rdim, roff,
-                   bool(inverse), device)
+    return A.check_same_device(everything)
+
+
+def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout="bshd", interleaved=False,
+             rotary_dim=None, rotary_offset=0, inverse=False, q_out=None, k_out=None, allow_host=True,
+             names=("q", "k"), allow_desc=False) -> Request:
+    """Every check of the general API, before anything is launched or written."""
+    check_options(layout, interleaved, inverse)
+    qn, kn = names
+    qi, cq = _tensor(q, qn, layout, allow_host)
+    ki = ck = None
+    if k is not None:
+        ki, ck = _tensor(k, kn, layout, allow_host)
+        if ki.dtype != qi.dtype:
+            raise TypeError(f"{kn}: dtype {ki.dtype} differs from {qn}'s {qi.dtype}")
+        if (ck.B, ck.S, ck.D) != (cq.B, cq.S, cq.D):
+            raise ValueError(f"{kn}: shape {ki.shape} does not match {qn}'s {qi.shape} outside the head axis "
+                             f"(only head counts may differ, for GQA/MQA)")
+    rdim, roff = check_window(cq.D, rotary_dim, rotary_offset, qn)
+    ci, si = check_tables(cos, sin, rdim, rotary_dim is not None, cq.D, allow_host)
+    pi, oi, cui, off = check_positions(positions, offset, cu_seqlens, layout, cq, ci.shape[0], allow_host)
+    qo, ko = _outputs(q_out, k_out, qi, ki, qn, kn, k is not None, allow_host)
+
+    inputs = [x for x in (qi, ki, ci, si, pi, oi, cui) if x is not None]
+    outs = [(o, own) for o, own in ((qo, qi), (ko, ki)) if o is not None]
+    A.check_outputs(outs, inputs)
+    device = _check_kinds(inputs + [o for o, _ in outs], allow_desc)
+    req = Request(qi, ki, qo, ko, ci, si, pi, oi, cui, off, cq, ck, layout, bool(interleaved), rdim, roff,
+                  bool(inverse), device)
+    if device is None and not allow_desc:
+        check_position_values(req, *(None if x is None else np.asarray(x.array) for x in (pi, oi, cui)))
+    return req
+
+
+def check_position_values(req: Request, positions: np.ndarray | None, offsets: np.ndarray | None,
+                          cu_seqlens: np.ndarray | None) -> None:
+    """Every position the call would read lies inside the table; ``cu_seqlens`` is ``[0, ..., T]``
+    and non-decreasing. The arrays are host copies of the request's index arrays."""
+    rows, S = req.cos.shape[0], req.cq.S
+    if cu_seqlens is not None:
+        cu = cu_seqlens.astype(np.int64)
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens: must start at 0, got {int(cu[0])}")
+        steps = np.diff(cu)
+        if (steps < 0).any():
+            i = int(np.argmax(steps < 0))
+            raise ValueError(f"cu_seqlens: must be non-decreasing, but entry {i + 1} ({int(cu[i + 1])}) is below "
+                             f"entry {i} ({int(cu[i])})")
+        if cu[-1] != S:
+            raise ValueError(f"cu_seqlens: must end at the token count T={S} (the last entry is {int(cu[-1])}); "
+                             f"{'tokens past it would not be rotated' if cu[-1] < S else 'it counts tokens that do not exist'}")
+        lengths = steps
+        starts = offsets.astype(np.int64) if offsets is not None else np.full(len(lengths), req.offset, np.int64)
+        _check_starts(starts, lengths, rows, "offset")
+    elif offsets is not None:
+        _check_starts(offsets.astype(np.int64), np.full(len(offsets), S, np.int64) if req.cq.B else
+                      np.zeros(len(offsets), np.int64), rows, "offset")
+    if positions is not None and positions.size:
+        p = positions.astype(np.int64)
+        bad = (p < 0) | (p >= rows)
+        if bad.any():
+            i = int(np.argmax(bad.reshape(-1)))
+            raise ValueError(f"positions: entry {i} is {int(p.reshape(-1)[i])}, outside the table's {rows} rows "
+                             f"(0..{rows - 1})")
+
+
+def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str) -> None:
+    """Sequence b reads table rows starts[b] .. starts[b] + lengths[b] - 1."""
+    if (starts < 0).any():
+        b = int(np.argmax(starts < 0))
+        raise ValueError(f"{name}: sequence {b} starts at position {int(starts[b])}; positions are >= 0")
+    past = (lengths > 0) & (starts + lengths > rows)
+    if past.any():
+        b = int(np.argmax(past))
+        raise ValueError(f"{name}: sequence {b} reads positions {int(starts[b])}..{int(starts[b] + lengths[b] - 1)}, "
+                         f"outside the table's {rows} rows")
+
+
+def check_device_positions(req: Request) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read device-resident index arrays back (synchronising) and
+    check them like host ones."""
+    import cupy
+
+    host = [None if x is None else cupy.asnumpy(cupy.asarray(x.array)) for x in (req.positions, req.offsets,
+                                                                             req.cu_seqlens)]
+    check_position_values(req, *host)
 
 
 def _check_out(out: A.ArrayInfo, inp: A.ArrayInfo) -> None:

@@ -1,16 +1,26 @@
-"""The device sources under ``cuda_src/``: where they live and what they hold.
+"""The device sources under ``cuda_src/``: where they live and what each kernel includes.
 
 ``cuda_src/`` sits beside the package in a checkout or editable install, and inside it
-(``rope_rtc/cuda_src``) in a wheel. Every file there is part of every cache key, so an edited
-header can never be served a binary built from the old one.
+(``rope_rtc/cuda_src``) in a wheel. A specialisation's cache key holds the bytes of its ``.cu``
+file and of every project header it includes, followed transitively through
+``#include "name"`` lines (:func:`included_sources`): an edited header can never be served a
+binary built from the old one, and editing one kernel (a benchmark-only one, say) leaves the
+binaries of the others valid. NVRTC is handed exactly those headers and no others, so a compile
+cannot read a project file its key does not hold.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 SOURCE_SUFFIXES = (".cu", ".cuh")
+
+# A quoted include on a line of its own. Conditional includes count whether or not the condition
+# holds (keying one file too many is harmless); <angle> includes are CUDA's headers, keyed by
+# their version (rope_rtc/toolchain.py), not by their bytes.
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"\r\n]+)"', re.MULTILINE)
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,6 +47,26 @@ def read_source(name: str) -> bytes:
     raise FileNotFoundError(f"no device source {name!r} in {source_dir()}")
 
 
-def headers() -> dict[str, bytes]:
-    """The project's own headers, handed to NVRTC by name (no include path into the install)."""
-    return {name: data for name, data in all_sources() if name.endswith(".cuh")}
+def included_sources(name: str) -> tuple[tuple[str, bytes], ...]:
+    """``name`` and every project header it includes, transitively, as sorted (name, bytes) pairs.
+
+    A quoted include that names no file in ``cuda_src/`` is not ours and is left to NVRTC's
+    include path; cycles end because each file is visited once.
+    """
+    files = dict(all_sources())
+    if name not in files:
+        raise FileNotFoundError(f"no device source {name!r} in {source_dir()}")
+    seen = {name}
+    pending = [name]
+    while pending:
+        for match in _INCLUDE.finditer(files[pending.pop()]):
+            header = match.group(1).decode(errors="replace")
+            if header in files and header not in seen:
+                seen.add(header)
+                pending.append(header)
+    return tuple((n, files[n]) for n in sorted(seen))
+
+
+def included_headers(name: str) -> dict[str, bytes]:
+    """The project headers ``name`` includes, handed to NVRTC by name (no include path into the install)."""
+    return {n: data for n, data in included_sources(name) if n != name}

@@ -8,14 +8,17 @@ with a fixed FP32 multiply/FMA order (bit-exact); the prefix is copied unchanged
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
 
 from . import arrays as A
+from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
-from .launch import ArgPack, Launcher, launch_prefix, load_kernel, remember, stream_handle
+from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
+from .prepared import Call, Op, Prepared, pointers, signature
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -23,6 +26,18 @@ VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
 BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
 BACKENDS = ("nvrtc", "numpy")
+
+
+
+# The kernel's argument block (cuda_src/tail_rope.cu: tail_rope_bf16_x1).
+ARG_FIELDS = [("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
+              ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)]
+NAMES = ("x", "cosine", "sine", "out")
+
+
+def load_tail_function(heads: int, dim: int, device: int):
+    """The tail kernel specialised on ``heads`` and ``dim``, loaded on ``device``."""
+    return load_kernel(tail_spec(heads, dim), device).functions["tail_rope_bf16_x1"]
 
 
 class TailRoPEForward:
@@ -40,23 +55,23 @@ class TailRoPEForward:
     ``execute`` allocates no device memory, converts nothing and never synchronises; the caller
     owns array lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets
     it saw, so repeating one skips re-validation (it holds references to those arrays); new
-    arrays of a shape, stride and dtype signature seen before get the cheaper pointer-only
+    arrays of a shape, stride and dtype signature seen before get the cheaper address-only
     checks. From its second launch, a remembered set is launched as a one-node CUDA graph
-    instantiated once for it (about 2 µs of host time instead of 4-6 µs for ``cuLaunchKernel``;
-    never into a stream that is being captured; ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off).
-    A plan holds one argument block: give each thread its own plan.
+    instantiated once for it, which costs the host less than ``cuLaunchKernel`` (never into a
+    stream that is being captured; ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off). A plan holds
+    one argument block: give each thread its own plan.
+
+    A layout the kernel does not serve (any non-contiguous array) raises
+    :class:`~rope_rtc.errors.UnsupportedLayoutError`, a ``NotImplementedError`` (and a
+    ``ValueError``), at ``check_support`` and at ``execute`` alike.
     """
 
     def __init__(self, x, cosine, sine, out, *, backend: str = "nvrtc") -> None:
         self.backend = backend
         self._decl = (x, cosine, sine, out)
         self._supported = False
-        self._kernel = None
-        # The last call, for the identity fast path (a flat tuple: indexing it is the cheapest read):
-        # (x, cosine, sine, out, x.shape, launch prefix or None, unused, the TupleDict to return).
-        self._last = None
-        self._validated: dict[tuple, tuple | None] = {}  # signature -> launch prefix
-        self._recent: dict[tuple, tuple] = {}  # ids of an argument set -> (_last, argument fields)
+        self._function = None
+        self._core: Prepared | None = None
         self.heads = self.dim = self.rank = self.device = None
 
     # -- plan lifecycle ------------------------------------------------------------------------
@@ -64,19 +79,7 @@ class TailRoPEForward:
         """Validate the declared arrays; raises TypeError/ValueError/NotImplementedError."""
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: {self.backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
-        host_ok = self.backend == "numpy"
-        x, c, s, o = (A.describe(v, n, allow_host=host_ok) for v, n in zip(self._decl, ("x", "cosine", "sine", "out")))
-        if not host_ok:
-            for info in (x, c, s, o):
-                if info.device is None:
-                    raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'; pass a CuPy "
-                                    "array or use backend='numpy'")
-        elif any(i.device is not None for i in (x, c, s, o)):
-            raise TypeError("backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and float32)")
-        A.check_dtype(x, ("bfloat16",), " (tail RoPE is BF16)")
-        A.check_dtype(o, ("bfloat16",), " (tail RoPE is BF16)")
-        A.check_dtype(c, ("float32",))
-        A.check_dtype(s, ("float32",))
+        x, c, s, o = infos = self._describe(self._decl, declarations=True)
         if len(x.shape) not in (2, 3):
             raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {x.shape}")
         D = x.shape[-1]
@@ -87,14 +90,12 @@ class TailRoPEForward:
             raise ValueError(f"x: head count H must be positive, got {H}")
         if H * D >= 2**31:
             raise ValueError(f"x: H*D = {H * D} must be below 2**31")
-        for info in (x, c, s, o):
-            if not info.is_c_contiguous():
-                raise NotImplementedError(f"{info.name}: non-contiguous layouts are not supported (strides "
-                                          f"{info.strides} for shape {info.shape}); the plan rejects rather than copies")
+        for info in infos:
+            _check_contiguous(info)
         self.heads, self.dim, self.rank = H, D, len(x.shape)
         self._check_shapes(x, c, s, o)
-        if not host_ok:
-            self.device = A.check_same_device([x, c, s, o])
+        if self.backend == "nvrtc":
+            self.device = A.check_same_device(infos)
             if self.device is None:
                 self.device = _current_device()
         self._supported = True
@@ -104,14 +105,9 @@ class TailRoPEForward:
         """Load (compiling on a cache miss) the kernel for this plan's H, D and device."""
         if not self._supported:
             self.check_support()
-        if self.backend == "nvrtc" and self._kernel is None:
-            import ctypes
-
-            self._kernel = load_kernel(tail_spec(self.heads, self.dim), self.device)
-            self._function = self._kernel.functions["tail_rope_bf16_x1"]
-            self._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
-                                  ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
-            self._launch = Launcher(self._args.address, self.device)
+        if self.backend == "nvrtc" and self._core is None:
+            self._function = load_tail_function(self.heads, self.dim, self.device)
+            self._core = Prepared(_TailOp(self), ArgPack(ARG_FIELDS), self.device)
         return self
 
     def scratch_workspace_bytes(self) -> int:
@@ -121,22 +117,42 @@ class TailRoPEForward:
     # -- execution -----------------------------------------------------------------------------
     def execute(self, x, cosine, sine, out, *, current_stream=None) -> TupleDict:
         """Rotate ``x``'s tail into ``out``. Returns ``TupleDict(out=out)``."""
-        last = self._last
-        if not (last is not None and x is last[0] and cosine is last[1] and sine is last[2] and out is last[3]
-                and x.shape == last[4]):
-            # Anything new: validate fully and re-pack the arguments.
-            if self._kernel is None and self.backend == "nvrtc":
-                self.compile()
-            self._prepare(x, cosine, sine, out)
-            last = self._last
-        prefix = last[5]  # None for the NumPy backend and when there is nothing to launch
-        if prefix is not None:
-            self._launch(prefix, current_stream, last)
-        elif self.backend == "numpy":
-            from .reference import tail_rope_reference
+        core = self._core
+        if core is None:
+            if self.backend == "numpy":
+                return self._execute_numpy(x, cosine, sine, out)
+            core = self.compile()._core
+        return core.execute((x, cosine, sine, out), 0, current_stream)
 
+    def _execute_numpy(self, x, cosine, sine, out) -> TupleDict:
+        from .reference import tail_rope_reference
+
+        if not self._supported:
+            self.check_support()
+        _TailOp(self).validate((x, cosine, sine, out), 0)
+        if x.size:
             out[...] = tail_rope_reference(x, cosine, sine)
-        return last[7]
+        return TupleDict(out=out)
+
+    def _describe(self, arrays, *, declarations: bool) -> list[A.ArrayInfo]:
+        """Each argument's info, of the right kind (host for NumPy, device for the kernel) and dtype."""
+        host_ok = self.backend == "numpy"
+        infos = [A.describe(v, n, allow_host=host_ok) for v, n in zip(arrays, NAMES)]
+        for info in infos:
+            if isinstance(info.array, TensorDesc) and not declarations:
+                raise TypeError(f"{info.name}: execute() needs arrays, not declarations")
+            if not host_ok and info.device is None:
+                raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'; pass a CuPy "
+                                "array or use backend='numpy'")
+            if host_ok and info.device is not None:
+                raise TypeError(f"{info.name}: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and "
+                                "float32)")
+        x, c, s, o = infos
+        A.check_dtype(x, ("bfloat16",), " (tail RoPE is BF16)")
+        A.check_dtype(o, ("bfloat16",), " (tail RoPE is BF16)")
+        A.check_dtype(c, ("float32",))
+        A.check_dtype(s, ("float32",))
+        return infos
 
     def _check_shapes(self, x, c, s, o) -> None:
         if len(x.shape) != self.rank:  # first: the checks below index x.shape by the plan's rank
@@ -150,93 +166,68 @@ class TailRoPEForward:
             if t.shape != (T, TABLE_COLUMNS):
                 raise ValueError(f"{t.name}: expected shape ({T}, {TABLE_COLUMNS}), got {t.shape}")
 
-    def _prepare(self, x, cosine, sine, out) -> None:
-        if not self._supported:
-            self.check_support()
-        # The last RECENT_SETS argument sets by identity (each entry holds its arrays, so the ids
-        # stay theirs): a repeat restores the five argument fields and skips every check.
-        key = (id(x), id(cosine), id(sine), id(out))
-        hit = self._recent.get(key)
-        if hit is not None and hit[0][4] == x.shape:
-            last, fields = hit
-            if fields is not None:
-                v = self._args.values
-                v.x, v.out, v.cos, v.sin, v.n = fields
-            self._last = last
-            return
-        self._prepare_new(x, cosine, sine, out)
-        v = self._args.values if self._last[5] is not None else None
-        remember(self._recent, key, (self._last, None if v is None else (v.x, v.out, v.cos, v.sin, v.n)))
 
-    def _prepare_new(self, x, cosine, sine, out) -> None:
-        sig = _signature(x, cosine, sine, out) if self.backend == "nvrtc" else None
-        if sig is not None and sig in self._validated and self._reuse(sig, x, cosine, sine, out):
-            return
-        self._full_prepare(x, cosine, sine, out)
-        if sig is not None:
-            if len(self._validated) >= 64:
-                self._validated.clear()
-            self._validated[sig] = self._last[5]
+def _check_contiguous(info: A.ArrayInfo) -> None:
+    A.check_contiguous(info, "non-contiguous layouts are not supported (the plan rejects rather than copies)")
 
-    def _reuse(self, sig, x, cosine, sine, out) -> bool:
-        """A signature (shapes, strides, dtypes, devices) validated before: only the pointer checks
-        remain (16-byte alignment, and the output's bytes disjoint from every input's)."""
-        ptrs = (x.data.ptr, cosine.data.ptr, sine.data.ptr, out.data.ptr)
-        if x.size and (ptrs[0] | ptrs[3]) % A.ALIGN_BYTES or cosine.size and (ptrs[1] | ptrs[2]) % A.ALIGN_BYTES:
-            return False
-        olo, ohi = ptrs[3], ptrs[3] + out.nbytes
-        for a, p in ((x, ptrs[0]), (cosine, ptrs[1]), (sine, ptrs[2])):
-            if a.nbytes and out.nbytes and p < ohi and olo < p + a.nbytes:
-                return False
-        v = self._args.values
-        v.x, v.cos, v.sin, v.out, v.n = ptrs[0], ptrs[1], ptrs[2], ptrs[3], x.size // VECTOR_ELEMS
-        self._last = (x, cosine, sine, out, x.shape, self._validated[sig], None, TupleDict(out=out))
-        return True
 
-    def _full_prepare(self, x, cosine, sine, out) -> None:
-        host_ok = self.backend == "numpy"
-        infos = [A.describe(v, n, allow_host=host_ok) for v, n in zip((x, cosine, sine, out), ("x", "cosine", "sine", "out"))]
+class _TailOp(Op):
+    """What a TailRoPEForward fixes (H, D, rank, device) and checks on every new call."""
+
+    def __init__(self, plan: TailRoPEForward) -> None:
+        self.plan = plan
+
+    def validate(self, arrays: tuple, scalar: int) -> "_TailTemplate":
+        plan = self.plan
+        infos = plan._describe(arrays, declarations=False)
         xi, ci, si, oi = infos
+        plan._check_shapes(xi, ci, si, oi)
         for info in infos:
-            if isinstance(info.array, TensorDesc):
-                raise TypeError(f"{info.name}: execute() needs arrays, not declarations")
-            if not host_ok and info.device is None:
-                raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'")
-        A.check_dtype(xi, ("bfloat16",))
-        A.check_dtype(oi, ("bfloat16",))
-        A.check_dtype(ci, ("float32",))
-        A.check_dtype(si, ("float32",))
-        self._check_shapes(xi, ci, si, oi)
-        for info in infos:
-            if not info.is_c_contiguous():
-                raise ValueError(f"{info.name}: must be contiguous, got strides {info.strides} for shape {info.shape}")
+            _check_contiguous(info)
             A.check_aligned(info)
-        if not host_ok:
-            A.check_same_device(infos, self.device)
+        if plan.backend == "nvrtc":
+            A.check_same_device(infos, plan.device)
         for inp in (xi, ci, si):
             if A.overlaps(oi, inp):
                 raise ValueError(f"out overlaps {inp.name}: the output must be disjoint from every input")
         A.check_writable(oi)
-        n_vec = xi.size // VECTOR_ELEMS
-        grid = None
-        if n_vec and not host_ok:
-            grid = -(-n_vec // BLOCK)  # one 16-byte vector per thread
+        return _TailTemplate(plan, infos)
+
+
+class _TailTemplate:
+    """A validated signature: the launch (grid from T) and the address checks that remain."""
+
+    def __init__(self, plan: TailRoPEForward, infos: list[A.ArrayInfo]) -> None:
+        self.validated_pointers = tuple(i.ptr for i in infos)
+        self.nbytes = tuple(i.size * i.itemsize for i in infos)
+        self.n_vec = infos[0].size // VECTOR_ELEMS
+        self.prefix = None
+        if self.n_vec and plan.backend == "nvrtc":
+            grid = -(-self.n_vec // BLOCK)  # one 16-byte vector per thread
             if grid > GRID_LIMIT:
-                raise ValueError(f"x: {xi.size} elements need {grid} blocks, above the CUDA grid limit {GRID_LIMIT}")
-            grid = launch_prefix(self._function, (grid, 1, 1), (BLOCK, 1, 1))
-            v = self._args.values
-            v.x, v.out, v.cos, v.sin, v.n = xi.ptr, oi.ptr, ci.ptr, si.ptr, n_vec
-        self._last = (x, cosine, sine, out, x.shape, grid, None, TupleDict(out=out))
+                raise ValueError(f"x: {infos[0].size} elements need {grid} blocks, above the CUDA grid limit {GRID_LIMIT}")
+            self.prefix = launch_prefix(plan._function, (grid, 1, 1), (BLOCK, 1, 1))
 
+    pointers = staticmethod(pointers)
 
-def _signature(*arrays):
-    """(shape, strides, dtype, device) of each argument when all are CuPy arrays, else None."""
-    sig = []
-    for a in arrays:
-        if type(a).__name__ != "ndarray" or not type(a).__module__.startswith("cupy"):
+    def check_scalar(self, scalar: int) -> None:
+        """The tail kernel takes no scalar."""
+
+    def write_scalar(self, block, scalar: int) -> None:
+        """The tail kernel takes no scalar."""
+
+    def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
+        x, c, s, o = ptrs
+        nx, nc, ns, no = self.nbytes
+        if nx and (x | o) % A.ALIGN_BYTES or nc and (c | s) % A.ALIGN_BYTES:
             return None
-        sig.append((a.shape, a.strides, a.dtype, a.data.device_id))
-    return tuple(sig)
+        if no:
+            for p, n in ((x, nx), (c, nc), (s, ns)):
+                if n and p < o + no and o < p + n:
+                    return None
+        v = core.block
+        v.x, v.out, v.cos, v.sin, v.n = x, o, c, s, self.n_vec
+        return Call(arrays, 0, self, self.prefix, TupleDict(out=arrays[3]))
 
 
 def _current_device() -> int:
@@ -247,13 +238,16 @@ def _current_device() -> int:
 
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
 _local = threading.local()
+# Signatures, and plans, one thread keeps for tail_rope.
+ONE_CALL_PLANS = 64
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleDict:
     """Allocate a disjoint output and run a cached plan. Returns ``TupleDict(out=out)``.
 
     With ``stream``, the allocation and the launch are ordered on it. Plans are cached per
-    (H, D, rank, device), so prewarm the shapes you will use before capturing a CUDA graph.
+    thread by (H, D, rank, device) and the arrays' signature, so prewarm the shapes you will
+    use before capturing a CUDA graph. The call keeps no reference to its arrays.
     """
     if backend not in BACKENDS:  # before any allocation or device selection
         raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
@@ -261,29 +255,37 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         out = np.empty_like(np.asarray(x))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
         return plan.execute(x, cosine, sine, out)
-    import cupy
+    if type(x).__module__.startswith("cupy") and hasattr(x, "data"):
+        device, shape, dtype = x.data.device_id, x.shape, x.dtype
+    else:
+        xi = A.describe(x, "x", allow_host=False)
+        if xi.device is None:
+            raise TypeError("x: a host array cannot be used with backend='nvrtc'; pass a CuPy array or use "
+                            "backend='numpy'")
+        device, shape, dtype = xi.device, xi.shape, A.numpy_dtype(xi.dtype)
+    try:
+        by_signature, by_key = _local.by_signature, _local.by_key
+    except AttributeError:  # this thread's first call
+        from . import driver
 
-    xi = A.describe(x, "x", allow_host=False)
-    if xi.device is None:
-        raise TypeError("x: a host array cannot be used with backend='nvrtc'; pass a CuPy array or use backend='numpy'")
-    device = xi.device
-    with cupy.cuda.Device(device):
-        handle = stream_handle(stream, device)
-        base = xi.array if type(xi.array).__module__.startswith("cupy") else cupy.asarray(xi.array)
-        if handle == cupy.cuda.get_current_stream().ptr:
-            out = cupy.empty_like(base)
-        else:
-            with cupy.cuda.ExternalStream(handle):
-                out = cupy.empty_like(base)
-        key = (xi.shape[1:], device, backend)
-        plans = _local.__dict__.setdefault("plans", {})
-        plan = plans.get(key)
+        driver.require_gpu()
+        by_signature, by_key = _local.by_signature, _local.by_key = {}, {}
+    handle = stream_handle(stream, device)
+    out = launch.allocate(shape, dtype, device, handle)
+    arrays = (x, cosine, sine, out)
+    sig = signature(arrays)
+    plan = by_signature.get(sig) if sig is not None else None
+    if plan is None:
+        key = (shape[1:], device)
+        plan = by_key.get(key)
         if plan is None:
             plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
-            plan._decl = None  # a process-wide plan must not keep the caller's arrays alive
-            plans[key] = plan
-        result = plan.execute(x, cosine, sine, out, current_stream=handle)
-        plan._last = None  # nor the last call's (the signature cache keeps later calls cheap)
-        plan._recent.clear()
-        plan._launch.forget()
-        return result
+            plan._decl = None  # a thread's plan must not keep the caller's arrays alive
+            remember(by_key, key, plan, ONE_CALL_PLANS)
+        if sig is not None:
+            remember(by_signature, sig, plan, ONE_CALL_PLANS)
+    core = plan._core
+    call = core.bind(arrays, 0, sig, sig_known=True)
+    if call.prefix is not None:
+        core.launcher(call.prefix, handle)
+    return call.result

@@ -7,9 +7,11 @@ machine without one.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +22,26 @@ from .errors import ToolchainError
 MIN_ARCH = 80
 
 
+# The CUDA toolchain of each major version: the pyproject extra that installs it and the NVIDIA
+# wheels that carry NVRTC and the runtime headers (their names change with the major).
+EXTRAS = {13: "cuda13", 12: "cuda12"}
+NVRTC_PACKAGES = {13: "nvidia-cuda-nvrtc", 12: "nvidia-cuda-nvrtc-cu12"}
+RUNTIME_PACKAGES = {13: "nvidia-cuda-runtime", 12: "nvidia-cuda-runtime-cu12"}
+
+
+def install_hint(major: int | None = None) -> str:
+    """The pip command that installs a coherent CUDA toolchain: the extra for ``major`` when known."""
+    if major in EXTRAS:
+        return f'pip install "rope-rtc[{EXTRAS[major]}]"'
+    return " or ".join(f'pip install "rope-rtc[{extra}]" (CUDA {m} driver)' for m, extra in sorted(EXTRAS.items(),
+                                                                                                   reverse=True))
+
+
 def _nvrtc():
     try:
         from cuda.bindings import nvrtc
-    except ImportError as exc:  # pragma: no cover - a base dependency
-        raise ToolchainError(
-            "cuda-python's bindings are missing: pip install 'cuda-bindings>=13.3,<14' nvidia-cuda-nvrtc"
-        ) from exc
+    except ImportError as exc:
+        raise ToolchainError(f"cuda-python's bindings are missing ({exc}): {install_hint()}") from exc
     return nvrtc
 
 
@@ -40,6 +55,23 @@ def _ok(result, what: str):
     return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
 
 
+def bindings_version() -> str | None:
+    """The installed cuda-bindings version ("12.9.10"), or None."""
+    try:
+        return importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def bindings_major() -> int | None:
+    """cuda-bindings' CUDA major version: it loads the NVRTC and driver API of that major."""
+    v = bindings_version()
+    try:
+        return int(v.split(".")[0]) if v else None
+    except ValueError:
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> tuple[int, int]:
     """NVRTC's (major, minor) version."""
@@ -49,7 +81,8 @@ def nvrtc_version() -> tuple[int, int]:
         raise
     except Exception as exc:  # library not found by cuda-pathfinder
         raise ToolchainError(
-            f"NVRTC could not be loaded ({exc}); install the NVRTC wheel: pip install 'nvidia-cuda-nvrtc>=13.0,<14'"
+            f"NVRTC could not be loaded ({exc}); install it with the toolchain of the driver's CUDA version: "
+            f"{install_hint(bindings_major())}"
         ) from exc
     return int(major), int(minor)
 
@@ -111,7 +144,7 @@ def target_for(arch: int, *, driver_version: int | None = None) -> Target:
         raise ToolchainError(
             f"this device is sm_{arch}, newer than NVRTC {major}.{minor} knows (up to sm_{known[-1]}), and the "
             f"driver ({_fmt_driver(driver_version)}) cannot JIT PTX from NVRTC {major}.{minor}: upgrade the "
-            f"'nvidia-cuda-nvrtc' package to a version that knows sm_{arch}, or the driver"
+            f"'{NVRTC_PACKAGES.get(major, 'nvidia-cuda-nvrtc')}' package to a version that knows sm_{arch}, or the driver"
         )
     raise ToolchainError(f"NVRTC {major}.{minor} cannot generate code for sm_{arch} (it knows {list(known)})")
 
@@ -186,8 +219,34 @@ def _find_headers(override: str | None) -> CudaHeaders:
                 return CudaHeaders(str(d), v, origin)
     raise ToolchainError(
         f"no CUDA {major}.x headers (cuda_fp16.h, cuda_bf16.h) found for NVRTC {major}: install "
-        f"'nvidia-cuda-runtime>={major}.0,<{major + 1}' (seen: {seen or 'none'}), or set ROPE_RTC_CUDA_INCLUDE"
+        f"'{RUNTIME_PACKAGES.get(major, 'nvidia-cuda-runtime')}>={major}.0,<{major + 1}' (seen: {seen or 'none'}), "
+        "or set ROPE_RTC_CUDA_INCLUDE"
     )
+
+
+def nvrtc_library() -> str | None:
+    """Path of the NVRTC library the bindings loaded (through cuda-pathfinder), or None if unknown."""
+    try:
+        nvrtc_version()
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        return load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception:  # an older cuda-pathfinder, or no NVRTC: a courtesy for `rope-rtc info`
+        return None
+
+
+def installed_from(path: str | os.PathLike, packages: Iterable[str]) -> str | None:
+    """``"name version"`` of the first of ``packages`` whose wheel installed ``path`` (a file), or None."""
+    target = Path(path).resolve()
+    for name in packages:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in dist.files or ():
+            if f.name == target.name and Path(dist.locate_file(f)).resolve() == target:
+                return f"{name} {dist.version}"
+    return None
 
 
 def cuda_headers() -> CudaHeaders:

@@ -24,7 +24,7 @@ from pathlib import Path
 from . import cache, registry
 from .build import get_binary, spec_key
 from .env import settings
-from .errors import RopeRtcError
+from .errors import CompileError, KernelNotCachedError, RopeRtcError
 from .registry import KernelSpec
 from .toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
 
@@ -33,11 +33,34 @@ class WarmError(RopeRtcError):
     """Warming cannot start: an architecture NVRTC cannot build, or no disk cache to fill."""
 
 
+# Why a kernel failed to warm, in the order a report lists them.
+NOT_CACHED, COMPILE, WRITE, OTHER = "not cached", "compile", "write", "other"
+
+
 @dataclass(frozen=True)
 class WarmFailure:
     kernel: str
     target: str
     error: str
+    cause: str = OTHER  # NOT_CACHED, COMPILE, WRITE or OTHER
+
+
+class _NotWritten(RopeRtcError):
+    """Compiled, but the entry did not reach the disk."""
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, KernelNotCachedError):
+        return NOT_CACHED
+    if isinstance(exc, CompileError):
+        return COMPILE
+    if isinstance(exc, _NotWritten):
+        return WRITE
+    return OTHER
+
+
+def _kernels(n: int) -> str:
+    return f"{n} kernel{'' if n == 1 else 's'}"
 
 
 @dataclass
@@ -50,10 +73,15 @@ class WarmReport:
     cached: int = 0
     failed: list[WarmFailure] = field(default_factory=list)
     seconds: float = 0.0
+    stale_temporaries_removed: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @property
+    def ready(self) -> int:
+        return self.compiled + self.cached
 
     @property
     def total(self) -> int:
@@ -62,6 +90,37 @@ class WarmReport:
     def summary(self) -> str:
         return (f"compiled {self.compiled}, already cached {self.cached}, failed {len(self.failed)} "
                 f"in {self.seconds:.1f} s")
+
+    def headline(self) -> str:
+        """One line: what the cache now holds for these targets."""
+        where = f"for {', '.join(t.name for t in self.targets)} in {self.directory}"
+        if self.ok:
+            return f"warmed {_kernels(self.ready)} {where}"
+        return f"warm incomplete: {self.ready} of {_kernels(self.total)} ready {where}"
+
+    def failure_lines(self) -> list[str]:
+        """One line per kind of failure, with its count; then, for failures whose evidence differs
+        from kernel to kernel (a compile log, a disk error), one line per kernel."""
+        by_cause: dict[str, list[WarmFailure]] = {}
+        for f in self.failed:
+            by_cause.setdefault(f.cause, []).append(f)
+        lines: list[str] = []
+        for cause in (NOT_CACHED, COMPILE, WRITE, OTHER):
+            group = by_cause.get(cause, [])
+            if not group:
+                continue
+            n = len(group)
+            if cause == NOT_CACHED:
+                archs = " ".join(f"--arch {t}" for t in dict.fromkeys(f.target for f in group))
+                lines.append(f"{_kernels(n)} {'is' if n == 1 else 'are'} not in the cache and ROPE_RTC_NO_COMPILE=1 "
+                             f"forbids compiling them: unset it to compile them (rope-rtc warm {archs} "
+                             f"--cache-dir {self.directory.parent})")
+                continue
+            lines.append({COMPILE: f"{_kernels(n)} failed to compile:",
+                          WRITE: f"{_kernels(n)} compiled but could not be written to {self.directory}:",
+                          OTHER: f"{_kernels(n)} failed:"}[cause])
+            lines += [f"- {f.kernel} for {f.target}: {f.error}" for f in group]
+        return lines
 
 
 def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
@@ -120,7 +179,7 @@ def _disk_store(cache_dir: str | os.PathLike | None) -> cache.CacheStore:
                         "nothing; unset it or pass a cache directory")
     directory = cache.versioned_cache_dir(cache_dir)
     disk = cache.DiskStore(directory, trust_shared=s.trust_shared_cache)
-    if not disk.writable:
+    if not disk.writable or disk.problem:
         raise WarmError(f"cannot warm {directory}: {disk.problem or 'not writable'}")
     return cache.CacheStore(disk)
 
@@ -154,7 +213,8 @@ def warm(
         Show a progress bar on a terminal.
 
     A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``
-    list with its error text; the others still run. With ``ROPE_RTC_NO_COMPILE=1`` nothing is
+    list with its error text and cause; the others still run. Temporary files older than an
+    hour, left in the directory by killed processes, are removed first. With ``ROPE_RTC_NO_COMPILE=1`` nothing is
     compiled and every missing entry is a failure, which makes ``warm`` a completeness check.
     """
     targets = resolve_targets(archs)
@@ -163,6 +223,7 @@ def warm(
     disk = store.disk
     assert disk is not None
     report = WarmReport(targets, disk.directory)
+    report.stale_temporaries_removed = disk.remove_stale_temporaries()
     tasks = [(spec, target) for target in targets for spec in specs]
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
 
@@ -173,9 +234,8 @@ def warm(
         binary = get_binary(spec, target, store=store, announce=False)
         if binary.source != "compiled":
             return "cached"
-        if not disk.path_for(binary.key).is_file():
-            raise RopeRtcError(f"compiled, but the entry could not be written to {disk.directory}"
-                               f"{f' ({disk.problem})' if disk.problem else ''}")
+        if binary.key in disk.write_errors or not os.path.isfile(disk.path_for(binary.key)):
+            raise _NotWritten(disk.write_errors.get(binary.key) or disk.problem or "not written")
         return "compiled"
 
     bar = _progress_bar(len(tasks), progress, ", ".join(t.name for t in targets))
@@ -189,7 +249,9 @@ def warm(
                 try:
                     outcome = fut.result()
                 except Exception as exc:  # a compile error, a toolchain or disk failure: record, go on
-                    report.failed.append(WarmFailure(spec.name, target.name, f"{type(exc).__name__}: {exc}"))
+                    report.failed.append(WarmFailure(spec.name, target.name,
+                                                     str(exc) if isinstance(exc, _NotWritten)
+                                                     else f"{type(exc).__name__}: {exc}", _cause(exc)))
                 else:
                     if outcome == "compiled":
                         report.compiled += 1
@@ -226,12 +288,14 @@ def _progress_bar(total: int, wanted: bool, what: str):
     return tqdm(total=total, desc=f"warming {what}", unit="kernel", file=sys.stderr, leave=False)
 
 
-def no_compile_hint() -> str | None:
-    """Why every miss failed, when that is the reason."""
-    if settings().no_compile:
-        return ("ROPE_RTC_NO_COMPILE=1 is set, so warm only checked the cache: unset it to compile the "
-                "missing kernels")
+def spec_named(name: str) -> KernelSpec | None:
+    """The registered specialisation called ``name`` (any tail head count), or None."""
+    heads = re.search(r"\bTAIL_HEADS=(\d+)", name)
+    extra = (int(heads.group(1)),) if heads and 0 < int(heads.group(1)) < 1 << 20 else ()
+    for spec in registry.all_specs(tuple(sorted({*registry.DEFAULT_TAIL_HEADS, *extra}))):
+        if spec.name == name:
+            return spec
     return None
 
 
-__all__ = ["WarmError", "WarmFailure", "WarmReport", "no_compile_hint", "resolve_targets", "select_specs", "warm"]
+__all__ = ["WarmError", "WarmFailure", "WarmReport", "resolve_targets", "select_specs", "spec_named", "warm"]

@@ -2,7 +2,7 @@
 """Benchmark rope_rtc against a size-matched device copy and every importable peer, in one run.
 
     PYTHONPATH=. python3 scripts/bench.py --quick          # ~3 min on an H200
-    PYTHONPATH=. python3 scripts/bench.py                  # every case of issue 5, ~8 min
+    PYTHONPATH=. python3 scripts/bench.py                  # every case, ~8 min
     PYTHONPATH=. python3 scripts/bench.py --write-docs     # also regenerate docs/benchmarks.md
     python3 scripts/bench.py --help
 

@@ -15,7 +15,7 @@ _checkout = Path(__file__).resolve().parent.parent
 if (_checkout / "rope_rtc" / "__init__.py").is_file() and str(_checkout) not in sys.path:
     sys.path.insert(0, str(_checkout))
 
-from rope_rtc.cli import main  # noqa: E402
+from rope_rtc.cli import warm_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["warm", *sys.argv[1:]]))
+    sys.exit(warm_main(sys.argv[1:], prog=Path(__file__).name))

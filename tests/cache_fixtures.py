@@ -44,3 +44,76 @@ def compiles(monkeypatch):
 def fresh_store(directory: Path, **kw) -> CacheStore:
     """A store with an empty memory layer, as a new process would have."""
     return CacheStore(DiskStore(directory, **kw))
+
+
+# -- another user -------------------------------------------------------------------------------
+
+#: The unprivileged user a root test process becomes in a forked child (``nobody`` on Linux).
+OTHER_UID = 65534
+CAN_SWITCH_USER = hasattr(os, "geteuid") and os.geteuid() == 0 and hasattr(os, "fork")
+
+
+def as_other_user(fn, *, cwd: Path | None = None):
+    """Run ``fn()`` in a forked child whose uid and gid are OTHER_UID; return what it returned.
+
+    Needs root (CAN_SWITCH_USER). The child inherits every imported module, so it reads no
+    file it may not; ``cwd`` (entered before the switch) lets it work with relative paths under
+    directories its new uid could not traverse. The result travels back as JSON; an exception in
+    the child is re-raised here as an AssertionError carrying its traceback.
+    """
+    import json
+    import traceback
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            os.close(read_fd)
+            if cwd is not None:
+                os.chdir(cwd)
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            payload = json.dumps({"ok": fn()})
+        except BaseException:
+            payload, code = json.dumps({"error": traceback.format_exc()}), 1
+        try:
+            with os.fdopen(write_fd, "w") as f:
+                f.write(payload)
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    result = json.loads(text) if text else {"error": "the child wrote nothing"}
+    if "error" in result:
+        raise AssertionError(f"in the child running as uid {OTHER_UID}:\n{result['error']}")
+    return result["ok"]
+
+
+def tree_snapshot(top: Path, *, skip: Path | None = None) -> dict[str, tuple]:
+    """Every path under ``top`` (not following links) with its type, mode, owner and content hash:
+    two equal snapshots mean nothing there was created, deleted, written or chmod'ed.
+    Paths under ``skip`` are left out."""
+    import hashlib
+    import stat as stat_mod
+
+    out: dict[str, tuple] = {}
+    for dirpath, dirnames, filenames in os.walk(top):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            if skip is not None and (p == skip or skip in p.parents):
+                continue
+            st = p.lstat()
+            if stat_mod.S_ISREG(st.st_mode):
+                # Sparse giants are compared by size and inode: hashing them would read gigabytes.
+                digest = hashlib.sha256(p.read_bytes()).hexdigest() if st.st_size < (1 << 24) else st.st_ino
+            elif stat_mod.S_ISLNK(st.st_mode):
+                digest = os.readlink(p)
+            else:
+                digest = None
+            out[str(p.relative_to(top))] = (stat_mod.S_IFMT(st.st_mode), stat_mod.S_IMODE(st.st_mode), st.st_uid,
+                                            st.st_size, digest)
+    return out

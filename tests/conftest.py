@@ -2,7 +2,8 @@
 
 Markers
 -------
-``gpu``     needs a CUDA device (and CuPy). Skipped with a reason when none is present.
+``gpu``     needs a CUDA device (and CuPy). Without one, every such test is skipped with the
+            same reason ("no CUDA driver found (...)", ...), which ``-ra`` prints once.
 ``device``  needs something only the device machine has (a GPU, PyTorch, transformers).
 ``multigpu`` needs two or more CUDA devices.
 
@@ -35,37 +36,63 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _GPU_REASON: list[str | None] = []
+# Every GPU skip is raised from one line of this file with one reason, so ``-ra`` prints one
+# summary line for all of them; their progress mark is dropped (pytest_report_teststatus).
+GPU_SKIP = "GPU test: "
 
 
 def gpu_unavailable_reason() -> str | None:
-    """Why GPU tests cannot run here, or None when they can (computed once)."""
-    if not _GPU_REASON:
-        reason = None
-        try:
-            import cupy
+    """Why GPU tests cannot run here, or None when they can (computed once).
 
-            if cupy.cuda.runtime.getDeviceCount() < 1:
-                reason = "no CUDA device found"
-        except ImportError:
-            reason = "CuPy is not installed"
-        except Exception as exc:  # no driver, no device
-            reason = f"no usable CUDA device ({type(exc).__name__}: {exc})"
+    The driver is asked first: without one, CuPy's runtime reports "CUDA driver version is
+    insufficient", which sends a user after the wrong fix.
+    """
+    if not _GPU_REASON:
+        from rope_rtc import driver
+        from rope_rtc.errors import ToolchainError
+
+        reason = driver.unavailable_reason()
+        if reason is None:
+            try:
+                cupy = driver.import_cupy()
+                if cupy.cuda.runtime.getDeviceCount() < 1:
+                    reason = "CuPy sees no CUDA device"
+            except ToolchainError as exc:
+                reason = str(exc)
+            except Exception as exc:  # a CuPy built for another CUDA major than the driver's
+                reason = f"CuPy cannot use the GPU ({type(exc).__name__}: {exc})"
         _GPU_REASON.append(reason)
     return _GPU_REASON[0]
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = gpu_unavailable_reason()
-    count = 0
-    if reason is None:
-        import cupy
+def _gpu_count() -> int:
+    import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if gpu_unavailable_reason() is not None:
+        return  # pytest_runtest_setup skips them
+    count = _gpu_count()
     for item in items:
-        if reason is not None and ("gpu" in item.keywords or "multigpu" in item.keywords):
-            item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
-        elif "multigpu" in item.keywords and count < 2:
+        if "multigpu" in item.keywords and count < 2:
             item.add_marker(pytest.mark.skip(reason=f"needs two CUDA devices, found {count}"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = gpu_unavailable_reason()
+    if reason is not None and ("gpu" in item.keywords or "multigpu" in item.keywords):
+        pytest.skip(GPU_SKIP + reason)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    longrepr = report.longrepr
+    if (report.skipped and report.when == "setup" and isinstance(longrepr, tuple)
+            and str(longrepr[2]).startswith(f"Skipped: {GPU_SKIP}")):
+        return "skipped", "", "SKIPPED"  # counted and summarised, without an "s" per test
+    return None
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -266,14 +266,17 @@ def fake_torch_bf16_cai(shape) -> FakeDeviceArray:
 class FakeGPU:
     """Replaces only what needs a GPU, and records what would have been launched.
 
-    Inside ``with FakeGPU() as gpu:``:
+    Inside ``with FakeGPU() as gpu:`` the public APIs run their real host code down to the
+    launch: the one-call functions' plan caches, the plans' validation, templates and argument
+    blocks (rope_rtc.prepared). Replaced are the bottom layers alone:
 
-    * ``rope._run_gpu`` (the one-call APIs' device step) allocates outputs as fake CuPy arrays
-      and then runs the real host-side steps, ``choose_vector``, ``fill_params`` and
-      ``launch_shape``, recording the result instead of launching;
-    * ``RopePlan.compile`` and ``TailRoPEForward.compile`` install fake function handles, a fake
-      SM count and a recording launcher, so ``execute`` runs its real validation and argument
-      packing and "launches" into ``gpu.launches``.
+    * the kernel loaders (``rope_plan.load_rope_functions``, ``tail.load_tail_function``) return
+      descriptive tuples/names instead of function handles;
+    * every core's launcher is a recorder that appends ``{"fn", "grid", "block", "stream",
+      "token", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
+      argument block, for ``rope_apply`` launches);
+    * output allocation makes fake CuPy arrays, stream resolution returns the handle given (0
+      for ``None``), and the one-call functions' per-thread plan caches start empty.
 
     An error raised inside a call therefore shows as an exception with ``gpu.launches``
     unchanged: that is how the tests prove a check runs before any launch. A plain context
@@ -289,77 +292,42 @@ class FakeGPU:
         self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
         setattr(owner, name, value)
 
-    def launch(self, *args) -> None:
-        """The plans' launcher: ``(prefix, stream[, token])`` with ``prefix = (function, gx, gy, gz, bx, by, bz,
-        shared)``, or the older ``(function, grid, block, stream, args_address)``."""
-        if len(args) in (2, 3):  # (prefix, stream[, token])
-            prefix, stream = args[:2]
-            fn, grid, block = prefix[0], tuple(prefix[1:4]), tuple(prefix[4:7])
-        else:
-            fn, grid, block, stream = args[0], tuple(args[1]), tuple(args[2]), args[3]
-        self.launches.append({"fn": fn, "grid": grid, "block": block, "stream": stream})
-
-    __call__ = launch  # a plan's launcher is the fake itself
-
-    def forget(self) -> None:
-        """The launcher's graph cache: nothing to drop."""
+    def launcher(self, args_address: int, device: int) -> "_RecordingLauncher":
+        return _RecordingLauncher(self, args_address)
 
     def __enter__(self) -> "FakeGPU":
-        from rope_rtc import arrays as A
-        from rope_rtc import rope, tail
-        from rope_rtc.registry import ROPE_ENTRIES, rope_head_batches, rope_vector_widths
+        import threading
 
-        gpu = self
+        from rope_rtc import driver, launch, prepared, rope, rope_plan, tail
 
-        def run_gpu(req, stream_arg, variant):
-            if req.q_out is None:
-                req.q_out = A.describe(fake_cupy(req.q.shape, _np_dtype(req.q.dtype), device=req.device or 0),
-                                       "out" if req.k is None else "q_out")
-            if req.k is not None and req.k_out is None:
-                req.k_out = A.describe(fake_cupy(req.k.shape, _np_dtype(req.k.dtype), device=req.device or 0),
-                                       "k_out")
-            q_out = req.q_out.array
-            k_out = req.k_out.array if req.k is not None else None
-            if req.num_tokens == 0 or (req.q_out.size == 0 and (req.k_out is None or req.k_out.size == 0)):
-                return q_out, k_out
-            vec, params, grid, block = rope_host_steps(req, gpu.num_sms)
-            gpu.launches.append({"fn": ("rope_apply", req.dtype, req.interleaved, vec), "grid": grid,
-                                 "block": block, "stream": 0, "params": params, "req": req, "vec": vec})
-            return q_out, k_out
+        def load_rope_functions(dtype, interleaved, vec, head_batch, device):
+            from rope_rtc.registry import ROPE_ENTRIES
 
-        def plan_compile(plan):
-            plan._kernels = {(v, hb): tuple((e, plan.dtype, plan.interleaved, v, hb) for e in ROPE_ENTRIES)
-                             for v in rope_vector_widths(plan.dtype, plan.interleaved)
-                             for hb in rope_head_batches(plan.interleaved)}
-            plan._sms = gpu.num_sms
-            plan._launch = gpu
-            plan._compiled = True
-            return plan
+            return tuple((e, dtype, interleaved, vec, head_batch) for e in ROPE_ENTRIES)
 
-        def tail_compile(plan):
-            import ctypes
+        def load_tail_function(heads, dim, device):
+            from rope_rtc.registry import tail_spec
 
-            from rope_rtc.launch import ArgPack
+            return tail_spec(heads, dim).entries[0]
 
-            if not plan._supported:
-                plan.check_support()
-            if plan.backend == "nvrtc" and plan._kernel is None:
-                from rope_rtc.registry import tail_spec
+        def allocate(shape, dtype, device, stream):
+            return fake_cupy(tuple(shape), np.dtype(dtype), device=device)
 
-                entries = tail_spec(plan.heads, plan.dim).entries
-                plan._kernel = ("tail", plan.heads, plan.dim, plan.device)
-                # Function handles under every name the plan has used for them (the entry names).
-                plan._function = entries[0]
-                plan._f1, plan._f4 = entries[0], entries[-1]
-                plan._args = ArgPack([("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
-                                      ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)])
-                plan._sms = gpu.num_sms
-                plan._launch = gpu
-                return plan
+        def stream_handle(stream, device=None):
+            return 0 if stream is None else (stream if isinstance(stream, int) else getattr(stream, "ptr", 0))
 
-        self._patch(rope, "_run_gpu", run_gpu)
-        self._patch(rope.RopePlan, "compile", plan_compile)
-        self._patch(tail.TailRoPEForward, "compile", tail_compile)
+        self._patch(rope_plan, "load_rope_functions", load_rope_functions)
+        self._patch(tail, "load_tail_function", load_tail_function)
+        self._patch(prepared.Prepared, "_new_launcher", staticmethod(self.launcher))
+        self._patch(launch, "allocate", allocate)
+        self._patch(rope, "stream_handle", stream_handle)
+        self._patch(tail, "stream_handle", stream_handle)
+        self._patch(rope, "_gpu_present", True)
+        self._patch(driver, "require_gpu", lambda: None)
+        self._patch(rope, "_local", threading.local())
+        self._patch(tail, "_local", threading.local())
+        self._patch(rope_plan, "_current_device", lambda: 0)
+        self._patch(tail, "_current_device", lambda: 0)
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -367,6 +335,35 @@ class FakeGPU:
             owner, name, value = self._saved.pop()
             setattr(owner, name, value)
         return False
+
+
+class _RecordingLauncher:
+    """A core's launcher under :class:`FakeGPU`: records each launch with a copy of the block."""
+
+    def __init__(self, gpu: FakeGPU, args_address: int) -> None:
+        import ctypes
+
+        self.gpu = gpu
+        self.replay = True
+        # Both argument kinds (StructArg, ArgPack) start with a pointer to the block.
+        self._block = ctypes.c_void_p.from_address(args_address).value
+
+    def __call__(self, prefix, stream=None, token=None) -> None:
+        import ctypes
+
+        from rope_rtc.rope_params import RopeParams
+
+        fn = prefix[0]
+        record = {"fn": fn, "grid": tuple(prefix[1:4]), "block": tuple(prefix[4:7]), "stream": stream,
+                  "token": token}
+        if isinstance(fn, tuple) and fn[0].startswith("rope_apply"):
+            record["params"] = RopeParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(RopeParams)))
+            record["vec"] = fn[3]
+            record["itemsize"] = {"float32": 4, "float16": 2, "bfloat16": 2}[fn[1]]
+        self.gpu.launches.append(record)
+
+    def forget(self) -> None:
+        """No graphs to drop."""
 
 
 def rope_host_steps(req, num_sms: int = 132):

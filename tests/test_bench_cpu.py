@@ -164,9 +164,10 @@ def test_impls_per_case():
     assert blog == {"baseline": "bhsd", "vectorized": "bhsd", "fused": "bhsd", "rope_rtc": "bhsd", "cupy": "bhsd",
                     "torch": "bhsd", "torch.compile": "bhsd", "liger": "bshd"}
     g = {c.id: names(c) for c in bcases.general_cases(True)}
-    assert set(g["general/bf16/half/bhsd/S=4096"]) == {"rope_rtc", "cupy", "torch", "torch.compile"}
-    assert set(g["general/bf16/half/bshd/S=4096"]) == {"rope_rtc", "cupy", "liger"}
-    assert set(g["general/bf16/inter/bshd/S=4096"]) == {"rope_rtc", "cupy"}
+    one = bcases.ONE_CALL
+    assert set(g["general/bf16/half/bhsd/S=4096"]) == {"rope_rtc", one, "cupy", "torch", "torch.compile"}
+    assert set(g["general/bf16/half/bshd/S=4096"]) == {"rope_rtc", one, "cupy", "liger"}
+    assert set(g["general/bf16/inter/bshd/S=4096"]) == {"rope_rtc", one, "cupy"}
     assert set(names(bcases.tail_cases(True)[0])) == {"rope_rtc", "cupy", "torch", "torch.compile"}
     assert set(names(bcases.decode_cases(True)[0])) == {"rope_rtc", "cupy", "torch", "torch.compile", "liger"}
 
@@ -250,7 +251,7 @@ def _timings(us, *, small=False, graph=None, host=None):
 
 def synthetic_result(quick: bool = False) -> dict:
     """A plausible full result: copy at 4 TB/s, rope_rtc at 98 %, peers slower."""
-    speed = {bcases.OURS: 0.98, "baseline": 0.6, "vectorized": 0.8, "fused": 0.9, "cupy": 0.2, "torch": 0.12,
+    speed = {bcases.OURS: 0.98, bcases.ONE_CALL: 0.975, "baseline": 0.6, "vectorized": 0.8, "fused": 0.9, "cupy": 0.2, "torch": 0.12,
              "torch.compile": 0.95, "liger": 0.93}
     cases = []
     for c in bcases.all_cases(quick):
@@ -300,8 +301,9 @@ def test_summary_has_every_section_and_fits_the_device_tail():
     for needle in ("blog configuration", "general kernel", "decode", "tail RoPE", "host cost", "cold start",
                    "=== targets", "98.0%", "fp16/inter/bhsd/S=16384", "T=16384/H=1/D=128"):
         assert needle in text, needle
-    # the device tool returns the last 12,000 characters of output: the summary must fit
-    assert len(text) < 11_000, len(text)
+    # the device tool returns the last 12,000 characters of output (the whole log comes back
+    # as $OUT/bench.log): the summary, printed last, should fit
+    assert len(text) < 12_000, len(text)
     assert text.rstrip().splitlines()[-1].split()[0] in ("PASS", "MISS", "N/A")
 
 
@@ -533,10 +535,10 @@ def test_plan_host_rows_time_what_their_names_say():
 
     class Plan:
         def __init__(self):
-            self._launch = types.SimpleNamespace(replay=True)
+            self._core = types.SimpleNamespace(launcher=types.SimpleNamespace(replay=True))
 
         def execute(self, *args):
-            calls.append((self._launch.replay, args))
+            calls.append((self._core.launcher.replay, args))
 
     sets = [(np.arange(4), np.arange(3)), (np.arange(5), np.arange(2))]
     rows = dict(runner.plan_host_rows("P.execute", Plan, sets))

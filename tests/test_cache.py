@@ -148,10 +148,10 @@ def test_spec_key_changes_with_toolchain_sources_version_target_and_specialisati
         m.setattr(sources, "all_sources", lambda: edited)
         differs(build.spec_key(spec, SM90))
     with monkeypatch.context() as m:
-        # An unrelated file under cuda_src/ is also an input (every file is).
+        # A file under cuda_src/ that rope.cu does not include is not an input.
         extra = (*sources.all_sources(), ("zz_new.cuh", b"// new\n"))
         m.setattr(sources, "all_sources", lambda: extra)
-        differs(build.spec_key(spec, SM90))
+        assert build.spec_key(spec, SM90) == base
 
 
 def test_spec_key_ignores_where_the_headers_live(monkeypatch):
@@ -209,7 +209,7 @@ def test_bad_magic_other_key_extra_bytes_and_broken_header_are_rejected():
         decode_entry(bytes(broken))
     huge = bytearray(data)
     huge[8:16] = (1 << 40).to_bytes(8, "little")
-    with pytest.raises(EntryError, match="truncated"):
+    with pytest.raises(EntryError, match="header length"):
         decode_entry(bytes(huge))
 
 
@@ -241,12 +241,14 @@ def test_publish_writes_and_fsyncs_a_temporary_file_before_renaming_it_into_plac
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else "?"))
         return real_fsync(fd)
 
-    def replace(src, dst):
+    def replace(src, dst, **kw):
         assert not final.exists(), "the final name must not exist before the complete file is renamed onto it"
-        assert Path(src).parent == d and Path(src).name.startswith(".tmp-")
-        assert decode_entry(Path(src).read_bytes()) == e, "renamed a file that was not complete"
-        events.append(("replace", str(dst)))
-        return real_replace(src, dst)
+        # Both names are relative to the cache directory's descriptor: the rename stays inside it.
+        assert os.path.samefile(f"/proc/self/fd/{kw['src_dir_fd']}", d) and kw["dst_dir_fd"] == kw["src_dir_fd"]
+        assert Path(src).name == src and src.startswith(".tmp-") and src.endswith(".part")
+        assert decode_entry((d / src).read_bytes()) == e, "renamed a file that was not complete"
+        events.append(("replace", str(d / dst)))
+        return real_replace(src, dst, **kw)
 
     monkeypatch.setattr(store_mod.os, "fsync", fsync)
     monkeypatch.setattr(store_mod.os, "replace", replace)
@@ -263,7 +265,7 @@ def test_publish_interrupted_before_the_rename_leaves_no_entry(tmp_path, monkeyp
     d = tmp_path / "c"
     disk = DiskStore(d)
 
-    def killed(src, dst):
+    def killed(src, dst, **kw):
         raise KeyboardInterrupt  # stands in for any interruption between write and rename
 
     monkeypatch.setattr(store_mod.os, "replace", killed)
@@ -302,9 +304,9 @@ def test_corrupt_entry_warns_is_deleted_and_recompiled(tmp_path, monkeypatch, co
     deleted = []
     real_unlink = os.unlink
 
-    def unlink(p):
-        deleted.append(Path(p))
-        real_unlink(p)
+    def unlink(p, **kw):
+        deleted.append(d / p)
+        real_unlink(p, **kw)
 
     with monkeypatch.context() as m:
         m.setattr(store_mod.os, "unlink", unlink)
@@ -504,7 +506,7 @@ def test_corrupt_entry_fails_verify_and_is_rebuilt_by_the_next_warm(warmed_root,
 
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
     err = capsys.readouterr().err
-    assert victim.name in err and "checksum" in err
+    assert victim.name[:12] in err and "checksum" in err
 
     r = run(warm_cmd(root, *WARM_TWICE_ARGS))
     assert r.returncode == 0, r.stderr
@@ -576,3 +578,224 @@ def test_warm_killed_at_random_moments_leaves_a_cache_that_verifies(tmp_path, ca
     assert cli_main(["cache", "clear", "--cache-dir", str(root)]) == 0  # temporary files may remain; clear takes them
     capsys.readouterr()
     assert list(d.iterdir()) == []
+
+
+# -- hardening: what a hostile test found ------------------------------------------------------
+
+SPEC = registry.tail_spec(1, 128)
+
+
+def planted(directory: Path, key: str, data: bytes) -> Path:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = directory / f"{key}.bin"
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return path
+
+
+def header_entry(fields: dict, payload: bytes = b"\x7fELF payload") -> bytes:
+    """An entry whose header carries ``fields`` as given, with a checksum that matches them."""
+    import json
+
+    from rope_rtc.cache.entry import MAGIC, _digest
+
+    fields = dict(fields, size=len(payload))
+    header = json.dumps(dict(fields, sha256=_digest(fields, payload)), sort_keys=True).encode()
+    return MAGIC + len(header).to_bytes(8, "little") + header + payload
+
+
+def good_fields(key: str = "ab" * 32) -> dict:
+    return dict(key=key, kernel=SPEC.name, target="sm_90", kind="cubin", nvrtc="13.0", rope_rtc="0.1.0",
+                created=1700000000.5)
+
+
+def test_an_entry_larger_than_any_entry_is_corrupt_and_never_read_whole(tmp_path, monkeypatch, compiles):
+    from rope_rtc.cache.entry import MAX_ENTRY_BYTES
+
+    d = tmp_path / "c"
+    key = build.spec_key(SPEC, SM90)
+    path = planted(d, key, b"")
+    with open(path, "r+b") as f:  # sparse: costs no disk
+        f.truncate(4 * MAX_ENTRY_BYTES)
+    read = []
+    real_read = os.read
+    monkeypatch.setattr(store_mod.os, "read", lambda fd, n: read.append(n) or real_read(fd, n))
+    with pytest.warns(CacheWarning, match=r"corrupt cache entry .*larger than"):
+        b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
+    assert sum(read) <= MAX_ENTRY_BYTES + 1, f"read {sum(read)} bytes of an oversize file"
+    assert b.source == "compiled" and compiles == [SPEC.name]
+    assert decode_entry(path.read_bytes(), expect_key=key).payload == b.data
+
+
+@pytest.mark.parametrize("header", [
+    b"[" * 100_000,
+    b"[" * 5_000 + b"]" * 5_000,
+    b'{"key": ' * 3000,
+    b"\xff\xfe not utf-8",
+    b"null",
+    b"3",
+])
+def test_an_unparsable_header_is_an_entry_error(header):
+    from rope_rtc.cache.entry import MAGIC
+
+    data = MAGIC + len(header).to_bytes(8, "little") + header + b"payload"
+    with pytest.raises(EntryError):
+        decode_entry(data)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("created", "x"), ("created", None), ("created", [1]), ("created", float("nan")), ("created", True),
+    ("kernel", 5), ("target", None), ("kind", ["cubin"]), ("nvrtc", 13.0), ("rope_rtc", {}), ("key", 7),
+])
+def test_a_checksummed_header_with_a_malformed_field_is_an_entry_error(field, value):
+    data = header_entry(dict(good_fields(), **{field: value}))
+    with pytest.raises(EntryError, match=field):
+        decode_entry(data)
+
+
+def test_a_header_missing_a_field_or_with_a_bad_size_is_an_entry_error():
+    fields = good_fields()
+    del fields["kernel"]
+    with pytest.raises(EntryError, match="kernel"):
+        decode_entry(header_entry(fields))
+    assert decode_entry(header_entry(good_fields())).created == 1700000000.5  # control
+
+
+@pytest.mark.parametrize("bad", ["deep", "created"])
+def test_a_malformed_header_is_removed_and_recompiled_not_raised(tmp_path, compiles, bad):
+    from rope_rtc.cache.entry import MAGIC
+
+    d = tmp_path / "c"
+    key = build.spec_key(SPEC, SM90)
+    data = (MAGIC + (100_000).to_bytes(8, "little") + b"[" * 100_000 if bad == "deep"
+            else header_entry(dict(good_fields(key), created="x")))
+    path = planted(d, key, data)
+    with pytest.warns(CacheWarning, match="corrupt cache entry"):
+        b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
+    assert b.source == "compiled" and compiles == [SPEC.name]
+    assert decode_entry(path.read_bytes(), expect_key=key).payload == b.data
+
+
+@pytest.mark.parametrize("what", ["directory", "fifo", "socket"])
+def test_something_that_is_not_a_file_at_one_entry_path_affects_that_entry_only(tmp_path, compiles, what):
+    import stat as stat_mod
+
+    d = tmp_path / "c"
+    d.mkdir(mode=0o700)
+    key = build.spec_key(SPEC, SM90)
+    bad = d / f"{key}.bin"
+    if what == "directory":
+        bad.mkdir()
+        (bad / "inside").write_bytes(b"someone's file")
+    elif what == "fifo":
+        os.mkfifo(bad, 0o600)
+    else:
+        os.mknod(bad, 0o600 | stat_mod.S_IFSOCK)
+    before = bad.lstat()
+    store = fresh_store(d)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        b = build.get_binary(SPEC, SM90, store=store, announce=False)
+        others = [build.get_binary(registry.tail_spec(h, 128), SM90, store=store, announce=False) for h in (2, 4)]
+    assert b.source == "compiled"
+    assert [o.source for o in others] == ["compiled", "compiled"]
+    assert store.disk is not None and store.disk.writable, "one bad path disabled the whole disk store"
+    for o in others:  # the other entries were published
+        assert decode_entry((d / f"{o.key}.bin").read_bytes(), expect_key=o.key).payload == o.data
+    after = bad.lstat()
+    assert (stat_mod.S_IFMT(after.st_mode), after.st_ino) == (stat_mod.S_IFMT(before.st_mode), before.st_ino), \
+        "what sat at the entry path was replaced or removed"
+    if what == "directory":
+        assert (bad / "inside").read_bytes() == b"someone's file"
+    messages = _count_cache_warnings(caught)
+    assert messages and all(key[:16] in m or bad.name in m for m in messages), messages
+    assert not any(p.name.startswith(".tmp-") for p in d.iterdir())
+
+
+def test_a_file_size_limit_fails_only_the_entries_that_exceed_it(tmp_path):
+    """``ulimit -f 20``: a big entry cannot be written (EFBIG); the small ones still reach the disk."""
+    root = tmp_path / "limited"
+    limit = 20 * 1024
+    code = ("import resource, sys; from rope_rtc.cli import main; "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); sys.exit(main(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", code, "warm", "--cache-dir", str(root), "--no-progress", "--arch", "sm_90",
+           "--kernels", "tail", "--kernels", "rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=1,ROPE_VEC=8,*",
+           "--tail-heads", "1,2"]
+    r = run(cmd)
+    d = cache.versioned_cache_dir(root)
+    written = {e.entry.kernel: e.size for e in DiskStore(d, create=False).list() if e.entry is not None}
+    tails = {s.name for s in registry.all_specs((1, 2)) if s.family == "tail"}
+    assert tails <= set(written), (written, r.stdout, r.stderr)
+    assert all(size <= limit for size in written.values())
+    assert r.returncode == 1 and "File too large" in r.stderr, r.stderr
+    assert not any(p.name.startswith(".tmp-") for p in d.iterdir())
+
+
+def test_warm_removes_its_own_temporary_files_older_than_an_hour(tmp_path, capsys):
+    root = tmp_path / "r"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
+    d = cache.versioned_cache_dir(root)
+    old, fresh = d / ".tmp-abcdefgh.part", d / ".tmp-ijklmnop.part"
+    theirs = d / ".tmp-s"  # not a name the cache writes
+    for p in (old, fresh, theirs):
+        p.write_bytes(b"half an entry")
+    two_hours_ago = time.time() - 7200
+    for p in (old, theirs):
+        os.utime(p, (two_hours_ago, two_hours_ago))
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
+    capsys.readouterr()
+    assert not old.exists(), "an abandoned temporary file survived a warm"
+    assert fresh.exists(), "a temporary file younger than an hour may belong to a warm that is running"
+    assert theirs.exists(), "a file the cache did not write was removed"
+
+
+def _unenterable_scenario(root: str) -> dict:
+    """Everything a user does with a cache under a directory they cannot search."""
+    import contextlib
+    import io
+
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        store_mod._stores.clear()
+        store_mod._warned.clear()
+        store = cache.open_store(cache.versioned_cache_dir(root))
+        out["sources"] = [build.get_binary(SPEC, SM90, store=store, announce=False).source for _ in range(2)]
+    out["warnings"] = _count_cache_warnings(caught)
+    for argv in (["cache", "verify"], ["cache", "list"], ["cache", "clear"], ["info"],
+                 ["warm", "--arch", "sm_90", "--no-progress", "--kernels", "blog"]):
+        o, e = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+            try:
+                rc = cli_main([*argv, "--cache-dir", root])
+            except BaseException as exc:  # noqa: BLE001 - the point: nothing may escape
+                rc = f"raised {type(exc).__name__}: {exc}"
+        out[" ".join(argv[:2])] = (rc, o.getvalue() + e.getvalue())
+    return out
+
+
+def test_a_cache_directory_the_user_cannot_enter_degrades_everywhere(tmp_path):
+    from cache_fixtures import CAN_SWITCH_USER, as_other_user
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    root = str(locked / "cache")
+    if CAN_SWITCH_USER:  # root can enter anything: another uid meets the EACCES
+        # Import what the commands import, here: the child may not read the interpreter's files.
+        _unenterable_scenario(str(tmp_path / "warm-up"))
+        got = as_other_user(lambda: _unenterable_scenario(root))
+    else:
+        locked.chmod(0o000)
+        try:
+            got = _unenterable_scenario(root)
+        finally:
+            locked.chmod(0o700)
+    assert got["sources"] == ["compiled", "memory"]
+    assert len(got["warnings"]) == 1 and "Permission denied" in got["warnings"][0], got["warnings"]
+    for command in ("cache verify", "cache list", "cache clear", "info", "warm --arch"):
+        rc, text = got[command]
+        assert isinstance(rc, int) and "Traceback" not in text, (command, rc, text)
+        assert "Permission denied" in text, (command, text)
+    assert got["cache verify"][0] == 1 and got["cache clear"][0] == 1 and got["warm --arch"][0] == 2
+    assert got["info"][0] == 0 and got["cache list"][0] == 1
+    assert list(locked.iterdir()) == []

@@ -238,3 +238,105 @@ def test_entries_for_other_architectures_live_under_other_keys(tmp_path, compile
     b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
     assert a.key != b.key and b.source == "compiled" and a.data != b.data
     assert decode_entry((d / f"{a.key}.bin").read_bytes()).target == "sm_80"
+
+
+# -- symbolic links above the entries ------------------------------------------------------------
+
+def user_files(directory: Path) -> dict[str, bytes]:
+    """A user's own files that happen to look like the cache's (the names `clear` once globbed)."""
+    files = {"kernel.cu": b"// my kernel\n", "model.bin": b"my weights", ".tmp-s": b"my scratch"}
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+@pytest.mark.parametrize("level", ["version", "root"])
+def test_a_symlinked_cache_directory_is_refused_and_nothing_behind_it_is_touched(tmp_path, capsys, compiles,
+                                                                                 level):
+    from cache_fixtures import tree_snapshot
+
+    mine = private_dir(tmp_path / "V")
+    files = user_files(mine)
+    root = tmp_path / "R"
+    if level == "version":
+        private_dir(root)
+        cache.versioned_cache_dir(root).symlink_to(mine, target_is_directory=True)
+    else:
+        root.symlink_to(mine, target_is_directory=True)
+    before = tree_snapshot(tmp_path)
+
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+    assert cli_main(["cache", "clear", "--cache-dir", str(root)]) == 1
+    assert "symbolic link" in capsys.readouterr().err
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    assert cli_main(["cache", "list", "--cache-dir", str(root)]) == 1
+    capsys.readouterr()
+    with pytest.warns(CacheWarning, match="symbolic link"):
+        store = cache.open_store(cache.versioned_cache_dir(root))
+    assert build.get_binary(SPEC, SM90, store=store, announce=False).source == "compiled"
+    assert tree_snapshot(tmp_path) == before
+    assert {n: (mine / n).read_bytes() for n in files} == files
+
+
+def test_clear_removes_only_the_caches_own_files(tmp_path, capsys):
+    from cache_fixtures import tree_snapshot
+
+    root = tmp_path / "root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog",
+                     "--kernels", "tail", "--tail-heads", "1"]) == 0
+    d = cache.versioned_cache_dir(root)
+    ours = sorted(p.name for p in d.iterdir())
+    (d / ".tmp-abcdefgh.part").write_bytes(b"torn")          # a temporary file the store writes
+    (d / f"{'c' * 64}.bin").write_bytes(b"not our format")    # an entry name, but not our entry
+    (d / "sub").mkdir()
+    (d / "sub" / "x.bin").write_bytes(b"nested")
+    files = user_files(d)
+    (d / "link.bin").symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(b"theirs")
+    keep = {n for n in os.listdir(d) if n not in ours and n != ".tmp-abcdefgh.part"}
+    before = tree_snapshot(tmp_path, skip=None)
+    capsys.readouterr()
+    rc = cli_main(["cache", "clear", "--cache-dir", str(root)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert set(os.listdir(d)) == keep
+    assert f"removed {len(ours) + 1} files" in out and "not the cache's" in out
+    after = tree_snapshot(tmp_path)
+    assert {k: v for k, v in before.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"} == \
+        {k: v for k, v in after.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"}
+    assert {n: (d / n).read_bytes() for n in files} == files
+
+
+# -- verify agrees with the loader -----------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("target", "sm_80"), ("kind", "ptx"), ("nvrtc", "12.0")])
+def test_verify_fails_an_entry_the_loader_would_refuse(tmp_path, capsys, field, value):
+    root = tmp_path / "root"
+    d = private_dir(cache.versioned_cache_dir(root))
+    key = build.spec_key(SPEC, SM90)
+    genuine = dict(key=key, kernel=SPEC.name, target="sm_90", kind="cubin", nvrtc=_nvrtc_text(),
+                   rope_rtc=__version__, payload=b"\x7fELF forged payload", created=time.time())
+    fd = os.open(d / f"{key}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_entry(Entry(**{**genuine, field: value})))
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert SPEC.name in err and value in err, err
+    # Control: the honest entry verifies.
+    os.unlink(d / f"{key}.bin")
+    fd = os.open(d / f"{key}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(encode_entry(Entry(**genuine)))
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 0, capsys.readouterr().err
+
+
+def test_verify_fails_a_directory_the_loader_refuses(tmp_path, capsys):
+    root = tmp_path / "root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
+    d = cache.versioned_cache_dir(root)
+    d.chmod(0o777)
+    capsys.readouterr()
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    assert "writable by other users" in capsys.readouterr().err

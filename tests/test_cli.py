@@ -191,8 +191,10 @@ def test_warm_with_no_compile_checks_completeness(capsys, tmp_path, monkeypatch)
     rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--arch", "sm_80", "--cache-dir", str(root),
                             "--no-progress", "--kernels", "blog", "--kernels", "tail", "--tail-heads", "1")
     assert rc == 1
-    assert "compiled 0, already cached 3, failed 3" in out
-    assert "KernelNotCachedError" in err and "sm_80" in err and "ROPE_RTC_NO_COMPILE=1 is set" in err
+    assert "compiled 0, already cached 3, failed 3" in out and "3 of 6 kernels ready" in out
+    assert err.splitlines() == [
+        "3 kernels are not in the cache and ROPE_RTC_NO_COMPILE=1 forbids compiling them: unset it to compile "
+        f"them (rope-rtc warm --arch sm_80 --cache-dir {root})"]
 
 
 def test_warm_into_a_disabled_disk_cache_is_refused(capsys, monkeypatch):
@@ -221,7 +223,8 @@ def test_cache_list_verify_clear(capsys, tmp_path):
     (d / ".tmp-abandoned.part").write_bytes(b"half an entry")
     rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
     assert rc == 0
-    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "temporary" not in line]
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "temporary" not in line
+            and line.split()[0] != "kernel"]
     assert sorted(r[0] for r in rows) == sorted(s.name for s in registry.all_specs((1,))
                                                  if s.family in ("blog", "tail"))
     assert all(r[1] == "sm_90" and r[2] == "cubin" and r[4] == "KiB" for r in rows)
@@ -234,9 +237,10 @@ def test_cache_list_verify_clear(capsys, tmp_path):
     victim = sorted(d.glob("*.bin"))[0]
     victim.write_bytes(victim.read_bytes()[:-1])
     rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
-    assert rc == 1 and victim.name in err and "1 of 3 entries" in err
+    assert rc == 1 and victim.name[:12] in err and "1 of 3 entries" in err
     rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
-    assert f"UNUSABLE {victim.name}" in out
+    unusable = [line for line in out.splitlines() if "UNUSABLE" in line]
+    assert len(unusable) == 1 and victim.name[:12] in unusable[0] and "truncated" in unusable[0], out
 
     rc, out, _ = run_main(capsys, "cache", "clear", "--cache-dir", str(root))
     assert rc == 0
@@ -301,3 +305,111 @@ def test_version_and_help(capsys):
     assert rc == 2 and "warm" in err and "info" in err
     rc, _, err = run_main(capsys, "frobnicate")
     assert rc == 2 and "invalid choice" in err
+
+
+# -- what a new user met ------------------------------------------------------------------------------
+
+def test_cache_list_is_sorted_aligned_and_names_kernel_and_architecture(capsys, tmp_path):
+    root = tmp_path / "c"
+    warm_small(root, capsys, "--arch", "sm_80")
+    rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+    assert rc == 0
+    header = out.splitlines()[1]
+    assert header.split() == ["kernel", "arch", "kind", "size", "created", "key"], out
+    rows = [line for line in out.splitlines()[2:] if line.startswith("  ")]
+    assert len(rows) == 6
+    names = [(r.split()[0], r.split()[1]) for r in rows]
+    assert names == sorted(names), "rows are not sorted by kernel, then architecture"
+    assert {a for _, a in names} == {"sm_80", "sm_90"}
+    # Aligned: every column starts where its heading does.
+    arch_at = header.index("arch")
+    assert all(r[arch_at:arch_at + 3] == "sm_" for r in rows), rows
+    key_at = header.index("key")
+    d = cache.versioned_cache_dir(root)
+    on_disk = {p.name[:12] for p in d.glob("*.bin")}
+    assert {r[key_at:key_at + 12] for r in rows} == on_disk
+
+
+def test_cache_verify_names_the_kernel_and_says_truncated(capsys, tmp_path):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    by_kernel = {e.entry.kernel: e.path for e in cache.DiskStore(d, create=False).list()}
+    blog, tail = by_kernel["blog"], by_kernel[registry.tail_spec(1, 128).name]
+    blog.write_bytes(blog.read_bytes()[:-100])   # cut inside the payload
+    tail.write_bytes(tail.read_bytes()[:12])      # cut inside the length field
+    rc, _, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1
+    lines = [line for line in err.splitlines() if line.startswith("- ")]
+    blog_line = [line for line in lines if blog.name[:12] in line][0]
+    assert "blog" in blog_line and "sm_90" in blog_line and "truncated" in blog_line, blog_line
+    tail_line = [line for line in lines if tail.name[:12] in line][0]
+    assert "truncated" in tail_line and "magic" not in tail_line, tail_line
+
+
+def test_warm_under_no_compile_prints_one_line_per_failure_class(capsys, tmp_path, monkeypatch):
+    root = tmp_path / "c"
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress",
+                            "--kernels", "blog", "--kernels", "tail", "--tail-heads", "1,2")
+    assert rc == 1
+    assert "warmed" not in out, out
+    assert "0 of 5 kernels ready" in out and "failed 5" in out
+    assert "WarmFailure" not in out + err
+    assert err.count("\n") <= 3, err
+    assert "5 kernels are not in the cache" in err and "ROPE_RTC_NO_COMPILE=1" in err, err
+
+
+def test_demo_under_no_compile_prints_one_line_per_failure_class(capsys, tmp_path, monkeypatch, no_device):
+    from rope_rtc import demo
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    rc = demo.main(["--cache-dir", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert "WarmFailure" not in out + err and "FAILED: WarmFailure" not in out
+    n = len(registry.all_specs())
+    assert f"{n} kernels are not in the cache" in out + err, out + err
+    assert "warmed" not in out
+
+
+def test_warm_with_every_kernel_failed_does_not_say_warmed(capsys, tmp_path, monkeypatch):
+    def failing(kernel, *args, **kwargs):
+        raise CompileError(f"NVRTC failed to compile kernel {kernel}\n--- compile log ---\nsimulated",
+                           kernel=kernel, options=[], log="")
+
+    monkeypatch.setattr(build, "compile_source", failing)
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), "--no-progress",
+                            "--kernels", "tail", "--tail-heads", "1")
+    assert rc == 1 and "warmed" not in out and "0 of 2 kernels ready" in out, out
+    assert "2 kernels failed to compile" in err and "simulated" in err, err
+
+
+def test_warm_cache_script_help_shows_its_own_name():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "warm_cache.py"), "--help"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    usage = r.stdout.splitlines()[0]
+    assert usage.startswith("usage: warm_cache.py [") and "rope-rtc" not in usage, usage
+    assert "--arch" in r.stdout
+
+
+def test_cache_list_into_a_closed_pipe_exits_quietly(tmp_path, capsys):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    # The child writes one byte, waits until the reader has gone (its stdin closes), then lists.
+    code = ("import sys; from rope_rtc.cli import main; sys.stdout.write('x'); sys.stdout.flush(); "
+            "sys.stdin.read(); sys.exit(main(sys.argv[1:]))")
+    p = subprocess.Popen([sys.executable, "-c", code, "cache", "list", "--cache-dir", str(root)], env=env,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(1) == b"x"
+    p.stdout.close()  # as `| head -1` does once it has its line
+    p.stdin.close()
+    err = p.stderr.read().decode()
+    p.wait(timeout=60)
+    p.stderr.close()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert err == "", err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import types
 import time
 
 import pytest
@@ -62,6 +63,19 @@ def test_compile_error_in_a_header_names_the_header_line(extra_sources):
         compiler.compile_source("uses_header", "uses_header.cu", (), Target(80))
     assert "broken_header.cuh(2)" in str(info.value)
     assert "header_assert_fired" in str(info.value)
+
+
+def test_nvrtc_sees_only_the_headers_the_key_holds(extra_sources):
+    """A header reached by a computed include is not in the key, so NVRTC must not find it either."""
+    extra_sources(hidden__cuh=b"#pragma once\n#define HIDDEN_VALUE 7\n",
+                  computed__cu=b'#define HEADER "hidden.cuh"\n#include HEADER\n'
+                               b'extern "C" __global__ void k(int* out) { out[0] = HIDDEN_VALUE; }\n',
+                  direct__cu=b'#include "hidden.cuh"\n'
+                             b'extern "C" __global__ void k(int* out) { out[0] = HIDDEN_VALUE; }\n')
+    assert [n for n, _ in sources.included_sources("computed.cu")] == ["computed.cu"]
+    with pytest.raises(CompileError, match="hidden.cuh"):
+        compiler.compile_source("computed", "computed.cu", (), Target(80))
+    assert compiler.compile_source("direct", "direct.cu", (), Target(80)).binary[:4] == b"\x7fELF"
 
 
 def test_empty_output_is_an_error(monkeypatch):
@@ -209,3 +223,58 @@ def test_parse_arch_rejects_what_is_not_an_architecture(text):
 def test_target_names():
     assert Target(90).name == "sm_90" and Target(90).option == "-arch=sm_90"
     assert Target(120, "ptx").name == "compute_120"
+
+
+# -- the CUDA 12 and CUDA 13 wheel layouts ------------------------------------------------------
+
+def _fake_headers(folder, cuda_version: int) -> None:
+    folder.mkdir(parents=True)
+    (folder / "cuda.h").write_text(f"#define CUDA_VERSION {cuda_version}\n")
+    (folder / "cuda_fp16.h").write_text("// fp16\n")
+    (folder / "cuda_bf16.h").write_text("// bf16\n")
+
+
+@pytest.mark.parametrize("major, layout", [(12, "cuda_runtime/include"), (13, "cu13/include")])
+def test_headers_of_nvrtcs_major_are_found_in_either_wheel_layout(monkeypatch, tmp_path, major, layout):
+    """CUDA 12 wheels have a folder per component (nvidia/cuda_runtime); CUDA 13 one per major (nvidia/cu13).
+
+    Both majors' headers are present, as after a switch of extras: the one matching NVRTC wins.
+    """
+    root = tmp_path / "site" / "nvidia"
+    _fake_headers(root / "cuda_runtime" / "include", 12090)
+    _fake_headers(root / "cu13" / "include", 13050)
+    real_find_spec = toolchain.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "nvidia":
+            return types.SimpleNamespace(submodule_search_locations=[str(root)])
+        return real_find_spec(name, *args)
+
+    monkeypatch.setattr(toolchain.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(toolchain, "nvrtc_version", lambda: (major, 9))
+    monkeypatch.setattr(toolchain, "_system_include_dirs", lambda: [])
+    toolchain._find_headers.cache_clear()
+    try:
+        h = toolchain._find_headers(None)
+    finally:
+        toolchain._find_headers.cache_clear()
+    assert h.path == str(root / layout) and h.origin == "wheel" and h.cuda_version // 1000 == major
+
+
+def test_missing_headers_name_the_runtime_wheel_of_nvrtcs_major(monkeypatch):
+    monkeypatch.setattr(toolchain, "_wheel_include_dirs", lambda major: [])
+    monkeypatch.setattr(toolchain, "_system_include_dirs", lambda: [])
+    monkeypatch.setattr(toolchain, "nvrtc_version", lambda: (12, 9))
+    toolchain._find_headers.cache_clear()
+    try:
+        with pytest.raises(ToolchainError, match="nvidia-cuda-runtime-cu12>=12.0,<13"):
+            toolchain._find_headers(None)
+    finally:
+        toolchain._find_headers.cache_clear()
+
+
+@pytest.mark.parametrize("major, extra", [(12, "cuda12"), (13, "cuda13"), (None, "cuda13")])
+def test_install_hint_names_an_extra(major, extra):
+    hint = toolchain.install_hint(major)
+    assert f'pip install "rope-rtc[{extra}]"' in hint
+    assert ("cuda12" in hint) == (major != 13)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from gpu_util import host_random, host_tables, poisoned
+from rope_rtc.blog import prepare_blog_variant
 from rope_rtc.reference import rope_reference
 
 pytestmark = pytest.mark.gpu
@@ -37,12 +38,10 @@ def test_blog_kernels_match_float64(cp, variant, shape, offset):
     cos, sin = host_tables(offset + shape[2] + 3, shape[3] // 2, seed + 2)
     qd, kd, cd, sd = (cp.asarray(a) for a in (q, k, cos, sin))
     qo, ko = poisoned(cp, shape, np.float32), poisoned(cp, shape, np.float32)
-    if variant == "fused" or variant == "auto":
-        rope_rtc.apply_rope_qk(qd, kd, cd, sd, layout="bhsd", interleaved=True, offset=offset, q_out=qo, k_out=ko,
-                               variant=variant)
+    if variant == "auto":
+        rope_rtc.apply_rope_qk(qd, kd, cd, sd, layout="bhsd", interleaved=True, offset=offset, q_out=qo, k_out=ko)
     else:
-        rope_rtc.apply_rope(qd, cd, sd, layout="bhsd", interleaved=True, offset=offset, out=qo, variant=variant)
-        rope_rtc.apply_rope(kd, cd, sd, layout="bhsd", interleaved=True, offset=offset, out=ko, variant=variant)
+        prepare_blog_variant(variant, qd, kd, cd, sd, q_out=qo, k_out=ko, offset=offset)()
     for got, x in ((qo, q), (ko, k)):
         err = np.abs(cp.asnumpy(got).astype(np.float64) - _ref_bhsd(x, cos, sin, offset))
         assert not np.isnan(err).any(), "an output element was never written"
@@ -60,17 +59,20 @@ def test_blog_worked_example(cp, variant):
     x = cp.zeros((1, 1, 3, 4), dtype=cp.float32)
     x[0, 0, 2] = cp.asarray([1.0, 2.0, 3.0, 4.0], dtype=cp.float32)
     x[0, 0, :2] = 1.0
-    out = rope_rtc.apply_rope(x, cos, sin, layout="bhsd", interleaved=True, variant=variant)
+    if variant == "auto":
+        out = rope_rtc.apply_rope(x, cos, sin, layout="bhsd", interleaved=True)
+    else:
+        out = cp.full_like(x, cp.nan)
+        prepare_blog_variant(variant, x, None, cos, sin, q_out=out)()
     np.testing.assert_allclose(cp.asnumpy(out)[0, 0, 2], [-2.23474, 0.07700, 2.14552, 4.51627], atol=2e-5)
 
 
 def test_blog_variants_reject_other_configurations(cp):
-    import rope_rtc
-
     x = cp.ones((1, 2, 4, 8), dtype=cp.float32)
     cos, sin = host_tables(8, 4, 0)
     cd, sd = cp.asarray(cos), cp.asarray(sin)
     with pytest.raises(ValueError, match="variant"):
-        rope_rtc.apply_rope(x, cd, sd, layout="bhsd", interleaved=False, variant="vectorized")
+        prepare_blog_variant("fused", x, None, cd, sd, q_out=cp.empty_like(x))  # fused needs k
+    xh = x.astype(cp.float16)
     with pytest.raises(ValueError, match="variant"):
-        rope_rtc.apply_rope(x.astype(cp.float16), cd, sd, layout="bhsd", interleaved=True, variant="baseline")
+        prepare_blog_variant("baseline", xh, None, cd, sd, q_out=cp.empty_like(xh))

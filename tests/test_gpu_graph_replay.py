@@ -55,7 +55,7 @@ def test_repeated_tail_launch_replays_a_graph_with_fresh_inputs(cp):
         plan.execute(*arrays)
         cp.cuda.get_current_stream().synchronize()
         _exact(cp, host, arrays[3])
-    assert len(plan._launch._graphs) == 1, "the repeated argument set was not replayed as a graph"
+    assert len(plan._core.launcher._graphs) == 1, "the repeated argument set was not replayed as a graph"
 
 
 def test_graph_replay_keeps_stream_order(cp):
@@ -65,7 +65,7 @@ def test_graph_replay_keeps_stream_order(cp):
     for _ in range(3):
         plan.execute(x, c, s, out, current_stream=stream)
     stream.synchronize()
-    assert plan._launch._graphs
+    assert plan._core.launcher._graphs
     x_h, c_h, s_h = tail_random_inputs(T, H, D, seed=61)
     c.set(c_h)
     s.set(s_h)
@@ -91,7 +91,7 @@ def test_capture_of_a_replayed_plan_records_a_kernel(cp, mode, as_int):
     arg = stream.ptr if as_int else stream
     for _ in range(3):
         plan.execute(*arrays, current_stream=arg)
-    assert plan._launch._graphs
+    assert plan._core.launcher._graphs
     stream.synchronize()
     stream.begin_capture(modes[mode])
     plan.execute(*arrays, current_stream=arg)
@@ -120,9 +120,9 @@ def test_instantiating_does_not_break_another_streams_global_capture(cp):
     plan.execute(*arrays, current_stream=idle)  # instantiates
     plan.execute(*arrays, current_stream=idle)  # replays
     graph = capturing.end_capture()
-    assert not other_plan._launch._graphs
+    assert not other_plan._core.launcher._graphs
     idle.synchronize()
-    assert plan._launch._graphs
+    assert plan._core.launcher._graphs
     _exact(cp, host, arrays[3])
     other_host = _refill(cp, other, 401)
     cp.cuda.Device().synchronize()
@@ -151,7 +151,7 @@ def test_rope_plan_replay_same_offset_then_new_offsets(cp):
         ko.fill(cp.nan)
         plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=off)
         assert_half_split_qk(cp, (qo, ko), (qh, kh), cos_h, sin_h, np.tile(np.arange(S) + off, B))
-    assert len(plan._launch._graphs) == 2  # offset 5 and the first run of 9s; the last 9 is a new set
+    assert len(plan._core.launcher._graphs) == 2  # offset 5 and the first run of 9s; the last 9 is a new set
 
 
 def test_no_graph_replay_switch(cp, monkeypatch):
@@ -162,7 +162,7 @@ def test_no_graph_replay_switch(cp, monkeypatch):
         plan.execute(*arrays)
         cp.cuda.get_current_stream().synchronize()
         _exact(cp, host, arrays[3])
-    assert not plan._launch._graphs
+    assert not plan._core.launcher._graphs
 
 
 def test_one_call_tail_rope_keeps_no_graphs_or_arrays(cp):
@@ -175,8 +175,8 @@ def test_one_call_tail_rope_keeps_no_graphs_or_arrays(cp):
         _exact(cp, (x_h, c_h, s_h), out)
     from rope_rtc import tail
 
-    for plan in tail._local.plans.values():
-        assert not plan._launch._graphs and not plan._launch._seen
+    for plan in tail._local.by_key.values():
+        assert not plan._core.launcher._graphs and not plan._core.launcher._seen
 
 
 def test_alternating_argument_sets_each_replay(cp):
@@ -190,4 +190,4 @@ def test_alternating_argument_sets_each_replay(cp):
             plan.execute(*arrays)
             cp.cuda.get_current_stream().synchronize()
             _exact(cp, host, arrays[3])
-    assert len(plan._launch._graphs) == 2
+    assert len(plan._core.launcher._graphs) == 2

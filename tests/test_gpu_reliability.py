@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, bits, host_random, host_tables
+from rope_rtc.blog import prepare_blog_variant
 from rope_rtc.reference import assert_rope_close, rope_reference, tail_rope_reference
 from tail_cases import tail_random_inputs
 
@@ -131,8 +132,8 @@ def test_launch_failure_names_the_cuda_error_and_plan_survives(cp):
     plan = rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile()
     plan.execute(x, c, s, out)
     with pytest.raises(rope_rtc.CudaError, match="CUDA_ERROR_INVALID_VALUE") as info:
-        launch.launch(plan._function, (2**31, 1, 1), (256, 1, 1), cp.cuda.get_current_stream().ptr,
-                      plan._args.address)
+        launcher = launch.Launcher(plan._core.args.address, plan.device)
+        launcher(launch.launch_prefix(plan._function, (2**31, 1, 1), (256, 1, 1)), cp.cuda.get_current_stream().ptr)
     assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
     out.fill(float("nan"))
     plan.execute(x, c, s, out)
@@ -144,7 +145,6 @@ def test_launch_failure_names_the_cuda_error_and_plan_survives(cp):
 @pytest.mark.parametrize("variant", ["baseline", "vectorized", "fused"])
 def test_blog_kernel_past_2_31_elements(cp, variant):
     """Offsets past 2^32 bytes through each of the blog's kernels (FP32: 8.6 GB per tensor)."""
-    import rope_rtc
 
     D = 128
     S = 2**31 // D + 5
@@ -158,10 +158,7 @@ def test_blog_kernel_past_2_31_elements(cp, variant):
     sel = cp.asarray(idx)
     before = [cp.asnumpy(a[0, 0, sel]) for a in (x, k) if a is not None]
     ch, sh = cp.asnumpy(cos[sel]), cp.asnumpy(sin[sel])
-    if variant == "fused":
-        rope_rtc.apply_rope_qk(x, k, cos, sin, layout="bhsd", interleaved=True, q_out=x, k_out=k, variant=variant)
-    else:
-        rope_rtc.apply_rope(x, cos, sin, layout="bhsd", interleaved=True, out=x, variant=variant)
+    prepare_blog_variant(variant, x, k, cos, sin, q_out=x, k_out=k)()
     for a, xs in zip((x, k), before):
         got = cp.asnumpy(a[0, 0, sel])
         ref = rope_reference(xs[:, None, :], ch, sh, np.arange(len(idx)), interleaved=True)[:, 0]

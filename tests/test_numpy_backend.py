@@ -17,6 +17,7 @@ import pytest
 from rope_rtc import RopePlan, TailRoPEForward, TensorDesc, apply_rope, apply_rope_qk, tail_rope
 from rope_rtc import rope as R
 from rope_rtc.reference import assert_rope_close, tail_rope_reference
+from fakes import FakeGPU
 from tail_cases import tail_edge_inputs, tail_random_inputs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -208,16 +209,17 @@ def test_positions_array(layout, index_dtype):
     assert_rope_close(from_layout(got, layout, B, S), want, xb, interleaved=True)
 
 
-def test_out_of_range_positions_give_nan_in_the_rotated_channels():
+def test_host_positions_outside_the_table_are_rejected():
+    # Host positions are checked value by value: no NaN rows, no write, the argument named.
     B, S, H, D = 1, 4, 1, 8
     cos, sin = make_tables(4, 4)
     x = random_x((B, S, H, D), np.float32, seed=7)
-    pos = np.array([[0, 4, -1, 3]], np.int64)
-    got = apply_rope(x, cos, sin, positions=pos, rotary_dim=4, rotary_offset=2, backend="numpy")
-    assert np.isnan(got[0, 1, 0, 2:6]).all() and np.isnan(got[0, 2, 0, 2:6]).all()
-    assert not np.isnan(got[0, [0, 3]]).any()
-    np.testing.assert_array_equal(got[..., :2], x[..., :2])
-    np.testing.assert_array_equal(got[..., 6:], x[..., 6:])
+    x0 = x.copy()
+    for pos, entry in (([[0, 4, 1, 3]], "entry 1 is 4"), ([[0, 1, -1, 3]], "entry 2 is -1")):
+        with pytest.raises(ValueError, match=f"positions: {entry}, outside the table's 4 rows"):
+            apply_rope(x, cos, sin, positions=np.array(pos, np.int64), rotary_dim=4, rotary_offset=2, out=x,
+                       backend="numpy")
+        np.testing.assert_array_equal(x, x0)
 
 
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
@@ -225,14 +227,15 @@ def test_out_of_range_positions_give_nan_in_the_rotated_channels():
 def test_offset_array(layout, index_dtype):
     B, S, H, D = 3, 4, 2, 32
     cos, sin = make_tables(64, D)
-    offsets = np.array([0, 17, 62], index_dtype)
+    offsets = np.array([0, 17, 60], index_dtype)  # the last sequence reads the table's last row
     xb = random_x((B, S, H, D), BF16, seed=8)
     got = apply_rope(to_layout(xb, layout), cos, sin, layout=layout, offset=offsets, backend="numpy")
     pos = offsets[:, None].astype(np.int64) + np.arange(S)[None, :]
-    want = expected_rope(xb, cos, sin, pos, interleaved=False)  # 62 + 2 is past the table: NaN
+    want = expected_rope(xb, cos, sin, pos, interleaved=False)
     assert_rope_close(from_layout(got, layout, B, S), want, xb, interleaved=False)
-    assert np.isnan(from_layout(got, layout, B, S)[2, 2:].astype(np.float32)).all()
-    assert not np.isnan(from_layout(got, layout, B, S)[2, :2].astype(np.float32)).any()
+    with pytest.raises(ValueError, match=r"offset: sequence 2 reads positions 62..65, outside the table's 64 rows"):
+        apply_rope(to_layout(xb, layout), cos, sin, layout=layout, offset=np.array([0, 17, 62], index_dtype),
+                   backend="numpy")
 
 
 def _cu_positions(cu, T, offset):
@@ -258,12 +261,41 @@ def test_thd_cu_seqlens(offset, index_dtype):
     assert_rope_close(got, want, x, interleaved=False)
 
 
-def test_thd_tokens_outside_cu_seqlens_get_nan():
-    T, H, D = 6, 1, 8
+@pytest.mark.parametrize("cu,pattern", [
+    ([0, 10, 30], r"must end at the token count T=37 \(the last entry is 30\)"),
+    ([0, 10, 40], r"must end at the token count T=37 \(the last entry is 40\)"),
+    ([0, 40, 37], r"must be non-decreasing, but entry 2 \(37\) is below entry 1 \(40\)"),
+    ([0, 20, 10, 37], r"must be non-decreasing"),
+    ([1, 10, 37], r"must start at 0"),
+])
+@pytest.mark.parametrize("backend", ["numpy", "fake-gpu"])
+def test_bad_host_cu_seqlens_are_rejected_before_any_write(cu, pattern, backend):
+    # Malformed boundaries once gave NaN for the tokens past them, written over the caller's
+    # input with out=x; now they are a ValueError naming cu_seqlens, and x is unchanged.
+    T, H, D = 37, 2, 16
+    cos, sin = make_tables(64, D)
+    x = random_x((T, H, D), np.float32, seed=10)
+    x0 = x.copy()
+    cu_seqlens = np.array(cu, np.int32)
+    with FakeGPU() as gpu:
+        with pytest.raises(ValueError, match="cu_seqlens: " + pattern):
+            apply_rope(x, cos, sin, layout="thd", cu_seqlens=cu_seqlens, out=x,
+                       backend="numpy" if backend == "numpy" else "nvrtc")
+        assert gpu.launches == []
+    np.testing.assert_array_equal(x, x0)
+
+
+def test_cu_seqlens_offsets_must_keep_every_sequence_in_the_table():
+    T, H, D = 8, 1, 8
     cos, sin = make_tables(8, D)
     x = random_x((T, H, D), np.float32, seed=10)
-    got = apply_rope(x, cos, sin, layout="thd", cu_seqlens=np.array([1, 3, 5], np.int32), backend="numpy")
-    pos = np.array([-1, 0, 1, 0, 1, -1])
+    cu = np.array([0, 3, 8], np.int32)
+    with pytest.raises(ValueError, match=r"offset: sequence 1 reads positions 4..8, outside the table's 8 rows"):
+        apply_rope(x, cos, sin, layout="thd", cu_seqlens=cu, offset=np.array([0, 4], np.int32), backend="numpy")
+    with pytest.raises(ValueError, match=r"offset: sequence 1 reads positions 4..8"):
+        apply_rope(x, cos, sin, layout="thd", cu_seqlens=cu, offset=4, backend="numpy")
+    got = apply_rope(x, cos, sin, layout="thd", cu_seqlens=cu, offset=3, backend="numpy")
+    pos = np.array([3, 4, 5, 3, 4, 5, 6, 7])
     assert_rope_close(got, expected_rope(x, cos, sin, pos, interleaved=False), x, interleaved=False)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,9 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from rope_rtc import cli, toolchain
 from rope_rtc._version import __version__
+from rope_rtc.errors import ToolchainError
 
 REPO = Path(__file__).resolve().parents[1]
+# What each CUDA extra must install: one CUDA major throughout (NVRTC, its headers, the bindings, CuPy).
+EXTRA_TOOLCHAINS = {
+    "cuda12": ("cuda-bindings", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12", "cupy-cuda12x"),
+    "cuda13": ("cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime", "cupy-cuda13x"),
+}
 NETWORK_TROUBLE = ("Could not find a version", "No matching distribution", "Failed to establish a new connection",
                    "Temporary failure in name resolution", "Network is unreachable", "ProxyError")
 
@@ -73,7 +81,10 @@ def test_wheel_metadata(wheel):
     dist_info = f"rope_rtc-{__version__}.dist-info"
     metadata = z.read(f"{dist_info}/METADATA").decode()
     assert f"\nVersion: {__version__}\n" in metadata
-    assert "cuda-bindings" in metadata and "nvidia-cuda-nvrtc" in metadata
+    for extra, packages in EXTRA_TOOLCHAINS.items():
+        for package in packages:
+            assert any(line.startswith(f"Requires-Dist: {package}") and f'extra == "{extra}"' in line
+                       for line in metadata.splitlines()), f"{package} is not in the {extra} extra's metadata"
     entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
     assert "rope-rtc = rope_rtc.cli:main" in entry_points
 
@@ -96,3 +107,77 @@ def test_installed_package_finds_its_sources_inside_itself(wheel, tmp_path):
     assert Path(got["dir"]).resolve() == package / "cuda_src"
     assert got["names"] == sorted(p.name for p in (REPO / "cuda_src").iterdir() if p.suffix in (".cu", ".cuh"))
     assert got["version"] == __version__
+
+
+# -- one coherent CUDA toolchain per extra --------------------------------------------------------
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def _requirements(lines: list[str]) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*(.*?)\s*", line)
+        assert m, line
+        out[m.group(1).lower()] = m.group(2)
+    return out
+
+
+def test_each_cuda_extra_pins_one_cuda_major_throughout():
+    project = _pyproject()["project"]
+    base = _requirements(project["dependencies"])
+    assert not [n for n in base if n.startswith(("cuda-", "nvidia-", "cupy"))], (
+        "a CUDA package in the base dependencies rides along into every extra")
+    extras = project["optional-dependencies"]
+    assert {f"cuda{m}" for m in toolchain.EXTRAS} == {e for e in extras if e.startswith("cuda")}
+    for major, extra in toolchain.EXTRAS.items():
+        reqs = _requirements(extras[extra])
+        assert tuple(reqs) == EXTRA_TOOLCHAINS[extra]
+        assert toolchain.NVRTC_PACKAGES[major] in reqs and toolchain.RUNTIME_PACKAGES[major] in reqs
+        for name, spec in reqs.items():
+            if name.startswith("cupy"):
+                continue  # cupy-cudaNNx: the major is in the name
+            assert re.search(rf">={major}\.\d", spec) and f"<{major + 1}" in spec, f"{extra}: {name}{spec}"
+
+
+def _info_rows(capsys, tmp_path) -> dict[str, str]:
+    assert cli.main(["info", "--cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    return {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in out.splitlines() if "  " in line}
+
+
+def test_info_names_the_toolchain_it_found(capsys, tmp_path):
+    rows = _info_rows(capsys, tmp_path)
+    major, minor = toolchain.nvrtc_version()
+    assert rows["toolchain"] == f"CUDA {major} (the rope-rtc[{toolchain.EXTRAS[major]}] set)"
+    assert rows["NVRTC"].startswith(f"{major}.{minor} (")
+    lib = toolchain.nvrtc_library()
+    assert lib and lib in rows["NVRTC"]
+    if toolchain.installed_from(lib, toolchain.NVRTC_PACKAGES.values()):  # not a system CUDA's NVRTC
+        assert toolchain.NVRTC_PACKAGES[major] in rows["NVRTC"]
+    assert rows["cuda-bindings"] == toolchain.bindings_version() and toolchain.bindings_major() == major
+    h = toolchain.cuda_headers()
+    if h.origin == "wheel":
+        assert f"from the {toolchain.RUNTIME_PACKAGES[major]} " in rows["CUDA headers"]
+
+
+def test_info_flags_parts_of_two_cuda_versions(capsys, tmp_path, monkeypatch):
+    major, _ = toolchain.nvrtc_version()
+    other = 12 if major == 13 else 13
+    monkeypatch.setattr(toolchain, "bindings_major", lambda: other)
+    rows = _info_rows(capsys, tmp_path)
+    assert rows["toolchain"].startswith("mixed CUDA versions (")
+    assert f"NVRTC {major}" in rows["toolchain"] and f"cuda-bindings {other}" in rows["toolchain"]
+    assert 'pip install "rope-rtc[' in rows["toolchain"]
+
+
+def test_info_without_nvrtc_says_what_to_install(capsys, tmp_path, monkeypatch):
+    def missing():
+        raise ToolchainError("NVRTC could not be loaded (simulated)")
+
+    monkeypatch.setattr(toolchain, "nvrtc_version", missing)
+    rows = _info_rows(capsys, tmp_path)
+    assert rows["toolchain"].startswith('no CUDA toolchain: pip install "rope-rtc[')
+    assert "simulated" in rows["NVRTC"]

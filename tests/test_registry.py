@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rope_rtc import registry, sources
+from rope_rtc import build, registry, sources
 from rope_rtc.compiler import compile_source
 from rope_rtc.toolchain import Target
 
@@ -93,3 +93,72 @@ def test_every_head_batch_the_launch_can_choose_is_built(interleaved):
     names = {s.name for s in registry.all_specs()}
     for hb in built:
         assert registry.rope_spec("bfloat16", interleaved, 8, hb).name in names
+
+
+# -- each specialisation is keyed on the sources it includes ------------------------------------
+
+# The benchmark's copy kernel (rope_rtc/benchmark/runner.py builds the same spec).
+BENCH_COPY = registry.KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin"))
+KEYED = [BENCH_COPY, registry.blog_spec(), registry.rope_spec("float16", False, 8),
+         registry.rope_spec("bfloat16", True, 8), registry.tail_spec(8, 128)]
+
+
+def _set_sources(monkeypatch, files: dict[str, bytes]) -> None:
+    monkeypatch.setattr(sources, "all_sources", lambda: tuple(sorted(files.items())))
+
+
+def _edit(monkeypatch, name: str) -> None:
+    files = dict(sources.all_sources())
+    assert name in files, f"cuda_src/{name} is gone: update this test"
+    files[name] = files[name] + b"\n// edited\n"
+    _set_sources(monkeypatch, files)
+
+
+def _keys(specs=KEYED) -> dict[str, str]:
+    return {s.name: build.spec_key(s, Target(90)) for s in specs}
+
+
+@pytest.mark.parametrize("edited, family", [("bench_copy.cu", "bench_copy"), ("blog_kernels.cu", "blog"),
+                                            ("rope.cu", "rope"), ("tail_rope.cu", "tail")])
+def test_editing_one_kernel_source_changes_only_its_own_keys(monkeypatch, edited, family):
+    """Editing a benchmark-only kernel must not invalidate a production binary (and vice versa)."""
+    before = _keys()
+    _edit(monkeypatch, edited)
+    after = _keys()
+    for spec in KEYED:
+        if spec.family == family:
+            assert after[spec.name] != before[spec.name], f"editing {edited} left {spec.name}'s key unchanged"
+        else:
+            assert after[spec.name] == before[spec.name], f"editing {edited} changed {spec.name}'s key"
+
+
+def test_editing_common_header_changes_every_key_that_includes_it(monkeypatch):
+    specs = [*registry.all_specs(tail_heads=(1, 8)), BENCH_COPY]
+    including = [s for s in specs if "common.cuh" in dict(sources.included_sources(s.source))]
+    assert including == specs, "every kernel includes common.cuh"
+    before = _keys(specs)
+    _edit(monkeypatch, "common.cuh")
+    after = _keys(specs)
+    assert all(after[s.name] != before[s.name] for s in specs)
+
+
+def test_a_file_no_kernel_includes_changes_no_key(monkeypatch):
+    before = _keys()
+    _set_sources(monkeypatch, {**dict(sources.all_sources()), "zz_unused.cuh": b"// nobody includes this\n"})
+    assert _keys() == before
+
+
+def test_headers_are_followed_transitively_and_cycles_end(monkeypatch):
+    files = {
+        "k.cu": b'#include "a.cuh"\nextern "C" __global__ void k() {}\n',
+        "a.cuh": b'#pragma once\n  #  include "b.cuh"\n#include <cuda_fp16.h>\n// #include "commented.cuh"\n',
+        "b.cuh": b'#pragma once\n#include "a.cuh"\n#include "not_ours.h"\n',
+        "commented.cuh": b"// only named in a comment\n",
+        "other.cuh": b"// unrelated\n",
+    }
+    _set_sources(monkeypatch, files)
+    assert [n for n, _ in sources.included_sources("k.cu")] == ["a.cuh", "b.cuh", "k.cu"]
+    spec = registry.KernelSpec("k", "k.cu", ("k",))
+    before = build.spec_key(spec, Target(90))
+    _set_sources(monkeypatch, {**files, "b.cuh": files["b.cuh"] + b"// edited two levels down\n"})
+    assert build.spec_key(spec, Target(90)) != before

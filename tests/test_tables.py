@@ -12,7 +12,9 @@ Three kinds of reference:
 from __future__ import annotations
 
 import math
+import re
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -475,6 +477,211 @@ def test_inverse_frequencies_checks_max_positions():
         inverse_frequencies(8, max_positions=0)
     with pytest.raises(TypeError, match="max_positions"):
         inverse_frequencies(8, max_positions=1.5)
+
+
+# --------------------------------------------------------------------------- hostile parameters
+# Every parameter out of range raises ValueError/TypeError naming it (never OverflowError,
+# ZeroDivisionError, "math domain error" or MemoryError), and every accepted table is finite.
+
+HUGE_INT = 10**400  # no float holds it
+SCALING = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": True},
+    "yarn-attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                       "attention_factor": 1.0},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                 "original_max_position_embeddings": 64, "factor": 4.0},
+    "longrope-attention": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                           "original_max_position_embeddings": 64, "attention_factor": 1.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+}
+HOSTILE = [1e-308, 5e-324, 1e-30, [1, 2], math.nan, -math.nan, math.inf, -math.inf, -1, -1e-30, 0, 0.0, 1e30,
+           1e38, 1e308, 2**63, 2**1000, HUGE_INT, "2", True, np.float64(np.nan), np.float32(1e-30),
+           np.int64(2**62), np.array([1.0, 2.0])]
+
+
+def _finite_table_or_named_error(name, call):
+    """`call` returns a finite float32 table, or raises ValueError/TypeError whose message names `name`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no overflow met on the way
+        try:
+            cos, sin = call()
+        except (ValueError, TypeError) as exc:
+            assert name in str(exc), f"{type(exc).__name__} does not name {name}: {exc}"
+            return "raised"
+    assert cos.dtype == np.float32 and sin.dtype == np.float32
+    assert np.all(np.isfinite(cos)) and np.all(np.isfinite(sin)), f"non-finite table from {name}"
+    return "accepted"
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", sorted(SCALING))
+def test_every_hostile_scaling_parameter_is_named_or_gives_a_finite_table(kind, numerics):
+    params = SCALING[kind]
+    outcomes = set()
+    for key in [k for k in params if k != "rope_type"] + ["rope_theta", "max_position_embeddings"]:
+        for value in HOSTILE:
+            if key.endswith("_factor") and key.startswith(("short", "long")):
+                value = [value] * 4 if not isinstance(value, (list, np.ndarray)) else value
+            scaling = {**params, key: value}
+            outcomes.add(_finite_table_or_named_error(
+                key, lambda: rope_tables(100, 8, scaling=scaling, numerics=numerics)))
+    for value in HOSTILE:
+        outcomes.add(_finite_table_or_named_error(
+            "base", lambda: rope_tables(100, 8, base=value, scaling=params, numerics=numerics)))
+    assert outcomes == {"raised", "accepted"}
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("key", ["beta_fast", "beta_slow"])
+@pytest.mark.parametrize("value", [1e-308, 5e-324, [1, 2], math.nan, math.inf, -math.inf, -1, 1e308, HUGE_INT,
+                                   True, "32"])
+def test_yarn_beta_is_validated(numerics, key, value):
+    # Before: OverflowError (1e-308), "math domain error" (inf, -1), TypeError naming nothing ([1, 2]).
+    scaling = {**SCALING["yarn"], key: value}
+    with pytest.raises((ValueError, TypeError), match=re.escape(f"scaling['{key}']")):
+        rope_tables(100, 8, scaling=scaling, numerics=numerics)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("key", ["mscale", "mscale_all_dim"])
+@pytest.mark.parametrize("value", [[1, 2], math.nan, math.inf, -1, -1e-3, HUGE_INT, True, "1"])
+def test_yarn_mscale_is_validated(numerics, key, value):
+    # Before: nan gave an all-NaN table, [1, 2] a TypeError naming nothing, -1 a negative gain.
+    scaling = {**SCALING["yarn"], key: value}
+    with pytest.raises((ValueError, TypeError), match=re.escape(f"scaling['{key}']")):
+        rope_tables(100, 8, scaling=scaling, numerics=numerics)
+
+
+def test_yarn_mscale_ratio_with_a_zero_denominator_is_named():
+    # Before: ZeroDivisionError (0.1 * mscale_all_dim * log(factor) + 1 == 0).
+    scaling = {**SCALING["yarn"], "factor": math.e**10, "mscale": 1.0, "mscale_all_dim": -1.0}
+    with pytest.raises(ValueError, match=re.escape("scaling['mscale_all_dim']")):
+        rope_tables(100, 8, scaling=scaling)
+
+
+def test_yarn_truncate_must_be_a_bool():
+    # Before: the string "no" counted as true.
+    with pytest.raises(TypeError, match=re.escape("scaling['truncate']")):
+        rope_tables(100, 8, scaling={**SCALING["yarn"], "truncate": "no"})
+    a = rope_tables(100, 16, scaling={**SCALING["yarn"], "truncate": np.bool_(False)})
+    b = rope_tables(100, 16, scaling={**SCALING["yarn"], "truncate": False})
+    np.testing.assert_array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", ["yarn-attention", "longrope-attention"])
+def test_attention_factor_past_float32_is_named(kind, numerics):
+    # Before: 1e308 gave a table of infinities.
+    with pytest.raises(ValueError, match=re.escape("scaling['attention_factor']")):
+        rope_tables(100, 8, scaling={**SCALING[kind], "attention_factor": 1e308}, numerics=numerics)
+    cos, _ = rope_tables(100, 8, scaling={**SCALING[kind], "attention_factor": 1e38}, numerics=numerics)
+    assert np.isfinite(cos).all() and cos[0, 0] == np.float32(1e38)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", sorted(SCALING))
+@pytest.mark.parametrize("base", [5e-324, 1e-308])
+def test_base_whose_frequencies_overflow_is_named(kind, numerics, base):
+    # Before: base=5e-324 gave tables of NaN (cos of an infinite angle).
+    with pytest.raises(ValueError, match=r"^base\b"):
+        rope_tables(100, 8, base=base, scaling=SCALING[kind], numerics=numerics)
+    with pytest.raises(ValueError, match=re.escape("scaling['rope_theta']")):
+        rope_tables(100, 8, scaling={**SCALING[kind], "rope_theta": base}, numerics=numerics)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", ["linear", "yarn", "yarn-attention", "llama3"])
+@pytest.mark.parametrize("factor", [1e-308, 5e-324])
+def test_factor_whose_frequencies_overflow_is_named(kind, numerics, factor):
+    # Before: linear factor=1e-308 gave an all-NaN table with numerics="transformers".
+    with pytest.raises(ValueError, match=re.escape("scaling['factor']")):
+        rope_tables(100, 8, scaling={**SCALING[kind], "factor": factor}, numerics=numerics)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_longrope_factor_lists_are_numbers_that_fit(numerics):
+    base = SCALING["longrope"]
+    with pytest.raises(ValueError, match=re.escape("scaling['short_factor']")):
+        rope_tables(100, 8, scaling={**base, "short_factor": [1.0, 1.0, HUGE_INT, 1.0]}, numerics=numerics)
+    with pytest.raises(TypeError, match=re.escape("scaling['long_factor']")):
+        rope_tables(100, 8, scaling={**base, "long_factor": ["2"] * 4}, numerics=numerics)
+    with pytest.raises(ValueError, match=re.escape("scaling['short_factor']")):
+        rope_tables(100, 8, scaling={**base, "short_factor": [1e-308] * 4}, numerics=numerics)
+
+
+def test_longrope_attention_needs_an_original_length_above_one():
+    # Before: ZeroDivisionError (its attention factor divides by log(original)).
+    scaling = {**SCALING["longrope"], "original_max_position_embeddings": 1}
+    with pytest.raises(ValueError, match=re.escape("scaling['original_max_position_embeddings']")):
+        rope_tables(100, 8, scaling=scaling)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_dynamic_base_that_overflows_is_named(numerics):
+    # Before: OverflowError (34, 'Numerical result out of range') from the rescaled base.
+    scaling = {**SCALING["dynamic"], "factor": 2.0**1000}
+    with pytest.raises(ValueError, match=re.escape("scaling['factor']")):
+        rope_tables(100, 8, scaling=scaling, numerics=numerics)
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "yarn", "longrope", "llama3"])
+@pytest.mark.parametrize("value", [2**31, 2**63, HUGE_INT])
+def test_huge_original_length_is_named(kind, value):
+    # Before: OverflowError "int too large to convert to float" (or a float32 overflow).
+    scaling = {**SCALING[kind], "original_max_position_embeddings": value}
+    with pytest.raises(ValueError, match=re.escape("scaling['original_max_position_embeddings']")):
+        rope_tables(100, 8, scaling=scaling)
+
+
+@pytest.mark.parametrize(("name", "value"), [("factor", HUGE_INT), ("factor", -HUGE_INT), ("base", HUGE_INT)])
+def test_integer_beyond_float_range_is_named(name, value):
+    # Before: OverflowError "int too large to convert to float".
+    if name == "base":
+        call = lambda: rope_tables(100, 8, base=value)  # noqa: E731
+    else:
+        call = lambda: rope_tables(100, 8, scaling={"rope_type": "linear", "factor": value})  # noqa: E731
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+@pytest.mark.parametrize("value", [2**31, 2**31 + 1, 2**40, 2**63, 2**64, HUGE_INT])
+def test_huge_max_positions_is_named(value):
+    # Before: MemoryError (2**31) or NumPy's "Maximum allowed dimension exceeded" (2**63).
+    with pytest.raises(ValueError, match=r"^max_positions\b"):
+        rope_tables(value, 2)
+    with pytest.raises(ValueError, match=r"^max_positions\b"):
+        inverse_frequencies(8, max_positions=value)
+
+
+@pytest.mark.parametrize("value", [2**17, 2**40, 2**62, 2**63, 2**64, HUGE_INT])
+def test_huge_rotary_dim_is_named(value):
+    # Before: MemoryError (2**40) or NumPy's "array is too big" (2**62 and up).
+    with pytest.raises(ValueError, match=r"^rotary_dim\b"):
+        rope_tables(4, value)
+    with pytest.raises(ValueError, match=r"^rotary_dim\b"):
+        inverse_frequencies(value)
+
+
+def test_table_size_is_bounded():
+    # Each bound alone is fine; the product asks for 2**32 entries (16 GiB per table).
+    with pytest.raises(ValueError, match=r"max_positions.*rotary_dim"):
+        rope_tables(2**26, 128)
+    inverse_frequencies(128, max_positions=2**26)  # no table: only the context length counts
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_angles_that_overflow_are_named(numerics):
+    # Frequencies that are finite, but whose angles at the last position are not.
+    big = 1e36 if numerics == "transformers" else 1e306
+    with pytest.raises(ValueError, match=re.escape("scaling['factor']")):
+        rope_tables(1000, 8, scaling={"rope_type": "linear", "factor": 1 / big}, numerics=numerics)
+    cos, sin = rope_tables(2, 8, scaling={"rope_type": "linear", "factor": 1 / big}, numerics=numerics)
+    assert np.isfinite(cos).all() and np.isfinite(sin).all()
 
 
 # --------------------------------------------------------------------------- against transformers

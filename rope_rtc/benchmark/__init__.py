@@ -1,10 +1,10 @@
-"""The benchmark suite (issue 5): the blog's table on this GPU, every peer side by side, the
-size-matched copy ceiling, and the performance targets of issues 4 and 5, all from one run.
+"""The benchmark suite: the blog's table on this GPU, every peer side by side, the
+size-matched copy ceiling, and the product's performance targets, all from one run.
 
 Run from a checkout on a GPU machine::
 
     PYTHONPATH=. python3 scripts/bench.py --quick        # a few cases of every section, ~3 min (H200)
-    PYTHONPATH=. python3 scripts/bench.py                # every case of issue 5, ~8 min
+    PYTHONPATH=. python3 scripts/bench.py                # every case, ~8 min
     PYTHONPATH=. python3 scripts/bench.py --cases blog,tail/T=1
     PYTHONPATH=. python3 scripts/bench.py --write-docs   # also regenerate docs/benchmarks.md
     python3 scripts/bench.py --from-json bench.json --write-docs   # re-render a saved run, no GPU

@@ -1,4 +1,4 @@
-"""Shared constants, the target figures of issues 4 and 5, the Skip/Wrong exceptions, the
+"""Shared constants, the product's performance targets, the Skip/Wrong exceptions, the
 benchmark cases (:class:`Case` and the per-group builders), the ``--cases`` filter and the
 cold-L2 set count. The lowest module of the package: it imports nothing from the others."""
 
@@ -12,6 +12,7 @@ SCHEMA = 1
 GROUPS = ("coldstart", "host", "blog", "general", "decode", "tail")
 PEERS = ("cupy", "torch", "torch.compile", "liger")
 OURS = "rope_rtc"
+ONE_CALL = "rope_rtc apply_rope_qk"  # the one-call function on the same buffers as OURS (a plan)
 COPY = "copy"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
@@ -34,13 +35,18 @@ DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
-# Targets of issues 4 and 5.
+# The product's performance targets (report.evaluate_targets judges each run against them).
 PREFILL_RULES = ((256 * MiB, 98.0), (32 * MiB, 95.0))   # (bytes moved at least, % of copy)
 DECODE_GPU_US = 1.5
 PLAN_HOST_US = 5.0
 TAIL_COPY_PCT = 97.0
 TAIL_GPU_US = 1.6
 TAIL_HOST_US = 5.0
+ONE_CALL_HOST_US = 8.0          # apply_rope / apply_rope_qk, new arrays of a seen signature every call
+ONE_CALL_PLAN_RATIO = 2.0       # ... and at most this many times RopePlan.execute (same arrays)
+TAIL_ONE_CALL_HOST_US = 10.0    # tail_rope, output allocation included
+ONE_CALL_PREFILL_POINTS = 1.0   # one-call prefill within this many points of the plan's % of copy
+ONE_CALL_POOL = 64              # distinct array sets cycled for the one-call host rows
 WARM_FIRST_S = 0.050
 COMPILE_ONE_S = 1.0
 

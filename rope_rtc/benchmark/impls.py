@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from .buffers import SetBuffers, bf16_bits_to_f32, f32_to_bf16_bits
-from .cases import BLOG_VARIANTS, OURS, TAIL_COLS, Case, Skip
+from .cases import BLOG_VARIANTS, ONE_CALL, OURS, TAIL_COLS, Case, Skip
 from .timing import capture_cupy, capture_torch
 
 
@@ -224,6 +224,18 @@ def setup_ours_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
     return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], case.layout, case.interleaved,
                   f"{case.layout}/{_pairing(case.interleaved)}", True, _cupy_capture(ctx, fns),
                   "RopePlan.execute, in place")
+
+
+def setup_one_call_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
+    """``apply_rope_qk`` on the plan's buffers, in place: each buffer set is a new set of arrays
+    of one signature, so a call costs the one-call path (address checks and a launch)."""
+    from ..rope import apply_rope_qk
+
+    fns = [partial(apply_rope_qk, bufs.q(i), bufs.k(i), bufs.cos(i), bufs.sin(i), layout=case.layout,
+                   interleaved=case.interleaved, q_out=bufs.q(i), k_out=bufs.k(i)) for i in range(bufs.n)]
+    return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], case.layout, case.interleaved,
+                  f"{case.layout}/{_pairing(case.interleaved)}", True, _cupy_capture(ctx, fns),
+                  "apply_rope_qk (one call), in place")
 
 
 def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runner:
@@ -466,6 +478,8 @@ def impls_for(case: Case) -> list[Impl]:
     if case.group == "blog":
         out += [Impl(v, None, _same_layout, partial(setup_blog_variant, v)) for v in BLOG_VARIANTS]
     out.append(Impl(OURS, None, _same_layout, setup_ours_tail if tail else setup_ours_general))
+    if case.group == "general":
+        out.append(Impl(ONE_CALL, None, _same_layout, setup_one_call_general))
     out.append(Impl("cupy", "cupy", _same_layout, setup_cupy_tail if tail else setup_cupy_general))
     out.append(Impl("torch", "torch", _torch_layout,
                     partial(setup_torch_tail, False) if tail else partial(setup_torch_general, False)))

@@ -23,7 +23,8 @@ import numpy as np
 
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
-from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, GRAPH_COLD_CALLS, GRAPH_HOT_CALLS, SCHEMA,
+from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
+                    GRAPH_HOT_CALLS, ONE_CALL_POOL, SCHEMA,
                     SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
 from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
 from .report import ROW_HEADER, format_row, write_json
@@ -297,7 +298,56 @@ def run_host_section(ctx) -> list[dict]:
         "TailRoPEForward.execute", lambda: TailRoPEForward(*tsets[0]).check_support().compile(), tsets) + [
         ("tail_rope (one call, allocates the output)", [tone]),
     ]))
+    recs += one_call_host_records(ctx)
     ctx.free()
+    return recs
+
+
+def one_call_host_records(ctx) -> list[dict]:
+    """Host µs per call of the one-call functions with new arrays of a seen signature on every
+    call (ONE_CALL_POOL array sets made beforehand and cycled, so neither CuPy's slicing nor an
+    identity cache is in the figure), beside the same arrays every call, RopePlan.execute, a
+    bare cudaMemcpyAsync and CuPy's ``x * 2``. Run on the measuring stream made current."""
+    from ..rope import RopePlan, apply_rope, apply_rope_qk
+    from ..tail import TailRoPEForward, tail_rope
+
+    cp = ctx.cp
+    recs = []
+    with ctx.stream:
+        dcase = Case("decode", "bfloat16", "bshd", False, 8, 1, 32, 8, 128)
+        b = SetBuffers(cp, dcase, "bshd", ONE_CALL_POOL, ctx.seed)
+        cos, sin = b.cos(0), b.sin(0)
+        starts = cp.random.RandomState(ctx.seed).randint(0, DECODE_POSITIONS - 1, size=(ONE_CALL_POOL, dcase.B),
+                                                         dtype=cp.int32)
+        sets = [(b.q(i), b.k(i), starts[i]) for i in range(ONE_CALL_POOL)]
+        outs = [cp.empty_like(b.q(i)) for i in range(ONE_CALL_POOL)]
+        q0, k0, o0 = sets[0]
+        plan = RopePlan(q0, k0, cos, sin, offset=o0).compile()
+        qk = [partial(apply_rope_qk, q, k, cos, sin, offset=o, q_out=q, k_out=k) for q, k, o in sets]
+        one = [partial(apply_rope, q, cos, sin, offset=7) for q, _, _ in sets]
+        one_out = [partial(apply_rope, q, cos, sin, offset=7, out=out) for (q, _, _), out in zip(sets, outs)]
+        copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
+        x = b.q(0).view(cp.uint16).astype(cp.float32)
+        recs.append(_host_record(ctx, "host/one-call-decode-bf16-B=8", dcase, [
+            ("RopePlan.execute (same arrays)", [partial(plan.execute, q0, k0, cos, sin, offset=o0)]),
+            ("apply_rope_qk (same arrays, in place, offset array)", qk[:1]),
+            (f"apply_rope_qk ({ONE_CALL_POOL} array sets cycled, in place, offset array)", qk),
+            ("apply_rope (same arrays, allocates the output, offset=7)", one[:1]),
+            (f"apply_rope ({ONE_CALL_POOL} array sets cycled, allocates the output, offset=7)", one),
+            (f"apply_rope ({ONE_CALL_POOL} array sets cycled, out=, offset=7)", one_out),
+            ("cudaMemcpyAsync (reference)", copy.fns[:1]),
+            ("CuPy x * 2 (reference)", [partial(cp.multiply, x, 2)]),
+        ]))
+        tcase = Case("tail", "bfloat16", "thd", True, 1, 4, 64, 0, 512)
+        tb = SetBuffers(cp, tcase, "thd", ONE_CALL_POOL, ctx.seed)
+        tsets = [(tb.q(i), tb.cos(i), tb.sin(i)) for i in range(ONE_CALL_POOL)]
+        tplan = TailRoPEForward(*tsets[0], tb.out(0)).check_support().compile()
+        tone = [partial(tail_rope, *t) for t in tsets]
+        recs.append(_host_record(ctx, "host/one-call-tail-T=4-H=64-D=512", tcase, [
+            ("TailRoPEForward.execute (same arrays)", [partial(tplan.execute, *tsets[0], tb.out(0))]),
+            ("tail_rope (same arrays, allocates the output)", tone[:1]),
+            (f"tail_rope ({ONE_CALL_POOL} array sets cycled, allocates the output)", tone),
+        ]))
     return recs
 
 
@@ -306,7 +356,7 @@ def plan_host_rows(label: str, make_plan, sets: list) -> list:
     sets: the same arrays with graph replay on and off, the two sets alternating, and new views
     of the first set every call (the pointer checks; the slicing is included)."""
     plan, plain = make_plan(), make_plan()
-    plain._launch.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
+    plain._core.launcher.replay = False  # what ROPE_RTC_NO_GRAPH_REPLAY=1 gives
     same, other = (partial(plan.execute, *args) for args in sets)
     first = sets[0]
     fresh = lambda: plan.execute(*(a[:] for a in first))  # noqa: E731 - new view objects

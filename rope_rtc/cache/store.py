@@ -5,30 +5,62 @@ Disk rules (DESIGN.md, "Compilation and the cache"):
   the old entry or the new one, never part of one; a process that loses a race keeps the bytes
   it compiled. There is no lock, so nothing can be left holding one.
 - every entry is verified (``entry.decode_entry``) before use; a corrupt one is deleted and
-  reported once with a warning, and reads as a miss.
-- trust: the store never opens an entry through a symbolic link, and refuses a directory or
-  entry that other users can write, or that another user owns, unless
-  ``ROPE_RTC_TRUST_SHARED_CACHE=1``. Directories it creates are private (0700).
-- an unwritable directory still serves its hits (a cache shipped read-only in an image);
-  new kernels then live in memory, with one warning.
+  reported once with a warning, and reads as a miss. A file larger than any entry
+  (``MAX_ENTRY_BYTES``) is corrupt and never read.
+- trust: the store never follows a symbolic link, neither at an entry nor at the version
+  directory nor at the cache root above it (each is opened with ``O_NOFOLLOW``, and every file
+  operation goes through the directory's descriptor), and refuses a directory or entry that
+  other users can write, or that another user owns, unless ``ROPE_RTC_TRUST_SHARED_CACHE=1``.
+  Directories it creates are private (0700).
+- the store deletes or writes only its own files: entries (``<64 hex>.bin`` in the entry
+  format), saved sources (``<64 hex>.cu``) and its temporary files (``.tmp-<random>.part``),
+  and only regular files. Whatever else sits in the directory, or at an entry's name (a
+  directory, a socket, a FIFO), is left alone.
+- a failure that belongs to one entry (something else at its name, a file size limit) affects
+  that entry only; a failure of the directory (unwritable, full, unreadable) makes the store
+  serve what it can: an unwritable directory still serves its hits (a cache shipped read-only
+  in an image), and new kernels then live in memory, with one warning. No ``OSError`` escapes.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
+import secrets
 import stat
-import tempfile
 import threading
+import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .entry import Entry, EntryError, decode_entry, encode_entry
+from .entry import MAGIC, MAX_ENTRY_BYTES, Entry, EntryError, decode_entry, encode_entry, peek_header
 
 ENTRY_SUFFIX = ".bin"
 SOURCE_SUFFIX = ".cu"
 TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".part"
+# A temporary file this old belongs to no running publish (one takes milliseconds): a process
+# was killed between writing it and renaming it. `warm` removes such files when it starts.
+STALE_TEMP_SECONDS = 3600
+
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.bin")
+_SOURCE_NAME = re.compile(r"[0-9a-f]{64}\.cu")
+# Also the names tempfile.mkstemp gives (8 characters of [a-z0-9_]).
+_TEMP_NAME = re.compile(r"\.tmp-[0-9a-z_]{8,32}\.part")
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+# O_NONBLOCK: a FIFO planted under an entry's name must not hang the reader.
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+
+# Errors of the directory or the filesystem, not of one entry: publishing stops for the process.
+_DIRECTORY_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 _warned: set[tuple[str, str]] = set()
 _warn_lock = threading.Lock()
@@ -46,6 +78,23 @@ def _warn_once(topic: str, where: str, message: str) -> None:
     warnings.warn(message, CacheWarning, stacklevel=4)
 
 
+class Refused(Exception):
+    """A directory or file the store will not use (a link, untrusted, not a directory): the
+    text says why and what to do."""
+
+
+class _NotAFile(Exception):
+    """Something other than a regular file or a link sits at an entry's name."""
+
+
+class _DirectoryError(Exception):
+    """Publishing failed because of the directory, not the entry; wraps the OSError."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
     if hasattr(os, "getuid") and st.st_uid != os.getuid():
         return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
@@ -54,19 +103,66 @@ def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
     return None
 
 
+def _kind_of(mode: int) -> str:
+    for test, text in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return text
+    return "not a regular file"
+
+
+def _lstat_at(name: str, dir_fd: int | None) -> os.stat_result:
+    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def _open_dir_no_follow(path: str | os.PathLike, dir_fd: int | None, what: str, shown: Path) -> int:
+    try:
+        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        try:
+            st = _lstat_at(os.fspath(path), dir_fd)
+        except OSError:
+            raise exc from None
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused(f"{what} {shown} is a symbolic link; rope_rtc never follows links in its cache: "
+                          "point ROPE_RTC_CACHE_DIR or --cache-dir at the real directory") from None
+        raise Refused(f"{what} {shown} is {_kind_of(st.st_mode)}, not a directory") from None
+
+
 def _makedirs_private(directory: Path) -> None:
     # os.makedirs gives only the last level its mode; every level created here must be private.
     missing = []
     d = directory
-    while not d.is_dir():
-        missing.append(d)
-        d = d.parent
+    while True:
+        try:
+            os.lstat(d)
+            break
+        except FileNotFoundError:
+            missing.append(d)
+            if d.parent == d:
+                break
+            d = d.parent
     for d in reversed(missing):
         try:
             os.mkdir(d, 0o700)
         except FileExistsError:
-            if not d.is_dir():
-                raise
+            pass
+
+
+def _create_private(directory: Path) -> None:
+    """Create the cache root (and levels above it) and the version directory, private. The
+    version directory is made through the root's descriptor, so a link at the root is never
+    followed to create it elsewhere."""
+    _makedirs_private(directory.parent)
+    root_fd = os.open(directory.parent, _DIR_FLAGS)
+    try:
+        os.mkdir(directory.name, 0o700, dir_fd=root_fd)
+    except FileExistsError:
+        pass
+    finally:
+        os.close(root_fd)
 
 
 class MemoryStore:
@@ -86,68 +182,164 @@ class MemoryStore:
 
 @dataclass
 class ListedEntry:
+    """One file at an entry's name: its entry when it verifies, else the error (and the header's
+    fields when they parse, so that a message can name the kernel of a damaged entry)."""
+
     path: Path
     size: int
     entry: Entry | None
     error: str | None
+    header: dict | None = None
+
+    @property
+    def key(self) -> str:
+        return self.path.name[: -len(ENTRY_SUFFIX)]
+
+    @property
+    def kernel(self) -> str | None:
+        if self.entry is not None:
+            return self.entry.kernel
+        value = (self.header or {}).get("kernel")
+        return value if isinstance(value, str) else None
+
+    @property
+    def target(self) -> str | None:
+        if self.entry is not None:
+            return self.entry.target
+        value = (self.header or {}).get("target")
+        return value if isinstance(value, str) else None
+
+
+@dataclass
+class Cleared:
+    """What :meth:`DiskStore.clear` did: files removed by kind, names left because they are not
+    the cache's, and removals that failed (name, reason)."""
+
+    entries: int = 0
+    sources: int = 0
+    temporary: int = 0
+    left: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def removed(self) -> int:
+        return self.entries + self.sources + self.temporary
 
 
 class DiskStore:
-    """One versioned cache directory."""
+    """One versioned cache directory.
+
+    ``usable``: entries may be read; ``writable``: entries may be published; ``problem``: why
+    not, in a sentence; ``missing``: the directory does not exist (and was not created).
+    """
 
     def __init__(self, directory: str | os.PathLike, *, trust_shared: bool = False, create: bool = True) -> None:
         self.directory = Path(directory)
         self.trust_shared = trust_shared
-        self.usable = True      # entries may be read
-        self.writable = True    # entries may be published
+        self.usable = True
+        self.writable = True
+        self.missing = False
         self.problem: str | None = None
+        #: why publishing an entry failed, by key, when it failed for that entry alone
+        self.write_errors: dict[str, str] = {}
+        create_error: OSError | None = None
         if create:
             try:
-                _makedirs_private(self.directory)
+                _create_private(self.directory)
             except OSError as exc:
+                create_error = exc
+        try:
+            fd = self._open_directory()
+        except FileNotFoundError:
+            self.missing = True
+            self._unusable(None if create_error is None else
+                           f"cannot create cache directory {self.directory}: {create_error.strerror}")
+        except Refused as exc:
+            self._unusable(str(exc))
+        except OSError as exc:
+            self._unusable(f"cannot open cache directory {self.directory}: {exc.strerror}")
+        else:
+            os.close(fd)
+            if not os.access(self.directory, os.W_OK | os.X_OK):
                 self.writable = False
-                if not self.directory.is_dir():
-                    self.usable = False
-                    self.problem = f"cannot create cache directory {self.directory}: {exc.strerror}"
-        if self.usable:
-            try:
-                st = os.stat(self.directory)
-            except OSError as exc:
-                self.usable = self.writable = False
-                self.problem = f"cannot read cache directory {self.directory}: {exc.strerror}"
-            else:
-                reason = None if trust_shared else _untrusted_reason(st, f"cache directory {self.directory}")
-                if reason:
-                    self.usable = self.writable = False
-                    self.problem = (f"{reason}; refusing to use it (set ROPE_RTC_TRUST_SHARED_CACHE=1 for a "
-                                    "deliberately shared team cache)")
-                elif not os.access(self.directory, os.W_OK | os.X_OK):
-                    self.writable = False
-                    self.problem = f"cache directory {self.directory} is not writable; serving its entries read-only"
+                self.problem = f"cache directory {self.directory} is not writable; serving its entries read-only"
+
+    def _unusable(self, problem: str | None) -> None:
+        self.usable = self.writable = False
+        self.problem = problem
+
+    # -- the directory -------------------------------------------------------------------
+    def _open_directory(self) -> int:
+        """A descriptor on the version directory, reached without following a link at the root or
+        at the version level, and trusted. Raises Refused or OSError."""
+        root_fd = _open_dir_no_follow(self.directory.parent, None, "cache root", self.directory.parent)
+        try:
+            fd = _open_dir_no_follow(self.directory.name, root_fd, "cache directory", self.directory)
+        finally:
+            os.close(root_fd)
+        try:
+            reason = None if self.trust_shared else _untrusted_reason(os.fstat(fd), f"cache directory {self.directory}")
+        except OSError:
+            os.close(fd)
+            raise
+        if reason:
+            os.close(fd)
+            raise Refused(f"{reason}; refusing to use it (set ROPE_RTC_TRUST_SHARED_CACHE=1 for a deliberately "
+                          "shared team cache)")
+        return fd
+
+    @contextmanager
+    def _dir(self) -> Iterator[int]:
+        # Opened for each operation: a directory swapped for a link, or made writable by others,
+        # after this store was created is refused as it would have been then.
+        fd = self._open_directory()
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _ours(self, st: os.stat_result) -> bool:
+        return stat.S_ISREG(st.st_mode) and (self.trust_shared or not hasattr(os, "getuid")
+                                              or st.st_uid == os.getuid())
 
     # -- paths -------------------------------------------------------------------------
     def path_for(self, key: str) -> Path:
         return self.directory / f"{key}{ENTRY_SUFFIX}"
 
     # -- reading -----------------------------------------------------------------------
-    def _read_bytes(self, path: Path) -> bytes:
-        # O_NOFOLLOW: an entry that is a symbolic link is refused, never followed elsewhere.
-        # O_NONBLOCK: a FIFO planted under an entry's name must not hang the reader (it then
-        # fails the regular-file check below).
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    def _read_at(self, dir_fd: int, name: str) -> bytes:
+        """The bytes of the regular file ``name``; raises FileNotFoundError, _NotAFile, Refused
+        (a link or an untrusted file), EntryError (larger than any entry) or OSError."""
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            try:
+                st = _lstat_at(name, dir_fd)
+            except OSError:
+                raise exc from None
+            if stat.S_ISLNK(st.st_mode):
+                raise Refused("is a symbolic link (never followed)") from None
+            if not stat.S_ISREG(st.st_mode):  # a socket gives ENXIO
+                raise _NotAFile(_kind_of(st.st_mode)) from None
+            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise EntryError("not a regular file")
-            reason = None if self.trust_shared else _untrusted_reason(st, f"cache entry {path.name}")
+                raise _NotAFile(_kind_of(st.st_mode))
+            reason = None if self.trust_shared else _untrusted_reason(st, f"cache entry {name}")
             if reason:
-                raise PermissionError(reason)
-            chunks = []
-            while True:
-                chunk = os.read(fd, 1 << 20)
+                raise Refused(reason)
+            if st.st_size > MAX_ENTRY_BYTES:
+                raise EntryError(f"{st.st_size} bytes, larger than any entry ({MAX_ENTRY_BYTES} at most)")
+            chunks, left = [], MAX_ENTRY_BYTES + 1  # the file may grow after fstat
+            while left > 0:
+                chunk = os.read(fd, min(1 << 20, left))
                 if not chunk:
                     break
                 chunks.append(chunk)
+                left -= len(chunk)
             return b"".join(chunks)
         finally:
             os.close(fd)
@@ -155,109 +347,257 @@ class DiskStore:
     def get(self, key: str) -> Entry | None:
         if not self.usable:
             return None
-        path = self.path_for(key)
+        name = f"{key}{ENTRY_SUFFIX}"
+        path = self.directory / name
         try:
-            data = self._read_bytes(path)
+            with self._dir() as dfd:
+                data = self._read_at(dfd, name)
             return decode_entry(data, expect_key=key)
         except FileNotFoundError:
             return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                _warn_once("symlink", str(path), f"rope_rtc: cache entry {path} is a symbolic link; ignored")
-                return None
-            if isinstance(exc, PermissionError):
-                _warn_once("untrusted", str(path), f"rope_rtc: {exc}; ignored (compiling instead)")
-                return None
-            raise
         except EntryError as exc:
-            self.discard(key, f"corrupt cache entry {path.name} ({exc})")
-            return None
+            self.discard(key, f"corrupt cache entry {name} ({exc})")
+        except _NotAFile as exc:
+            _warn_once("not a file", str(path), f"rope_rtc: {path} is {exc}, not a cache entry; left alone "
+                                                "(compiling instead)")
+        except Refused as exc:
+            if "symbolic link" in str(exc):
+                _warn_once("symlink", str(path), f"rope_rtc: cache entry {path} is a symbolic link; ignored")
+            else:
+                _warn_once("untrusted", str(path), f"rope_rtc: {exc}; ignored (compiling instead)")
+        except OSError as exc:
+            _warn_once("unreadable", str(path), f"rope_rtc: cannot read cache entry {path} ({exc.strerror}); "
+                                                "compiling instead")
+        return None
 
     def discard(self, key: str, why: str) -> None:
-        """Delete a bad entry (when we may) and say so once."""
+        """Delete a bad entry (when it is ours to delete: a regular file we own, in a directory we
+        may write) and say so once."""
+        name = f"{key}{ENTRY_SUFFIX}"
         removed = False
         if self.writable:
             try:
-                os.unlink(self.path_for(key))
-                removed = True
-            except OSError:
+                with self._dir() as dfd:
+                    if self._ours(_lstat_at(name, dfd)):
+                        os.unlink(name, dir_fd=dfd)
+                        removed = True
+            except (OSError, Refused):
                 pass
         _warn_once("corrupt", key, f"rope_rtc: {why}; {'deleted, ' if removed else ''}recompiling")
 
     # -- writing -----------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:
-        """Publish atomically. False (and one warning) when the directory cannot take it."""
+        """Publish atomically. False (and one warning) when the entry cannot reach the disk."""
         if not self.writable:
             return False
+        name = f"{entry.key}{ENTRY_SUFFIX}"
+        path = self.directory / name
         try:
-            self._atomic_write(self.path_for(entry.key), encode_entry(entry))
+            self._atomic_write(name, encode_entry(entry))
+            self.write_errors.pop(entry.key, None)
             return True
+        except _NotAFile as exc:
+            why = f"{path} is {exc}, not a cache entry; left alone"
+            topic = "not a file"
+        except _DirectoryError as exc:
+            return self._stop_writing(exc.error.strerror or str(exc.error))
+        except Refused as exc:
+            return self._stop_writing(str(exc))
         except OSError as exc:
-            self.writable = False
-            _warn_once("unwritable", str(self.directory),
-                       f"rope_rtc: cannot write to cache directory {self.directory} ({exc.strerror}); "
-                       "compiled kernels are kept in memory for this process")
-            return False
+            if exc.errno in _DIRECTORY_ERRNOS:
+                return self._stop_writing(exc.strerror)
+            why = f"cannot write cache entry {path} ({exc.strerror})"
+            topic = "unpublished"
+        # This entry only: the others still go to the disk.
+        self.write_errors[entry.key] = why
+        _warn_once(topic, str(path), f"rope_rtc: {why}; kernel {entry.kernel} is kept in memory for this process")
+        return False
+
+    def _stop_writing(self, why: str) -> bool:
+        # The directory (or its filesystem) cannot take entries: stop trying, say so once.
+        self.writable = False
+        self.problem = f"cannot write to cache directory {self.directory} ({why})"
+        _warn_once("unwritable", str(self.directory),
+                   f"rope_rtc: {self.problem}; compiled kernels are kept in memory for this process")
+        return False
 
     def put_text(self, key: str, suffix: str, text: str) -> None:
         if self.writable:
             try:
-                self._atomic_write(self.directory / f"{key}{suffix}", text.encode())
-            except OSError:
+                self._atomic_write(f"{key}{suffix}", text.encode())
+            except (OSError, _NotAFile, _DirectoryError, Refused):
                 pass
 
-    def _atomic_write(self, final: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=TEMP_PREFIX, suffix=".part")
+    def _atomic_write(self, name: str, data: bytes) -> None:
+        """Write ``data`` to a new temporary file, fsync it, rename it onto ``name``. Raises
+        _DirectoryError or Refused when the directory is at fault, _NotAFile when something
+        that is not ours sits at ``name``, OSError when this one file failed."""
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
+            dfd = self._open_directory()
+        except OSError as exc:
+            raise _DirectoryError(exc) from None
+        try:
             try:
-                os.unlink(tmp)
-            except OSError:
+                mode = _lstat_at(name, dfd).st_mode
+                if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed
+                    raise _NotAFile(_kind_of(mode))
+            except FileNotFoundError:
                 pass
-            raise
-        try:  # make the rename itself durable; best effort (not every filesystem allows it)
-            dfd = os.open(self.directory, os.O_RDONLY)
+            tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}"
             try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
-
-    # -- maintenance ---------------------------------------------------------------------
-    def list(self) -> list[ListedEntry]:
-        out: list[ListedEntry] = []
-        if not self.directory.is_dir():
-            return out
-        for path in sorted(self.directory.glob(f"*{ENTRY_SUFFIX}")):
+                fd = os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dfd)
+            except OSError as exc:
+                raise _DirectoryError(exc) from None
             try:
-                size = path.lstat().st_size
-                entry = decode_entry(self._read_bytes(path), expect_key=path.name[: -len(ENTRY_SUFFIX)])
-                out.append(ListedEntry(path, size, entry, None))
-            except (OSError, EntryError) as exc:
-                out.append(ListedEntry(path, path.lstat().st_size if path.exists() else 0, None, str(exc)))
-        return out
-
-    def temp_files(self) -> list[Path]:
-        return sorted(self.directory.glob(f"{TEMP_PREFIX}*")) if self.directory.is_dir() else []
-
-    def clear(self) -> int:
-        n = 0
-        if not self.directory.is_dir():
-            return 0
-        for pattern in (f"*{ENTRY_SUFFIX}", f"*{SOURCE_SUFFIX}", f"{TEMP_PREFIX}*"):
-            for path in self.directory.glob(pattern):
                 try:
-                    path.unlink()
-                    n += 1
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException as exc:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
                 except OSError:
                     pass
-        return n
+                if isinstance(exc, OSError) and exc.errno in _DIRECTORY_ERRNOS:
+                    raise _DirectoryError(exc) from None
+                raise
+            try:  # make the rename itself durable; best effort (not every filesystem allows it)
+                os.fsync(dfd)
+            except OSError:
+                pass
+        finally:
+            os.close(dfd)
+
+    # -- maintenance ---------------------------------------------------------------------
+    def _names(self, dfd: int) -> list[str]:
+        return sorted(os.listdir(dfd))
+
+    def list(self) -> list[ListedEntry]:
+        """Every file at an entry's name, verified. Never raises: when the directory cannot be
+        read, ``problem`` says why and the list is empty."""
+        out: list[ListedEntry] = []
+        if not self.usable:
+            return out
+        try:
+            with self._dir() as dfd:
+                for name in self._names(dfd):
+                    if _ENTRY_NAME.fullmatch(name):
+                        out.append(self._listed(dfd, name))
+        except Refused as exc:
+            self._unusable(str(exc))
+        except OSError as exc:
+            self._unusable(f"cannot read cache directory {self.directory}: {exc.strerror}")
+        return out
+
+    def _listed(self, dfd: int, name: str) -> ListedEntry:
+        path = self.directory / name
+        try:
+            size = _lstat_at(name, dfd).st_size
+        except OSError:
+            size = 0
+        data = b""
+        try:
+            data = self._read_at(dfd, name)
+            return ListedEntry(path, size, decode_entry(data, expect_key=name[: -len(ENTRY_SUFFIX)]), None)
+        except EntryError as exc:
+            return ListedEntry(path, size, None, str(exc), peek_header(data))
+        except _NotAFile as exc:
+            return ListedEntry(path, size, None, f"is {exc}, not a cache entry")
+        except Refused as exc:
+            return ListedEntry(path, size, None, str(exc))
+        except OSError as exc:
+            return ListedEntry(path, size, None, f"cannot be read ({exc.strerror})")
+
+    def temp_files(self) -> list[Path]:
+        """Temporary files of interrupted publishes (or of one in progress)."""
+        if not self.usable:
+            return []
+        try:
+            with self._dir() as dfd:
+                return [self.directory / n for n in self._names(dfd)
+                        if _TEMP_NAME.fullmatch(n) and stat.S_ISREG(_lstat_at(n, dfd).st_mode)]
+        except (OSError, Refused):
+            return []
+
+    def saved_sources(self) -> list[Path]:
+        if not self.usable:
+            return []
+        try:
+            with self._dir() as dfd:
+                return [self.directory / n for n in self._names(dfd) if _SOURCE_NAME.fullmatch(n)]
+        except (OSError, Refused):
+            return []
+
+    def _own_kind(self, dfd: int, name: str) -> str | None:
+        """"entries", "sources" or "temporary" when ``name`` is one of the store's own files
+        (a regular file we own, named as the store names them, an entry in the entry format);
+        None for anything else."""
+        if _ENTRY_NAME.fullmatch(name):
+            kind = "entries"
+        elif _SOURCE_NAME.fullmatch(name):
+            kind = "sources"
+        elif _TEMP_NAME.fullmatch(name):
+            kind = "temporary"
+        else:
+            return None
+        if not self._ours(_lstat_at(name, dfd)):
+            return None
+        if kind == "entries":
+            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            try:
+                if os.read(fd, len(MAGIC)) != MAGIC:
+                    return None
+            finally:
+                os.close(fd)
+        return kind
+
+    def clear(self) -> Cleared:
+        """Remove the store's own files (entries, saved sources, temporary files); leave the rest."""
+        done = Cleared()
+        with self._dir() as dfd:
+            for name in self._names(dfd):
+                try:
+                    kind = self._own_kind(dfd, name)
+                except OSError as exc:
+                    done.failed.append((name, exc.strerror or str(exc)))
+                    continue
+                if kind is None:
+                    done.left.append(name)
+                    continue
+                try:
+                    os.unlink(name, dir_fd=dfd)
+                except OSError as exc:
+                    done.failed.append((name, exc.strerror or str(exc)))
+                else:
+                    setattr(done, kind, getattr(done, kind) + 1)
+        return done
+
+    def remove_stale_temporaries(self, max_age_s: float = STALE_TEMP_SECONDS) -> int:
+        """Remove our temporary files older than ``max_age_s`` (left by killed processes); a
+        younger one may belong to a publish in progress. Returns how many were removed."""
+        if not self.writable:
+            return 0
+        removed = 0
+        cutoff = time.time() - max_age_s
+        try:
+            with self._dir() as dfd:
+                for name in self._names(dfd):
+                    if not _TEMP_NAME.fullmatch(name):
+                        continue
+                    try:
+                        st = _lstat_at(name, dfd)
+                        if self._ours(st) and st.st_mtime < cutoff:
+                            os.unlink(name, dir_fd=dfd)
+                            removed += 1
+                    except OSError:
+                        continue
+        except (OSError, Refused):
+            pass
+        return removed
 
 
 class CacheStore:
@@ -267,7 +607,8 @@ class CacheStore:
         self.disk = disk
         self.memory = MemoryStore()
         if disk is not None and disk.problem:
-            _warn_once("problem", str(disk.directory), f"rope_rtc: {disk.problem}")
+            memory = "" if disk.usable else "; compiled kernels are kept in memory for this process"
+            _warn_once("problem", str(disk.directory), f"rope_rtc: {disk.problem}{memory}")
 
     def get(self, key: str) -> Entry | None:
         entry = self.memory.get(key)

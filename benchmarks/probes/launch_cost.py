@@ -1,7 +1,15 @@
-"""Host cost of one launch of an empty 8-argument kernel through each path we could use.
+"""Host cost of one launch through each launch path rope_rtc could use, beside the plans' execute().
 
-Run on the device: PYTHONPATH=. python3 scripts/launch_cost.py. Prints microseconds per call
-(median of 7 batches of 20000 calls). Used to choose rope_rtc's launch path (launch.py).
+On a GPU machine, from the repository root:
+
+    PYTHONPATH=. python3 benchmarks/probes/launch_cost.py
+    ROPE_RTC_NO_GRAPH_REPLAY=1 PYTHONPATH=. python3 benchmarks/probes/launch_cost.py   # plans without graph replay
+
+Prints microseconds per call: the median of 7 tight loops of 20000 calls of an empty 8-argument
+kernel through each path, then of the plans' execute() on decode-sized arrays. A tight loop
+measures the host only while each launch takes the GPU less time than the host takes to issue it;
+the host times the product reports come from the benchmark, which queues its calls behind a held
+GPU (docs/performance.md, "How it is measured").
 """
 import ctypes
 import statistics
@@ -68,21 +76,34 @@ def main():
     k = cp.RawKernel(SRC.decode(), "empty8")
     args = tuple(cp.int64(i) for i in range(8))
     bench("cupy RawKernel", lambda: k((1,), (32,), args))
-    from rope_rtc.tail import TailRoPEForward
-    import numpy as np, ml_dtypes
+    cur = cp.cuda.get_current_stream()
+    capture = cp.cuda.Stream(non_blocking=True)
+    with capture:
+        capture.begin_capture()
+        drv.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, drv.CUstream(capture.ptr), addr, 0)
+        graph = capture.end_capture()
+    bench("cupy Graph.launch of a one-kernel-node graph", lambda: graph.launch(cur))
+    src, dst = cp.empty(16, cp.uint8), cp.empty(16, cp.uint8)
+    bench("cudaMemcpyAsync of 16 bytes (cupy runtime)",
+          lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 16, 3, cur.ptr))
+    bench("cupy Stream.is_capturing()", cur.is_capturing)
+
+    import ml_dtypes
+    import numpy as np
+
+    import rope_rtc
+
     x = cp.asarray(np.random.default_rng(0).standard_normal((1, 64, 512)).astype(ml_dtypes.bfloat16))
-    c = cp.ones((1, 32), cp.float32)
-    s = cp.zeros((1, 32), cp.float32)
+    c = cp.asarray(np.cos(np.random.default_rng(3).uniform(-3, 3, (1, 32))).astype(np.float32))
+    s = cp.asarray(np.sin(np.random.default_rng(4).uniform(-3, 3, (1, 32))).astype(np.float32))
     o = cp.empty_like(x)
-    plan = TailRoPEForward(x, c, s, o).check_support().compile()
-    bench("rope_rtc TailRoPEForward.execute [1,64,512]", lambda: plan.execute(x, c, s, o))
-    from rope_rtc.rope import RopePlan
-    from rope_rtc.tables import rope_tables
-    cos, sin = rope_tables(4096, 128, xp=cp)
+    plan = rope_rtc.TailRoPEForward(x, c, s, o).check_support().compile()
+    bench("rope_rtc TailRoPEForward.execute [1,64,512], same arrays", lambda: plan.execute(x, c, s, o))
+    cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
     q = cp.asarray(np.random.default_rng(1).standard_normal((1, 1, 32, 128)).astype(ml_dtypes.bfloat16))
     kk = cp.asarray(np.random.default_rng(2).standard_normal((1, 1, 8, 128)).astype(ml_dtypes.bfloat16))
-    rp = RopePlan(q, kk, cos, sin).compile()
-    bench("rope_rtc RopePlan.execute decode [1,1,32|8,128]", lambda: rp.execute(q, kk, cos, sin, offset=7))
+    rp = rope_rtc.RopePlan(q, kk, cos, sin).compile()
+    bench("rope_rtc RopePlan.execute decode [1,1,32|8,128], same arrays", lambda: rp.execute(q, kk, cos, sin, offset=7))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,177 @@
+"""The prepared-launch core under every entry point (docs/design.md).
+
+One mechanism, which each operation configures::
+
+    signature -> validated template -> argument block -> launcher -> recent argument sets
+
+- An operation (:class:`Op`) says what its calls fix and how they are checked: ``validate``
+  runs every check on a call and returns a template; ``signature`` names what a template
+  depends on besides addresses (shapes, strides, dtypes, devices of CuPy arrays).
+- A template binds a call's addresses into the argument block after the only checks that
+  depend on addresses (alignment, overlap), or declines, and then full validation decides
+  (and raises on a real problem).
+- :class:`Prepared` holds the block, the templates, the launcher and the calls seen last.
+  On the very arguments of the previous call it checks nothing; on one of the last
+  ``RECENT_SETS`` argument sets it restores the block in one copy; on new arrays of a known
+  signature it runs only the template's address checks.
+
+Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
+(and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without
+remembering anything, so no caller's array outlives the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from operator import is_
+
+from .launch import RECENT_SETS, Launcher, remember
+
+# Signatures a core keeps templates for: engines use a few shapes (prefill lengths, decode).
+TEMPLATES = 64
+
+_NDARRAY: type | None = None
+
+
+def _cupy_ndarray() -> type:
+    global _NDARRAY
+    if _NDARRAY is None:
+        import cupy
+
+        _NDARRAY = cupy.ndarray
+    return _NDARRAY
+
+
+def signature(arrays: tuple) -> tuple | None:
+    """``(shape, strides, dtype, device)`` of each argument when every one is a CuPy array or
+    None; None otherwise (other objects are fully validated on every call)."""
+    nd = _NDARRAY or _cupy_ndarray()
+    parts = []
+    for a in arrays:
+        if a is None:
+            parts.append(None)
+        elif type(a) is nd:
+            parts.append((a.shape, a.strides, a.dtype, a.data.device_id))
+        else:
+            return None
+    return tuple(parts)
+
+
+def pointers(arrays: tuple) -> tuple:
+    """Data pointers of CuPy arrays (0 for None)."""
+    return tuple(0 if a is None else a.data.ptr for a in arrays)
+
+
+class Call:
+    """One bound call: its arguments (held, so their identities stay theirs while remembered),
+    the scalar argument, the template that bound it, the launch prefix (None: nothing to
+    launch) and what the call returns. A new Call whenever the block's values change: the
+    launcher replays a graph per Call."""
+
+    __slots__ = ("arrays", "shape", "scalar", "template", "prefix", "result")
+
+    def __init__(self, arrays: tuple, scalar: int, template, prefix, result) -> None:
+        self.arrays = arrays
+        self.shape = arrays[0].shape
+        self.scalar = scalar
+        self.template = template
+        self.prefix = prefix
+        self.result = result
+
+    def with_scalar(self, scalar: int) -> "Call":
+        return Call(self.arrays, scalar, self.template, self.prefix, self.result)
+
+
+class Op:
+    """What one kind of launch fixes and checks. Subclasses implement ``validate``."""
+
+    def signature(self, arrays: tuple) -> tuple | None:
+        return signature(arrays)
+
+    def validate(self, arrays: tuple, scalar: int):
+        """Every check of a call; returns a template, or raises TypeError/ValueError/
+        NotImplementedError naming the argument before anything is launched or written."""
+        raise NotImplementedError
+
+
+class Prepared:
+    """The block, templates, launcher and recent calls of one operation on one device.
+
+    A template implements ``pointers(arrays)``, ``validated_pointers``, ``bind(core, arrays,
+    scalar, ptrs) -> Call | None`` and ``check_scalar(scalar)`` / ``write_scalar(block, scalar)``.
+    ``filled``/``filled_vec`` name what the block holds beyond addresses (a template re-fills
+    when it is not its own). One core per thread: the block is written on every call.
+    """
+
+    def __init__(self, op: Op, args, device: int) -> None:
+        self.op = op
+        self.args = args  # an ArgPack or StructArg: the block and the pointer array the launch reads
+        self.block = block = args.values
+        self._block_address = ctypes.addressof(block)
+        self._block_size = ctypes.sizeof(block)
+        self.device = device
+        self.launcher = self._new_launcher(args.address, device)
+        self.templates: dict = {}
+        self.recent: dict = {}
+        self.last: Call | None = None
+        self.filled = self.filled_vec = None
+
+    @staticmethod
+    def _new_launcher(args_address: int, device: int) -> Launcher:
+        return Launcher(args_address, device)
+
+    def execute(self, arrays: tuple, scalar: int, stream):
+        """Bind (remembering the call) and launch on ``stream``; returns the call's result."""
+        last = self.last
+        if last is None or not all(map(is_, arrays, last.arrays)) or arrays[0].shape != last.shape:
+            last = self._prepare(arrays, scalar)
+        elif scalar != last.scalar:
+            last = self._rescalar(last, scalar)
+        if last.prefix is not None:
+            self.launcher(last.prefix, stream, last)
+        return last.result
+
+    def bind(self, arrays: tuple, scalar: int, sig=None, *, sig_known: bool = False) -> Call:
+        """Check and write ``arrays`` into the block, remembering nothing about them.
+
+        ``sig``: the signature when the caller has computed it (``sig_known=True``)."""
+        if not sig_known:
+            sig = self.op.signature(arrays)
+        tmpl = self.templates.get(sig) if sig is not None else None
+        if tmpl is not None:
+            call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
+            if call is not None:
+                return call
+        tmpl = self.op.validate(arrays, scalar)  # raises on a real problem
+        call = tmpl.bind(self, arrays, scalar, tmpl.validated_pointers)
+        if call is None:  # pragma: no cover - a template must accept the call it validated
+            raise AssertionError("rope_rtc: a validated call was declined by its own template")
+        if sig is not None:
+            remember(self.templates, sig, tmpl, TEMPLATES)
+        return call
+
+    def _prepare(self, arrays: tuple, scalar: int) -> Call:
+        key = tuple(map(id, arrays))
+        hit = self.recent.get(key)
+        if hit is not None and hit[1].shape == arrays[0].shape:
+            snapshot, call = hit
+            ctypes.memmove(self._block_address, snapshot, self._block_size)
+            self.filled = None  # the block no longer holds what a template last wrote
+            self.last = call
+            return call if scalar == call.scalar else self._rescalar(call, scalar)
+        call = self.bind(arrays, scalar)
+        remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
+        self.last = call
+        return call
+
+    def _rescalar(self, call: Call, scalar: int) -> Call:
+        call.template.check_scalar(scalar)
+        call.template.write_scalar(self.block, scalar)
+        self.last = call = call.with_scalar(scalar)
+        return call
+
+    def forget(self) -> None:
+        """Drop every remembered call (and the arrays they hold) and the launcher's graphs."""
+        self.recent.clear()
+        self.last = None
+        self.launcher.forget()
