@@ -1,8 +1,8 @@
 // Shared device helpers for every rope_rtc kernel family.
 //
 // Everything here is header-only and compiled into each specialisation by NVRTC. Sources are
-// read at run time from this folder; the host hashes every file under cuda_src/ into the cache
-// key, so editing this header invalidates every cached binary that could include it.
+// read at run time from this folder; the host hashes each kernel's .cu file and the headers it
+// includes into its cache key, so editing this header invalidates every cached binary built with it.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -28,7 +28,7 @@ template <> struct Scalar<float> {
 template <> struct Scalar<__half> {
     typedef unsigned short bits_t;
     static __device__ __forceinline__ float to_float(unsigned short v) { return __half2float(__ushort_as_half(v)); }
-    // One rounding, to nearest even: the numerical contract of DESIGN.md.
+    // One rounding, to nearest even: the numerical contract of docs/design.md.
     static __device__ __forceinline__ unsigned short from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
 };
 template <> struct Scalar<__nv_bfloat16> {

@@ -212,7 +212,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     contents = f"{len(listed)} entries, {_size(sum(e.size for e in listed))}"
     if bad:
         contents += f", {bad} unusable (rope-rtc cache verify names them)"
-    if not store.directory.exists():
+    try:
+        created = store.directory.exists()
+    except OSError:  # a parent directory this user cannot search: store.problem says so
+        created = True
+    if not created:
         contents = "empty (not created yet)"
     elif store.problem:
         contents += f"; {store.problem}"

@@ -120,6 +120,37 @@ def remember(cache: dict, key, value, limit: int = RECENT_SETS) -> None:
     cache[key] = value
 
 
+def _kernel_launch() -> tuple:
+    """``(launch, error type)``: ``launch(function, gx, gy, gz, bx, by, bz, shared_bytes, stream,
+    kernel_params, extra)`` with every argument a plain integer, raising ``error type`` (with a
+    ``status``) on failure.
+
+    CuPy's own binding of ``cuLaunchKernel`` takes plain integers and costs the host a fraction
+    of cuda.bindings' (which converts a handle object and an argument list on every call); the
+    argument block is the same pre-packed ``void*[]`` either way. cuda.bindings serves when CuPy
+    does not ship that binding."""
+    try:
+        from cupy_backends.cuda.api.driver import CUDADriverError, launchKernel
+
+        return launchKernel, CUDADriverError
+    except ImportError:  # pragma: no cover - every CuPy we support has it
+        from cuda.bindings import driver as drv
+
+        def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            status = drv.cuLaunchKernel(drv.CUfunction(fn), gx, gy, gz, bx, by, bz, shared, drv.CUstream(stream),
+                                        params, extra)[0]
+            if status:
+                raise _LaunchFailed(int(status))
+
+        return launch, _LaunchFailed
+
+
+class _LaunchFailed(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
 class _GraphExec:
     """One instantiated one-kernel-node CUDA graph; destroyed with the object."""
 
@@ -155,7 +186,7 @@ class Launcher:
     ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
     """
 
-    __slots__ = ("_launch", "_CUstream", "_current_stream", "_get_device", "_capturing", "args_address",
+    __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
                  "device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch", "_graphs", "_seen",
                  "replay", "_last_token", "_last_graph")
 
@@ -165,8 +196,7 @@ class Launcher:
 
         from .env import settings
 
-        self._launch = drv.cuLaunchKernel
-        self._CUstream = drv.CUstream
+        self._launch, self._launch_error = _kernel_launch()
         self._graph_launch = cupy.cuda.runtime.graphLaunch
         self._current_stream = cupy.cuda.get_current_stream
         self._get_device = cupy.cuda.runtime.getDevice
@@ -214,9 +244,14 @@ class Launcher:
         self._plain(argv, prefix, handle)
 
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
-        status = self._launch(*argv)[0]
-        if status:
-            driver.check((status,), f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x})")
+        try:
+            self._launch(*argv)
+        except self._launch_error as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            driver.check((driver._drv().CUresult(status),),
+                         f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x})")
 
     def _resolve(self, stream) -> int:
         if stream is None:
@@ -226,7 +261,7 @@ class Launcher:
     def _pack(self, prefix: tuple, handle: int) -> tuple:
         # Holding ``prefix`` keeps its identity from being reused while it is remembered.
         self._prefix, self._handle = prefix, handle
-        self._argv = (*prefix, self._CUstream(handle), self.args_address, 0)
+        self._argv = (int(prefix[0]), *prefix[1:], handle, self.args_address, 0)
         return self._argv
 
     def _instantiate_or_stop(self, prefix: tuple, token) -> "_GraphExec | None":
@@ -271,6 +306,28 @@ def launch_prefix(function, grid: tuple[int, int, int], block: tuple[int, int, i
     return (function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0)
 
 
+class _StreamHandle:
+    """A raw CUstream handle in the CUDA stream protocol (what ``cupy.cuda.Stream.from_external``
+    takes)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+def cupy_stream(handle: int):
+    """A CuPy stream object for the raw handle ``handle`` (to order CuPy's own work on it)."""
+    import cupy
+
+    if handle == cupy.cuda.get_current_stream().ptr:
+        return cupy.cuda.get_current_stream()
+    return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+
+
 def allocate(shape: tuple, dtype, device: int, stream: int):
     """A new C-contiguous CuPy array on ``device``, allocated in the order of raw stream ``stream``
     (CuPy's pool reuses memory in the order of the stream it was allocated on). For the outputs
@@ -280,5 +337,5 @@ def allocate(shape: tuple, dtype, device: int, stream: int):
     with cupy.cuda.Device(device):
         if stream == cupy.cuda.get_current_stream().ptr:
             return cupy.empty(shape, dtype)
-        with cupy.cuda.ExternalStream(stream):
+        with cupy_stream(stream):
             return cupy.empty(shape, dtype)

@@ -1,6 +1,6 @@
 """NumPy reference implementations of rope_rtc's numerical contracts.
 
-Two contracts live here (DESIGN.md, "Numerical contracts"):
+Two contracts live here (docs/design.md, "Numerical contracts"):
 
 * **General RoPE** is held to a float64 reference fed the same FP32 cos/sin tables as the GPU.
   :func:`rope_reference` computes it, :func:`rope_error_bound` states how far a correct FP32,
@@ -458,7 +458,7 @@ def assert_rope_close(
     rotary_offset: int = 0,
     dtype=None,
 ) -> None:
-    """Assert a general-RoPE output meets DESIGN.md's bound against the float64 reference.
+    """Assert a general-RoPE output meets the bound of docs/design.md against the float64 reference.
 
     Parameters
     ----------

@@ -1,6 +1,6 @@
 """The general RoPE API's one-call functions: ``apply_rope`` and ``apply_rope_qk``.
 
-Numerical contract (DESIGN.md): load, convert to FP32, ``o0 = x0*c - x1*s``,
+Numerical contract (docs/design.md): load, convert to FP32, ``o0 = x0*c - x1*s``,
 ``o1 = x1*c + x0*s`` in FP32, one round-to-nearest-even to the output dtype. Channels outside
 the rotary window are copied (out of place) or left untouched (in place).
 
@@ -151,8 +151,14 @@ def _plan_for(arrays: tuple, scalar: int, opts: dict, names: tuple[str, str]) ->
 def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: dict,
                 names: tuple[str, str], device: int | None = None):
     """One launch through the thread's plan for this signature; outputs allocated when omitted.
-    ``device``: q's device when q is not a CuPy array."""
-    scalar, offsets = split_offset(offset)
+    ``device``: q's device when q is not a CuPy array.
+
+    The repeat path (a signature seen before): the signature, one lookup, the template's address
+    checks and the block's addresses, one launch. Nothing is remembered about the arrays."""
+    if type(offset) is int:
+        scalar, offsets = offset, None
+    else:
+        scalar, offsets = split_offset(offset)
     if device is None:
         device = q.data.device_id
     handle = stream_handle(stream, device)
@@ -162,21 +168,26 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         k_out = launch.allocate(k.shape, k.dtype, device, handle)
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     sig = signature(arrays)
-    by_signature, _ = _thread_caches()
-    key = None if sig is None else (opts["layout"], opts["interleaved"], opts["rotary_dim"],
-                                    opts["rotary_offset"], opts["inverse"], names, sig)
-    plan = by_signature.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan_for(arrays, scalar, opts, names)
+    try:
+        by_signature = _local.by_signature
+    except AttributeError:
+        by_signature = _thread_caches()[0]
+    key = None if sig is None else (opts["layout"], opts["interleaved"], opts["rotary_dim"], opts["rotary_offset"],
+                                    opts["inverse"], names, q_out is q, k_out is k, sig)
+    hit = by_signature.get(key) if key is not None else None
+    call = None
+    if hit is not None:
+        plan, tmpl = hit
+        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays))
+    if call is None:  # a new signature, or addresses the template declines: full validation
+        plan = hit[0] if hit is not None else _plan_for(arrays, scalar, opts, names)
+        call = plan._core.bind(arrays, scalar)
         if key is not None:
-            remember(by_signature, key, plan, ONE_CALL_PLANS)
-    core = plan._core
+            remember(by_signature, key, (plan, call.template), ONE_CALL_PLANS)
     if plan._check_positions:
         check_positions_of(arrays, scalar, opts)
-    # The plan's own signature adds the in-place flags, which the one-call key implies.
-    call = core.bind(arrays, scalar, None if sig is None else (sig, q_out is q, k_out is k), sig_known=True)
     if call.prefix is not None:
-        core.launcher(call.prefix, handle)
+        plan._core.launcher(call.prefix, handle)
     return q_out, k_out
 
 
@@ -214,8 +225,9 @@ def _run_staged(req: Request, names, q, k, stream, opts: dict):
 
     device = cupy.cuda.runtime.getDevice()
     handle = stream_handle(stream, device)
-    staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos, req.sin, req.positions,
-                                                                        req.offsets, req.cu_seqlens)]
+    with launch.cupy_stream(handle):  # the uploads and the kernel in one stream's order
+        staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos, req.sin,
+                                                                          req.positions, req.offsets, req.cu_seqlens)]
     sq, sk = staged[0], staged[1]
     q_out = sq if req.q_out is not None and req.q_out.array is q else None
     k_out = sk if req.k_out is not None and req.k is not None and req.k_out.array is k else None

@@ -98,7 +98,7 @@ class RopePlan:
         if self._core is None:
             from .env import settings
 
-            self._check_positions = bool(getattr(settings(), "check_positions", False))
+            self._check_positions = settings().check_positions
             self._core = Prepared(_RopeOp(self), StructArg(RopeParams), self.device)
         return self._core
 
@@ -196,11 +196,17 @@ class _RopeTemplate:
         self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
         self.req = req = req.without_arrays()
         self.plan = plan
-        # Extents relative to each array's pointer; and the placement full validation accepted.
+        # Extents relative to each array's pointer; and the placement full validation accepted
+        # (views of one buffer, such as q and k of a fused QKV projection, have extents that meet).
         self.extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
                              for i in infos)
         self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
-        self.in_place = tuple(infos[o] is not None and A.same_view(infos[o], infos[i]) for o, i in self.OUTPUTS)
+        in_place = tuple(infos[o] is not None and A.same_view(infos[o], infos[i]) for o, i in self.OUTPUTS)
+        # For each output, the arguments whose bytes it must not meet: (output, lo, hi, [(j, lo, hi)]).
+        self.disjoint = tuple(
+            (o, *self.extents[o], tuple((j, *e) for j, e in enumerate(self.extents)
+                                        if e is not None and j != o and not (same and j == own)))
+            for (o, own), same in zip(self.OUTPUTS, in_place) if self.extents[o] is not None)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
@@ -229,24 +235,20 @@ class _RopeTemplate:
     def write_scalar(block: RopeParams, offset: int) -> None:
         block.offset = offset
 
-    def _placement_ok(self, ptrs: tuple) -> bool:
-        if tuple(p - ptrs[0] for p in ptrs) == self.placement:
-            return True  # same relative placement as a validated call: same overlap answer
-        for (o, own), same in zip(self.OUTPUTS, self.in_place):
-            eo = self.extents[o]
-            if eo is None:
-                continue
-            lo, hi = ptrs[o] + eo[0], ptrs[o] + eo[1]
-            for j, ej in enumerate(self.extents):
-                if ej is None or j == o or (same and j == own):
-                    continue
-                if ptrs[j] + ej[0] < hi and lo < ptrs[j] + ej[1]:
-                    return False  # extents meet: full validation decides exactly
+    def _disjoint(self, ptrs: tuple) -> bool:
+        """No output meets another argument's bytes (by extents: exact for the common case of
+        separate buffers; when extents meet, full validation decides exactly)."""
+        for o, olo, ohi, others in self.disjoint:
+            lo, hi = ptrs[o] + olo, ptrs[o] + ohi
+            for j, jlo, jhi in others:
+                p = ptrs[j]
+                if p + jlo < hi and lo < p + jhi:
+                    return False
         return True
 
     def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
         """Address checks, then the block; None sends the call through full validation."""
-        if not self._placement_ok(ptrs):
+        if not self._disjoint(ptrs) and tuple(p - ptrs[0] for p in ptrs) != self.placement:
             return None
         if offset and self.has_positions:
             return None

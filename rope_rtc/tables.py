@@ -1,6 +1,6 @@
 """Inverse frequencies and cos/sin tables for rotary embeddings, with Hugging Face scaling.
 
-Two numerics, named by the API (DESIGN.md, "Numerical contracts"):
+Two numerics, named by the API (docs/design.md, "Numerical contracts"):
 
 ``"exact"``
     Frequencies, scaling and angles in float64 from the published formulas; cos/sin in
@@ -25,12 +25,26 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NUMERICS", "ROPE_TYPES", "inverse_frequencies", "rope_tables"]
+__all__ = ["MAX_POSITIONS", "MAX_ROTARY_DIM", "MAX_TABLE_ENTRIES", "NUMERICS", "ROPE_TYPES", "inverse_frequencies",
+           "rope_tables"]
 
 #: The table numerics, in the order of preference for accuracy.
 NUMERICS = ("exact", "transformers")
 
 _DEFAULT_BASE = 10000.0
+
+# Upper bounds, so that a mistaken size (a byte count passed as a row count) is named here
+# instead of surfacing as NumPy's MemoryError or "array is too big":
+#: Entries of one table, max_positions * rotary_dim // 2: 2**31 float32 entries are 8 GiB per
+#: table, 16 GiB for cos and sin, built on the host. The longest contexts models are trained for
+#: (about 10 million positions) need under a third of it at rotary_dim 128.
+MAX_TABLE_ENTRIES = 2**31 - 1
+#: Context lengths (max_positions, original_max_position_embeddings, max_position_embeddings):
+#: no context is longer than the largest table has rows.
+MAX_POSITIONS = MAX_TABLE_ENTRIES
+#: Head dimensions are at most a few hundred channels (DeepSeek's MLA caches 512); 2**16 leaves
+#: ample room and keeps every ``2i / rotary_dim`` exact in float32 (integers to 2**24).
+MAX_ROTARY_DIM = 2**16
 
 # Rows computed per step: bounds the float64 temporaries (a few arrays of this many rows,
 # 16 MiB each at rotary_dim 128) whatever `max_positions` is.
@@ -40,28 +54,52 @@ _ROWS_PER_CHUNK = 1 << 15
 # --------------------------------------------------------------------------- arguments
 
 
-def _positive_int(name: str, value: Any) -> int:
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _show(value: Any) -> str:
+    """``repr`` of an argument, except that an enormous int is described, not spelled out."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**20:
+        return f"{'-' if value < 0 else ''}an int of {int(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _positive_int(name: str, value: Any, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {_show(value)}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise ValueError(f"{name} must be positive, got {_show(value)}")
+    if value > limit:
+        raise ValueError(f"{name} must be at most {limit}, got {_show(value)}")
     return int(value)
 
 
 def _rotary_dim(value: Any) -> int:
-    dim = _positive_int("rotary_dim", value)
+    dim = _positive_int("rotary_dim", value, MAX_ROTARY_DIM)
     if dim % 2:
         raise ValueError(f"rotary_dim must be even (it rotates pairs of channels), got {dim}")
     return dim
 
 
-def _finite_positive(name: str, value: Any) -> float:
+def _real(name: str, value: Any, what: str = "finite and positive") -> float:
+    """``value`` as a finite float; TypeError unless it is a real number (bool is not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0.0):
-        raise ValueError(f"{name} must be finite and positive, got {value}")
-    return value
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {_show(value)}")
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"{name} must be {what}, got {_show(value)}") from None
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be {what}, got {result}")
+    return result
+
+
+def _finite_positive(name: str, value: Any) -> float:
+    result = _real(name, value)
+    if not result > 0.0:
+        raise ValueError(f"{name} must be finite and positive, got {result}")
+    return result
 
 
 def _float_type(numerics: Any) -> type:
@@ -84,16 +122,27 @@ def _scaling_params(scaling: Any) -> tuple[str, Mapping]:
     return rope_type, scaling
 
 
-def _resolve_base(base: Any, params: Mapping) -> float:
-    """``scaling['rope_theta']`` (transformers >= 5 keeps it there) wins over ``base``."""
+def _resolve_base(base: Any, params: Mapping, ft: type) -> tuple[str, float]:
+    """The base and the name it was given by: ``scaling['rope_theta']`` (transformers >= 5
+    keeps it there) wins over ``base``."""
     base = _finite_positive("base", base)
-    theta = params.get("rope_theta")
+    name, theta = "base", params.get("rope_theta")
     if theta is None:
-        return base
-    theta = _finite_positive("scaling['rope_theta']", theta)
-    if base != _DEFAULT_BASE and base != theta:
-        raise ValueError(f"base={base} conflicts with scaling['rope_theta']={theta}; pass one of them")
-    return theta
+        theta = base
+    else:
+        name, theta = "scaling['rope_theta']", _finite_positive("scaling['rope_theta']", theta)
+        if base != _DEFAULT_BASE and base != theta:
+            raise ValueError(f"base={base} conflicts with scaling['rope_theta']={theta}; pass one of them")
+    _check_base(name, theta, ft)
+    return name, theta
+
+
+def _check_base(name: str, base: float, ft: type) -> None:
+    # "transformers" rounds the base to float32 as torch does: past float32's range it would be
+    # infinite, and every pair but the first would never rotate.
+    if ft is np.float32 and not base <= _F32_MAX:
+        raise ValueError(f"{name}={base} exceeds float32's range, to which numerics='transformers' rounds it "
+                         f"(as torch does); use a base below {_F32_MAX:.4g}")
 
 
 def _param(params: Mapping, key: str, rope_type: str, default: Any = None) -> Any:
@@ -114,7 +163,7 @@ def _original_max(params: Mapping, rope_type: str) -> int:
     # `max_position_embeddings`; a dict copied from config.json may carry either.
     for key in ("original_max_position_embeddings", "max_position_embeddings"):
         if params.get(key) is not None:
-            return _positive_int(f"scaling[{key!r}]", params[key])
+            return _positive_int(f"scaling[{key!r}]", params[key], MAX_POSITIONS)
     raise ValueError(
         f"scaling['original_max_position_embeddings'] is required for rope_type {rope_type!r} "
         "(the pretraining context length: add it, or the model's 'max_position_embeddings', to the dict)"
@@ -130,7 +179,7 @@ def _factor_or_implied(params: Mapping, rope_type: str, original: int) -> float:
             f"scaling['factor'] is required for rope_type {rope_type!r} "
             "(or the model's 'max_position_embeddings', from which transformers derives it)"
         )
-    expanded = _positive_int("scaling['max_position_embeddings']", params["max_position_embeddings"])
+    expanded = _positive_int("scaling['max_position_embeddings']", params["max_position_embeddings"], MAX_POSITIONS)
     return expanded / original
 
 
@@ -188,7 +237,10 @@ def _dynamic_base(base: float, factor: float, seq_len: int | None, original: int
         return ft(base) * ft(np.float64(ratio) ** exponent)
     # Exact mode, and transformers' init-time value (Python ints: double arithmetic).
     length = original if seq_len is None else max(seq_len, original)
-    return base * (factor * length / original - (factor - 1.0)) ** exponent
+    try:
+        return base * (factor * length / original - (factor - 1.0)) ** exponent
+    except OverflowError:  # Python's float ** raises where NumPy's gives inf
+        return math.inf
 
 
 def _dynamic(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
@@ -196,11 +248,48 @@ def _dynamic(params: Mapping, dim: int, base: float, seq_len: int | None, ft: ty
         raise ValueError(f"rope_type 'dynamic' needs rotary_dim > 2 (its exponent is dim / (dim - 2)), got {dim}")
     factor = _positive_param(params, "factor", "dynamic")
     original = _original_max(params, "dynamic")
-    return _default_inv_freq(dim, _dynamic_base(base, factor, seq_len, original, dim, ft), ft), 1.0
+    rescaled = _dynamic_base(base, factor, seq_len, original, dim, ft)
+    if not math.isfinite(rescaled) or (ft is np.float32 and not rescaled <= _F32_MAX):
+        raise ValueError(
+            f"scaling['factor']={factor} rescales the base (base or scaling['rope_theta'], {base}) past the "
+            f"float range at max_positions={seq_len} "
+            f"(base * (factor * max_positions / original - factor + 1) ** (rotary_dim / (rotary_dim - 2)))"
+        )
+    return _default_inv_freq(dim, rescaled, ft), 1.0
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _attention_param(params: Mapping) -> float | None:
+    """``scaling['attention_factor']``, when given: it multiplies float32 tables, so it must fit one."""
+    value = params.get("attention_factor")
+    if value is None:
+        return None
+    value = _finite_positive("scaling['attention_factor']", value)
+    if value > _F32_MAX:
+        raise ValueError(f"scaling['attention_factor']={value} exceeds float32's range ({_F32_MAX:.4g}): "
+                         "it multiplies the float32 cos/sin tables")
+    return value
+
+
+def _unset_or(params: Mapping, key: str, default: Any, check: Callable[[str, Any], float]) -> Any:
+    """``params[key] or default`` as transformers reads it (0 and None mean unset), checked
+    before its truth value is taken."""
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"scaling[{key!r}] must be a real number, got {type(value).__name__} {_show(value)}")
+    return check(f"scaling[{key!r}]", value) or default
+
+
+def _non_negative(name: str, value: Any) -> float:
+    result = _real(name, value, "finite and non-negative (0 means unset)")
+    if result < 0.0:
+        raise ValueError(f"{name} must be finite and non-negative (0 means unset), got {result}")
+    return result
 
 
 def _yarn(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
@@ -209,26 +298,39 @@ def _yarn(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type)
     original = _original_max(params, "yarn")
     factor = _factor_or_implied(params, "yarn", original)
 
-    attention = params.get("attention_factor")
-    if attention is not None:
-        attention = _finite_positive("scaling['attention_factor']", attention)
-    else:
-        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention = _attention_param(params)
+    # Both mscales are checked whenever present, though transformers uses them only together.
+    mscale = _unset_or(params, "mscale", None, _non_negative)
+    mscale_all_dim = _unset_or(params, "mscale_all_dim", None, _non_negative)
+    if attention is None:
         if mscale and mscale_all_dim:  # DeepSeek's variant: a ratio of two mscales
+            # Both mscales are >= 1 here, so the ratio can only overflow through `mscale`.
             attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            if not attention <= _F32_MAX:
+                raise ValueError(f"scaling['mscale']={mscale} makes the attention factor {attention} exceed "
+                                 f"float32's range ({_F32_MAX:.4g}): it multiplies the float32 cos/sin tables")
         else:
             attention = _yarn_mscale(factor)
 
     # transformers treats 0 like "unset" here (`or`), so this does too.
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
+    beta_fast = _unset_or(params, "beta_fast", 32, _finite_positive)
+    beta_slow = _unset_or(params, "beta_slow", 1, _finite_positive)
+    truncate = params.get("truncate", True)
+    if truncate is not None and not isinstance(truncate, (bool, np.bool_)):
+        raise TypeError(f"scaling['truncate'] must be a bool, got {type(truncate).__name__} {_show(truncate)}")
 
-    def correction_dim(rotations: float) -> float:
+    def correction_dim(key: str, rotations: float) -> float:
         # The (fractional) dimension whose wavelength fits `rotations` times in `original`.
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        ratio = original / (rotations * 2 * math.pi)
+        if not 0.0 < ratio < math.inf:
+            raise ValueError(
+                f"scaling[{key!r}]={rotations} is not a usable number of rotations: "
+                f"original_max_position_embeddings / (2 pi {key}) = {ratio} overflows (typical values: 1 to 32)"
+            )
+        return dim * math.log(ratio) / (2 * math.log(base))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
+    low, high = correction_dim("beta_fast", beta_fast), correction_dim("beta_slow", beta_slow)
+    if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -247,9 +349,17 @@ def _yarn(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type)
 def _longrope_factors(params: Mapping, key: str, dim: int) -> np.ndarray:
     factors = _param(params, key, "longrope")
     try:
-        ext = np.asarray(factors, dtype=np.float64)
+        raw = np.asarray(factors)
+        numbers_only = raw.dtype.kind in "iuf" or (
+            raw.dtype.kind == "O"
+            and all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in raw.reshape(-1)))
+        ext = raw.astype(np.float64) if numbers_only else None
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(f"scaling[{key!r}] must hold finite positive numbers") from None
     except (TypeError, ValueError):
-        raise TypeError(f"scaling[{key!r}] must be a list of numbers, got {factors!r}") from None
+        ext = None
+    if ext is None:
+        raise TypeError(f"scaling[{key!r}] must be a list of numbers, got {_show(factors)}")
     if ext.shape != (dim // 2,):
         raise ValueError(f"scaling[{key!r}] must have rotary_dim // 2 = {dim // 2} entries, got shape {ext.shape}")
     if not np.all(np.isfinite(ext) & (ext > 0)):
@@ -265,13 +375,16 @@ def _longrope(params: Mapping, dim: int, base: float, seq_len: int | None, ft: t
     # when max(position_ids) + 1 exceeds original_max_position_embeddings.
     ext = ext["long_factor" if seq_len is not None and seq_len > original else "short_factor"]
 
-    attention = params.get("attention_factor")
-    if attention is not None:
-        attention = _finite_positive("scaling['attention_factor']", attention)
-    else:
+    attention = _attention_param(params)
+    if attention is None:
         factor = _factor_or_implied(params, "longrope", original)
         if factor <= 1.0:
             attention = 1.0
+        elif original < 2:
+            raise ValueError(
+                f"scaling['original_max_position_embeddings'] must be at least 2 for rope_type 'longrope' "
+                f"with factor {factor} > 1: its attention factor divides by log(original_max_position_embeddings)"
+            )
         else:
             attention = math.sqrt(1.0 + math.log(factor) / math.log(original))
 
@@ -354,14 +467,61 @@ def inverse_frequencies(
     """
     dim = _rotary_dim(rotary_dim)
     if max_positions is not None:
-        max_positions = _positive_int("max_positions", max_positions)
+        max_positions = _positive_int("max_positions", max_positions, MAX_POSITIONS)
+    return _frequencies(dim, base, scaling, max_positions, numerics)
+
+
+#: The parameters that scale each rope_type's frequencies: named when those overflow.
+_SCALES = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+
+
+def _overflow(inv_freq: np.ndarray, rows: int, ft: type) -> str | None:
+    """Why a table of `rows` positions at these frequencies would not be finite, or None.
+
+    Positions and frequencies are non-negative, so the largest angle is the last position
+    times the largest frequency; cos and sin of every finite angle are finite."""
+    with np.errstate(all="ignore"):
+        if not np.all(np.isfinite(inv_freq)):
+            return f"an inverse frequency of {inv_freq[~np.isfinite(inv_freq)][0]}"
+        top = inv_freq.max()
+        if rows > 1 and not np.isfinite(ft(rows - 1) * top):
+            return f"an angle that overflows at position {rows - 1} (frequency {top:.4g})"
+    return None
+
+
+def _frequencies(dim: int, base: Any, scaling: Any, max_positions: int | None, numerics: Any,
+                 ) -> tuple[np.ndarray, float]:
+    """inv_freq and attention factor, checked to give a finite table of `max_positions` rows."""
     ft = _float_type(numerics)
     rope_type, params = _scaling_params(scaling)
-    theta = _resolve_base(base, params)
+    base_name, theta = _resolve_base(base, params, ft)
     # `partial_rotary_factor` is not applied: `rotary_dim` is already the rotated width,
     # int(head_dim * partial_rotary_factor), which is the `dim` transformers' formulas use.
-    inv_freq, attention = _INIT_FUNCTIONS[rope_type](params, dim, theta, max_positions, ft)
-    return np.ascontiguousarray(inv_freq, dtype=ft), attention
+    with np.errstate(all="ignore"):  # an overflow is found below and named
+        inv_freq, attention = _INIT_FUNCTIONS[rope_type](params, dim, theta, max_positions, ft)
+        inv_freq = np.ascontiguousarray(inv_freq, dtype=ft)
+        rows = max_positions or 1
+        why = _overflow(inv_freq, rows, ft)
+        if why is not None:
+            # The base alone, or the scaling on top of it?
+            if _overflow(_default_inv_freq(dim, theta, ft), rows, ft) is not None or not _SCALES[rope_type]:
+                culprit = f"{base_name}={theta}"
+            else:
+                culprit = " / ".join(f"scaling[{k!r}]" + ("" if isinstance(params[k], (list, tuple, np.ndarray))
+                                                           else f"={_show(params[k])}")
+                                     for k in _SCALES[rope_type] if params.get(k) is not None)
+            raise ValueError(
+                f"{culprit} gives {why} with rope_type {rope_type!r}, numerics {numerics!r} and rotary_dim {dim}: "
+                "the table would not be finite (typical bases are 1e4 to 1e7, scaling factors 1 to 100)"
+            )
+    return inv_freq, attention
 
 
 def rope_tables(
@@ -430,11 +590,23 @@ def rope_tables(
     cos, sin : arrays of module ``xp``
         Shape ``[max_positions, rotary_dim // 2]``, float32. For ``"yarn"`` and
         ``"longrope"`` the attention factor MULTIPLIES both, as in transformers.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the argument or ``scaling`` key: a wrong type, a value out of range (sizes are
+        bounded by ``MAX_POSITIONS``, ``MAX_ROTARY_DIM`` and ``MAX_TABLE_ENTRIES``), or finite
+        inputs whose table would not be finite (a frequency, an angle or the attention factor
+        that overflows).
     """
-    rows = _positive_int("max_positions", max_positions)
-    inv_freq, attention = inverse_frequencies(
-        rotary_dim, base=base, scaling=scaling, max_positions=rows, numerics=numerics
-    )
+    rows = _positive_int("max_positions", max_positions, MAX_POSITIONS)
+    dim = _rotary_dim(rotary_dim)
+    if rows * (dim // 2) > MAX_TABLE_ENTRIES:
+        raise ValueError(
+            f"max_positions={rows} and rotary_dim={dim} ask for tables of {rows * (dim // 2)} entries each; "
+            f"the limit is {MAX_TABLE_ENTRIES} (8 GiB of float32 per table)"
+        )
+    inv_freq, attention = _frequencies(dim, base, scaling, rows, numerics)
     if not callable(getattr(xp, "asarray", None)):
         raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
     ft = inv_freq.dtype.type

@@ -1,4 +1,4 @@
-"""Prepared BF16 tail RoPE: the contract of seeds/prepared-bf16-tail-rope.txt, for CuPy, on every
+"""Prepared BF16 tail RoPE (the contract in docs/design.md, "Numerical contracts"), for CuPy, on every
 architecture NVRTC supports (sm_80 and newer).
 
 ``x`` is contiguous BF16 ``[T, D]`` or ``[T, H, D]`` with D in {128, 512}; ``cosine`` and ``sine``

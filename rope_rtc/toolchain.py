@@ -144,7 +144,8 @@ def target_for(arch: int, *, driver_version: int | None = None) -> Target:
         raise ToolchainError(
             f"this device is sm_{arch}, newer than NVRTC {major}.{minor} knows (up to sm_{known[-1]}), and the "
             f"driver ({_fmt_driver(driver_version)}) cannot JIT PTX from NVRTC {major}.{minor}: upgrade the "
-            f"'{NVRTC_PACKAGES.get(major, 'nvidia-cuda-nvrtc')}' package to a version that knows sm_{arch}, or the driver"
+            f"'{NVRTC_PACKAGES.get(major, 'nvidia-cuda-nvrtc')}' package to a version that knows sm_{arch}, "
+            "or the driver"
         )
     raise ToolchainError(f"NVRTC {major}.{minor} cannot generate code for sm_{arch} (it knows {list(known)})")
 

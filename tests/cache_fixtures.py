@@ -114,6 +114,7 @@ def tree_snapshot(top: Path, *, skip: Path | None = None) -> dict[str, tuple]:
                 digest = os.readlink(p)
             else:
                 digest = None
+            size = st.st_size if stat_mod.S_ISREG(st.st_mode) else None  # a directory's size follows its entries
             out[str(p.relative_to(top))] = (stat_mod.S_IFMT(st.st_mode), stat_mod.S_IMODE(st.st_mode), st.st_uid,
-                                            st.st_size, digest)
+                                            size, digest)
     return out

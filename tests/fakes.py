@@ -273,7 +273,7 @@ class FakeGPU:
     * the kernel loaders (``rope_plan.load_rope_functions``, ``tail.load_tail_function``) return
       descriptive tuples/names instead of function handles;
     * every core's launcher is a recorder that appends ``{"fn", "grid", "block", "stream",
-      "token", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
+      "token", "thread", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
       argument block, for ``rope_apply`` launches);
     * output allocation makes fake CuPy arrays, stream resolution returns the handle given (0
       for ``None``), and the one-call functions' per-thread plan caches start empty.
@@ -350,12 +350,13 @@ class _RecordingLauncher:
 
     def __call__(self, prefix, stream=None, token=None) -> None:
         import ctypes
+        import threading
 
         from rope_rtc.rope_params import RopeParams
 
         fn = prefix[0]
         record = {"fn": fn, "grid": tuple(prefix[1:4]), "block": tuple(prefix[4:7]), "stream": stream,
-                  "token": token}
+                  "token": token, "thread": threading.get_ident()}
         if isinstance(fn, tuple) and fn[0].startswith("rope_apply"):
             record["params"] = RopeParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(RopeParams)))
             record["vec"] = fn[3]

@@ -22,7 +22,9 @@ cases tried is counted per test and reported by the last test of the module.
 from __future__ import annotations
 
 import collections
+import math
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -31,7 +33,9 @@ from hypothesis import strategies as st
 
 from fakes import BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, c_strides, fake_alloc, fake_cupy
 from rope_rtc import RopePlan, TailRoPEForward, TensorDesc, apply_rope, apply_rope_qk, tail_rope
+from rope_rtc.errors import RopeRtcError
 from rope_rtc.reference import rope_reference, round_to_dtype, tail_rope_reference
+from rope_rtc.tables import rope_tables
 from rope_rtc.registry import rope_vector_widths
 
 CLEAR_ERRORS = (TypeError, ValueError, NotImplementedError)
@@ -770,10 +774,410 @@ def test_fuzz_tail_revalidation_matches_full_validation(data):
     COUNTS["tail/revalidation"][reused[0] + ("" if full_validations else ", validation re-used")] += 1
 
 
+# ---------------------------------------------------------------------------------------------
+# (d) hostile input on the NumPy backend (issue 13): 0-d arrays, non-native byte order, huge and
+#     non-finite scalars, huge positions, non-finite data and tables, non-finite scaling
+#     parameters. A plain loop over one seeded generator (a hypothesis draw per case would cost
+#     more than the call): tens of thousands of cases in seconds. Every call either equals the
+#     reference or raises a documented error, and no input (nor an in-place output) changes on
+#     an error. Failures are collected per class, with the first reproducer of each, and
+#     reported together.
+
+ALLOWED_ERRORS = CLEAR_ERRORS + (RopeRtcError,)
+HOSTILE_GENERAL_CASES = 12000
+HOSTILE_TAIL_CASES = 2500
+HOSTILE_TABLE_CASES = 3000
+
+HUGE = 10**30
+HOSTILE_SCALARS = [2**63, 2**63 - 1, -(2**63) - 1, 2**64, HUGE, -HUGE, 2**31, 2**31 - 1, -(2**31), -1,
+                   np.int64(2**63 - 1), np.int64(-(2**63)), np.uint64(2**64 - 1), np.int32(-1),
+                   math.nan, math.inf, -math.inf, np.float64(math.nan), 1e308, 2.0, True, np.bool_(True),
+                   "1", None, np.array(3), np.array([1, 2])]
+HOSTILE_INDICES = [2**62, 2**63 - 1, -(2**63), 2**31, 2**32, -1, -(2**31)]
+NONFINITE = [math.nan, math.inf, -math.inf]
+ARRAY_SLOTS = {"apply_rope": ("x", "cos", "sin", "out", "positions", "offset", "cu_seqlens"),
+               "apply_rope_qk": ("q", "k", "cos", "sin", "q_out", "k_out", "positions", "offset", "cu_seqlens")}
+MUTATIONS = ("none", "0-d array", "byte order", "byte order, in place", "hostile scalar", "hostile scalar, B=0",
+             "huge index", "non-finite data", "non-finite table")
+
+
+def _swapped(a: np.ndarray) -> np.ndarray:
+    """The same values in the other byte order (a new array)."""
+    return a.astype(a.dtype.newbyteorder("S"))
+
+
+def _native(a):
+    if isinstance(a, np.ndarray) and not a.dtype.isnative and a.dtype.kind in "iuf":
+        return a.astype(a.dtype.newbyteorder("="))
+    return a
+
+
+def _describe(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"ndarray{value.shape}<{value.dtype.str if value.dtype.kind != 'V' else value.dtype}>"
+    text = repr(value)
+    return text if len(text) < 40 else text[:37] + "..."
+
+
+class Tally:
+    """Outcome counts, and the first reproducer of each class of failure."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.counts: collections.Counter = collections.Counter()
+        self.failures: dict[str, tuple[int, str]] = {}
+
+    def fail(self, klass: str, reproducer: str) -> None:
+        n, first = self.failures.get(klass, (0, reproducer))
+        self.failures[klass] = (n + 1, first)
+        self.counts["FAILED"] += 1
+
+    def report(self) -> None:
+        COUNTS[self.name].update(self.counts)
+        total = sum(self.counts.values())
+        print(f"\n{self.name}: {total} cases ({', '.join(f'{k} {v}' for k, v in sorted(self.counts.items()))})")
+        if self.failures:
+            lines = [f"  {klass}: {n} case(s), e.g. {first}" for klass, (n, first) in sorted(self.failures.items())]
+            print("\n".join(lines))
+            pytest.fail(f"{self.name}: {len(self.failures)} class(es) of failure:\n" + "\n".join(lines),
+                        pytrace=False)
+
+
+def _hostile_general_case(rng, api):
+    """A valid call of `api` on host arrays, as (call kwargs, layout, B, S)."""
+    dice = Dice(int(rng.integers(2**32)), 0.0)
+    dtype = dice.pick(FLOATS)
+    layout = dice.pick(LAYOUTS)
+    b, s, h = dice.pick([0, 1, 1, 2, 3]), dice.pick([0, 1, 2, 3]), dice.pick([1, 1, 2, 3])
+    d = dice.pick([2, 4, 8, 16])
+    scheme = dice.pick(["default", "int", "offsets", "positions", "cu_seqlens"])
+    if scheme == "cu_seqlens":
+        layout = "thd"
+    x = _host_array(dice, _layout_shape(layout, b, s, h, d), dtype, dice.rng)
+    rotary_dim, rotary_offset = draw_window(dice, d)
+    r = d if rotary_dim is None else rotary_dim
+    tokens = b * s if layout == "thd" else s
+    rows = tokens + 3 + dice.int(1, 3)
+    cos = _host_array(dice, (rows, r // 2), np.float32, dice.rng, contiguous=True)
+    sin = _host_array(dice, (rows, r // 2), np.float32, dice.rng, contiguous=True)
+    call = dict(cos=cos, sin=sin, layout=layout, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
+                interleaved=dice.one_in(2), inverse=dice.one_in(2))
+    index = dice.pick([np.int32, np.int64])
+    if scheme == "int":
+        call["offset"] = dice.int(0, 3)
+    elif scheme == "offsets":
+        call["offset"] = dice.rng.integers(0, 4, size=1 if layout == "thd" else b).astype(index)
+    elif scheme == "positions":
+        call["positions"] = dice.rng.integers(0, rows, size=(b * s,) if layout == "thd" else (b, s)).astype(index)
+    elif scheme == "cu_seqlens":
+        nseq = dice.int(1, 3)
+        cu = np.sort(dice.rng.integers(0, b * s + 1, size=nseq + 1))
+        cu[0], cu[-1] = 0, b * s
+        call["cu_seqlens"] = cu.astype(index)
+        if dice.one_in(2):
+            call["offset"] = dice.rng.integers(0, 4, size=nseq).astype(index)
+    out_kind = dice.pick(["none", "same", "fresh"])
+    outs = {"none": None, "same": x, "fresh": np.full(x.shape, np.nan, dtype)}
+    if api == "apply_rope":
+        call.update(x=x, out=outs[out_kind])
+    else:
+        k = _host_array(dice, _layout_shape(layout, b, s, dice.int(1, 3), d), dtype, dice.rng)
+        k_kind = dice.pick(["none", "same", "fresh"])
+        call.update(q=x, k=k, q_out=outs[out_kind],
+                    k_out={"none": None, "same": k, "fresh": np.full(k.shape, np.nan, dtype)}[k_kind])
+    return call, layout, b, s
+
+
+def _mutate_general(rng, api, call, mutation):
+    """Applies one hostile mutation in place; returns a short description of it."""
+    dice = Dice(int(rng.integers(2**32)), 0.0)
+    q_name, out_name = ("x", "out") if api == "apply_rope" else ("q", "q_out")
+    if mutation == "0-d array":
+        name = dice.pick(ARRAY_SLOTS[api])
+        dtype = {"positions": np.int64, "offset": np.int32, "cu_seqlens": np.int64}.get(name)
+        dtype = dtype or (np.float32 if name in ("cos", "sin") else call[q_name].dtype)
+        call[name] = np.array(1.5 if np.dtype(dtype).kind == "f" else 1).astype(dtype)
+        return f"{name}=0-d {np.dtype(dtype)}"
+    if mutation.startswith("byte order"):
+        present = [n for n in ARRAY_SLOTS[api] if isinstance(call.get(n), np.ndarray)
+                   and call[n].dtype.kind in "iuf"]
+        if mutation.endswith("in place"):  # the issue's case: q_out=q, k_out=k, one of them swapped
+            for a, o in ((q_name, out_name), ("k", "k_out")):
+                if a in call:
+                    call[o] = call[a]
+            present = [n for n in (q_name, "k") if n in call and call[n].dtype.kind == "f"]
+        if not present:
+            return "nothing to swap"
+        names = [dice.pick(present)] if dice.one_in(3) or len(present) == 1 else \
+            list(dice.rng.choice(present, size=dice.int(1, len(present)), replace=False))
+        for name in names:
+            old = call[name]
+            new = _swapped(old)
+            for slot in list(call):  # keep in-place outputs in place
+                if call[slot] is old:
+                    call[slot] = new
+        return "swapped " + ", ".join(sorted(names))
+    if mutation.startswith("hostile scalar"):
+        name = dice.pick(["offset", "offset", "rotary_dim", "rotary_offset", "interleaved", "inverse"])
+        value = dice.pick(HOSTILE_SCALARS)
+        if name == "offset":
+            call.pop("positions", None)
+        call[name] = value
+        return f"{name}={_describe(value)}"
+    if mutation == "huge index":
+        present = [n for n in ("positions", "offset", "cu_seqlens") if isinstance(call.get(n), np.ndarray)]
+        if not present or not call[present[0]].size:
+            call.pop("positions", None)
+            call["offset"] = dice.pick(HOSTILE_INDICES)
+            return f"offset={call['offset']}"
+        name = dice.pick(present)
+        a = call[name].astype(np.int64)
+        a.reshape(-1)[dice.int(0, a.size - 1)] = dice.pick(HOSTILE_INDICES)
+        call[name] = a
+        return f"{name}={a.tolist()}"
+    if mutation in ("non-finite data", "non-finite table"):
+        names = ["cos", "sin"] if mutation == "non-finite table" else [n for n in (q_name, "k") if n in call]
+        name = dice.pick(names)
+        a = call[name]
+        if a.size:
+            a.reshape(-1)[dice.int(0, a.size - 1)] = dice.pick(NONFINITE) if a.flags.c_contiguous else 0
+            if not a.flags.c_contiguous:  # a padded view: write through the view instead
+                idx = tuple(dice.int(0, n - 1) for n in a.shape)
+                a[idx] = dice.pick(NONFINITE)
+        return f"{name} holds non-finite values"
+    return "valid"
+
+
+def _general_expected(api, call, layout, b, s, before):
+    """(name, expected canonical result) of an accepted call, from native-order copies."""
+    kw = {n: _native(v) for n, v in call.items() if n in ("positions", "offset", "cu_seqlens") and v is not None}
+    with np.errstate(over="raise"):  # a position that wraps around int64 was accepted
+        pos = _positions_for(layout, b, s, kw)
+    rows = call["cos"].shape[0]
+    outside = [int(p) for p in pos if not 0 <= p < rows and not ("cu_seqlens" in kw and p == -1)]
+    if outside:
+        raise ValueError(f"positions {outside[:3]} are outside the table's {rows} rows")
+    rotary_dim = call["rotary_dim"]
+    cos, sin = _native(call["cos"]), _native(call["sin"])
+    pairs = [("x", "out")] if api == "apply_rope" else [("q", "q_out"), ("k", "k_out")]
+    for name, _ in pairs:
+        arr = _native(before[name])
+        yield name, round_to_dtype(rope_reference(_canon(arr, layout), cos, sin, pos,
+                                                  interleaved=bool(call["interleaved"]), rotary_dim=rotary_dim,
+                                                  rotary_offset=int(call["rotary_offset"]),
+                                                  inverse=bool(call["inverse"])), arr.dtype)
+
+
+def _repro(api, call, mutation, what) -> str:
+    args = ", ".join(f"{n}={_describe(v)}" for n, v in call.items() if v is not None)
+    inplace = [o for a, o in (("x", "out"), ("q", "q_out"), ("k", "k_out")) if o in call and call[o] is call.get(a)
+               and call[o] is not None]
+    return f"[{mutation}: {what}] {api}({args}{', in place: ' + '/'.join(inplace) if inplace else ''})"
+
+
+def test_fuzz_hostile_numpy_backend():
+    """apply_rope / apply_rope_qk on host arrays: the reference's answer or a documented error,
+    and every input byte unchanged on an error."""
+    rng = np.random.default_rng(20240613)
+    tally = Tally("hostile/numpy")
+    for _ in range(HOSTILE_GENERAL_CASES):
+        api = ("apply_rope", "apply_rope_qk")[int(rng.integers(2))]
+        mutation = MUTATIONS[int(rng.integers(len(MUTATIONS)))]
+        call, layout, b, s = _hostile_general_case(rng, api)
+        if mutation == "hostile scalar, B=0":
+            call, layout, b, s = _hostile_general_case(rng, api)
+            while b * s and mutation:  # a case with no tokens: range checks must still run
+                call, layout, b, s = _hostile_general_case(rng, api)
+        what = _mutate_general(rng, api, call, mutation)
+        arrays = {n: v for n, v in call.items() if isinstance(v, np.ndarray)}
+        before = {n: v.copy() for n, v in arrays.items()}
+        fn = apply_rope if api == "apply_rope" else apply_rope_qk
+        try:
+            result = fn(**call, backend="numpy")
+        except ALLOWED_ERRORS as exc:
+            if not _NAMED.match(str(exc)):
+                tally.fail(f"{mutation}: {type(exc).__name__} names no argument",
+                           _repro(api, call, mutation, what) + f" -> {exc}")
+            changed = [n for n, a in arrays.items() if a.tobytes() != before[n].tobytes()]
+            if changed:
+                tally.fail(f"{mutation}: {type(exc).__name__} raised after writing {'/'.join(changed)}",
+                           _repro(api, call, mutation, what) + f" -> {type(exc).__name__}: {exc}")
+            tally.counts[type(exc).__name__] += 1
+            if mutation == "none":
+                tally.fail("valid case rejected", _repro(api, call, mutation, what) + f" -> {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - any other type is the failure this test is for
+            changed = [n for n, a in arrays.items() if a.tobytes() != before[n].tobytes()]
+            tally.fail(f"{mutation}: {type(exc).__name__}" + (f" after writing {'/'.join(changed)}" if changed else ""),
+                       _repro(api, call, mutation, what) + f" -> {type(exc).__name__}: {exc}")
+            continue
+        results = {"x": result} if api == "apply_rope" else {"q": result[0], "k": result[1]}
+        try:
+            for name, want in _general_expected(api, call, layout, b, s, before):
+                got = _native(results[name])
+                if not np.array_equal(_bits(_canon(got, layout)), _bits(want)):
+                    tally.fail(f"{mutation}: accepted, result differs from the reference",
+                               _repro(api, call, mutation, what))
+                    break
+        except Exception as exc:  # noqa: BLE001 - the reference cannot compute what was accepted
+            tally.fail(f"{mutation}: accepted what the reference rejects ({type(exc).__name__})",
+                       _repro(api, call, mutation, what) + f" -> {exc}")
+            continue
+        outputs = {call.get(o) is not None and id(call[o]) for o in ("out", "q_out", "k_out")}
+        changed = [n for n, a in arrays.items() if id(a) not in outputs and a.tobytes() != before[n].tobytes()]
+        if changed:
+            tally.fail(f"{mutation}: accepted, and wrote its input {'/'.join(changed)}", _repro(api, call, mutation, what))
+        tally.counts["ok"] += 1
+    tally.report()
+
+
+def test_fuzz_hostile_tail_numpy_backend():
+    """tail_rope / TailRoPEForward on host arrays with 0-d arrays, swapped byte order, foreign
+    dtypes and non-finite tables."""
+    rng = np.random.default_rng(20240614)
+    tally = Tally("hostile/tail")
+    for _ in range(HOSTILE_TAIL_CASES):
+        dice = Dice(int(rng.integers(2**32)), 0.0)
+        t, h, d = dice.pick([0, 1, 2, 5]), dice.pick([1, 2]), dice.pick([128, 512])
+        x = _host_array(dice, (t, h, d) if dice.one_in(2) else (t, d), BF16, dice.rng, contiguous=True)
+        cosine = np.cos(dice.rng.uniform(-50, 50, (t, 32))).astype(np.float32)
+        sine = np.sin(dice.rng.uniform(-50, 50, (t, 32))).astype(np.float32)
+        out = np.full(x.shape, np.nan, BF16)
+        args = {"x": x, "cosine": cosine, "sine": sine, "out": out}
+        mutation = dice.pick(["none", "0-d array", "byte order", "foreign dtype", "non-finite table"])
+        name = dice.pick(["x", "cosine", "sine", "out"])
+        if mutation == "0-d array":
+            args[name] = np.array(1.5).astype(args[name].dtype)
+        elif mutation == "byte order" and name in ("cosine", "sine"):
+            args[name] = _swapped(args[name])
+        elif mutation in ("byte order", "foreign dtype"):  # bfloat16 has no swapped dtype: raw 2-byte voids
+            args[name] = args[name].view(np.dtype(dice.pick([">V2", "<V2", ">u2", ">f2"])))
+        elif mutation == "non-finite table" and cosine.size:
+            args[name if name in ("cosine", "sine") else "cosine"].reshape(-1)[dice.int(0, cosine.size - 1)] = \
+                dice.pick(NONFINITE)
+        what = f"{name}: {_describe(args[name])}"
+        before = {n: v.copy() for n, v in args.items()}
+        one_call = dice.one_in(2)
+        repro = (f"[{mutation}: {what}] " + ("tail_rope" if one_call else "TailRoPEForward(...).execute")
+                 + "(" + ", ".join(f"{n}={_describe(v)}" for n, v in args.items()) + ")")
+        try:
+            if one_call:
+                got = tail_rope(args["x"], args["cosine"], args["sine"], backend="numpy")["out"]
+            else:
+                got = TailRoPEForward(*args.values(), backend="numpy").execute(*args.values())["out"]
+        except ALLOWED_ERRORS as exc:
+            if not _NAMED.match(str(exc)):
+                tally.fail(f"{mutation}: {type(exc).__name__} names no argument", repro + f" -> {exc}")
+            changed = [n for n, a in args.items() if a.tobytes() != before[n].tobytes()]
+            if changed:
+                tally.fail(f"{mutation}: raised after writing {'/'.join(changed)}", repro)
+            if mutation == "none":
+                tally.fail("valid case rejected", repro + f" -> {exc}")
+            tally.counts[type(exc).__name__] += 1
+            continue
+        except Exception as exc:  # noqa: BLE001
+            tally.fail(f"{mutation}: {type(exc).__name__}", repro + f" -> {type(exc).__name__}: {exc}")
+            continue
+        try:
+            want = tail_rope_reference(before["x"], _native(before["cosine"]), _native(before["sine"]))
+            same = np.array_equal(_bits(np.asarray(got)), _bits(want))
+        except Exception as exc:  # noqa: BLE001
+            tally.fail(f"{mutation}: accepted what the reference rejects ({type(exc).__name__})", repro)
+            continue
+        if not same:
+            tally.fail(f"{mutation}: accepted, result differs from the reference", repro)
+        changed = [n for n, a in args.items() if n != "out" and a.tobytes() != before[n].tobytes()]
+        if changed:
+            tally.fail(f"{mutation}: accepted, and wrote its input {'/'.join(changed)}", repro)
+        tally.counts["ok"] += 1
+    tally.report()
+
+
+_TABLE_SCALINGS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": True},
+    "yarn-attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                       "attention_factor": 1.2},
+    "longrope": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0] * 4,
+                 "original_max_position_embeddings": 16, "factor": 4.0},
+    "longrope-attention": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                           "original_max_position_embeddings": 16, "attention_factor": 0.9},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+}
+_HOSTILE_PARAMETERS = [1e-308, 5e-324, 1e-30, 1e30, 1e38, 1e308, math.nan, -math.nan, math.inf, -math.inf, -1, 0,
+                       0.5, 2**63, HUGE, 10**400, [1, 2], "2", True, None, np.float64(math.nan), np.float32(1e-30),
+                       np.int64(2**62)]
+# Sizes that are invalid whatever the other one is (a valid huge size would allocate gigabytes).
+_HOSTILE_ROWS = [0, -1, 2**31, 2**63, 2**64, HUGE, 1.5, True, "8", np.int64(2**40)]
+_HOSTILE_DIMS = [0, -2, 7, 2**17, 2**63, HUGE, 8.0, None, np.int64(2**62)]
+
+
+def test_fuzz_hostile_table_parameters():
+    """rope_tables with hostile scaling parameters, bases and sizes, every rope_type, both
+    numerics: a finite float32 table of the right shape, or a ValueError/TypeError naming the
+    parameter; the scaling dict unchanged."""
+    rng = np.random.default_rng(20240615)
+    tally = Tally("hostile/tables")
+    for _ in range(HOSTILE_TABLE_CASES):
+        dice = Dice(int(rng.integers(2**32)), 0.0)
+        kind = dice.pick(sorted(_TABLE_SCALINGS))
+        scaling = {k: (list(v) if isinstance(v, list) else v) for k, v in _TABLE_SCALINGS[kind].items()}
+        numerics = dice.pick(["exact", "transformers"])
+        rows, dim = dice.pick([1, 2, 10, 40]), 8
+        call = dict(base=dice.pick([10000.0, 500000.0, 10.0]), scaling=scaling, numerics=numerics)
+        target = dice.pick(["none", "scaling", "scaling", "scaling", "base", "max_positions", "rotary_dim"])
+        value = dice.pick(_HOSTILE_PARAMETERS)
+        if target == "scaling":
+            key = dice.pick([k for k in scaling if k != "rope_type"] + ["rope_theta"])
+            if key in ("short_factor", "long_factor") and not isinstance(value, list):
+                lst = list(scaling[key])
+                lst[dice.int(0, 3)] = value
+                value = lst
+            scaling[key] = value
+            named = f"scaling['{key}']"
+        elif target == "base":
+            call["base"], named = value, "base"
+        elif target == "max_positions":
+            rows, named = dice.pick(_HOSTILE_ROWS), "max_positions"
+        elif target == "rotary_dim":
+            dim, named = dice.pick(_HOSTILE_DIMS), "rotary_dim"
+        else:
+            named = None
+        frozen = repr(scaling)
+        repro = f"[{target}] rope_tables({_describe(rows)}, {_describe(dim)}, " + \
+            ", ".join(f"{n}={v!r}" for n, v in call.items()) + ")"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)  # an overflow met on the way
+                cos, sin = rope_tables(rows, dim, **call)
+        except (TypeError, ValueError) as exc:
+            if named is None:
+                tally.fail("valid table rejected", repro + f" -> {exc}")
+            elif named not in str(exc) and not (target == "base" and "rope_theta" in scaling):
+                tally.fail(f"{target}: {type(exc).__name__} does not name {named}", repro + f" -> {exc}")
+            tally.counts[type(exc).__name__] += 1
+        except Exception as exc:  # noqa: BLE001
+            tally.fail(f"{target}: {type(exc).__name__}", repro + f" -> {type(exc).__name__}: {exc}")
+        else:
+            if not (cos.dtype == sin.dtype == np.float32 and cos.shape == sin.shape == (rows, dim // 2)):
+                tally.fail(f"{target}: wrong table", repro + f" -> {cos.dtype} {cos.shape}")
+            elif not (np.isfinite(cos).all() and np.isfinite(sin).all()):
+                tally.fail(f"{target}: accepted, table not finite", repro)
+            else:
+                tally.counts["ok"] += 1
+        if repr(scaling) != frozen:
+            tally.fail(f"{target}: scaling dict changed", repro)
+    tally.report()
+
+
 def test_zz_report_case_counts():
     """Reports the cases tried (run with -s or -rP to see it); runs last in this module."""
     expected = {"general/fake", "tail/fake", "general/numpy", "tail/numpy", "plan/revalidation",
-                "tail/revalidation"}
+                "tail/revalidation", "hostile/numpy", "hostile/tail", "hostile/tables"}
     if set(COUNTS) != expected:
         pytest.skip("reports only when every fuzz test of the module ran")
     total = sum(sum(c.values()) for c in COUNTS.values())
@@ -784,4 +1188,4 @@ def test_zz_report_case_counts():
         accepted = sum(v for k, v in c.items() if k.split(",")[0] in ACCEPTED)
         assert accepted >= 0.2 * sum(c.values()), f"{name}: too few valid cases ({dict(c)})"
         assert sum(c.values()) - accepted >= 0.2 * sum(c.values()), f"{name}: too few invalid cases ({dict(c)})"
-    assert total >= 2000, lines
+    assert total >= 20000, lines

@@ -8,7 +8,7 @@ import pytest
 from rope_rtc import launch as L
 from rope_rtc.errors import CudaError
 
-PREFIX = ("fn", 1, 1, 1, 256, 1, 1, 0)
+PREFIX = (0xF00, 1, 1, 1, 256, 1, 1, 0)  # an int function handle, as CUfunction converts to
 
 
 class FakeStream:
@@ -33,8 +33,7 @@ def rig(monkeypatch):
     launcher._get_device = lambda: 0
     launcher._current_stream = lambda device: stream
     launcher._capturing = lambda handle: stream.is_capturing()
-    launcher._CUstream = lambda handle: ("CUstream", handle)
-    launcher._launch = lambda *argv: calls.append(("plain", argv[8][1])) or (0,)
+    launcher._launch = lambda *argv: calls.append(("plain", argv[8]))
 
     class Exec:
         def __init__(self, token):
@@ -154,3 +153,20 @@ def test_an_explicit_stream_is_used_as_its_handle(rig):
     assert calls == [("plain", 99), ("graph", id(token), 99), ("graph", id(token), 99),
                      ("graph", id(token), 55), ("graph", id(token), 55)]
     assert asked == [99, 99, 55, 55]  # the capture query asks about the stream launched into
+
+
+def test_a_failed_launch_raises_the_cuda_error_by_name(rig):
+    launcher, stream, calls, made = rig
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            super().__init__(status)
+            self.status = status
+
+    def fail(*argv):
+        raise DriverError(1)  # CUDA_ERROR_INVALID_VALUE
+
+    launcher._launch, launcher._launch_error = fail, DriverError
+    with pytest.raises(CudaError, match=r"cuLaunchKernel\(grid=\(1, 1, 1\).*CUDA_ERROR_INVALID_VALUE") as info:
+        launcher(PREFIX, None)
+    assert info.value.name == "CUDA_ERROR_INVALID_VALUE"

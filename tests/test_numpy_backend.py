@@ -454,3 +454,38 @@ def test_tail_numpy_errors_leave_inputs_unchanged():
         tail_rope(np.zeros((4, 2, 256), BF16)[..., ::2], cosine, sine, backend="numpy")
     with pytest.raises(TypeError, match="backend='numpy' takes host arrays"):
         TailRoPEForward(TensorDesc(BF16, (4, 2, 128)), cosine, sine, np.empty_like(x), backend="numpy").check_support()
+
+
+def test_non_native_byte_order_is_refused_before_anything_is_written():
+    # A big-endian k used to pass validation; the reference then rejected it after q_out=q had
+    # been rotated. Byte order is part of the dtype check, up front.
+    rng = np.random.default_rng(21)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    k = q.astype(">f4")
+    q0, k0 = q.copy(), k.copy()
+    cos, sin = make_tables(8, 8)
+    with pytest.raises(TypeError, match=r"k: dtype >f4 is in non-native byte order"):
+        apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, backend="numpy")
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+    with pytest.raises(TypeError, match=r"cos: dtype >f4 is in non-native byte order"):
+        apply_rope(q, cos.astype(">f4"), sin, out=q, backend="numpy")
+    np.testing.assert_array_equal(q, q0)
+
+
+@pytest.mark.parametrize("case", ["0-d x", "0-d cos", "offset 2**63, no batch", "offset 2**63"])
+def test_degenerate_inputs_raise_documented_errors(case):
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
+    cos, sin = make_tables(8, 8)
+    kw = {}
+    if case == "0-d x":
+        x, exc, pattern = np.full((), 1.5, np.float32), ValueError, r"x: layout 'bshd' needs a 4-d array"
+    elif case == "0-d cos":
+        cos, exc, pattern = np.ones((), np.float32), ValueError, r"cos: expected a 2-d table"
+    else:
+        if case == "offset 2**63, no batch":
+            x = x[:0]
+        kw, exc, pattern = {"offset": 2**63}, ValueError, r"offset: positions 9223372036854775808"
+    with pytest.raises(exc, match=pattern):
+        apply_rope(x, cos, sin, backend="numpy", **kw)

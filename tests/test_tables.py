@@ -583,15 +583,20 @@ def test_attention_factor_past_float32_is_named(kind, numerics):
     assert np.isfinite(cos).all() and cos[0, 0] == np.float32(1e38)
 
 
-@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize(("base", "numerics"), [(5e-324, "exact"), (5e-324, "transformers"),
+                                               (1e-308, "transformers")])
 @pytest.mark.parametrize("kind", sorted(SCALING))
-@pytest.mark.parametrize("base", [5e-324, 1e-308])
 def test_base_whose_frequencies_overflow_is_named(kind, numerics, base):
-    # Before: base=5e-324 gave tables of NaN (cos of an infinite angle).
+    # Before: base=5e-324 gave tables of NaN (cos of an infinite angle). In float64, 1e-308 **
+    # (-62 / 64) is finite, 5e-324 ** (-62 / 64) is not; float32 rounds both bases to zero.
+    scaling = {**SCALING[kind]}
+    for key in ("short_factor", "long_factor"):
+        if key in scaling:
+            scaling[key] = scaling[key] * 8
     with pytest.raises(ValueError, match=r"^base\b"):
-        rope_tables(100, 8, base=base, scaling=SCALING[kind], numerics=numerics)
+        rope_tables(100, 64, base=base, scaling=scaling, numerics=numerics)
     with pytest.raises(ValueError, match=re.escape("scaling['rope_theta']")):
-        rope_tables(100, 8, scaling={**SCALING[kind], "rope_theta": base}, numerics=numerics)
+        rope_tables(100, 64, scaling={**scaling, "rope_theta": base}, numerics=numerics)
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
@@ -610,8 +615,9 @@ def test_longrope_factor_lists_are_numbers_that_fit(numerics):
         rope_tables(100, 8, scaling={**base, "short_factor": [1.0, 1.0, HUGE_INT, 1.0]}, numerics=numerics)
     with pytest.raises(TypeError, match=re.escape("scaling['long_factor']")):
         rope_tables(100, 8, scaling={**base, "long_factor": ["2"] * 4}, numerics=numerics)
+    # 50 positions are within the original 64: the short factors apply.
     with pytest.raises(ValueError, match=re.escape("scaling['short_factor']")):
-        rope_tables(100, 8, scaling={**base, "short_factor": [1e-308] * 4}, numerics=numerics)
+        rope_tables(50, 8, scaling={**base, "short_factor": [1e-308] * 4}, numerics=numerics)
 
 
 def test_longrope_attention_needs_an_original_length_above_one():

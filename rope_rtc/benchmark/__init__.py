@@ -10,7 +10,7 @@ Run from a checkout on a GPU machine::
     python3 scripts/bench.py --from-json bench.json --write-docs   # re-render a saved run, no GPU
     python3 scripts/bench.py --list                      # the cases, without running anything
 
-Method (DESIGN.md, "Performance"):
+Method (docs/design.md, "Measuring"):
 
 * Effective bandwidth = bytes moved / time, where bytes moved is a property of the case, not of
   the implementation: input bytes read + output bytes written + table bytes read (the rows the

@@ -2,9 +2,10 @@
 
 A ``"|".join`` key is not injective and a truncated hash can collide; so every field is fed as
 ``label, length, bytes`` and the full 64-hex digest names the entry. Only inputs are hashed,
-never compiler output. The key changes whenever the binary could: every source file, the
-specialisation, every option, the NVRTC version, the CUDA headers' version, the target
-architecture and output kind, rope_rtc's version, and KEY_FORMAT.
+never compiler output. The key changes whenever the binary could: every source file the
+specialisation includes (rope_rtc/sources.py), the specialisation, every option, the NVRTC
+version, the CUDA headers' version, the target architecture and output kind, rope_rtc's
+version, and KEY_FORMAT.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Cache stores: a disk store that needs no lock to be correct, and a memory store.
 
-Disk rules (DESIGN.md, "Compilation and the cache"):
+Disk rules (docs/design.md, "The kernel cache"):
 - publish = write a temporary file in the same directory, fsync, ``os.replace``: a reader sees
   the old entry or the new one, never part of one; a process that loses a race keeps the bytes
   it compiled. There is no lock, so nothing can be left holding one.

@@ -1,0 +1,142 @@
+"""The one-call functions on the GPU: per-thread plans under concurrency, bit-equality with a
+plan, the position debug switch, and the NumPy round trip's stream."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gpu_util import bits, host_random, host_tables
+
+pytestmark = pytest.mark.gpu
+
+BF16 = ml_dtypes.bfloat16
+B, HQ, HK, D, ROWS = 8, 32, 8, 128, 4096
+
+
+@pytest.fixture
+def cp():
+    import cupy
+
+    return cupy
+
+
+def test_eight_threads_own_arrays_and_streams_exact(cp):
+    """8 threads, 1,000 apply_rope_qk calls each on their own arrays and streams: every result
+    equals, bit for bit, what one call of the same kernel gave on the main thread, and no thread
+    ever ran another thread's plan."""
+    import rope_rtc
+    from rope_rtc import rope
+
+    cos_h, sin_h = host_tables(ROWS, D // 2, 0)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    work = []  # per thread: [(q, k, starts, q_out, k_out, expected q bits, expected k bits)]
+    for t in range(8):
+        sets = []
+        for j in range(4):
+            q = cp.asarray(host_random((B, 1, HQ, D), BF16, seed=100 * t + j))
+            k = cp.asarray(host_random((B, 1, HK, D), BF16, seed=100 * t + j + 50))
+            starts = cp.asarray(np.random.default_rng(t * 7 + j).integers(0, ROWS - 1, B).astype(np.int32))
+            eq, ek = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+            sets.append((q, k, starts, cp.full(q.shape, np.nan, BF16), cp.full(k.shape, np.nan, BF16),
+                         bits(cp.asnumpy(eq)), bits(cp.asnumpy(ek))))
+        work.append(sets)
+    cp.cuda.runtime.deviceSynchronize()
+    errors: list = []
+    plans: dict[int, set] = {}
+    start = threading.Barrier(8)
+
+    def worker(t: int) -> None:
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            sets = work[t]
+            start.wait()
+            for i in range(1000):
+                q, k, starts, qo, ko = sets[i % len(sets)][:5]
+                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, q_out=qo, k_out=ko, stream=stream)
+            stream.synchronize()
+            plans[t] = {id(p) for p in rope._local.by_key.values()}
+            for _, _, _, qo, ko, eq, ek in sets:
+                assert np.array_equal(bits(cp.asnumpy(qo)), eq), f"thread {t}: q differs"
+                assert np.array_equal(bits(cp.asnumpy(ko)), ek), f"thread {t}: k differs"
+        except Exception as exc:  # reported on the main thread
+            errors.append((t, exc))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert all(len(p) == 1 for p in plans.values())
+    assert len(set().union(*plans.values())) == 8
+
+
+def test_one_call_matches_a_plan_bit_for_bit_with_new_arrays_each_call(cp):
+    import rope_rtc
+
+    cos_h, sin_h = host_tables(ROWS, D // 2, 1)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    q0 = cp.asarray(host_random((B, 1, HQ, D), BF16, seed=1))
+    k0 = cp.asarray(host_random((B, 1, HK, D), BF16, seed=2))
+    starts = cp.asarray(np.arange(B, dtype=np.int32) * 300)
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=starts, q_out=cp.empty_like(q0),
+                             k_out=cp.empty_like(k0)).compile()
+    pq, pk = cp.full_like(q0, np.nan), cp.full_like(k0, np.nan)
+    plan.execute(q0, k0, cos, sin, q_out=pq, k_out=pk, offset=starts)
+    for _ in range(3):  # new arrays (copies) of the one signature
+        q, k = q0.copy(), k0.copy()
+        qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+        assert np.array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(pq)))
+        assert np.array_equal(bits(cp.asnumpy(ko)), bits(cp.asnumpy(pk)))
+        q2 = q0.copy()
+        assert rope_rtc.apply_rope(q2, cos, sin, offset=starts, out=q2) is q2
+        assert np.array_equal(bits(cp.asnumpy(q2)), bits(cp.asnumpy(pq)))
+
+
+def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
+    import rope_rtc
+
+    cos_h, sin_h = host_tables(64, 8, 2)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    x = cp.asarray(host_random((2, 3, 2, 16), np.float32, seed=3))
+    x0 = cp.asnumpy(x)
+    bad = cp.asarray(np.array([[0, 1, 2], [5, 64, 7]], np.int32))
+    # Without the switch a device-side position is not read back: its token gets NaN.
+    out = rope_rtc.apply_rope(x, cos, sin, positions=bad)
+    assert np.isnan(cp.asnumpy(out)[1, 1]).all() and not np.isnan(cp.asnumpy(out)[0]).any()
+    monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+    from rope_rtc import rope
+
+    monkeypatch.setattr(rope, "_local", threading.local())  # plans read the switch when made
+    with pytest.raises(ValueError, match=r"positions: entry 4 is 64, outside the table's 64 rows"):
+        rope_rtc.apply_rope(x, cos, sin, positions=bad, out=x)
+    assert np.array_equal(cp.asnumpy(x), x0)
+    plan = rope_rtc.RopePlan(x, None, cos, sin, positions=bad).compile()
+    with pytest.raises(ValueError, match="positions: entry 4 is 64"):
+        plan.execute(x, None, cos, sin, positions=bad)
+    cu = cp.asarray(np.array([0, 4, 3], np.int32))
+    t = x.reshape(6, 2, 16)
+    with pytest.raises(ValueError, match="cu_seqlens: must be non-decreasing"):
+        rope_rtc.apply_rope(t, cos, sin, layout="thd", cu_seqlens=cu, out=t)
+    assert np.array_equal(cp.asnumpy(x), x0)
+
+
+def test_numpy_round_trip_waits_for_the_stream_it_launched_on(cp):
+    """NumPy in, NumPy out on a stream other than the current one, while that stream is busy:
+    the copy back must wait for the kernel on that stream (not on the current stream)."""
+    import rope_rtc
+    from rope_rtc.benchmark.runner import GpuHold
+
+    cos, sin = host_tables(64, 16, 4)
+    x = host_random((2, 5, 4, 32), np.float32, seed=5)
+    stream = cp.cuda.Stream(non_blocking=True)
+    hold = GpuHold(stream, cp.cuda.runtime.getDevice())
+    want = rope_rtc.apply_rope(x, cos, sin, offset=3, backend="numpy")
+    for _ in range(3):
+        hold(20_000)  # 20 ms of GPU work queued ahead of the kernel on `stream`
+        got = rope_rtc.apply_rope(x, cos, sin, offset=3, stream=stream)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,199 @@
+"""The one-call functions on the prepared-launch core, on the CPU (fake device arrays, recorded
+launches): what the repeat path does and does not do, per-thread plans, and the address checks
+that remain on new arrays of a signature seen before."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc import apply_rope, apply_rope_qk, env, prepared, rope, rope_plan, rope_request, tail_rope
+
+B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
+
+
+def decode_arrays(seed: int = 0):
+    """A decode step's arrays (bf16 q [8,1,32,128], k [8,1,8,128], per-sequence offsets) at fresh addresses."""
+    q = fake_cupy((B, S, HQ, D), BF16)
+    k = fake_cupy((B, S, HK, D), BF16)
+    return q, k, fake_cupy((B,), np.int32)
+
+
+@pytest.fixture
+def gpu():
+    with FakeGPU() as g:
+        yield g
+
+
+@pytest.fixture
+def table():
+    return fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32)
+
+
+class _CountingEnviron(dict):
+    """os.environ's contents, counting every read."""
+
+    def __init__(self, base) -> None:
+        super().__init__(base)
+        self.reads = 0
+
+    def get(self, key, default=None):
+        self.reads += 1
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.reads += 1
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.reads += 1
+        return super().__contains__(key)
+
+
+def _counted(monkeypatch, owner, name: str, counts: dict):
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothing(gpu, table, monkeypatch):
+    cos, sin = table
+    q, k, offs = decode_arrays()
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)  # the first call of the signature
+    assert len(gpu.launches) == 1
+    counts: dict = {}
+    environ = _CountingEnviron(os.environ)
+    monkeypatch.setattr(os, "environ", environ)
+    _counted(monkeypatch, env, "settings", counts)
+    _counted(monkeypatch, prepared.Prepared, "_new_launcher", counts)
+    _counted(monkeypatch, rope_plan.RopePlan, "__init__", counts)
+    for module in (rope, rope_plan):  # every full validation goes through rope_request.validate
+        _counted(monkeypatch, module, "validate", counts)
+    _counted(monkeypatch, rope_request, "validate", counts)
+    sets = [decode_arrays() for _ in range(64)]
+    for i in range(200):
+        q, k, offs = sets[i % len(sets)]
+        assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k) == (q, k)
+        p = gpu.launches[-1]["params"]
+        assert (p.q_in, p.q_out, p.k_in, p.k_out, p.offsets) == (q.data.ptr, q.data.ptr, k.data.ptr, k.data.ptr,
+                                                                 offs.data.ptr)
+    assert counts == {} and environ.reads == 0
+    assert len(gpu.launches) == 201
+    # Nothing of the caller's is held after a call: the plans keep templates, not arrays.
+    for plan in rope._local.by_key.values():
+        assert plan._core.last is None and not plan._core.recent
+
+
+def test_one_call_plans_are_per_signature_and_bounded(gpu, table):
+    cos, sin = table
+    q, k, offs = decode_arrays()
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+    apply_rope(q, cos, sin, offset=3, out=q)
+    apply_rope(q, cos, sin, offset=3)  # out of place: another plan
+    plans = rope._local.by_key
+    assert len(plans) == 3
+    # A different token count is a new signature of the same plan: no new plan.
+    q2 = fake_cupy((B, 5, HQ, D), BF16)
+    apply_rope(q2, cos, sin, offset=3, out=q2)
+    assert len(plans) == 3 and len(rope._local.by_signature) == 4
+    for h in range(1, rope.ONE_CALL_PLANS + 10):
+        x = fake_cupy((1, 1, h, 8), np.float32)
+        apply_rope(x, cos[:, :4], sin[:, :4], out=x)
+    assert len(plans) <= rope.ONE_CALL_PLANS and len(rope._local.by_signature) <= rope.ONE_CALL_PLANS
+
+
+def test_address_checks_still_run_on_a_known_signature(gpu, table):
+    cos, sin = table
+    q, k, offs = decode_arrays()
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+    n = len(gpu.launches)
+    # The same signature at an address the 16-byte access cannot use: a narrower build, or the error.
+    q_odd = fake_cupy((B, S, HQ, D), BF16, byte_offset=2)
+    apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k)
+    assert gpu.launches[-1]["vec"] == 1
+    # Overlap of an output with another argument is found on the repeat path too.
+    base = fake_cupy((B, S, HQ + HK, D), BF16)
+    qv, kv = base[:, :, :HQ], base[:, :, HQ - HK + 1:HQ + 1]
+    with pytest.raises(ValueError, match="overlaps"):
+        apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv)
+    assert len(gpu.launches) == n + 1
+
+
+def test_threads_never_share_a_plan(table):
+    """8 threads, 1,000 calls each on their own arrays: every launch carries the calling
+    thread's pointers (a shared argument block would mix them), and no two threads hold the
+    same plan."""
+    cos, sin = table
+    plan_ids: dict[int, set] = {}
+    errors: list = []
+    with FakeGPU() as gpu:
+        lock = threading.Lock()
+        start = threading.Barrier(8)  # all alive at once: thread idents stay distinct
+
+        def worker(t: int) -> None:
+            try:
+                start.wait()
+                sets = [decode_arrays() for _ in range(8)]
+                mine = []
+                for i in range(1000):
+                    q, k, offs = sets[i % len(sets)]
+                    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+                    mine.append((q.data.ptr, k.data.ptr, offs.data.ptr))
+                with lock:
+                    plan_ids[t] = {id(p) for p in rope._local.by_key.values()}
+                expected.append((threading.get_ident(), mine))
+            except Exception as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        expected: list = []
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert not errors, errors
+    by_thread: dict[int, list] = {}
+    for rec in gpu.launches:
+        p = rec["params"]
+        by_thread.setdefault(rec["thread"], []).append((p.q_in, p.k_in, p.offsets))
+    for ident, mine in expected:
+        assert by_thread[ident] == mine
+    ids = list(plan_ids.values())
+    assert all(len(s) == 1 for s in ids)
+    assert len(set().union(*ids)) == 8
+
+
+def test_tail_rope_one_call_keeps_no_arrays(table):
+    with FakeGPU() as gpu:
+        for T in (4, 4, 7):
+            x = fake_cupy((T, 64, 512), BF16)
+            c, s = fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32)
+            out, = tail_rope(x, c, s)
+            assert out.shape == x.shape and out.data.ptr != x.data.ptr
+            assert gpu.launches[-1]["fn"] == "tail_rope_bf16_x1"
+        from rope_rtc import tail
+
+        plans = list(tail._local.by_key.values())
+        assert len(plans) == 1 and plans[0]._decl is None
+        assert plans[0]._core.last is None and not plans[0]._core.recent
+        assert len(gpu.launches) == 3
+
+
+def test_a_numpy_offset_scalar_is_an_int(gpu, table):
+    cos, sin = table
+    q = fake_cupy((B, S, HQ, D), BF16)
+    apply_rope(q, cos, sin, offset=np.int64(9), out=q)
+    assert gpu.launches[-1]["params"].offset == 9
+    plan = rope_plan.RopePlan(q, None, cos, sin).compile()
+    plan.execute(q, None, cos, sin, offset=np.int32(11))
+    assert gpu.launches[-1]["params"].offset == 11
+    with pytest.raises(TypeError, match="offset: expected an int or an int array"):
+        apply_rope(q, cos, sin, offset=5.0, out=q)
