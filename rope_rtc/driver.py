@@ -62,15 +62,27 @@ def _libcuda_load_error() -> str | None:
     return None
 
 
-def _explain(exc: CudaError) -> str:
+def _driver_major(drv) -> int | None:
+    """The CUDA major version the installed driver supports (cuDriverGetVersion needs no cuInit)."""
+    try:
+        status, version = drv.cuDriverGetVersion()
+    except Exception:  # a courtesy for the message
+        return None
+    return int(version) // 1000 if int(status) == 0 and int(version) > 0 else None
+
+
+def _explain(exc: CudaError, drv) -> str:
     """cuInit's failure in words a user can act on; the CUresult name stays in the text."""
     if exc.name == "CUDA_ERROR_STUB_LIBRARY":
         return f"{NO_DRIVER} (the CUDA toolkit's stub driver library was loaded instead of a driver: {exc})"
     if exc.name == "CUDA_ERROR_NO_DEVICE":
         return f"no CUDA device found ({exc})"
     if exc.name == "CUDA_ERROR_INSUFFICIENT_DRIVER":
+        missing = _libcuda_load_error()
+        if missing is not None:  # what a runtime reports when there is no driver at all
+            return f"{NO_DRIVER} ({missing})"
         return (f"the CUDA driver is older than this toolchain needs ({exc}): upgrade the driver, or install the "
-                f"toolchain of the driver's CUDA version: {install_hint()}")
+                f"toolchain of the driver's CUDA version: {install_hint(_driver_major(drv))}")
     return str(exc)
 
 
@@ -83,7 +95,7 @@ def _init_failure() -> CudaError | None:
     try:
         check(drv.cuInit(0), "cuInit")
     except CudaError as exc:
-        return CudaError(_explain(exc), name=exc.name, code=exc.code)
+        return CudaError(_explain(exc, drv), name=exc.name, code=exc.code)
     except Exception as exc:  # the bindings could not load the driver library
         missing = _libcuda_load_error()
         if missing is not None:

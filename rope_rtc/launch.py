@@ -192,7 +192,6 @@ class Launcher:
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
         import cupy
-        from cuda.bindings import driver as drv
 
         from .env import settings
 
@@ -334,6 +333,8 @@ def allocate(shape: tuple, dtype, device: int, stream: int):
     the one-call functions allocate."""
     import cupy
 
+    if cupy.cuda.runtime.getDevice() == device and stream == cupy.cuda.get_current_stream().ptr:
+        return cupy.empty(shape, dtype)  # the common case, without switching device or stream
     with cupy.cuda.Device(device):
         if stream == cupy.cuda.get_current_stream().ptr:
             return cupy.empty(shape, dtype)

@@ -46,20 +46,15 @@ def signature(arrays: tuple) -> tuple | None:
     """``(shape, strides, dtype, device)`` of each argument when every one is a CuPy array or
     None; None otherwise (other objects are fully validated on every call)."""
     nd = _NDARRAY or _cupy_ndarray()
-    parts = []
     for a in arrays:
-        if a is None:
-            parts.append(None)
-        elif type(a) is nd:
-            parts.append((a.shape, a.strides, a.dtype, a.data.device_id))
-        else:
+        if a is not None and type(a) is not nd:
             return None
-    return tuple(parts)
+    return tuple([None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays])
 
 
 def pointers(arrays: tuple) -> tuple:
     """Data pointers of CuPy arrays (0 for None)."""
-    return tuple(0 if a is None else a.data.ptr for a in arrays)
+    return tuple([0 if a is None else a.data.ptr for a in arrays])
 
 
 class Call:

@@ -22,7 +22,7 @@ from . import arrays as A
 from . import launch
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
-from .prepared import signature
+from .prepared import pointers, signature
 from .rope_plan import RopePlan, check_positions_of, split_offset
 from .rope_request import Request, validate
 
@@ -129,26 +129,34 @@ def _thread_caches() -> tuple[dict, dict]:
         return _local.by_signature, _local.by_key
 
 
-def _plan_for(arrays: tuple, scalar: int, opts: dict, names: tuple[str, str]) -> RopePlan:
+OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse")
+
+
+def _kw(opts: tuple) -> dict:
+    """The options tuple (OPTION_NAMES order) as keywords."""
+    return dict(zip(OPTION_NAMES, opts))
+
+
+def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -> RopePlan:
     """The thread's plan for a call's fixed properties (built and compiled lazily)."""
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
     req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **opts)
-    key = (tuple(opts.values()), names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
+                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **_kw(opts))
+    key = (opts, names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
            req.in_place, req.pos_mode, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
                                                                                       req.cu_seqlens)), req.device)
     _, by_key = _thread_caches()
     plan = by_key.get(key)
     if plan is None:
         plan = RopePlan(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **opts)
+                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **_kw(opts))
         plan._names = names
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_PLANS)
     return plan
 
 
-def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: dict,
+def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: tuple,
                 names: tuple[str, str], device: int | None = None):
     """One launch through the thread's plan for this signature; outputs allocated when omitted.
     ``device``: q's device when q is not a CuPy array.
@@ -172,32 +180,31 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         by_signature = _local.by_signature
     except AttributeError:
         by_signature = _thread_caches()[0]
-    key = None if sig is None else (opts["layout"], opts["interleaved"], opts["rotary_dim"], opts["rotary_offset"],
-                                    opts["inverse"], names, q_out is q, k_out is k, sig)
+    key = None if sig is None else (opts, names, q_out is q, k_out is k, sig)
     hit = by_signature.get(key) if key is not None else None
     call = None
     if hit is not None:
         plan, tmpl = hit
-        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays))
+        call = tmpl.bind(plan._core, arrays, scalar, pointers(arrays))
     if call is None:  # a new signature, or addresses the template declines: full validation
         plan = hit[0] if hit is not None else _plan_for(arrays, scalar, opts, names)
         call = plan._core.bind(arrays, scalar)
         if key is not None:
             remember(by_signature, key, (plan, call.template), ONE_CALL_PLANS)
     if plan._check_positions:
-        check_positions_of(arrays, scalar, opts)
+        check_positions_of(arrays, scalar, _kw(opts))
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return q_out, k_out
 
 
 def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-           opts: dict):
+           opts: tuple):
     backend = _resolve_backend(backend)
     if backend == "nvrtc" and type(q).__module__.startswith("cupy"):
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
-                   k_out=k_out, names=names, **opts)
+                   k_out=k_out, names=names, **_kw(opts))
     host = req.q.device is None
     if backend == "numpy":
         if not host:
@@ -218,7 +225,7 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
     return _run_staged(req, names, q, k, stream, opts)
 
 
-def _run_staged(req: Request, names, q, k, stream, opts: dict):
+def _run_staged(req: Request, names, q, k, stream, opts: tuple):
     """NumPy in, NumPy out, computed on the GPU: stage, launch, synchronise the launch's stream,
     copy back (into the caller's outputs only once everything has succeeded)."""
     import cupy
@@ -299,8 +306,7 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
     return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-                  {"layout": layout, "interleaved": interleaved, "rotary_dim": rotary_dim,
-                   "rotary_offset": rotary_offset, "inverse": inverse})
+                  (layout, interleaved, rotary_dim, rotary_offset, inverse))
 
 
 def apply_rope(x, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
@@ -311,6 +317,5 @@ def apply_rope(x, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout
     ``out=x`` rotates in place. Returns the output array.
     """
     q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
-                  {"layout": layout, "interleaved": interleaved, "rotary_dim": rotary_dim,
-                   "rotary_offset": rotary_offset, "inverse": inverse})
+                  (layout, interleaved, rotary_dim, rotary_offset, inverse))
     return q

@@ -235,24 +235,17 @@ class _RopeTemplate:
     def write_scalar(block: RopeParams, offset: int) -> None:
         block.offset = offset
 
-    def _disjoint(self, ptrs: tuple) -> bool:
-        """No output meets another argument's bytes (by extents: exact for the common case of
-        separate buffers; when extents meet, full validation decides exactly)."""
-        for o, olo, ohi, others in self.disjoint:
+    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
+        """Address checks, then the block; None sends the call through full validation."""
+        for o, olo, ohi, others in self.disjoint:  # no output meets another argument (by extents)
             lo, hi = ptrs[o] + olo, ptrs[o] + ohi
             for j, jlo, jhi in others:
                 p = ptrs[j]
                 if p + jlo < hi and lo < p + jhi:
-                    return False
-        return True
-
-    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
-        """Address checks, then the block; None sends the call through full validation."""
-        if not self._disjoint(ptrs) and tuple(p - ptrs[0] for p in ptrs) != self.placement:
-            return None
-        if offset and self.has_positions:
-            return None
-        if offset < 0 or offset > self.table_rows:
+                    if tuple(p - ptrs[0] for p in ptrs) != self.placement:
+                        return None  # extents meet at a placement not validated: full validation decides
+                    break
+        if offset and self.has_positions or offset < 0 or offset > self.table_rows:
             return None
         if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:
             return None
@@ -272,13 +265,11 @@ class _RopeTemplate:
         if core.filled is not self or core.filled_vec != vec:
             fill_params(p, self.req, vec)
             core.filled, core.filled_vec = self, vec
-        p.q_in, p.k_in, p.cos, p.sin = ptrs[Q], ptrs[K], ptrs[COS], ptrs[SIN]
-        p.q_out, p.k_out = ptrs[Q_OUT], ptrs[K_OUT]
-        p.positions, p.cu_seqlens, p.offsets = ptrs[POSITIONS], ptrs[CU_SEQLENS], ptrs[OFFSETS]
-        p.offset = offset
+        q, k, c, s, pos, qo, ko, cu, offs = ptrs
+        p.q_in, p.q_out, p.k_in, p.k_out, p.cos, p.sin = q, qo, k, ko, c, s
+        p.positions, p.offsets, p.cu_seqlens, p.offset = pos, offs, cu, offset
         npair = vec // self.npair_div
-        p.table_vec = int(self.rows_stride % npair == 0 and ptrs[COS] % (4 * npair) == 0
-                          and ptrs[SIN] % (4 * npair) == 0)
+        p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
         return Call(arrays, offset, self, self.prefix(vec), result)
 
     def prefix(self, vec: int) -> tuple:

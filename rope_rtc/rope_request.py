@@ -300,7 +300,7 @@ def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str)
     if (starts < 0).any():
         b = int(np.argmax(starts < 0))
         raise ValueError(f"{name}: sequence {b} starts at position {int(starts[b])}; positions are >= 0")
-    past = (lengths > 0) & (starts + lengths > rows)
+    past = (lengths > 0) & (starts > rows - lengths)  # not starts + lengths: that can wrap in int64
     if past.any():
         b = int(np.argmax(past))
         raise ValueError(f"{name}: sequence {b} reads positions {int(starts[b])}..{int(starts[b] + lengths[b] - 1)}, "

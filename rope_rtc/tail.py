@@ -238,6 +238,7 @@ def _current_device() -> int:
 
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
 _local = threading.local()
+_CUPY_NDARRAY: type | None = None
 # Signatures, and plans, one thread keeps for tail_rope.
 ONE_CALL_PLANS = 64
 
@@ -255,7 +256,12 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         out = np.empty_like(np.asarray(x))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
         return plan.execute(x, cosine, sine, out)
-    if type(x).__module__.startswith("cupy") and hasattr(x, "data"):
+    global _CUPY_NDARRAY
+    if _CUPY_NDARRAY is None:
+        from .driver import import_cupy
+
+        _CUPY_NDARRAY = import_cupy().ndarray
+    if type(x) is _CUPY_NDARRAY:
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
     else:
         xi = A.describe(x, "x", allow_host=False)
@@ -274,18 +280,21 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     out = launch.allocate(shape, dtype, device, handle)
     arrays = (x, cosine, sine, out)
     sig = signature(arrays)
-    plan = by_signature.get(sig) if sig is not None else None
-    if plan is None:
+    hit = by_signature.get(sig) if sig is not None else None
+    call = None
+    if hit is not None:
+        plan, tmpl = hit
+        call = tmpl.bind(plan._core, arrays, 0, pointers(arrays))
+    if call is None:  # a new signature, or addresses the template declines: full validation
         key = (shape[1:], device)
         plan = by_key.get(key)
         if plan is None:
             plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
             plan._decl = None  # a thread's plan must not keep the caller's arrays alive
             remember(by_key, key, plan, ONE_CALL_PLANS)
+        call = plan._core.bind(arrays, 0, sig, sig_known=True)
         if sig is not None:
-            remember(by_signature, sig, plan, ONE_CALL_PLANS)
-    core = plan._core
-    call = core.bind(arrays, 0, sig, sig_known=True)
+            remember(by_signature, sig, (plan, call.template), ONE_CALL_PLANS)
     if call.prefix is not None:
-        core.launcher(call.prefix, handle)
+        plan._core.launcher(call.prefix, handle)
     return call.result

@@ -103,11 +103,18 @@ def test_the_toolkits_stub_library_reads_as_no_driver(fresh):
 
 # -- a driver that is there keeps its own reason ---------------------------------------------------
 
-def test_an_old_driver_keeps_the_real_reason(fresh):
-    fresh(_FakeDriver(_Status(35, "CUDA_ERROR_INSUFFICIENT_DRIVER")))
+def test_an_old_driver_keeps_the_real_reason_and_names_its_extra(fresh, monkeypatch):
+    fresh(_FakeDriver(_Status(35, "CUDA_ERROR_INSUFFICIENT_DRIVER")))  # a CUDA 12.8 driver
+    monkeypatch.setattr(driver, "_libcuda_load_error", lambda: None)
     reason = driver.unavailable_reason()
     assert "CUDA_ERROR_INSUFFICIENT_DRIVER" in reason and "no CUDA driver found" not in reason
-    assert "older than" in reason
+    assert "older than" in reason and 'pip install "rope-rtc[cuda12]"' in reason and "cuda13" not in reason
+
+
+def test_insufficient_driver_without_a_driver_library_reads_as_no_driver(fresh, monkeypatch):
+    fresh(_FakeDriver(_Status(35, "CUDA_ERROR_INSUFFICIENT_DRIVER")))
+    monkeypatch.setattr(driver, "_libcuda_load_error", lambda: f"{driver.LIBCUDA}: cannot open shared object file")
+    assert driver.unavailable_reason() == f"no CUDA driver found ({driver.LIBCUDA}: cannot open shared object file)"
 
 
 def test_a_driver_with_no_device_says_so(fresh):

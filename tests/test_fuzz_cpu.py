@@ -11,6 +11,12 @@ at random for ``apply_rope``, ``apply_rope_qk``, ``RopePlan`` and ``TailRoPEForw
 * (b) with the NumPy backend on real arrays: every case that is accepted equals the reference
   (``rope_reference`` + one rounding; ``tail_rope_reference``) bit for bit, and a call that
   raises leaves every input, and the in-place output, bit for bit unchanged.
+* (c) a plan's re-used validation decides as a full validation would.
+* (d) hostile input on the NumPy backend, in a plain seeded loop (tens of thousands of cases):
+  0-d arrays, non-native byte order, huge and non-finite scalars, out-of-range indices,
+  non-finite data and tables, and hostile ``rope_tables`` parameters. Every call equals the
+  reference or raises TypeError/ValueError/NotImplementedError/RopeRtcError naming the argument,
+  with every input unchanged; failures are reported per class with a reproducer each.
 
 Each case has a "chaos" level drawn first: the probability that any one ingredient (dtype,
 window, stride, pointer shift, table, position array, output) is drawn from its invalid
@@ -386,6 +392,9 @@ def test_fuzz_tail_fake_arrays(data):
             plan = TailRoPEForward(*cons, backend=backend).check_support().compile()
             assert plan.scratch_workspace_bytes() == 0
             assert plan.execute(x, cosine, sine, out)["out"] is out
+            if gpu.launches:  # the argument block of that launch (a second execute rewrites it)
+                v = _block(plan)
+                assert v.n > 0 and v.x % 16 == 0 and v.out % 16 == 0 and v.cos % 16 == 0 and v.sin % 16 == 0
             if t2 is not None:
                 shape2 = (t2,) + tuple(x.shape[1:])
                 x2, o2 = fake_cupy(shape2, BF16), fake_cupy(shape2, BF16)
@@ -397,9 +406,6 @@ def test_fuzz_tail_fake_arrays(data):
                 raise AssertionError(f"a valid case was rejected: {exc}") from exc
         else:
             outcome = "launched" if gpu.launches else "accepted, nothing to launch"
-            if gpu.launches:
-                v = plan._args.values
-                assert v.n > 0 and v.x % 16 == 0 and v.out % 16 == 0 and v.cos % 16 == 0 and v.sin % 16 == 0
         _check_launches(gpu)
     COUNTS["tail/fake"][outcome] += 1
 
@@ -495,21 +501,24 @@ def test_fuzz_general_numpy_backend(data):
     tokens_shape = (b * s,) if lay == "thd" else (b, s)
     if scheme == "int":
         kw["offset"] = offset - (dice.int(1, 2) if dice.bad() else 0)
-    elif scheme == "offsets":
-        kw["offset"] = rng.integers(-1, rows + 1, size=(1 if lay == "thd" else b) + (1 if dice.bad() else 0)).astype(
-            _index_dtype(dice))
+    elif scheme == "offsets":  # starts that keep every position in the table, unless this goes bad
+        hi = rows + 1 if dice.bad() else max(rows - tokens, 0)
+        size = (1 if lay == "thd" else b) + (1 if dice.bad() else 0)
+        kw["offset"] = rng.integers(-1 if dice.bad() else 0, hi + 1, size=size).astype(_index_dtype(dice))
     elif scheme == "positions":
-        kw["positions"] = rng.integers(-1, rows + 1, size=tokens_shape + ((1,) if dice.bad() else ())).astype(
+        lo, hi = (-1, rows + 1) if dice.bad() else (0, max(rows, 1))
+        kw["positions"] = rng.integers(lo, hi, size=tokens_shape + ((1,) if dice.bad() else ())).astype(
             _index_dtype(dice))
         if dice.bad():
             kw["offset"] = 2
     elif scheme == "cu_seqlens":
         cu = np.sort(rng.integers(0, b * s + 1, size=nseq + 1))
-        if dice.one_in(2):
+        if not dice.bad():  # boundaries from 0 to the token count
             cu[0], cu[-1] = 0, b * s
         kw["cu_seqlens"] = cu.astype(_index_dtype(dice))
         if dice.one_in(2):
-            kw["offset"] = rng.integers(0, 3, size=nseq).astype(np.int32)
+            hi = 3 if dice.bad() else max(rows - b * s, 0) + 1
+            kw["offset"] = rng.integers(0, hi, size=nseq).astype(np.int32)
     if dice.bad():
         out_kind = dice.pick(["overlap", "readonly", "broadcast", "wrong_dtype"])
     if out_kind == "none":
@@ -620,10 +629,16 @@ def test_fuzz_tail_numpy_backend(data):
 #     arrays (aligned, misaligned, landing on another argument's bytes).
 
 
+def _block(plan):
+    """The plan's kernel-argument block (a ctypes structure)."""
+    core = getattr(plan, "_core", None)
+    return core.block if core is not None else plan._args.values
+
+
 def _params_bytes(plan) -> bytes:
     import ctypes
 
-    v = plan._args.values
+    v = _block(plan)
     return ctypes.string_at(ctypes.addressof(v), ctypes.sizeof(v))
 
 
@@ -643,15 +658,18 @@ def _outcome(gpu, call, plan):
 
 
 def _count_full_validations(plan) -> list:
-    """Counts the plan's full validations (its _full_prepare), to see which calls re-used one."""
+    """Counts the plan's full validations (its prepared core's op.validate, or its _full_prepare),
+    to see which calls re-used one."""
     calls = []
-    inner = getattr(plan, "_full_prepare", None)
+    core = getattr(plan, "_core", None)
+    owner, name = (core.op, "validate") if core is not None else (plan, "_full_prepare")
+    inner = getattr(owner, name, None)
     if inner is not None:
         def counted(*args, **kwargs):
             calls.append(1)
             return inner(*args, **kwargs)
 
-        plan._full_prepare = counted
+        setattr(owner, name, counted)
     return calls
 
 
@@ -756,7 +774,8 @@ def test_fuzz_tail_revalidation_matches_full_validation(data):
         return fake_array(dice_, shape, dtype, kind="cupy", strides=_strides(dice_, shape, contiguous=True),
                           shift=0)
 
-    x, c, s_, o = contiguous(shape, BF16, first), contiguous((t, 32), np.float32, first),         contiguous((t, 32), np.float32, first), contiguous(shape, BF16, first)
+    x, c = contiguous(shape, BF16, first), contiguous((t, 32), np.float32, first)
+    s_, o = contiguous((t, 32), np.float32, first), contiguous(shape, BF16, first)
     with FakeGPU() as gpu:
         warm = TailRoPEForward(x, c, s_, o)
         first_outcome = _outcome(gpu, lambda: warm.execute(x, c, s_, o), warm)
@@ -830,7 +849,14 @@ class Tally:
     def fail(self, klass: str, reproducer: str) -> None:
         n, first = self.failures.get(klass, (0, reproducer))
         self.failures[klass] = (n + 1, first)
-        self.counts["FAILED"] += 1
+        self.failed_case = True
+
+    def start(self) -> None:
+        self.failed_case = False
+
+    def end(self, outcome: str) -> None:
+        """Counts the case once: as FAILED if any check failed, else as its outcome."""
+        self.counts["FAILED" if self.failed_case else outcome] += 1
 
     def report(self) -> None:
         COUNTS[self.name].update(self.counts)
@@ -940,10 +966,7 @@ def _mutate_general(rng, api, call, mutation):
         name = dice.pick(names)
         a = call[name]
         if a.size:
-            a.reshape(-1)[dice.int(0, a.size - 1)] = dice.pick(NONFINITE) if a.flags.c_contiguous else 0
-            if not a.flags.c_contiguous:  # a padded view: write through the view instead
-                idx = tuple(dice.int(0, n - 1) for n in a.shape)
-                a[idx] = dice.pick(NONFINITE)
+            a[tuple(dice.int(0, n - 1) for n in a.shape)] = dice.pick(NONFINITE)
         return f"{name} holds non-finite values"
     return "valid"
 
@@ -981,6 +1004,7 @@ def test_fuzz_hostile_numpy_backend():
     rng = np.random.default_rng(20240613)
     tally = Tally("hostile/numpy")
     for _ in range(HOSTILE_GENERAL_CASES):
+        tally.start()
         api = ("apply_rope", "apply_rope_qk")[int(rng.integers(2))]
         mutation = MUTATIONS[int(rng.integers(len(MUTATIONS)))]
         call, layout, b, s = _hostile_general_case(rng, api)
@@ -1002,14 +1026,15 @@ def test_fuzz_hostile_numpy_backend():
             if changed:
                 tally.fail(f"{mutation}: {type(exc).__name__} raised after writing {'/'.join(changed)}",
                            _repro(api, call, mutation, what) + f" -> {type(exc).__name__}: {exc}")
-            tally.counts[type(exc).__name__] += 1
             if mutation == "none":
                 tally.fail("valid case rejected", _repro(api, call, mutation, what) + f" -> {exc}")
+            tally.end(type(exc).__name__)
             continue
         except Exception as exc:  # noqa: BLE001 - any other type is the failure this test is for
             changed = [n for n, a in arrays.items() if a.tobytes() != before[n].tobytes()]
             tally.fail(f"{mutation}: {type(exc).__name__}" + (f" after writing {'/'.join(changed)}" if changed else ""),
                        _repro(api, call, mutation, what) + f" -> {type(exc).__name__}: {exc}")
+            tally.end(type(exc).__name__)
             continue
         results = {"x": result} if api == "apply_rope" else {"q": result[0], "k": result[1]}
         try:
@@ -1022,12 +1047,14 @@ def test_fuzz_hostile_numpy_backend():
         except Exception as exc:  # noqa: BLE001 - the reference cannot compute what was accepted
             tally.fail(f"{mutation}: accepted what the reference rejects ({type(exc).__name__})",
                        _repro(api, call, mutation, what) + f" -> {exc}")
+            tally.end("ok")
             continue
         outputs = {call.get(o) is not None and id(call[o]) for o in ("out", "q_out", "k_out")}
         changed = [n for n, a in arrays.items() if id(a) not in outputs and a.tobytes() != before[n].tobytes()]
         if changed:
-            tally.fail(f"{mutation}: accepted, and wrote its input {'/'.join(changed)}", _repro(api, call, mutation, what))
-        tally.counts["ok"] += 1
+            tally.fail(f"{mutation}: accepted, and wrote its input {'/'.join(changed)}",
+                       _repro(api, call, mutation, what))
+        tally.end("ok")
     tally.report()
 
 
@@ -1037,6 +1064,7 @@ def test_fuzz_hostile_tail_numpy_backend():
     rng = np.random.default_rng(20240614)
     tally = Tally("hostile/tail")
     for _ in range(HOSTILE_TAIL_CASES):
+        tally.start()
         dice = Dice(int(rng.integers(2**32)), 0.0)
         t, h, d = dice.pick([0, 1, 2, 5]), dice.pick([1, 2]), dice.pick([128, 512])
         x = _host_array(dice, (t, h, d) if dice.one_in(2) else (t, d), BF16, dice.rng, contiguous=True)
@@ -1073,23 +1101,25 @@ def test_fuzz_hostile_tail_numpy_backend():
                 tally.fail(f"{mutation}: raised after writing {'/'.join(changed)}", repro)
             if mutation == "none":
                 tally.fail("valid case rejected", repro + f" -> {exc}")
-            tally.counts[type(exc).__name__] += 1
+            tally.end(type(exc).__name__)
             continue
         except Exception as exc:  # noqa: BLE001
             tally.fail(f"{mutation}: {type(exc).__name__}", repro + f" -> {type(exc).__name__}: {exc}")
+            tally.end(type(exc).__name__)
             continue
         try:
             want = tail_rope_reference(before["x"], _native(before["cosine"]), _native(before["sine"]))
             same = np.array_equal(_bits(np.asarray(got)), _bits(want))
         except Exception as exc:  # noqa: BLE001
             tally.fail(f"{mutation}: accepted what the reference rejects ({type(exc).__name__})", repro)
+            tally.end("ok")
             continue
         if not same:
             tally.fail(f"{mutation}: accepted, result differs from the reference", repro)
         changed = [n for n, a in args.items() if n != "out" and a.tobytes() != before[n].tobytes()]
         if changed:
             tally.fail(f"{mutation}: accepted, and wrote its input {'/'.join(changed)}", repro)
-        tally.counts["ok"] += 1
+        tally.end("ok")
     tally.report()
 
 
@@ -1123,6 +1153,7 @@ def test_fuzz_hostile_table_parameters():
     rng = np.random.default_rng(20240615)
     tally = Tally("hostile/tables")
     for _ in range(HOSTILE_TABLE_CASES):
+        tally.start()
         dice = Dice(int(rng.integers(2**32)), 0.0)
         kind = dice.pick(sorted(_TABLE_SCALINGS))
         scaling = {k: (list(v) if isinstance(v, list) else v) for k, v in _TABLE_SCALINGS[kind].items()}
@@ -1147,7 +1178,7 @@ def test_fuzz_hostile_table_parameters():
             dim, named = dice.pick(_HOSTILE_DIMS), "rotary_dim"
         else:
             named = None
-        frozen = repr(scaling)
+        frozen, outcome = repr(scaling), "ok"
         repro = f"[{target}] rope_tables({_describe(rows)}, {_describe(dim)}, " + \
             ", ".join(f"{n}={v!r}" for n, v in call.items()) + ")"
         try:
@@ -1159,7 +1190,7 @@ def test_fuzz_hostile_table_parameters():
                 tally.fail("valid table rejected", repro + f" -> {exc}")
             elif named not in str(exc) and not (target == "base" and "rope_theta" in scaling):
                 tally.fail(f"{target}: {type(exc).__name__} does not name {named}", repro + f" -> {exc}")
-            tally.counts[type(exc).__name__] += 1
+            outcome = type(exc).__name__
         except Exception as exc:  # noqa: BLE001
             tally.fail(f"{target}: {type(exc).__name__}", repro + f" -> {type(exc).__name__}: {exc}")
         else:
@@ -1167,10 +1198,9 @@ def test_fuzz_hostile_table_parameters():
                 tally.fail(f"{target}: wrong table", repro + f" -> {cos.dtype} {cos.shape}")
             elif not (np.isfinite(cos).all() and np.isfinite(sin).all()):
                 tally.fail(f"{target}: accepted, table not finite", repro)
-            else:
-                tally.counts["ok"] += 1
         if repr(scaling) != frozen:
             tally.fail(f"{target}: scaling dict changed", repro)
+        tally.end(outcome)
     tally.report()
 
 
