@@ -132,8 +132,9 @@ def check_tables(cos, sin, rdim: int, rotary_dim_given: bool, D: int, allow_host
         A.check_ndim(t, (2,), "a 2-d table [max_positions, rotary_dim // 2]")
         if t.size and t.shape[-1] > 1 and t.strides[-1] != 1:
             transposed = len(t.shape) == 2 and t.strides[0] == 1
-            hint = (f" (it looks transposed: a table is [max_positions, rotary_dim // 2], rows of positions; "
-                    f"pass {t.name}.T.copy() if you built it as [rotary_dim // 2, max_positions])") if transposed else ""
+            hint = (" (it looks like a transposed view, t.T of a [rotary_dim // 2, max_positions] array t; a table "
+                    "is [max_positions, rotary_dim // 2] with contiguous rows: pass ascontiguousarray(t.T), which "
+                    "keeps that shape)") if transposed else ""
             A.check_last_dim_contiguous(t, hint)
     if ci.shape != si.shape:
         raise ValueError(f"sin: shape {si.shape} differs from cos's {ci.shape}")

@@ -489,3 +489,61 @@ def test_degenerate_inputs_raise_documented_errors(case):
         kw, exc, pattern = {"offset": 2**63}, ValueError, r"offset: positions 9223372036854775808"
     with pytest.raises(exc, match=pattern):
         apply_rope(x, cos, sin, backend="numpy", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# messages that point at the right fix
+
+def test_a_hugging_face_full_width_table_is_recognised():
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal((1, 4, 2, 128)).astype(np.float32)
+    cos, sin = make_tables(16, 128)  # [16, 64]: rope_rtc's table
+    full_cos, full_sin = np.concatenate([cos, cos], 1), np.concatenate([sin, sin], 1)  # HF's cat(freqs, freqs)
+    with pytest.raises(ValueError, match=r"cos: has 128 columns, the full rotary dim 128: this looks like a Hugging "
+                                         r"Face table .* pass cos\[:, :64\] and sin\[:, :64\]"):
+        apply_rope(x, full_cos, full_sin, backend="numpy")
+    # ... and the advice works as written.
+    got = apply_rope(x, full_cos[:, :64], full_sin[:, :64], backend="numpy")
+    np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy"))
+
+
+def test_a_transposed_table_is_called_transposed():
+    x = np.random.default_rng(31).standard_normal((1, 4, 2, 16)).astype(np.float32)
+    cos, sin = make_tables(16, 16)
+    t = np.ascontiguousarray(cos.T)  # built as [rotary_dim // 2, max_positions]
+    with pytest.raises(ValueError, match=r"cos: .*transposed view.*pass ascontiguousarray\(t.T\)"):
+        apply_rope(x, t.T, sin, backend="numpy")
+    np.testing.assert_array_equal(apply_rope(x, np.ascontiguousarray(t.T), sin, backend="numpy"),
+                                  apply_rope(x, cos, sin, backend="numpy"))  # the advice works as written
+
+
+def test_a_float_offset_says_an_int_works():
+    x = np.random.default_rng(32).standard_normal((1, 4, 2, 16)).astype(np.float32)
+    cos, sin = make_tables(16, 16)
+    with pytest.raises(TypeError, match=r"offset: expected an int or an int array .*got float 5.0"):
+        apply_rope(x, cos, sin, offset=5.0, backend="numpy")
+
+
+def test_an_odd_head_dim_does_not_blame_rotary_dim():
+    x = np.random.default_rng(33).standard_normal((1, 4, 2, 129)).astype(np.float32)
+    cos, sin = make_tables(16, 128)
+    with pytest.raises(ValueError, match=r"x: head dim 129 is odd; .*pass an even rotary_dim"):
+        apply_rope(x, cos, sin, backend="numpy")
+    got = apply_rope(x, cos, sin, rotary_dim=128, backend="numpy")  # the fix the message names
+    np.testing.assert_array_equal(got[..., 128], x[..., 128])
+
+
+def test_the_cpu_fallback_warning_points_at_the_callers_line():
+    R._numpy_fallback_warned = False
+    R._gpu_present = False
+    x = np.random.default_rng(34).standard_normal((1, 4, 2, 16)).astype(np.float32)
+    cos, sin = make_tables(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from rope_rtc import driver
+
+        if driver.available():
+            pytest.skip("a GPU is present: backend='auto' does not fall back")
+        apply_rope(x, cos, sin)  # the line the warning must name
+    (w,) = [c for c in caught if "NumPy reference" in str(c.message)]
+    assert w.filename == __file__, w.filename
