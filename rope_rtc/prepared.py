@@ -29,6 +29,8 @@ from .launch import RECENT_SETS, Launcher, remember
 
 # Signatures a core keeps templates for: engines use a few shapes (prefill lengths, decode).
 TEMPLATES = 64
+# Signatures (and plans) one thread keeps for the one-call functions.
+ONE_CALL_SIGNATURES = 64
 
 _NDARRAY: type | None = None
 
@@ -126,12 +128,9 @@ class Prepared:
             self.launcher(last.prefix, stream, last)
         return last.result
 
-    def bind(self, arrays: tuple, scalar: int, sig=None, *, sig_known: bool = False) -> Call:
-        """Check and write ``arrays`` into the block, remembering nothing about them.
-
-        ``sig``: the signature when the caller has computed it (``sig_known=True``)."""
-        if not sig_known:
-            sig = self.op.signature(arrays)
+    def bind(self, arrays: tuple, scalar: int) -> Call:
+        """Check and write ``arrays`` into the block, remembering nothing about them."""
+        sig = self.op.signature(arrays)
         tmpl = self.templates.get(sig) if sig is not None else None
         if tmpl is not None:
             call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
@@ -170,3 +169,23 @@ class Prepared:
         self.recent.clear()
         self.last = None
         self.launcher.forget()
+
+
+def bind_once(cache: dict, key, arrays: tuple, scalar: int, plan_for, *plan_args):
+    """The one-call functions' path: ``(plan, call)`` for ``arrays``, bound without remembering
+    them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
+    plan and template that bound it last: a hit runs only the template's address checks. On a
+    miss, or when the template declines, ``plan_for(*plan_args)`` gives the plan and its core
+    validates fully (raising on a real problem)."""
+    hit = cache.get(key) if key is not None else None
+    if hit is not None:
+        plan, tmpl = hit
+        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays))
+        if call is not None:
+            return plan, call
+        plan_for = None
+    plan = hit[0] if plan_for is None else plan_for(*plan_args)
+    call = plan._core.bind(arrays, scalar)
+    if key is not None:
+        remember(cache, key, (plan, call.template), ONE_CALL_SIGNATURES)
+    return plan, call

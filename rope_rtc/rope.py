@@ -22,13 +22,11 @@ from . import arrays as A
 from . import launch
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
-from .prepared import pointers, signature
+from .prepared import ONE_CALL_SIGNATURES, bind_once, signature
 from .rope_plan import RopePlan, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 BACKENDS = ("auto", "nvrtc", "numpy")
-# Signatures, and plans, one thread keeps for the one-call functions.
-ONE_CALL_PLANS = 64
 
 # backends
 
@@ -152,7 +150,7 @@ def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -
                         cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **_kw(opts))
         plan._names = names
         plan._ensure_core()
-        remember(by_key, key, plan, ONE_CALL_PLANS)
+        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
     return plan
 
 
@@ -181,16 +179,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     except AttributeError:
         by_signature = _thread_caches()[0]
     key = None if sig is None else (opts, names, q_out is q, k_out is k, sig)
-    hit = by_signature.get(key) if key is not None else None
-    call = None
-    if hit is not None:
-        plan, tmpl = hit
-        call = tmpl.bind(plan._core, arrays, scalar, pointers(arrays))
-    if call is None:  # a new signature, or addresses the template declines: full validation
-        plan = hit[0] if hit is not None else _plan_for(arrays, scalar, opts, names)
-        call = plan._core.bind(arrays, scalar)
-        if key is not None:
-            remember(by_signature, key, (plan, call.template), ONE_CALL_PLANS)
+    plan, call = bind_once(by_signature, key, arrays, scalar, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
         check_positions_of(arrays, scalar, _kw(opts))
     if call.prefix is not None:

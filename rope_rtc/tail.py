@@ -18,7 +18,7 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import Call, Op, Prepared, pointers, signature
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, pointers, signature
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -239,8 +239,17 @@ def _current_device() -> int:
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
 _local = threading.local()
 _CUPY_NDARRAY: type | None = None
-# Signatures, and plans, one thread keeps for tail_rope.
-ONE_CALL_PLANS = 64
+
+
+def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
+    """The thread's plan for tail_rope calls of this H, D and device (built once)."""
+    key = (shape[1:], device)
+    plan = by_key.get(key)
+    if plan is None:
+        plan = TailRoPEForward(*arrays).check_support().compile()
+        plan._decl = None  # a thread's plan must not keep the caller's arrays alive
+        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
+    return plan
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleDict:
@@ -280,21 +289,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     out = launch.allocate(shape, dtype, device, handle)
     arrays = (x, cosine, sine, out)
     sig = signature(arrays)
-    hit = by_signature.get(sig) if sig is not None else None
-    call = None
-    if hit is not None:
-        plan, tmpl = hit
-        call = tmpl.bind(plan._core, arrays, 0, pointers(arrays))
-    if call is None:  # a new signature, or addresses the template declines: full validation
-        key = (shape[1:], device)
-        plan = by_key.get(key)
-        if plan is None:
-            plan = TailRoPEForward(x, cosine, sine, out, backend=backend).check_support().compile()
-            plan._decl = None  # a thread's plan must not keep the caller's arrays alive
-            remember(by_key, key, plan, ONE_CALL_PLANS)
-        call = plan._core.bind(arrays, 0, sig, sig_known=True)
-        if sig is not None:
-            remember(by_signature, sig, (plan, call.template), ONE_CALL_PLANS)
+    plan, call = bind_once(by_signature, sig, arrays, 0, _plan_for, by_key, arrays, shape, device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return call.result

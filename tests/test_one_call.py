@@ -104,10 +104,10 @@ def test_one_call_plans_are_per_signature_and_bounded(gpu, table):
     q2 = fake_cupy((B, 5, HQ, D), BF16)
     apply_rope(q2, cos, sin, offset=3, out=q2)
     assert len(plans) == 3 and len(rope._local.by_signature) == 4
-    for h in range(1, rope.ONE_CALL_PLANS + 10):
+    for h in range(1, prepared.ONE_CALL_SIGNATURES + 10):
         x = fake_cupy((1, 1, h, 8), np.float32)
         apply_rope(x, cos[:, :4], sin[:, :4], out=x)
-    assert len(plans) <= rope.ONE_CALL_PLANS and len(rope._local.by_signature) <= rope.ONE_CALL_PLANS
+    assert len(plans) <= prepared.ONE_CALL_SIGNATURES and len(rope._local.by_signature) <= prepared.ONE_CALL_SIGNATURES
 
 
 def test_address_checks_still_run_on_a_known_signature(gpu, table):
