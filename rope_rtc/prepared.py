@@ -171,16 +171,17 @@ class Prepared:
         self.launcher.forget()
 
 
-def bind_once(cache: dict, key, arrays: tuple, scalar: int, plan_for, *plan_args):
+def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *plan_args):
     """The one-call functions' path: ``(plan, call)`` for ``arrays``, bound without remembering
     them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
-    plan and template that bound it last: a hit runs only the template's address checks. On a
-    miss, or when the template declines, ``plan_for(*plan_args)`` gives the plan and its core
-    validates fully (raising on a real problem)."""
+    plan and template that bound it last: a hit runs only the template's address checks (on
+    ``ptrs``, the arrays' data pointers, when the caller has them). On a miss, or when the
+    template declines, ``plan_for(*plan_args)`` gives the plan and its core validates fully
+    (raising on a real problem)."""
     hit = cache.get(key) if key is not None else None
     if hit is not None:
         plan, tmpl = hit
-        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays))
+        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays) if ptrs is None else ptrs)
         if call is not None:
             return plan, call
         plan_for = None

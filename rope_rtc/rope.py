@@ -22,7 +22,7 @@ from . import arrays as A
 from . import launch
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
-from .prepared import ONE_CALL_SIGNATURES, bind_once, signature
+from .prepared import ONE_CALL_SIGNATURES, bind_once
 from .rope_plan import RopePlan, check_positions_of, split_offset
 from .rope_request import Request, validate
 
@@ -32,10 +32,11 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 
 _numpy_fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
+_NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
 
 
 def _resolve_backend(backend: str) -> str:
-    global _numpy_fallback_warned, _gpu_present
+    global _numpy_fallback_warned
     if _gpu_present and (backend == "auto" or backend == "nvrtc"):
         return "nvrtc"
     if backend not in BACKENDS:
@@ -44,14 +45,12 @@ def _resolve_backend(backend: str) -> str:
 
     if backend == "nvrtc":
         driver.require_gpu()
-        driver.import_cupy()
-        _gpu_present = True
+        _gpu_seen(driver.import_cupy())
         return backend
     if backend == "numpy":
         return backend
     if driver.available():
-        driver.import_cupy()
-        _gpu_present = True
+        _gpu_seen(driver.import_cupy())
         return "nvrtc"
     if not _numpy_fallback_warned:
         _numpy_fallback_warned = True
@@ -59,6 +58,12 @@ def _resolve_backend(backend: str) -> str:
         warnings.warn(f"rope_rtc: no usable GPU ({driver.unavailable_reason()}); backend='auto' runs the NumPy "
                       "reference on the CPU", RuntimeWarning, stacklevel=4)
     return "numpy"
+
+
+def _gpu_seen(cupy) -> None:
+    global _gpu_present, _NDARRAY
+    _NDARRAY = cupy.ndarray
+    _gpu_present = True
 
 
 # the NumPy backend
@@ -154,6 +159,56 @@ def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -
     return plan
 
 
+def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets) -> tuple:
+    """``(signature, pointers)`` of a call's arguments when all are CuPy arrays (or None), else
+    ``(None, None)``. Written out argument by argument, reading each array once (an output that
+    is its input reuses the input's): this is most of a repeated call's host time."""
+    nd = _NDARRAY
+    if type(q) is not nd or type(cos) is not nd or type(sin) is not nd:
+        return None, None
+    d = q.data
+    sq, pq = (q.shape, q.strides, q.dtype, d.device_id), d.ptr
+    d = cos.data
+    sc, pc = (cos.shape, cos.strides, cos.dtype, d.device_id), d.ptr
+    d = sin.data
+    ss, ps = (sin.shape, sin.strides, sin.dtype, d.device_id), d.ptr
+    if q_out is q:
+        sqo, pqo = True, pq
+    elif type(q_out) is nd:
+        d = q_out.data
+        sqo, pqo = (q_out.shape, q_out.strides, q_out.dtype, d.device_id), d.ptr
+    else:
+        return None, None
+    sk = sko = None
+    pk = pko = 0
+    if k is not None:
+        if type(k) is not nd:
+            return None, None
+        d = k.data
+        sk, pk = (k.shape, k.strides, k.dtype, d.device_id), d.ptr
+        if k_out is k:
+            sko, pko = True, pk
+        elif type(k_out) is nd:
+            d = k_out.data
+            sko, pko = (k_out.shape, k_out.strides, k_out.dtype, d.device_id), d.ptr
+        else:
+            return None, None
+    optional = []
+    for a in (positions, cu_seqlens, offsets):
+        if a is None:
+            optional.append(None)
+            optional.append(0)
+        elif type(a) is nd:
+            d = a.data
+            optional.append((a.shape, a.strides, a.dtype, d.device_id))
+            optional.append(d.ptr)
+        else:
+            return None, None
+    spos, ppos, scu, pcu, soff, poff = optional
+    return ((sq, sk, sc, ss, spos, sqo, sko, scu, soff),
+            (pq, pk, pc, ps, ppos, pqo, pko, pcu, poff))
+
+
 def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: tuple,
                 names: tuple[str, str], device: int | None = None):
     """One launch through the thread's plan for this signature; outputs allocated when omitted.
@@ -173,13 +228,13 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     if k is not None and k_out is None:
         k_out = launch.allocate(k.shape, k.dtype, device, handle)
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
-    sig = signature(arrays)
+    sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     try:
         by_signature = _local.by_signature
     except AttributeError:
         by_signature = _thread_caches()[0]
-    key = None if sig is None else (opts, names, q_out is q, k_out is k, sig)
-    plan, call = bind_once(by_signature, key, arrays, scalar, _plan_for, arrays, scalar, opts, names)
+    key = None if sig is None else (opts, names, sig)
+    plan, call = bind_once(by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
         check_positions_of(arrays, scalar, _kw(opts))
     if call.prefix is not None:
@@ -190,7 +245,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
 def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
            opts: tuple):
     backend = _resolve_backend(backend)
-    if backend == "nvrtc" and type(q).__module__.startswith("cupy"):
+    if backend == "nvrtc" and type(q) is _NDARRAY:
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
                    k_out=k_out, names=names, **_kw(opts))

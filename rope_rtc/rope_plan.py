@@ -252,9 +252,8 @@ class _RopeTemplate:
         for i, mask in self.natural:
             if ptrs[i] & mask:
                 return None  # a table or index array off its natural alignment
-        result = (arrays[Q_OUT], arrays[K_OUT])
         if not self.allowed:  # nothing to launch
-            return Call(arrays, offset, self, None, result)
+            return Call(arrays, offset, self, None, (arrays[Q_OUT], arrays[K_OUT]))
         combined = ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]
         for vec in self.allowed:
             if combined % (vec * self.itemsize) == 0:
@@ -270,7 +269,7 @@ class _RopeTemplate:
         p.positions, p.offsets, p.cu_seqlens, p.offset = pos, offs, cu, offset
         npair = vec // self.npair_div
         p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
-        return Call(arrays, offset, self, self.prefix(vec), result)
+        return Call(arrays, offset, self, self._prefixes.get(vec) or self.prefix(vec), (arrays[Q_OUT], arrays[K_OUT]))
 
     def prefix(self, vec: int) -> tuple:
         pre = self._prefixes.get(vec)

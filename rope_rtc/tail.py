@@ -289,7 +289,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     out = launch.allocate(shape, dtype, device, handle)
     arrays = (x, cosine, sine, out)
     sig = signature(arrays)
-    plan, call = bind_once(by_signature, sig, arrays, 0, _plan_for, by_key, arrays, shape, device)
+    plan, call = bind_once(by_signature, sig, arrays, 0, None, _plan_for, by_key, arrays, shape, device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return call.result

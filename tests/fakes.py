@@ -322,7 +322,10 @@ class FakeGPU:
         self._patch(launch, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
         self._patch(tail, "stream_handle", stream_handle)
+        import cupy
+
         self._patch(rope, "_gpu_present", True)
+        self._patch(rope, "_NDARRAY", cupy.ndarray)
         self._patch(driver, "require_gpu", lambda: None)
         self._patch(rope, "_local", threading.local())
         self._patch(tail, "_local", threading.local())
