@@ -304,7 +304,8 @@ def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str)
     past = (lengths > 0) & (starts > rows - lengths)  # not starts + lengths: that can wrap in int64
     if past.any():
         b = int(np.argmax(past))
-        raise ValueError(f"{name}: sequence {b} reads positions {int(starts[b])}..{int(starts[b] + lengths[b] - 1)}, "
+        first, last = int(starts[b]), int(starts[b]) + int(lengths[b]) - 1  # Python ints: no int64 wrap
+        raise ValueError(f"{name}: sequence {b} reads positions {first}..{last}, "
                          f"outside the table's {rows} rows")
 
 

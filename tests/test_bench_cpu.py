@@ -1,4 +1,4 @@
-"""CPU tests of the benchmark and the demo: arguments, the cases of issue 5, bytes-moved
+"""CPU tests of the benchmark and the demo: arguments, the cases, bytes-moved
 arithmetic, the peers' formulas (on NumPy), targets, and the writers on synthetic results."""
 
 from __future__ import annotations

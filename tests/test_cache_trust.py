@@ -1,4 +1,4 @@
-"""Cache trust (issue 6, item 4): nobody but its owner can plant a binary this process will run.
+"""Cache trust: nobody but its owner can plant a binary this process will run.
 
 A cached CUBIN runs with the process's access to all of its GPU memory, so the cache never
 follows a symbolic link, refuses directories and entries that other users can write (unless

@@ -1,4 +1,4 @@
-"""Property-based tests of bad (and good) input, on a CPU (issue 6, item 1, CPU part).
+"""Property-based tests of bad (and good) input, on a CPU.
 
 Shapes, strides, dtypes, pointer offsets, alignments, position schemes and overlaps are drawn
 at random for ``apply_rope``, ``apply_rope_qk``, ``RopePlan`` and ``TailRoPEForward``:
@@ -794,7 +794,7 @@ def test_fuzz_tail_revalidation_matches_full_validation(data):
 
 
 # ---------------------------------------------------------------------------------------------
-# (d) hostile input on the NumPy backend (issue 13): 0-d arrays, non-native byte order, huge and
+# (d) hostile input on the NumPy backend: 0-d arrays, non-native byte order, huge and
 #     non-finite scalars, huge positions, non-finite data and tables, non-finite scaling
 #     parameters. A plain loop over one seeded generator (a hypothesis draw per case would cost
 #     more than the call): tens of thousands of cases in seconds. Every call either equals the

@@ -1,4 +1,4 @@
-"""Property-based tests on the GPU (issue 6, GPU part): random shapes, strides, dtypes, windows,
+"""Property-based tests on the GPU: random shapes, strides, dtypes, windows,
 position schemes, alignments and overlaps through apply_rope / apply_rope_qk / RopePlan /
 TailRoPEForward. Every case either matches the reference or raises a clear
 TypeError/ValueError/NotImplementedError before any launch, leaving its arrays bit for bit

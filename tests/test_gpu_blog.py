@@ -1,4 +1,4 @@
-"""The blog seed's three kernels on the GPU (issue 2): float64 reference, max abs error <= 1e-6."""
+"""The blog's three kernels on the GPU: float64 reference, max abs error <= 1e-6."""
 
 from __future__ import annotations
 

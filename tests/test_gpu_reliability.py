@@ -1,4 +1,4 @@
-"""Reliability on the GPU (issue 6): threads and streams, two devices, resource and launch
+"""Reliability on the GPU: threads and streams, two devices, resource and launch
 failures, big tensors through every kernel."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The general RoPE API on the GPU (issue 3), each case against the float64 reference within
+"""The general RoPE API on the GPU, each case against the float64 reference within
 DESIGN.md's bounds, outputs NaN-poisoned first, inputs unchanged out of place."""
 
 from __future__ import annotations

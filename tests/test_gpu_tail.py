@@ -1,4 +1,4 @@
-"""Prepared BF16 tail RoPE on the GPU (issue 4): bit for bit against the NumPy reference."""
+"""Prepared BF16 tail RoPE on the GPU: bit for bit against the NumPy reference."""
 
 from __future__ import annotations
 

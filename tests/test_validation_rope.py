@@ -1,6 +1,6 @@
 """Validation of the general RoPE API, on a CPU, with fake device arrays.
 
-Every error of issue 3's list must be a TypeError/ValueError naming the argument, raised before
+Every argument error must be a TypeError/ValueError naming the argument, raised before
 anything is launched. The GPU step is replaced by :class:`fakes.FakeGPU`, which runs the real
 host-side steps (vector choice, argument packing, grid) and records the launch instead of making
 it: an error with no recorded launch is an error before any launch. Valid fake inputs are also
@@ -55,7 +55,7 @@ def index_array(shape, dtype=np.int32):
 
 
 # ---------------------------------------------------------------------------------------------
-# every error of issue 3, through apply_rope, apply_rope_qk and RopePlan construction
+# every argument error, through apply_rope, apply_rope_qk and RopePlan construction
 
 API_NAMES = ("apply_rope", "apply_rope_qk", "plan")
 
