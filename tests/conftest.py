@@ -24,15 +24,30 @@ def _require_gpu() -> bool:
     return os.environ.get("ROPE_RTC_REQUIRE_GPU", "") not in ("", "0")
 
 
+_SESSION_CACHE: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    # Never write test kernels into the user's cache: one private cache per test session.
+    # Never write test kernels into the user's cache: one private cache per test session,
+    # removed at the end of the session (pytest_unconfigure).
     if not os.environ.get("ROPE_RTC_CACHE_DIR"):
         import tempfile
 
-        os.environ["ROPE_RTC_CACHE_DIR"] = tempfile.mkdtemp(prefix="rope_rtc_test_cache_")
+        _SESSION_CACHE.append(tempfile.mkdtemp(prefix="rope_rtc_test_cache_"))
+        os.environ["ROPE_RTC_CACHE_DIR"] = _SESSION_CACHE[-1]
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
     config.addinivalue_line("markers", "device: needs the device machine (GPU, torch, transformers)")
     config.addinivalue_line("markers", "multigpu: needs two or more CUDA devices")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+
+    while _SESSION_CACHE:
+        path = _SESSION_CACHE.pop()
+        if os.environ.get("ROPE_RTC_CACHE_DIR") == path:
+            del os.environ["ROPE_RTC_CACHE_DIR"]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 _GPU_REASON: list[str | None] = []
