@@ -164,12 +164,6 @@ class Prepared:
         self.last = call = call.with_scalar(scalar)
         return call
 
-    def forget(self) -> None:
-        """Drop every remembered call (and the arrays they hold) and the launcher's graphs."""
-        self.recent.clear()
-        self.last = None
-        self.launcher.forget()
-
 
 def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *plan_args):
     """The one-call functions' path: ``(plan, call)`` for ``arrays``, bound without remembering
