@@ -94,35 +94,27 @@ def main() -> None:
         launcher.replay = False
         rows.append(("Launcher (plain)", per_call_us(lambda: launcher(call.prefix, h))))
         # One graph, new kernel arguments before each replay.
-        token = object()
-        exe = launcher._instantiate(call.prefix, token)
         from cuda.bindings import driver as drv
 
-        graph_nodes = ctypes.c_void_p * 1
-        count = ctypes.c_size_t(1)
-        nodes = graph_nodes()
-        exec_graph = ctypes.c_void_p(exe.handle_int)
         set_params = libcuda.cuGraphExecKernelNodeSetParams
         set_params.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(KernelNodeParams)]
         set_params.restype = ctypes.c_int
-        # The executable graph's node: re-create the graph to find it (the launcher destroys its graph).
-        g = drv.cuGraphCreate(0)[1]
-        np_ = drv.CUDA_KERNEL_NODE_PARAMS()
-        np_.func, (np_.gridDimX, np_.gridDimY, np_.gridDimZ) = fn, (gx, gy, gz)
-        np_.blockDimX, np_.blockDimY, np_.blockDimZ, np_.sharedMemBytes, np_.kernelParams = bx, by, bz, shared, args
-        node = drv.cuGraphAddKernelNode(g, None, 0, np_)[1]
-        gexec = drv.cuGraphInstantiate(g, 0)[1]
-        kp = KernelNodeParams(fnp, gx, gy, gz, bx, by, bz, shared, args, None)
-        node_p, gexec_p = ctypes.c_void_p(int(node)), ctypes.c_void_p(int(gexec))
+        graph = drv.cuGraphCreate(0)[1]
+        node_params = drv.CUDA_KERNEL_NODE_PARAMS()
+        node_params.func, node_params.sharedMemBytes, node_params.kernelParams = fn, shared, args
+        node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = gx, gy, gz
+        node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = bx, by, bz
+        node = drv.cuGraphAddKernelNode(graph, None, 0, node_params)[1]
+        gexec = drv.cuGraphInstantiate(graph, 0)[1]
+        params = ctypes.byref(KernelNodeParams(fnp, gx, gy, gz, bx, by, bz, shared, args, None))
+        node_p, gexec_p, gexec_i = ctypes.c_void_p(int(node)), ctypes.c_void_p(int(gexec)), int(gexec)
         graph_launch = cp.cuda.runtime.graphLaunch
-        gexec_i = int(gexec)
-        ref = ctypes.byref(kp)
-        st = set_params(gexec_p, node_p, ref)
-        rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {st})", per_call_us(lambda: set_params(gexec_p, node_p, ref))))
+        status = set_params(gexec_p, node_p, params)
+        rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {status})",
+                     per_call_us(lambda: set_params(gexec_p, node_p, params))))
         rows.append(("cudaGraphLaunch", per_call_us(lambda: graph_launch(gexec_i, h))))
         rows.append(("set params + graph launch",
-                     per_call_us(lambda: (set_params(gexec_p, node_p, ref), graph_launch(gexec_i, h)))))
-        del exec_graph, nodes, count, exe
+                     per_call_us(lambda: (set_params(gexec_p, node_p, params), graph_launch(gexec_i, h)))))
     stream.synchronize()
     for name, us in rows:
         print(f"{name:<60} {us:8.2f} µs")
