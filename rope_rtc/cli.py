@@ -248,11 +248,16 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
     archs = [a for group in (args.arch or []) for a in group.split(",") if a.strip()] or _default_archs()
     try:
+        model = _model_from_args(args)
         report = warming.warm(archs, cache_dir=args.cache_dir, jobs=args.jobs,
                               tail_heads=tuple(args.tail_heads), kernels=args.kernels,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, specs=None if model is None else model.specs())
     except (RopeRtcError, ValueError) as exc:
         raise _Usage(str(exc)) from None
+    if model is not None:
+        print(f"model: head_dim {model.head_dim}, {model.q_heads} q heads, {model.kv_heads} kv heads, rotary_dim "
+              f"{model.rotary_dim}, {model.dtype}, {'interleaved' if model.interleaved else 'half-split'} pairs: "
+              f"{len(model.specs())} kernel builds per architecture")
     print(report.headline())
     print(report.summary())
     if report.failed:
@@ -260,6 +265,24 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+_MODEL_FLAGS = (("dtype", "--dtype"), ("head_dim", "--head-dim"), ("q_heads", "--heads"),
+                ("kv_heads", "--kv-heads"), ("rotary_dim", "--rotary-dim"))
+
+
+def _model_from_args(args: argparse.Namespace):
+    """The model geometry of ``warm --model`` and its field flags, or None (warm everything)."""
+    from .model import from_config
+
+    given = {field: getattr(args, field) for field, _ in _MODEL_FLAGS if getattr(args, field) is not None}
+    if args.model is None and not given and not args.interleaved:
+        return None
+    if args.model is None:
+        missing = [flag for field, flag in _MODEL_FLAGS[:3] if field not in given]
+        if missing:
+            raise ValueError(f"warm without --model needs {', '.join(missing)} (or --model config.json)")
+    return from_config(args.model if args.model is not None else {}, interleaved=args.interleaved, **given)
 
 
 # -- cache -----------------------------------------------------------------------------------
@@ -448,6 +471,18 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     w.add_argument("--kernels", action="append", metavar="GLOB",
                    help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*'")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = w.add_argument_group("one model's kernels (instead of every registered kernel)")
+    m.add_argument("--model", metavar="CONFIG", default=None,
+                   help="a Hugging Face config.json: warm exactly the kernels that model needs (head_dim, "
+                        "num_attention_heads, num_key_value_heads, partial_rotary_factor, torch_dtype)")
+    m.add_argument("--dtype", default=None, help="the model's dtype (bfloat16, float16, float32); overrides the config")
+    m.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=None, help="head dim")
+    m.add_argument("--heads", dest="q_heads", type=_positive_int, default=None, help="q heads")
+    m.add_argument("--kv-heads", dest="kv_heads", type=_positive_int, default=None, help="k/v heads")
+    m.add_argument("--rotary-dim", dest="rotary_dim", type=_positive_int, default=None,
+                   help="rotated channels per head (default: head_dim x partial_rotary_factor)")
+    m.add_argument("--interleaved", action="store_true",
+                   help="adjacent pairs (RoFormer, GPT-J) instead of Hugging Face's half-split pairs")
     w.set_defaults(func=_cmd_warm, command="warm")
 
 

@@ -192,6 +192,7 @@ def warm(
     tail_heads: Sequence[int] = registry.DEFAULT_TAIL_HEADS,
     kernels: Sequence[str] | None = None,
     progress: bool = True,
+    specs: Sequence[KernelSpec] | None = None,
 ) -> WarmReport:
     """Compile every registered kernel for each architecture in ``archs`` into the disk cache.
 
@@ -211,6 +212,9 @@ def warm(
         wildcards, brackets are literal), e.g. ``["tail", "rope[ROPE_DTYPE=2,*"]``.
     progress
         Show a progress bar on a terminal.
+    specs
+        Exactly these specialisations instead of the registry's (``rope_rtc.model.ModelRope.specs``:
+        what one model needs); ``kernels`` still filters them.
 
     A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``
     list with its error text and cause; the others still run. Temporary files older than an
@@ -218,7 +222,13 @@ def warm(
     compiled and every missing entry is a failure, which makes ``warm`` a completeness check.
     """
     targets = resolve_targets(archs)
-    specs = select_specs(tail_heads, kernels)
+    if specs is None:
+        specs = select_specs(tail_heads, kernels)
+    elif kernels:
+        globs = [_glob(p) for p in kernels]
+        specs = [s for s in specs if any(g.fullmatch(s.name) or g.fullmatch(s.family) for g in globs)]
+    if not specs:
+        raise ValueError(f"no kernel to warm (kernels={list(kernels or [])})")
     store = _disk_store(cache_dir)
     disk = store.disk
     assert disk is not None

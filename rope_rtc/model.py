@@ -1,0 +1,115 @@
+"""What a model fixes about its RoPE, read from a Hugging Face ``config.json`` (or given field by
+field), and the kernel specialisations it needs: what ``rope-rtc warm --model`` compiles.
+
+Only the fields that decide a kernel are read: the head dim, the q and kv head counts, the
+rotary window (``partial_rotary_factor``), the dtype and the pair style. Hugging Face's models
+rotate half-split pairs (``rotate_half``); pass ``interleaved=True`` for RoFormer/GPT-J-style
+adjacent pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .registry import KernelSpec, rope_head_batches, rope_spec, rope_vector_widths
+
+DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+          "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+@dataclass(frozen=True)
+class ModelRope:
+    """A model's RoPE geometry."""
+
+    head_dim: int
+    q_heads: int
+    kv_heads: int
+    rotary_dim: int
+    dtype: str
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("head_dim", "q_heads", "kv_heads", "rotary_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.dtype not in DTYPES.values():
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
+
+    def specs(self) -> list[KernelSpec]:
+        """Every build of the general kernel a plan for this model can launch (each vector width
+        and head batch of its dtype and pair style: ``RopePlan.compile`` loads them all)."""
+        return [rope_spec(self.dtype, self.interleaved, vec, hb)
+                for vec in rope_vector_widths(self.dtype, self.interleaved)
+                for hb in rope_head_batches(self.interleaved)]
+
+
+def _dtype(value, where: str) -> str:
+    name = str(value).removeprefix("torch.").lower()
+    if name not in DTYPES:
+        raise ValueError(f"{where}: {value!r} is not a RoPE dtype; expected one of bfloat16, float16, float32")
+    return DTYPES[name]
+
+
+def _int_field(config: dict, name: str, where: str) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, head_dim: int | None = None,
+                q_heads: int | None = None, kv_heads: int | None = None, rotary_dim: int | None = None,
+                interleaved: bool = False) -> ModelRope:
+    """The RoPE geometry of a Hugging Face config (a dict or the path of a ``config.json``); a
+    keyword given here overrides the config's field. A model whose text settings sit under
+    ``text_config`` (vision-language models) is read from there."""
+    where = "config"
+    if not isinstance(config, dict):
+        path = Path(config)
+        where = str(path)
+        try:
+            config = json.loads(path.read_text())
+        except OSError as exc:
+            raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--model: {path} is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    if isinstance(config.get("text_config"), dict):
+        config = {**config, **config["text_config"]}
+    if q_heads is None:
+        q_heads = _int_field(config, "num_attention_heads", where)
+    if kv_heads is None:
+        kv_heads = config.get("num_key_value_heads") or q_heads
+        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
+            raise ValueError(f"{where}: num_key_value_heads must be a positive int, got {kv_heads!r}")
+    if head_dim is None:
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            hidden = _int_field(config, "hidden_size", where)
+            if hidden % q_heads:
+                raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {q_heads}; "
+                                 "give head_dim")
+            head_dim = hidden // q_heads
+        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            raise ValueError(f"{where}: head_dim must be a positive int, got {head_dim!r}")
+    if rotary_dim is None:
+        factor = config.get("partial_rotary_factor", 1.0)
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+        rotary_dim = int(head_dim * factor)
+        rotary_dim -= rotary_dim % 2  # as transformers does: int(head_dim * factor), pairs whole
+    if dtype is None:
+        value = config.get("torch_dtype", config.get("dtype"))
+        if value is None:
+            raise ValueError(f"{where}: no torch_dtype (or dtype); give the dtype the model runs in")
+        dtype = _dtype(value, f"{where}: torch_dtype")
+    else:
+        dtype = _dtype(dtype, "dtype")
+    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved))

@@ -1,0 +1,101 @@
+"""A model's RoPE geometry from its Hugging Face config, and ``rope-rtc warm --model``: exactly
+the kernels a plan for that model loads, for each architecture, on a machine without a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import pytest
+
+from rope_rtc import RopePlan, TensorDesc, cli, rope_plan
+from rope_rtc.errors import KernelNotCachedError
+from rope_rtc.model import ModelRope, from_config
+from rope_rtc.registry import rope_spec
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+
+
+def test_llama3_8b_geometry():
+    assert from_config(LLAMA3_8B) == ModelRope(128, 32, 8, 128, "bfloat16", False)
+
+
+def test_partial_rotary_factor_explicit_head_dim_and_nested_text_config():
+    phi = {"hidden_size": 2560, "num_attention_heads": 32, "partial_rotary_factor": 0.4, "torch_dtype": "float16"}
+    assert from_config(phi) == ModelRope(80, 32, 32, 32, "float16", False)
+    qwen3 = {"hidden_size": 2048, "head_dim": 128, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "dtype": "bfloat16"}
+    assert from_config(qwen3).head_dim == 128
+    vl = {"architectures": ["Qwen2VLForConditionalGeneration"], "torch_dtype": "bfloat16",
+          "text_config": {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4}}
+    assert from_config(vl) == ModelRope(128, 28, 4, 128, "bfloat16", False)
+    assert from_config(LLAMA3_8B, dtype="fp16", interleaved=True).dtype == "float16"
+
+
+@pytest.mark.parametrize("change,pattern", [
+    ({"torch_dtype": None}, r"no torch_dtype \(or dtype\)"),
+    ({"torch_dtype": "int8"}, r"torch_dtype: 'int8' is not a RoPE dtype"),
+    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor must be in \(0, 1\]"),
+    ({"hidden_size": 4095}, r"hidden_size 4095 is not a multiple of num_attention_heads 32"),
+    ({"num_attention_heads": "32"}, r"num_attention_heads must be a positive int"),
+    ({"head_dim": 0}, r"head_dim must be a positive int"),
+])
+def test_config_errors_name_the_field(change, pattern):
+    config = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=pattern):
+        from_config(config)
+
+
+def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
+    loaded = []
+
+    def record(dtype, interleaved, vec, head_batch, device):
+        loaded.append(rope_spec(dtype, interleaved, vec, head_batch))
+        return ("rope_apply", "rope_apply_wide")
+
+    monkeypatch.setattr(rope_plan, "load_rope_functions", record)
+    monkeypatch.setattr(rope_plan.Prepared, "_new_launcher", staticmethod(lambda address, device: None))
+    bf16 = ml_dtypes.bfloat16
+    for interleaved in (False, True):
+        loaded.clear()
+        model = from_config(LLAMA3_8B, interleaved=interleaved)
+        q, k = TensorDesc(bf16, (8, 1, 32, 128), device=0), TensorDesc(bf16, (8, 1, 8, 128), device=0)
+        cos = TensorDesc("float32", (4096, 64), device=0)
+        RopePlan(q, k, cos, cos, interleaved=interleaved).compile()
+        assert sorted(s.name for s in loaded) == sorted(s.name for s in model.specs())
+
+
+def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+    root = tmp_path / "cache"
+    assert cli.main(["warm", "--arch", "sm_90", "--arch", "sm_80", "--model", str(config), "--cache-dir", str(root),
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
+    assert "warmed 16 kernels for sm_90, sm_80" in out
+    from rope_rtc.cache import open_store
+    from rope_rtc.cache.location import versioned_cache_dir
+
+    listed = sorted((e.entry.kernel, e.entry.target) for e in open_store(versioned_cache_dir(root)).disk.list())
+    want = sorted((s.name, t) for s in from_config(LLAMA3_8B).specs() for t in ("sm_90", "sm_80"))
+    assert listed == want
+    # The same fields as flags, without a config file.
+    assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
+                     "--cache-dir", str(root), "--no-progress"]) == 0
+    assert "compiled 0, already cached 8" in capsys.readouterr().out
+    assert cli.main(["warm", "--arch", "sm_90", "--heads", "32", "--cache-dir", str(root), "--no-progress"]) != 0
+    assert "needs --dtype, --head-dim (or --model config.json)" in capsys.readouterr().err
+
+
+def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, monkeypatch):
+    from rope_rtc.build import get_binary
+    from rope_rtc.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --model config\.json"):
+        get_binary(rope_spec("bfloat16", False, 8, 2), target_for(90))
