@@ -35,19 +35,21 @@ ONE_CALL_SIGNATURES = 64
 _NDARRAY: type | None = None
 
 
-def _cupy_ndarray() -> type:
+def cupy_ndarray() -> type:
+    """``cupy.ndarray`` (imported on first use: the core never imports CuPy at import time; a
+    missing CuPy is a ToolchainError naming the extra to install)."""
     global _NDARRAY
     if _NDARRAY is None:
-        import cupy
+        from .driver import import_cupy
 
-        _NDARRAY = cupy.ndarray
+        _NDARRAY = import_cupy().ndarray
     return _NDARRAY
 
 
 def signature(arrays: tuple) -> tuple | None:
     """``(shape, strides, dtype, device)`` of each argument when every one is a CuPy array or
     None; None otherwise (other objects are fully validated on every call)."""
-    nd = _NDARRAY or _cupy_ndarray()
+    nd = _NDARRAY or cupy_ndarray()
     for a in arrays:
         if a is not None and type(a) is not nd:
             return None

@@ -22,7 +22,7 @@ from . import arrays as A
 from . import launch
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
-from .prepared import ONE_CALL_SIGNATURES, bind_once
+from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
 from .rope_plan import RopePlan, check_positions_of, split_offset
 from .rope_request import Request, validate
 
@@ -45,12 +45,12 @@ def _resolve_backend(backend: str) -> str:
 
     if backend == "nvrtc":
         driver.require_gpu()
-        _gpu_seen(driver.import_cupy())
+        _gpu_seen()
         return backend
     if backend == "numpy":
         return backend
     if driver.available():
-        _gpu_seen(driver.import_cupy())
+        _gpu_seen()
         return "nvrtc"
     if not _numpy_fallback_warned:
         _numpy_fallback_warned = True
@@ -60,9 +60,9 @@ def _resolve_backend(backend: str) -> str:
     return "numpy"
 
 
-def _gpu_seen(cupy) -> None:
+def _gpu_seen() -> None:
     global _gpu_present, _NDARRAY
-    _NDARRAY = cupy.ndarray
+    _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
     _gpu_present = True
 
 

@@ -18,7 +18,7 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, pointers, signature
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, pointers, signature
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -238,7 +238,6 @@ def _current_device() -> int:
 
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
 _local = threading.local()
-_CUPY_NDARRAY: type | None = None
 
 
 def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
@@ -265,12 +264,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         out = np.empty_like(np.asarray(x))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
         return plan.execute(x, cosine, sine, out)
-    global _CUPY_NDARRAY
-    if _CUPY_NDARRAY is None:
-        from .driver import import_cupy
-
-        _CUPY_NDARRAY = import_cupy().ndarray
-    if type(x) is _CUPY_NDARRAY:
+    if type(x) is cupy_ndarray():
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
     else:
         xi = A.describe(x, "x", allow_host=False)
