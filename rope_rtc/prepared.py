@@ -61,6 +61,12 @@ def pointers(arrays: tuple) -> tuple:
     return tuple([0 if a is None else a.data.ptr for a in arrays])
 
 
+def shapes(arrays: tuple) -> tuple:
+    """The shapes of a call's first two arguments (q and k; x and cosine): CuPy can reshape an
+    array in place (``a.shape = ...``), so the identity of the objects alone does not fix them."""
+    return getattr(arrays[0], "shape", None), getattr(arrays[1], "shape", None)
+
+
 class Call:
     """One bound call: its arguments (held, so their identities stay theirs while remembered),
     the scalar argument, the template that bound it, the launch prefix (None: nothing to
@@ -71,7 +77,7 @@ class Call:
 
     def __init__(self, arrays: tuple, scalar: int, template, prefix, result) -> None:
         self.arrays = arrays
-        self.shape = arrays[0].shape
+        self.shape = shapes(arrays)
         self.scalar = scalar
         self.template = template
         self.prefix = prefix
@@ -122,7 +128,7 @@ class Prepared:
     def execute(self, arrays: tuple, scalar: int, stream):
         """Bind (remembering the call) and launch on ``stream``; returns the call's result."""
         last = self.last
-        if last is None or not all(map(is_, arrays, last.arrays)) or arrays[0].shape != last.shape:
+        if last is None or not all(map(is_, arrays, last.arrays)) or shapes(arrays) != last.shape:
             last = self._prepare(arrays, scalar)
         elif scalar != last.scalar:
             last = self._rescalar(last, scalar)
@@ -149,7 +155,7 @@ class Prepared:
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
         key = tuple(map(id, arrays))
         hit = self.recent.get(key)
-        if hit is not None and hit[1].shape == arrays[0].shape:
+        if hit is not None and hit[1].shape == shapes(arrays):
             snapshot, call = hit
             ctypes.memmove(self._block_address, snapshot, self._block_size)
             self.filled = None  # the block no longer holds what a template last wrote
@@ -172,16 +178,20 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
     them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
     plan and template that bound it last: a hit runs only the template's address checks (on
     ``ptrs``, the arrays' data pointers, when the caller has them). On a miss, or when the
-    template declines, ``plan_for(*plan_args)`` gives the plan and its core validates fully
-    (raising on a real problem)."""
-    hit = cache.get(key) if key is not None else None
+    template declines, ``plan_for(*plan_args)`` gives the plan (validating the call) and its core
+    binds it (raising on a real problem)."""
+    try:
+        hit = cache.get(key) if key is not None else None
+    except TypeError:  # an unhashable option: full validation names it
+        key = hit = None
     if hit is not None:
         plan, tmpl = hit
         call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays) if ptrs is None else ptrs)
         if call is not None:
             return plan, call
-        plan_for = None
-    plan = hit[0] if plan_for is None else plan_for(*plan_args)
+    # The plan comes from full validation, not from the hit: a declined call (an output that is
+    # no longer its input's view, say) may belong to another plan.
+    plan = plan_for(*plan_args)
     call = plan._core.bind(arrays, scalar)
     if key is not None:
         remember(cache, key, (plan, call.template), ONE_CALL_SIGNATURES)

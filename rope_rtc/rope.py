@@ -233,7 +233,12 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         by_signature = _local.by_signature
     except AttributeError:
         by_signature = _thread_caches()[0]
-    key = None if sig is None else (opts, names, sig)
+    layout, interleaved, rotary_dim, rotary_offset, inverse = opts
+    # Options of the types validation accepts as they are (equal values of other types, such as
+    # interleaved=1 or rotary_dim=64.0, would share the key): anything else validates every call.
+    plain = (type(interleaved) is bool and type(inverse) is bool and type(rotary_offset) is int
+             and (rotary_dim is None or type(rotary_dim) is int) and type(layout) is str)
+    key = None if sig is None or not plain else (opts, names, sig)
     plan, call = bind_once(by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
         check_positions_of(arrays, scalar, _kw(opts))
@@ -245,7 +250,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
 def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
            opts: tuple):
     backend = _resolve_backend(backend)
-    if backend == "nvrtc" and type(q) is _NDARRAY:
+    if backend == "nvrtc" and type(q) is _NDARRAY and (k is None or type(k) is _NDARRAY):
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
                    k_out=k_out, names=names, **_kw(opts))

@@ -106,7 +106,10 @@ class RopePlan:
                 offset=None, cu_seqlens=None):
         """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
         core = self._core or self.compile()._core
-        scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
+        if offset is None:
+            scalar, offsets = 0, None
+        else:
+            scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
         if self.in_place:
             if q_out is None:
                 q_out = q
@@ -202,6 +205,9 @@ class _RopeTemplate:
                              for i in infos)
         self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
         in_place = tuple(infos[o] is not None and A.same_view(infos[o], infos[i]) for o, i in self.OUTPUTS)
+        # Outputs validated as their own input's view: a call binds here only if they still are
+        # (the signature fixes shape, strides and dtype, so an equal pointer is the same view).
+        self.same_view = tuple(pair for pair, same in zip(self.OUTPUTS, in_place) if same)
         # For each output, the arguments whose bytes it must not meet: (output, lo, hi, [(j, lo, hi)]).
         self.disjoint = tuple(
             (o, *self.extents[o], tuple((j, *e) for j, e in enumerate(self.extents)
@@ -237,6 +243,9 @@ class _RopeTemplate:
 
     def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
         """Address checks, then the block; None sends the call through full validation."""
+        for o, own in self.same_view:
+            if ptrs[o] != ptrs[own]:
+                return None  # validated in place, now a separate output: not this template's call
         for o, olo, ohi, others in self.disjoint:  # no output meets another argument (by extents)
             lo, hi = ptrs[o] + olo, ptrs[o] + ohi
             for j, jlo, jhi in others:

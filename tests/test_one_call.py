@@ -197,3 +197,54 @@ def test_a_numpy_offset_scalar_is_an_int(gpu, table):
     assert gpu.launches[-1]["params"].offset == 11
     with pytest.raises(TypeError, match="offset: expected an int or an int array"):
         apply_rope(q, cos, sin, offset=5.0, out=q)
+
+
+# ---------------------------------------------------------------------------------------------
+# a template never serves a call that full validation would treat differently
+
+def test_an_in_place_template_does_not_serve_a_separate_output(gpu):
+    # out=x[:] is the same view as x (in place); a later out=y of the same signature is not.
+    cos, sin = fake_cupy((64, 16), np.float32), fake_cupy((64, 16), np.float32)
+    x = fake_cupy((2, 8, 4, 64), np.float32)
+    apply_rope(x, cos, sin, rotary_dim=32, out=x[:])
+    assert gpu.launches[-1]["params"].copy_passthrough == 0
+    y = fake_cupy((2, 8, 4, 64), np.float32)
+    apply_rope(x, cos, sin, rotary_dim=32, out=y)
+    assert gpu.launches[-1]["params"].copy_passthrough == 1  # channels 32..63 of y are copied
+    # ... and an output that overlaps its input without being the same view is refused.
+    buf = fake_cupy((2, 9, 4, 64), np.float32)
+    a, b = buf[:, :8], buf[:, 1:]
+    apply_rope(a, cos, sin, rotary_dim=32, out=a[:])
+    n = len(gpu.launches)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        apply_rope(a, cos, sin, rotary_dim=32, out=b)
+    assert len(gpu.launches) == n
+    # An in-place plan refuses separate outputs even after an equal view was accepted.
+    k = fake_cupy((2, 8, 2, 64), np.float32)
+    plan = rope_plan.RopePlan(x, k, cos[:, :16], sin[:, :16], rotary_dim=32)
+    plan.execute(x, k, cos[:, :16], sin[:, :16], q_out=x[:], k_out=k[:])
+    with pytest.raises(ValueError, match="q_out: this plan rotates in place"):
+        plan.execute(x, k, cos, sin, q_out=y, k_out=fake_cupy((2, 8, 2, 64), np.float32))
+
+
+@pytest.mark.parametrize("option,value", [("interleaved", 1), ("inverse", 0), ("rotary_offset", False),
+                                          ("rotary_dim", 64.0), ("layout", ["bshd"])])
+def test_options_of_the_wrong_type_are_refused_after_a_valid_call_too(gpu, option, value):
+    cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
+    x = fake_cupy((2, 8, 4, 64), np.float32)
+    good = dict(interleaved=True, inverse=False, rotary_offset=0, rotary_dim=64, layout="bshd")
+    apply_rope(x, cos, sin, out=x, **good)
+    n = len(gpu.launches)
+    with pytest.raises((TypeError, ValueError), match=option):
+        apply_rope(x, cos, sin, out=x, **{**good, option: value})
+    assert len(gpu.launches) == n
+
+
+def test_a_plan_notices_k_reshaped_in_place(gpu):
+    cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
+    q, k = fake_cupy((2, 8, 4, 64), np.float32), fake_cupy((2, 8, 4, 64), np.float32)
+    plan = rope_plan.RopePlan(q, k, cos, sin)
+    plan.execute(q, k, cos, sin)
+    k.shape = (2, 8, 2, 128)  # CuPy reshapes in place
+    with pytest.raises(ValueError, match="k: shape"):
+        plan.execute(q, k, cos, sin)
