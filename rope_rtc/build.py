@@ -88,12 +88,15 @@ def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = N
     s = settings()
     if s.no_compile:
         where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
-        one_model = (f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
-                     if spec.family == "rope" else "")
+        if spec.family == "rope":
+            hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
+        elif spec.family == "tail":  # the default warm builds a fixed list of head counts
+            hint = f" --tail-heads {dict(spec.defines)['TAIL_HEADS']}"
+        else:
+            hint = ""
         raise KernelNotCachedError(
             f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
-            f"compiling it; fill the cache on a build machine with: rope-rtc warm --arch {target.name}{where}"
-            + one_model
+            f"compiling it; fill the cache on a build machine with: rope-rtc warm --arch {target.name}{where}{hint}"
         )
 
     if announce:

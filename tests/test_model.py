@@ -99,3 +99,15 @@ def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, mon
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
     with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --model config\.json"):
         get_binary(rope_spec("bfloat16", False, 8, 2), target_for(90))
+
+
+def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):
+    # The default warm builds a fixed list of tail head counts; the command must build this one.
+    from rope_rtc.build import get_binary
+    from rope_rtc.registry import tail_spec
+    from rope_rtc.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --cache-dir \S+ --tail-heads 3$"):
+        get_binary(tail_spec(3, 128), target_for(90))
