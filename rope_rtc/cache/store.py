@@ -195,19 +195,20 @@ class ListedEntry:
     def key(self) -> str:
         return self.path.name[: -len(ENTRY_SUFFIX)]
 
-    @property
-    def kernel(self) -> str | None:
+    def _field(self, name: str) -> str | None:
+        """A field of the verified entry, else of the header when it parsed (a damaged entry)."""
         if self.entry is not None:
-            return self.entry.kernel
-        value = (self.header or {}).get("kernel")
+            return getattr(self.entry, name)
+        value = (self.header or {}).get(name)
         return value if isinstance(value, str) else None
 
     @property
+    def kernel(self) -> str | None:
+        return self._field("kernel")
+
+    @property
     def target(self) -> str | None:
-        if self.entry is not None:
-            return self.entry.target
-        value = (self.header or {}).get("target")
-        return value if isinstance(value, str) else None
+        return self._field("target")
 
 
 @dataclass
