@@ -133,9 +133,11 @@ __device__ i64 token_row(const RopeParams& p, i64 t, i64 b, i64 s) {
     return (pos >= 0 && pos < p.table_rows) ? pos : -1;
 }
 
+// Each product rounded to FP32 before the FMA: the same bits whatever the compiler contracts,
+// so this kernel and its specialised build (rope_fixed.cu) agree exactly.
 __device__ __forceinline__ void rotate(float x0, float x1, float c, float s, float& o0, float& o1) {
-    o0 = x0 * c - x1 * s;
-    o1 = x1 * c + x0 * s;
+    o0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
+    o1 = __fmaf_rn(x1, c, __fmul_rn(x0, s));
 }
 
 // Element offsets of head h (of q, or of k past the q heads) for token (b, s).

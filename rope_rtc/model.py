@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import KernelSpec, rope_head_batches, rope_spec, rope_vector_widths
+from .registry import KernelSpec, model_fixed_specs, rope_head_batches, rope_spec, rope_vector_widths
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -42,11 +42,14 @@ class ModelRope:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
 
     def specs(self) -> list[KernelSpec]:
-        """Every build of the general kernel a plan for this model can launch (each vector width
-        and head batch of its dtype and pair style: ``RopePlan.compile`` loads them all)."""
+        """Every build of the general kernel a plan for this model can launch: the generic builds
+        of its dtype and pair style (each vector width and head batch), and the builds
+        specialised on its geometry for q with k, q alone and k alone, in both thread orders
+        (``RopePlan.compile`` loads the generic ones and its own specialised one)."""
         return [rope_spec(self.dtype, self.interleaved, vec, hb)
                 for vec in rope_vector_widths(self.dtype, self.interleaved)
-                for hb in rope_head_batches(self.interleaved)]
+                for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
+            self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim)
 
 
 def _dtype(value, where: str) -> str:

@@ -103,7 +103,7 @@ class Prepared:
     """The block, templates, launcher and recent calls of one operation on one device.
 
     A template implements ``pointers(arrays)``, ``validated_pointers``, ``bind(core, arrays,
-    scalar, ptrs) -> Call | None`` and ``check_scalar(scalar)`` / ``write_scalar(block, scalar)``.
+    scalar, ptrs) -> Call | None`` and ``check_scalar(scalar)`` / ``write_scalar(block, scalar, call)``.
     ``filled``/``filled_vec`` name what the block holds beyond addresses (a template re-fills
     when it is not its own). One core per thread: the block is written on every call.
     """
@@ -168,7 +168,7 @@ class Prepared:
 
     def _rescalar(self, call: Call, scalar: int) -> Call:
         call.template.check_scalar(scalar)
-        call.template.write_scalar(self.block, scalar)
+        call.template.write_scalar(self.block, scalar, call)
         self.last = call = call.with_scalar(scalar)
         return call
 

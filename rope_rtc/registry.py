@@ -84,6 +84,78 @@ def rope_vector_widths(dtype: str, interleaved: bool) -> tuple[int, ...]:
     return tuple(w for w in widths if not interleaved or w % 2 == 0)
 
 
+# The specialised general kernel (cuda_src/rope_fixed.cu): one entry point, 32-bit indices.
+FIXED_ENTRIES = ("rope_fixed",)
+
+
+@dataclass(frozen=True)
+class FixedGeometry:
+    """What a specialised build of the general kernel fixes: the model's geometry (dtype, pair
+    style, q and k head counts, head dim, rotary window) and the launch shape chosen for it
+    (vector width, heads per thread, thread order). ``k_heads == 0``: a launch without k."""
+
+    dtype: str
+    interleaved: bool
+    q_heads: int
+    k_heads: int
+    head_dim: int
+    rotary_offset: int
+    rotary_dim: int
+    vec: int
+    head_batch: int
+    order: int  # 0: (token, head group, unit), heads denser; 1: (batch, head group, token, unit), bhsd
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            "rope_fixed", "rope_fixed.cu", FIXED_ENTRIES,
+            (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
+             ("ROPE_VEC", str(self.vec)), ("FIX_HQ", str(self.q_heads)), ("FIX_HK", str(self.k_heads)),
+             ("FIX_D", str(self.head_dim)), ("FIX_RO", str(self.rotary_offset)), ("FIX_RD", str(self.rotary_dim)),
+             ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))))
+
+
+# Bytes per access of the specialised build: half-split pairs read two vectors per thread and
+# measured fastest at 8 bytes each for 2-byte types; interleaved pairs and FP32 at 16 bytes
+# (docs/performance.md).
+def fixed_vector_bytes(dtype: str, interleaved: bool) -> int:
+    return 16 if interleaved or ITEMSIZE[dtype] == 4 else 8
+
+
+def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int,
+                   rotary_offset: int, rotary_dim: int, tokens_denser: bool) -> FixedGeometry | None:
+    """The specialised build for a model's geometry and thread order, or None when the window
+    is not a whole number of the build's vectors (the generic kernel serves it)."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
+    vec = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
+    span = rotary_dim if interleaved else rotary_dim // 2
+    if rotary_dim <= 0 or rotary_dim % 2 or span % vec or rotary_offset % vec or q_heads <= 0 or k_heads < 0:
+        return None
+    order = 1 if tokens_denser else 0
+    # Two heads per thread where a warp walks one head's rows (bhsd): measured faster; one where
+    # it walks a token's heads (docs/performance.md).
+    hb = 2 if order == 1 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
+    return FixedGeometry(dtype, bool(interleaved), q_heads, k_heads, head_dim, rotary_offset, rotary_dim, vec, hb,
+                         order)
+
+
+def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int, head_dim: int,
+                      rotary_dim: int, rotary_offset: int = 0) -> list[KernelSpec]:
+    """Every specialised build a model's calls use: q with k, q alone and k alone, in both thread
+    orders (bshd/thd/sbhd and bhsd)."""
+    out = []
+    for hq, hk in ((q_heads, kv_heads), (q_heads, 0), (kv_heads, 0)):
+        for denser in (False, True):
+            g = fixed_geometry(dtype, interleaved, hq, hk, head_dim, rotary_offset, rotary_dim, denser)
+            if g is not None and g.spec() not in out:
+                out.append(g.spec())
+    return out
+
+
+# Geometries warmed by default: the common head layouts of current models at head dim 128.
+DEFAULT_FIXED_HEADS = ((32, 8), (32, 32))
+
+
 def tail_spec(heads: int, dim: int) -> KernelSpec:
     return KernelSpec("tail", "tail_rope.cu", ("tail_rope_bf16_x1",),
                       (("TAIL_HEADS", str(int(heads))), ("TAIL_DIM", str(int(dim)))))
@@ -95,5 +167,9 @@ def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSp
         for interleaved in (False, True):
             specs += [rope_spec(dtype, interleaved, v, hb) for v in rope_vector_widths(dtype, interleaved)
                       for hb in rope_head_batches(interleaved)]
+    for dtype in DTYPE_CODES:
+        for interleaved in (False, True):
+            for hq, hk in DEFAULT_FIXED_HEADS:
+                specs += [s for s in model_fixed_specs(dtype, interleaved, hq, hk, 128, 128) if s not in specs]
     specs += [tail_spec(h, d) for d in TAIL_DIMS for h in sorted(set(tail_heads))]
     return specs

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layouts import canonical
-from .registry import rope_head_batch, rope_vector_widths
-from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, RopeParams, fast_divisor
+from .registry import FixedGeometry, fixed_geometry, rope_head_batch, rope_vector_widths
+from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, FixedParams, RopeParams, fast_divisor
 from .rope_request import Request
 
 # Threads per block of the general kernel (cuda_src/rope.cu: __launch_bounds__(256)).
@@ -23,6 +23,13 @@ NARROW_LIMIT = 2**31
 TILE_THREADS = 32
 # Launches with fewer (token, head) pairs than this run one head per thread (decode: latency).
 SMALL_TOKEN_HEADS = 2**14
+# The specialised build (cuda_src/rope_fixed.cu) serves every call it fits; False: the generic
+# kernel serves all (the tests run their matrix both ways).
+USE_FIXED = True
+# Specialised launches with fewer threads than this use blocks of FIXED_SMALL_BLOCK (decode:
+# more SMs share the few warps); others FIXED_BLOCK (docs/performance.md).
+FIXED_SMALL_THREADS = 2**14
+FIXED_BLOCK, FIXED_SMALL_BLOCK = 256, 128
 
 
 def _views(req: Request):
@@ -113,9 +120,7 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
     p.q_heads, p.head_dim = req.cq.H, req.cq.D
     p.rot_offset, p.rot_half = req.rotary_offset, req.rotary_dim // 2
     p.pos_mode = req.pos_mode
-    p.index_flags = ((IDX_POSITIONS_I64 if req.positions is not None and req.positions.dtype == "int64" else 0)
-                     | (IDX_OFFSETS_I64 if req.offsets is not None and req.offsets.dtype == "int64" else 0)
-                     | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
+    p.index_flags = _index_flags(req)
     p.inverse = int(req.inverse)
     p.copy_passthrough = int(not req.in_place and req.rotary_dim < req.cq.D)
     # Table rows read NPAIR floats per access when every row slice is aligned to that.
@@ -132,6 +137,70 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
         p.div_seq = fast_divisor(p.seq_len)
         p.div_copy_units = fast_divisor(max(space.copy_units, 1))
         p.div_heads = fast_divisor(max(space.heads, 1))
+
+
+def _index_flags(req: Request) -> int:
+    return ((IDX_POSITIONS_I64 if req.positions is not None and req.positions.dtype == "int64" else 0)
+            | (IDX_OFFSETS_I64 if req.offsets is not None and req.offsets.dtype == "int64" else 0)
+            | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
+
+
+def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
+    """The specialised build that serves this call, or None (the generic kernel does).
+
+    It fits when the window is a whole number of its vectors, every stride is too, nothing
+    outside the window needs copying (in place, or the whole head rotated), the heads divide
+    into its head groups and the threads fit 32-bit indices. ``layout_denser``: the plan's
+    layout puts tokens closer than heads (bhsd), which fixes the thread order (a plan fixes
+    its builds when it compiles them)."""
+    if not USE_FIXED or (not req.in_place and req.rotary_dim < req.cq.D):
+        return None
+    g = fixed_geometry(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
+                       req.rotary_offset, req.rotary_dim, layout_denser)
+    if g is None or g.vec not in allowed_vectors(req):
+        return None
+    if fixed_threads(req, g) >= NARROW_LIMIT:
+        return None
+    return g
+
+
+def fixed_threads(req: Request, g: FixedGeometry) -> int:
+    units = (g.rotary_dim if g.interleaved else g.rotary_dim // 2) // g.vec
+    return req.num_tokens * ((g.q_heads + g.k_heads) // g.head_batch) * units
+
+
+def fill_fixed(p: FixedParams, req: Request, g: FixedGeometry) -> None:
+    """Every field of the specialised build's block (addresses too: bind rewrites those)."""
+    for w, (info, c) in enumerate(_views(req)):
+        side, kind = w // 2, w % 2  # (q, q_out, k, k_out): side 0 is q, 1 is k; kind 1 an output
+        if kind == 0:
+            p.in_[side], p.in_sb[side], p.in_ss[side], p.in_sh[side] = info.ptr, c.sb, c.ss, c.sh
+        else:
+            p.out[side], p.out_sb[side], p.out_ss[side], p.out_sh[side] = info.ptr, c.sb, c.ss, c.sh
+    p.cos, p.sin = req.cos.ptr, req.sin.ptr
+    p.positions = req.positions.ptr if req.positions is not None else 0
+    p.offsets = req.offsets.ptr if req.offsets is not None else 0
+    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
+    p.offset = req.offset
+    p.num_tokens = req.num_tokens
+    p.seq_len = max(req.cq.S, 1)
+    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else req.cq.B
+    p.table_rows = req.cos.shape[0]
+    p.table_stride = req.cos.strides[0]
+    p.pos_mode = req.pos_mode
+    p.index_flags = _index_flags(req)
+    p.inverse = int(req.inverse)
+    npair = g.vec // 2 if g.interleaved else g.vec
+    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
+    p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
+    p.total = fixed_threads(req, g)
+    p.div_seq = fast_divisor(p.seq_len)
+
+
+def fixed_launch_shape(req: Request, g: FixedGeometry) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    total = fixed_threads(req, g)
+    block = FIXED_SMALL_BLOCK if total < FIXED_SMALL_THREADS else FIXED_BLOCK
+    return (max(1, -(-total // block)), 1, 1), (block, 1, 1)
 
 
 def tokens_denser(req: Request) -> bool:

@@ -51,3 +51,22 @@ def fast_div(n: int, packed: int) -> int:
     """What the kernel computes for ``n // d`` (the host-side model, for tests)."""
     mul, shift = packed & 0xFFFFFFFF, packed >> 32
     return (((n * mul) >> 32) + n) >> shift
+
+
+# The host mirror of ``struct FixedParams`` in cuda_src/rope_fixed.cu ([0] is q, [1] is k).
+_PAIR = _I64 * 2
+FIXED_FIELDS = [
+    ("in_", _U64 * 2), ("out", _U64 * 2),
+    ("in_sb", _PAIR), ("in_ss", _PAIR), ("in_sh", _PAIR),
+    ("out_sb", _PAIR), ("out_ss", _PAIR), ("out_sh", _PAIR),
+    ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
+    ("offset", _I64), ("num_tokens", _I64), ("seq_len", _I64), ("num_seqs", _I64),
+    ("table_rows", _I64), ("table_stride", _I64),
+    ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("table_vec", _I64), ("total", _I64),
+    ("div_seq", _U64),
+]
+
+
+class FixedParams(ctypes.Structure):
+    _fields_ = FIXED_FIELDS
+assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block

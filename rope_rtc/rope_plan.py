@@ -5,14 +5,18 @@ own, per thread."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel
 from .prepared import Call, Op, Prepared, pointers, signature
-from .registry import ROPE_ENTRIES, rope_head_batches, rope_spec, rope_vector_widths
-from .rope_launch import allowed_vectors, choose_vector, fill_params, index_space, launch_shape
-from .rope_params import POS_OFFSET, RopeParams
+from .registry import FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, fixed_geometry, rope_head_batches, rope_spec, \
+    rope_vector_widths
+from .rope_launch import allowed_vectors, choose_vector, fill_fixed, fill_params, fixed_build, fixed_launch_shape, \
+    index_space, launch_shape
+from .rope_params import POS_OFFSET, FixedParams, RopeParams
 from .rope_request import Request, check_device_positions, validate
 
 # Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
@@ -25,6 +29,11 @@ def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int
     """The (32-bit, 64-bit) entries of one build of the general kernel, loaded on ``device``."""
     k = load_kernel(rope_spec(dtype, interleaved, vec, head_batch), device)
     return tuple(k.functions[e] for e in ROPE_ENTRIES)
+
+
+def load_fixed_function(g: FixedGeometry, device: int):
+    """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on ``device``."""
+    return load_kernel(g.spec(), device).functions[FIXED_ENTRIES[0]]
 
 
 class RopePlan:
@@ -73,6 +82,8 @@ class RopePlan:
             device = req.device if req.device is not None else _current_device()
         self.device = int(device)
         self._kernels: dict[tuple[int, int], tuple] = {}
+        self._fixed: dict[FixedGeometry, object] = {}
+        self._fixed_block = None
         self._core: Prepared | None = None
         self._check_positions = False
         self._names = ("q", "k")  # what errors call q and k (apply_rope's plans: "x")
@@ -83,8 +94,19 @@ class RopePlan:
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             for hb in rope_head_batches(self.interleaved):
                 self.kernel(vec, hb)
+        g = fixed_geometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
+                           self.rotary_offset, self.rotary_dim, self.layout == "bhsd")
+        if g is not None:
+            self.fixed_kernel(g)
         self._ensure_core()
         return self
+
+    def fixed_kernel(self, g: FixedGeometry):
+        """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use."""
+        fn = self._fixed.get(g)
+        if fn is None:
+            fn = self._fixed[g] = load_fixed_function(g, self.device)
+        return fn
 
     def kernel(self, vec: int, head_batch: int) -> tuple:
         """The (32-bit, 64-bit) entries of one build, loaded on first use."""
@@ -93,6 +115,13 @@ class RopePlan:
             fns = self._kernels[(vec, head_batch)] = load_rope_functions(self.dtype, self.interleaved, vec,
                                                                          head_batch, self.device)
         return fns
+
+    def _fixed_view(self, core: Prepared) -> FixedParams:
+        """The core's block seen as the specialised build's arguments (same memory)."""
+        view = self._fixed_block
+        if view is None or view[0] is not core:
+            view = self._fixed_block = (core, FixedParams.from_address(ctypes.addressof(core.block)))
+        return view[1]
 
     def _ensure_core(self) -> Prepared:
         if self._core is None:
@@ -215,6 +244,10 @@ class _RopeTemplate:
             for (o, own), same in zip(self.OUTPUTS, in_place) if self.extents[o] is not None)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
+        # The specialised build when the call fits it (its vector's alignment is checked per call).
+        self.fixed = fixed_build(req, plan.layout == "bhsd") if req.num_tokens else None
+        self.fixed_align = self.fixed.vec * self.itemsize if self.fixed is not None else 0
+        self._fixed_prefix = None
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
         self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)
         self.npair_div = 2 if req.interleaved else 1
@@ -237,9 +270,11 @@ class _RopeTemplate:
             if offset + S > rows:
                 raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside the table's {rows} rows")
 
-    @staticmethod
-    def write_scalar(block: RopeParams, offset: int) -> None:
-        block.offset = offset
+    def write_scalar(self, block: RopeParams, offset: int, call: Call) -> None:
+        if call.prefix is not None and call.prefix is self._fixed_prefix:
+            FixedParams.from_address(ctypes.addressof(block)).offset = offset
+        else:
+            block.offset = offset
 
     def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
         """Address checks, then the block; None sends the call through full validation."""
@@ -264,6 +299,8 @@ class _RopeTemplate:
         if not self.allowed:  # nothing to launch
             return Call(arrays, offset, self, None, (arrays[Q_OUT], arrays[K_OUT]))
         combined = ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]
+        if self.fixed_align and combined % self.fixed_align == 0:
+            return self._bind_fixed(core, arrays, offset, ptrs)
         for vec in self.allowed:
             if combined % (vec * self.itemsize) == 0:
                 break
@@ -279,6 +316,24 @@ class _RopeTemplate:
         npair = vec // self.npair_div
         p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
         return Call(arrays, offset, self, self._prefixes.get(vec) or self.prefix(vec), (arrays[Q_OUT], arrays[K_OUT]))
+
+    def _bind_fixed(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call:
+        """The block of the specialised build (it shares the block's memory: a FixedParams is
+        smaller than a RopeParams)."""
+        p = self.plan._fixed_view(core)
+        g = self.fixed
+        if core.filled is not self or core.filled_vec != "fixed":
+            fill_fixed(p, self.req, g)
+            core.filled, core.filled_vec = self, "fixed"
+        q, k, c, s, pos, qo, ko, cu, offs = ptrs
+        p.in_[0], p.out[0], p.in_[1], p.out[1], p.cos, p.sin = q, qo, k, ko, c, s
+        p.positions, p.offsets, p.cu_seqlens, p.offset = pos, offs, cu, offset
+        npair = g.vec // self.npair_div
+        p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
+        pre = self._fixed_prefix
+        if pre is None:
+            pre = self._fixed_prefix = launch_prefix(self.plan.fixed_kernel(g), *fixed_launch_shape(self.req, g))
+        return Call(arrays, offset, self, pre, (arrays[Q_OUT], arrays[K_OUT]))
 
     def prefix(self, vec: int) -> tuple:
         pre = self._prefixes.get(vec)

@@ -213,7 +213,7 @@ class _TailTemplate:
     def check_scalar(self, scalar: int) -> None:
         """The tail kernel takes no scalar."""
 
-    def write_scalar(self, block, scalar: int) -> None:
+    def write_scalar(self, block, scalar: int, call=None) -> None:
         """The tail kernel takes no scalar."""
 
     def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:

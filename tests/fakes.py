@@ -270,11 +270,13 @@ class FakeGPU:
     launch: the one-call functions' plan caches, the plans' validation, templates and argument
     blocks (rope_rtc.prepared). Replaced are the bottom layers alone:
 
-    * the kernel loaders (``rope_plan.load_rope_functions``, ``tail.load_tail_function``) return
-      descriptive tuples/names instead of function handles;
+    * the kernel loaders (``rope_plan.load_rope_functions``, ``load_fixed_function``,
+      ``tail.load_tail_function``) return descriptive tuples/names instead of function handles;
+      the specialised build serves the calls it fits only with ``FakeGPU(fixed=True)``;
     * every core's launcher is a recorder that appends ``{"fn", "grid", "block", "stream",
       "token", "thread", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
-      argument block, for ``rope_apply`` launches);
+      argument block, for ``rope_apply`` launches; ``fixed``: the specialised build's block and
+      ``geometry`` its FixedGeometry, for ``rope_fixed`` launches);
     * output allocation makes fake CuPy arrays, stream resolution returns the handle given (0
       for ``None``), and the one-call functions' per-thread plan caches start empty.
 
@@ -283,8 +285,9 @@ class FakeGPU:
     manager (not a pytest fixture) so that hypothesis tests can use it too.
     """
 
-    def __init__(self, num_sms: int = 132) -> None:
+    def __init__(self, num_sms: int = 132, *, fixed: bool = False) -> None:
         self.num_sms = num_sms
+        self.fixed = fixed  # whether the specialised build serves the calls it fits (rope_launch.USE_FIXED)
         self.launches: list[dict] = []
         self._saved: list[tuple[object, str, object]] = []
 
@@ -316,7 +319,14 @@ class FakeGPU:
         def stream_handle(stream, device=None):
             return 0 if stream is None else (stream if isinstance(stream, int) else getattr(stream, "ptr", 0))
 
+        def load_fixed_function(g, device):
+            return ("rope_fixed", g)
+
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
+        self._patch(rope_plan, "load_fixed_function", load_fixed_function)
+        from rope_rtc import rope_launch
+
+        self._patch(rope_launch, "USE_FIXED", self.fixed)
         self._patch(tail, "load_tail_function", load_tail_function)
         self._patch(prepared.Prepared, "_new_launcher", staticmethod(self.launcher))
         self._patch(launch, "allocate", allocate)
@@ -364,6 +374,12 @@ class _RecordingLauncher:
             record["params"] = RopeParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(RopeParams)))
             record["vec"] = fn[3]
             record["itemsize"] = {"float32": 4, "float16": 2, "bfloat16": 2}[fn[1]]
+        elif isinstance(fn, tuple) and fn[0] == "rope_fixed":
+            from rope_rtc.rope_params import FixedParams
+
+            record["fixed"] = FixedParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(FixedParams)))
+            record["geometry"] = fn[1]
+            record["vec"] = fn[1].vec
         self.gpu.launches.append(record)
 
     def forget(self) -> None:

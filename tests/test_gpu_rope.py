@@ -102,13 +102,20 @@ MATRIX = list(itertools.product(
 ))
 
 
-@pytest.fixture(params=["small", "prefill", "wide"])
+@pytest.fixture(params=["fixed", "small", "prefill", "wide"])
 def kernel_path(request, monkeypatch):
-    """Which of the general kernel's three builds runs the matrix's small shapes: one head per
-    thread (what they get), the prefill head batch, or the 64-bit grid-stride entry with a grid
-    of one block, so every thread loops (what only tensors past 2^31 indices get)."""
-    from rope_rtc import rope_launch
+    """Which build of the general kernel runs the matrix's small shapes: the specialised build
+    (cuda_src/rope_fixed.cu, for every call it fits), or the generic kernel alone with one head
+    per thread (what small shapes get), the prefill head batch, or the 64-bit grid-stride entry
+    with a grid of one block, so every thread loops (what only tensors past 2^31 indices get)."""
+    import threading
 
+    from rope_rtc import rope, rope_launch
+
+    # The one-call functions keep templates per thread, each with its choice of build: start empty.
+    monkeypatch.setattr(rope, "_local", threading.local())
+    if request.param != "fixed":
+        monkeypatch.setattr(rope_launch, "USE_FIXED", False)
     if request.param in ("prefill", "wide"):
         monkeypatch.setattr(rope_launch, "SMALL_TOKEN_HEADS", 0)
     if request.param == "wide":
@@ -146,6 +153,11 @@ def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
     monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 0)
     monkeypatch.setattr(rope_launch, "GRID_LIMIT", 1)
     assert not rope_launch.is_narrow(req, vec) and rope_launch.launch_shape(req, vec)[0][0] == 1
+    assert rope_launch.fixed_build(req, False) is None  # past 32-bit indices: the generic kernel
+    monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 2**31)
+    assert rope_launch.fixed_build(req, False) is not None
+    monkeypatch.setattr(rope_launch, "USE_FIXED", False)
+    assert rope_launch.fixed_build(req, False) is None
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 3, 17, 4097])

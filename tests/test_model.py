@@ -56,16 +56,29 @@ def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
         loaded.append(rope_spec(dtype, interleaved, vec, head_batch))
         return ("rope_apply", "rope_apply_wide")
 
+    def record_fixed(g, device):
+        loaded.append(g.spec())
+        return "rope_fixed"
+
     monkeypatch.setattr(rope_plan, "load_rope_functions", record)
+    monkeypatch.setattr(rope_plan, "load_fixed_function", record_fixed)
     monkeypatch.setattr(rope_plan.Prepared, "_new_launcher", staticmethod(lambda address, device: None))
     bf16 = ml_dtypes.bfloat16
+    cos = TensorDesc("float32", (4096, 64), device=0)
     for interleaved in (False, True):
-        loaded.clear()
         model = from_config(LLAMA3_8B, interleaved=interleaved)
-        q, k = TensorDesc(bf16, (8, 1, 32, 128), device=0), TensorDesc(bf16, (8, 1, 8, 128), device=0)
-        cos = TensorDesc("float32", (4096, 64), device=0)
-        RopePlan(q, k, cos, cos, interleaved=interleaved).compile()
-        assert sorted(s.name for s in loaded) == sorted(s.name for s in model.specs())
+        every = []
+        shapes = {"bshd": ((8, 1, 32, 128), (8, 1, 8, 128)), "bhsd": ((8, 32, 1, 128), (8, 8, 1, 128))}
+        for layout, (qs, ks) in shapes.items():
+            for q, k in ((qs, ks), (qs, None), (ks, None)):
+                loaded.clear()
+                RopePlan(TensorDesc(bf16, q, device=0), k and TensorDesc(bf16, k, device=0), cos, cos,
+                         interleaved=interleaved, layout=layout).compile()
+                assert {s.name for s in loaded} <= {s.name for s in model.specs()}
+                assert sum(s.family == "rope_fixed" for s in loaded) == 1  # its own specialisation
+                every += loaded
+        # Together the plans load every kernel the model warms.
+        assert {s.name for s in every} == {s.name for s in model.specs()}
 
 
 def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
@@ -76,7 +89,7 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
-    assert "warmed 16 kernels for sm_90, sm_80" in out
+    assert "warmed 28 kernels for sm_90, sm_80" in out
     from rope_rtc.cache import open_store
     from rope_rtc.cache.location import versioned_cache_dir
 
@@ -86,7 +99,8 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     # The same fields as flags, without a config file.
     assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
                      "--cache-dir", str(root), "--no-progress"]) == 0
-    assert "compiled 0, already cached 8" in capsys.readouterr().out
+    # (32, 32) shares its q-alone builds with (32, 8): two new specialisations.
+    assert "compiled 2, already cached 10" in capsys.readouterr().out
     assert cli.main(["warm", "--arch", "sm_90", "--heads", "32", "--cache-dir", str(root), "--no-progress"]) != 0
     assert "needs --dtype, --head-dim (or --model config.json)" in capsys.readouterr().err
 

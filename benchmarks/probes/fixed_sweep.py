@@ -1,0 +1,192 @@
+"""Sweep the specialised kernel's build knobs (heads per thread, cache hints, block size) against
+the generic kernel and a same-size copy, on the prefill, blog and decode cases. Prints one line
+per (case, build): GB/s, % of copy, and whether the output equals the generic kernel's bit for bit.
+
+    PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import ml_dtypes
+import numpy as np
+
+
+def main(cases):
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc.launch import Launcher, StructArg, launch_prefix, load_kernel
+    from rope_rtc.registry import DTYPE_CODES, KernelSpec
+    from rope_rtc.rope_params import FixedParams, fast_divisor
+
+    dev = cp.cuda.runtime.getDevice()
+    bf16 = ml_dtypes.bfloat16
+    rng = cp.random.default_rng(0)
+
+    def ev_time(fn, reps):
+        s, e = cp.cuda.Event(), cp.cuda.Event()
+        fn()
+        cp.cuda.runtime.deviceSynchronize()
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return cp.cuda.get_elapsed_time(s, e) / reps * 1e3  # us
+
+    def graph_time(fn, n=200):
+        st = cp.cuda.Stream(non_blocking=True)
+        with st:
+            fn()
+            st.synchronize()
+            st.begin_capture()
+            for _ in range(n):
+                fn()
+            g = st.end_capture()
+            g.upload(st)
+            g.launch(st)
+            st.synchronize()
+            s, e = cp.cuda.Event(), cp.cuda.Event()
+            best = 1e9
+            for _ in range(5):
+                s.record(st)
+                g.launch(st)
+                e.record(st)
+                e.synchronize()
+                best = min(best, cp.cuda.get_elapsed_time(s, e) / n * 1e3)
+        return best
+
+    for case in cases:
+        decode = case.startswith("decode")
+        if case == "blog":
+            dt, inter, lay = cp.float32, True, "bhsd"
+            q = rng.standard_normal((4, 32, 4096, 128), dtype=cp.float32)
+            k = rng.standard_normal((4, 32, 4096, 128), dtype=cp.float32)
+            kw = dict(layout=lay, interleaved=True)
+            tables = rope_rtc.rope_tables(4096, 128, xp=cp)
+        elif case.startswith("prefill"):
+            _, dname, pairs, lay, S = case.split("-")
+            dt = {"bf16": bf16, "fp16": cp.float16, "fp32": cp.float32}[dname]
+            inter = pairs == "inter"
+            S = int(S)
+            shape = (4, S, 32, 128) if lay == "bshd" else (4, 32, S, 128)
+            q = rng.standard_normal(shape, dtype=cp.float32).astype(dt)
+            k = rng.standard_normal(shape, dtype=cp.float32).astype(dt)
+            kw = dict(layout=lay, interleaved=inter)
+            tables = rope_rtc.rope_tables(S, 128, xp=cp)
+        else:
+            T = int(case.split("-")[1])
+            dt, inter, lay = bf16, False, "thd"
+            q = rng.standard_normal((T, 32, 128), dtype=cp.float32).astype(dt)
+            k = rng.standard_normal((T, 8, 128), dtype=cp.float32).astype(dt)
+            pos = cp.asarray(np.random.default_rng(1).integers(0, 8192, T).astype(np.int32))
+            kw = dict(layout="thd", positions=pos)
+            tables = rope_rtc.rope_tables(8192, 128, xp=cp)
+        cos, sin = tables
+        dname = {np.dtype(bf16): "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}[np.dtype(q.dtype)]
+        q0, k0 = q.copy(), k.copy()
+        plan = rope_rtc.RopePlan(q, k, cos, sin, **kw).compile()
+        pos = kw.get("positions")
+        nbytes = 2 * (q.nbytes + k.nbytes)
+        src = cp.empty(nbytes // 2, cp.uint8)
+        dst = cp.empty(nbytes // 2, cp.uint8)
+        copy = lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes // 2, 3, cp.cuda.get_current_stream().ptr)
+        gen = lambda: plan.execute(q, k, cos, sin, positions=pos)
+        reps = int(os.environ.get("FIXED_REPS", 2000 if decode else 30))
+        if decode:
+            tc, tg = graph_time(copy), graph_time(gen)
+        else:
+            tc, tg = ev_time(copy, reps), ev_time(gen, reps)
+        q[...] = q0
+        k[...] = k0
+        gen()
+        ref_q, ref_k = q.copy(), k.copy()
+        print(f"{case}: copy {tc:.2f} us ({nbytes / tc / 1e3:.0f} GB/s); generic {tg:.2f} us ({100 * tc / tg:.1f}%)",
+              flush=True)
+        B = q.shape[0] if lay != "thd" else 1
+        S = q.shape[1] if lay == "bshd" else (q.shape[2] if lay == "bhsd" else q.shape[0])
+        Hq = q.shape[2] if lay == "bshd" else (q.shape[1])
+        Hk = k.shape[2] if lay == "bshd" else (k.shape[1])
+        D = 128
+        tokens_denser = lay == "bhsd"
+        vec = 16 // q.itemsize
+        units = (128 if inter else 64) // vec
+        hbs = (1,) if decode else (1, 2)
+        import itertools
+
+
+        only = os.environ.get("FIXED_ONLY")
+        vecs = (vec,) if q.itemsize == 4 else (vec, vec // 2)
+        order = 1 if tokens_denser else 0
+        for hb, block, vec in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs):
+                units = chunks = (128 if inter else 64) // vec
+                if only and only != f"hb={hb},block={block},vec={vec}":
+                    continue
+                if True:
+                    defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
+                               ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", "128"),
+                               ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
+                    spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
+                    fn = load_kernel(spec, dev).functions["rope_fixed"]
+                    arg = StructArg(FixedParams)
+                    p = arg.values
+                    for w, arr in ((0, q), (1, k)):
+                        st = [s_ // arr.itemsize for s_ in arr.strides]
+                        if lay == "bshd":
+                            sb, ss, sh = st[0], st[1], st[2]
+                        elif lay == "bhsd":
+                            sb, sh, ss = st[0], st[1], st[2]
+                        else:
+                            sb, ss, sh = 0, st[0], st[1]
+                        p.in_[w] = p.out[w] = arr.data.ptr
+                        p.in_sb[w] = p.out_sb[w] = sb
+                        p.in_ss[w] = p.out_ss[w] = ss
+                        p.in_sh[w] = p.out_sh[w] = sh
+                    p.cos, p.sin = cos.data.ptr, sin.data.ptr
+                    p.positions = pos.data.ptr if pos is not None else 0
+                    p.pos_mode = 2 if pos is not None else 0
+                    p.num_tokens = B * S
+                    p.seq_len = S
+                    p.num_seqs = B
+                    p.table_rows, p.table_stride = cos.shape[0], cos.strides[0] // 4
+                    p.table_vec = 1
+                    groups = (Hq + Hk) // hb
+                    p.total = B * S * groups * chunks
+                    p.div_seq = fast_divisor(S)
+                    launcher = Launcher(arg.address, dev)
+                    launcher.replay = False
+                    prefix = launch_prefix(fn, (-(-p.total // block), 1, 1), (block, 1, 1))
+                    run = lambda: launcher(prefix, cp.cuda.get_current_stream().ptr)
+                    q[...] = q0
+                    k[...] = k0
+                    q[...] = q0
+                    run()
+                    cp.cuda.runtime.deviceSynchronize()
+                    exact = bool((q.view(cp.uint16 if q.itemsize == 2 else cp.uint32) ==
+                                  ref_q.view(cp.uint16 if q.itemsize == 2 else cp.uint32)).all()
+                                 and (k.view(cp.uint16 if k.itemsize == 2 else cp.uint32) ==
+                                      ref_k.view(cp.uint16 if k.itemsize == 2 else cp.uint32)).all())
+                    err = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
+                              for a, b in ((q, ref_q), (k, ref_k)))
+                    t = graph_time(run) if decode else ev_time(run, reps)
+                    regs = fn_regs(fn)
+                    print(f"  hb={hb} block={block} vec={vec} order={order}: {t:.2f} us ({100 * tc / t:.1f}% of copy) "
+                          f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)
+
+
+def fn_regs(fn):
+    try:
+        from cuda.bindings import driver as d
+
+        err, n = d.cuFuncGetAttribute(d.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)
+        return n
+    except Exception as exc:  # noqa: BLE001
+        return f"? ({exc})"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or ["prefill-bf16-half-bshd-4096", "blog", "decode-1"])

@@ -1,0 +1,213 @@
+// The general RoPE kernel specialised on what a model fixes: head dim, rotary window, q and k
+// head counts, dtype and pair style are compile-time, so the index arithmetic is divisions by
+// constants, every loop has a fixed trip count and the argument block is small. The plan picks
+// it when a call fits (rope_rtc/rope_launch.py: fixed_build); everything else runs rope.cu.
+//
+// Compile-time parameters:
+//   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC  as in rope.cu
+//   FIX_HQ, FIX_HK    q and k head counts (FIX_HK = 0: no k)
+//   FIX_D             head dim
+//   FIX_RO, FIX_RD    rotary window [FIX_RO, FIX_RO + FIX_RD) of each head
+//   FIX_HB            heads per thread; divides FIX_HQ and FIX_HK, so a thread's heads are all q or all k
+//   FIX_ORDER         0: thread order (token, head group, unit), the memory order when heads are
+//                     the denser axis (bshd, thd); 1: (batch, head group, token, unit), the memory
+//                     order of bhsd, one head's rows end to end
+// The kernel rotates in place or out of place with the whole head rotated; an out-of-place
+// call with a partial window (the outside copied) runs the generic kernel.
+//
+// Work split: one thread per (token, group of FIX_HB heads, vector unit), in FIX_ORDER. A thread
+// issues its q/k loads first, then the position and table loads (so the q/k loads do not wait
+// on the position), then rotates and stores; the table slice is read once for the thread's heads.
+// The vector width, heads per thread, orders and cache hints kept here are the ones that
+// measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
+// its partner half through a warp shuffle measured slower and is not kept.
+#include "common.cuh"
+
+#if !defined(FIX_HQ) || !defined(FIX_HK) || !defined(FIX_D) || !defined(FIX_RO) || !defined(FIX_RD) || \
+    !defined(FIX_HB) || !defined(FIX_ORDER) || !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) ||  \
+    !defined(ROPE_VEC)
+#error "rope_fixed.cu needs every compile-time parameter (rope_rtc/registry.py: FixedGeometry)"
+#endif
+
+#if ROPE_DTYPE == ROPE_DTYPE_F32
+typedef float elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_F16
+typedef __half elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+#error "unknown ROPE_DTYPE"
+#endif
+
+constexpr int VEC = ROPE_VEC;
+constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
+constexpr int HALF = FIX_RD / 2;
+constexpr unsigned UNITS = (ROPE_INTERLEAVED ? FIX_RD : HALF) / VEC;
+constexpr unsigned HEADS = FIX_HQ + FIX_HK;
+constexpr unsigned GROUPS = HEADS / FIX_HB;
+// Threads per head window: one per vector unit (a vector of each half for half-split pairs).
+constexpr unsigned CHUNKS = UNITS;
+// Threads per block: at most this many (rope_rtc/rope_launch.py: fixed_launch_shape picks).
+constexpr int MAX_BLOCK = 512;
+
+static_assert(FIX_RD % 2 == 0 && FIX_RO + FIX_RD <= FIX_D, "rotary window outside the head");
+static_assert((ROPE_INTERLEAVED ? FIX_RD : HALF) % VEC == 0 && FIX_RO % VEC == 0, "window not a whole number of vectors");
+static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide both head counts");
+
+typedef Scalar<elem_t> conv;
+typedef conv::bits_t bits_t;
+typedef Vec<bits_t, VEC> vec_t;
+typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
+
+// Position schemes and index flags: the codes of rope.cu (rope_rtc/rope_params.py).
+#define POS_OFFSET 0
+#define POS_OFFSETS 1
+#define POS_POSITIONS 2
+#define POS_CU_SEQLENS 3
+#define IDX_POSITIONS_I64 1
+#define IDX_OFFSETS_I64 2
+#define IDX_CU_SEQLENS_I64 4
+
+// [0] is q, [1] is k. Every field is 8 bytes (the host mirror is a ctypes Structure).
+struct FixedParams {
+    u64 in[2], out[2];
+    i64 in_sb[2], in_ss[2], in_sh[2];
+    i64 out_sb[2], out_ss[2], out_sh[2];
+    u64 cos, sin, positions, offsets, cu_seqlens;
+    i64 offset, num_tokens, seq_len, num_seqs, table_rows, table_stride;
+    i64 pos_mode, index_flags, inverse, table_vec, total;
+    u64 div_seq;  // fast_div packed S
+};
+
+__device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
+    return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
+}
+
+__device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
+    return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
+}
+
+// The table row of token t = (b, s), -1 outside the table (NaN is written, as rope.cu).
+__device__ __forceinline__ i64 token_row(const FixedParams& p, unsigned t, unsigned b, unsigned s) {
+    i64 pos;
+    switch ((int)p.pos_mode) {
+        case POS_OFFSET: pos = p.offset + s; break;
+        case POS_OFFSETS: pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s; break;
+        case POS_POSITIONS: pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64); break;
+        default: {
+            const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
+            i64 lo = 0, hi = p.num_seqs;
+            if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
+            while (hi - lo > 1) {
+                const i64 mid = (lo + hi) >> 1;
+                if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
+            }
+            const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
+            pos = (i64)t - load_index(p.cu_seqlens, lo, wide) + base;
+        }
+    }
+    return (pos >= 0 && pos < p.table_rows) ? pos : -1;
+}
+
+// q and k are streamed once: evict-first loads and stores (ld/st.global.cs) measured faster than
+// plain ones on every prefill case (docs/performance.md).
+__device__ __forceinline__ vec_t load_stream(const bits_t* p) {
+    vec_t r;
+    r.raw = __ldcs((const raw_t*)p);
+    return r;
+}
+
+__device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
+
+// One rotation, each product rounded to FP32 before the FMA (as tail_rope.cu): the same bits
+// whatever the compiler contracts, so this build and rope.cu agree exactly.
+__device__ __forceinline__ float rot_re(float x0, float x1, float c, float s) { return __fmaf_rn(x0, c, -__fmul_rn(x1, s)); }
+__device__ __forceinline__ float rot_im(float x0, float x1, float c, float s) { return __fmaf_rn(x1, c, __fmul_rn(x0, s)); }
+
+// The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
+__device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
+                                            float* c, float* sn) {
+    const i64 row = token_row(p, t, b, s);
+    const float sign = p.inverse ? -1.0f : 1.0f;
+    if (row >= 0) {
+        const float* cr = (const float*)p.cos + row * p.table_stride + pu * NPAIR;
+        const float* sr = (const float*)p.sin + row * p.table_stride + pu * NPAIR;
+        if (p.table_vec) {
+            const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
+            const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = cv.v[j];
+                sn[j] = sign * sv.v[j];
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = __ldg(cr + j);
+                sn[j] = sign * __ldg(sr + j);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedParams p) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned)p.total) return;
+#if FIX_ORDER == 1
+    const unsigned r = i / CHUNKS, u = i - r * CHUNKS;
+    const unsigned bg = fast_div(r, p.div_seq), s = r - bg * (unsigned)p.seq_len;
+    const unsigned b = bg / GROUPS, g = bg - b * GROUPS;
+    const unsigned t = b * (unsigned)p.seq_len + s;
+#else
+    const unsigned t = i / (GROUPS * CHUNKS), r = i - t * (GROUPS * CHUNKS);
+    const unsigned g = r / CHUNKS, u = r - g * CHUNKS;
+    const unsigned b = fast_div(t, p.div_seq), s = t - b * (unsigned)p.seq_len;
+#endif
+    const int which = (g * FIX_HB >= FIX_HQ) ? 1 : 0;  // the group is all q or all k
+    const unsigned h0 = g * FIX_HB - (which ? FIX_HQ : 0);
+    const i64 ch = FIX_RO + u * VEC;
+    const bits_t* in = (const bits_t*)p.in[which] + (b * p.in_sb[which] + s * p.in_ss[which] + h0 * p.in_sh[which] + ch);
+    bits_t* out = (bits_t*)p.out[which] + (b * p.out_sb[which] + s * p.out_ss[which] + h0 * p.out_sh[which] + ch);
+    const i64 in_sh = p.in_sh[which], out_sh = p.out_sh[which];
+    float c[NPAIR], sn[NPAIR];
+#if ROPE_INTERLEAVED
+    vec_t x[FIX_HB];
+#pragma unroll
+    for (int k = 0; k < FIX_HB; ++k) x[k] = load_stream(in + k * in_sh);
+    table_slice(p, t, b, s, u, c, sn);
+#pragma unroll
+    for (int k = 0; k < FIX_HB; ++k) {
+        vec_t o;
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) {
+            const float x0 = conv::to_float(x[k].v[2 * j]), x1 = conv::to_float(x[k].v[2 * j + 1]);
+            o.v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+            o.v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+        }
+        store_stream(out + k * out_sh, o);
+    }
+#else
+    vec_t lo[FIX_HB], hi[FIX_HB];
+#pragma unroll
+    for (int k = 0; k < FIX_HB; ++k) {
+        lo[k] = load_stream(in + k * in_sh);
+        hi[k] = load_stream(in + k * in_sh + HALF);
+    }
+    table_slice(p, t, b, s, u, c, sn);
+#pragma unroll
+    for (int k = 0; k < FIX_HB; ++k) {
+        vec_t olo, ohi;
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) {
+            const float x0 = conv::to_float(lo[k].v[j]), x1 = conv::to_float(hi[k].v[j]);
+            olo.v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+            ohi.v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+        }
+        store_stream(out + k * out_sh, olo);
+        store_stream(out + k * out_sh + HALF, ohi);
+    }
+#endif
+}

@@ -1,0 +1,171 @@
+"""The specialised build of the general kernel on the CPU: which geometry a model's calls get,
+when a call runs it and when the generic kernel does, and the argument block the plan writes
+for it (fake device arrays, recorded launches; the kernels themselves: test_gpu_fixed.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc import apply_rope, apply_rope_qk, registry, rope_plan
+from rope_rtc.registry import fixed_geometry, model_fixed_specs
+
+
+@pytest.fixture
+def gpu():
+    with FakeGPU(fixed=True) as g:
+        yield g
+
+
+def _table(rows=64, half=64):
+    return fake_cupy((rows, half), np.float32), fake_cupy((rows, half), np.float32)
+
+
+def test_geometry_rules():
+    g = fixed_geometry("bfloat16", False, 32, 8, 128, 0, 128, False)
+    assert (g.vec, g.head_batch, g.order) == (4, 1, 0)  # 8-byte halves, one head per thread
+    g = fixed_geometry("bfloat16", False, 32, 8, 128, 0, 128, True)
+    assert (g.vec, g.head_batch, g.order) == (4, 2, 1)  # bhsd: two heads per thread
+    assert fixed_geometry("bfloat16", False, 3, 1, 128, 0, 128, True).head_batch == 1  # odd heads
+    assert fixed_geometry("float32", True, 32, 32, 128, 0, 128, True).vec == 4  # 16 bytes
+    assert fixed_geometry("float16", True, 32, 32, 128, 0, 128, False).vec == 8
+    assert fixed_geometry("bfloat16", False, 32, 8, 128, 0, 12, False) is None  # 6 pairs: not whole vectors
+    assert fixed_geometry("bfloat16", False, 32, 8, 128, 2, 64, False) is None  # window start off a vector
+    with pytest.raises(ValueError, match="dtype"):
+        fixed_geometry("int8", False, 32, 8, 128, 0, 128, False)
+
+
+def test_model_specs_cover_q_with_k_q_alone_k_alone_and_both_orders():
+    specs = model_fixed_specs("bfloat16", False, 32, 8, 128, 128)
+    heads = {(dict(s.defines)["FIX_HQ"], dict(s.defines)["FIX_HK"], dict(s.defines)["FIX_ORDER"]) for s in specs}
+    assert heads == {(h, k, o) for h, k in (("32", "8"), ("32", "0"), ("8", "0")) for o in ("0", "1")}
+    # Every default specialisation is in the registry's enumeration (what `rope-rtc warm` builds).
+    names = {s.name for s in registry.all_specs()}
+    assert {s.name for s in specs} <= names
+
+
+def test_an_aligned_call_runs_the_specialised_build_with_its_block(gpu):
+    cos, sin = _table(64, 64)
+    q, k = fake_cupy((2, 5, 32, 128), BF16), fake_cupy((2, 5, 8, 128), BF16)
+    pos = fake_cupy((2, 5), np.int64)
+    apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k)
+    rec = gpu.launches[-1]
+    assert rec["fn"][0] == "rope_fixed"
+    g, p = rec["geometry"], rec["fixed"]
+    assert (g.q_heads, g.k_heads, g.head_dim, g.rotary_dim, g.order) == (32, 8, 128, 128, 0)
+    assert (p.in_[0], p.out[0], p.in_[1], p.out[1]) == (q.data.ptr, q.data.ptr, k.data.ptr, k.data.ptr)
+    assert (p.in_sb[0], p.in_ss[0], p.in_sh[0]) == (5 * 32 * 128, 32 * 128, 128)
+    assert (p.in_sb[1], p.in_ss[1], p.in_sh[1]) == (5 * 8 * 128, 8 * 128, 128)
+    assert (p.positions, p.pos_mode, p.index_flags) == (pos.data.ptr, 2, 1)
+    assert (p.cos, p.sin, p.table_rows, p.table_stride) == (cos.data.ptr, sin.data.ptr, 64, 64)
+    units = 64 // g.vec
+    assert p.total == 10 * 40 * units and p.num_tokens == 10 and p.seq_len == 5
+    (gx, _, _), (bx, _, _) = rec["grid"], rec["block"]
+    assert gx * bx >= p.total > (gx - 1) * bx
+
+
+def test_a_misaligned_call_runs_the_generic_kernel(gpu):
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16, byte_offset=2)  # 2-byte aligned: narrower than 8-byte vectors
+    apply_rope(x, cos, sin, out=x)
+    assert gpu.launches[-1]["fn"][0] == "rope_apply"
+
+
+def test_out_of_place_partial_window_runs_the_generic_kernel(gpu):
+    cos, sin = _table(64, 32)
+    x, y = fake_cupy((1, 5, 4, 128), BF16), fake_cupy((1, 5, 4, 128), BF16)
+    apply_rope(x, cos, sin, rotary_dim=64, out=y)
+    assert gpu.launches[-1]["fn"][0] == "rope_apply" and gpu.launches[-1]["params"].copy_passthrough == 1
+    apply_rope(x, cos, sin, rotary_dim=64, out=x)  # in place nothing is copied: specialised
+    assert gpu.launches[-1]["fn"][0] == "rope_fixed"
+
+
+def test_the_generic_switch(gpu, monkeypatch):
+    from rope_rtc import rope, rope_launch
+
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    monkeypatch.setattr(rope_launch, "USE_FIXED", False)
+    rope._local.__dict__.clear()
+    apply_rope(x, cos, sin, out=x)
+    assert gpu.launches[-1]["fn"][0] == "rope_apply"
+
+
+def test_a_new_int_offset_is_written_into_the_specialised_block(gpu):
+    """The rescalar path (same arrays, new offset) writes FixedParams.offset, not the generic
+    block's offset field (another field of the specialised block)."""
+    cos, sin = _table(64, 64)
+    q = fake_cupy((1, 5, 4, 128), BF16)
+    plan = rope_plan.RopePlan(q, None, cos, sin).compile()
+    for offset in (0, 9, 30, 9):
+        plan.execute(q, None, cos, sin, offset=offset)
+        rec = gpu.launches[-1]
+        assert rec["fn"][0] == "rope_fixed"
+        assert rec["fixed"].offset == offset
+        assert rec["fixed"].total == 5 * 4 * (64 // rec["geometry"].vec)  # nothing else moved
+
+
+def test_specialised_and_generic_blocks_alternate_on_one_plan(gpu):
+    """One plan, aligned and misaligned arrays of one signature in turn: each launch gets the
+    block of its own build."""
+    cos, sin = _table(64, 64)
+    a = fake_cupy((1, 5, 4, 128), BF16)
+    b = fake_cupy((1, 5, 4, 128), BF16, byte_offset=2)
+    plan = rope_plan.RopePlan(a, None, cos, sin).compile()
+    for x in (a, b, a, b):
+        plan.execute(x, None, cos, sin, offset=3)
+        rec = gpu.launches[-1]
+        if x is a:
+            assert rec["fn"][0] == "rope_fixed" and rec["fixed"].in_[0] == a.data.ptr and rec["fixed"].offset == 3
+        else:
+            assert rec["fn"][0] == "rope_apply" and rec["params"].q_in == b.data.ptr and rec["params"].offset == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(["float32", "float16", BF16]), interleaved=st.booleans(),
+       layout=st.sampled_from(["bshd", "bhsd", "sbhd", "thd"]), heads=st.tuples(st.integers(1, 9), st.integers(0, 5)),
+       tokens=st.tuples(st.integers(1, 4), st.integers(1, 9)), window=st.sampled_from([(None, 0), (32, 0), (32, 32)]),
+       shift=st.sampled_from([0, 1, 2, 4, 8]), in_place=st.booleans())
+def test_fuzz_each_launch_fits_its_build(dtype, interleaved, layout, heads, tokens, window, shift, in_place):
+    """Whatever a call is, a specialised launch gets aligned addresses and the thread count of
+    its geometry; a generic one gets a vector its addresses allow."""
+    (hq, hk), (b, s), (rdim, roff) = heads, tokens, window
+    D = 64
+    shape = {"bshd": lambda h: (b, s, h, D), "bhsd": lambda h: (b, h, s, D), "sbhd": lambda h: (s, b, h, D),
+             "thd": lambda h: (b * s, h, D)}[layout]
+    shift *= np.dtype(dtype).itemsize * (2 if interleaved else 1)  # whole elements (pairs) off 16 bytes
+    q = fake_cupy(shape(hq), dtype, byte_offset=shift)
+    k = fake_cupy(shape(hk), dtype) if hk else None
+    cos, sin = _table(64, (rdim or D) // 2)
+    qo = q if in_place else fake_cupy(q.shape, dtype)
+    ko = (k if in_place else fake_cupy(k.shape, dtype)) if hk else None
+    with FakeGPU(fixed=True) as gpu:
+        if hk:
+            apply_rope_qk(q, k, cos, sin, layout=layout, interleaved=interleaved, rotary_dim=rdim, rotary_offset=roff,
+                          q_out=qo, k_out=ko, offset=1)
+        else:
+            apply_rope(q, cos, sin, layout=layout, interleaved=interleaved, rotary_dim=rdim, rotary_offset=roff,
+                       out=qo, offset=1)
+    (rec,) = gpu.launches
+    size = np.dtype(dtype).itemsize
+    if rec["fn"][0] == "rope_fixed":
+        g, p = rec["geometry"], rec["fixed"]
+        assert in_place or (rdim or D) == D
+        for ptr in (p.in_[0], p.out[0]) + ((p.in_[1], p.out[1]) if hk else ()):
+            assert ptr % (g.vec * size) == 0
+        units = ((rdim or D) if interleaved else (rdim or D) // 2) // g.vec
+        assert p.total == b * s * ((hq + hk) // g.head_batch) * units
+        assert (g.q_heads, g.k_heads, g.order) == (hq, hk, int(layout == "bhsd"))
+        assert p.offset == 1
+    else:
+        vec = rec["vec"]
+        p = rec["params"]
+        for ptr in (p.q_in, p.q_out) + ((p.k_in, p.k_out) if hk else ()):
+            assert ptr % (vec * size) == 0
+        # The specialised build declined: misaligned for it, or a partial window copied out of place.
+        g = fixed_geometry(np.dtype(dtype).name if dtype is not BF16 else "bfloat16", interleaved, hq, hk, D, roff,
+                           rdim or D, layout == "bhsd")
+        assert g is None or shift % (g.vec * size) or (not in_place and (rdim or D) < D)

@@ -1,0 +1,133 @@
+"""The specialised build of the general kernel (cuda_src/rope_fixed.cu) on the GPU: chosen where
+it fits, bit-identical to the generic kernel everywhere it runs (both round each product to FP32
+before one FMA), NaN-poisoned outputs, and the generic kernel where it does not fit."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def _shape(layout, B, S, H, D):
+    return {"bshd": (B, S, H, D), "bhsd": (B, H, S, D), "sbhd": (S, B, H, D), "thd": (B * S, H, D)}[layout]
+
+
+def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_place, rotary_dim=None, with_k=True,
+         Hq=32, Hk=8, D=128):
+    """One RopePlan call; returns (q_out, k_out) on the host and the plan."""
+    import rope_rtc
+    from rope_rtc import rope_launch
+
+    monkeypatch.setattr(rope_launch, "USE_FIXED", use_fixed)
+    B, S, P = 2, 37, 128
+    dt = DTYPES[dtype]
+    q = cp.asarray(host_random(_shape(layout, B, S, Hq, D), dt, 11))
+    k = cp.asarray(host_random(_shape(layout, B, S, Hk, D), dt, 12)) if with_k else None
+    cos, sin = (cp.asarray(a) for a in host_tables(P, (rotary_dim or D) // 2, 13))
+    rng = np.random.default_rng(14)
+    if scheme == "offset":
+        kw = {"offset": 5}
+    elif scheme == "offsets":
+        kw = {"offset": cp.asarray(rng.integers(0, P - S, B).astype(np.int32))}
+    elif scheme == "positions":
+        shape = (B * S,) if layout == "thd" else (B, S)
+        kw = {"positions": cp.asarray(rng.integers(0, P, shape).astype(np.int64))}
+    else:  # cu_seqlens (thd)
+        kw = {"cu_seqlens": cp.asarray(np.array([0, 30, B * S], np.int32)),
+              "offset": cp.asarray(np.array([3, 60], np.int64))}
+    if in_place:
+        qo, ko = q, k
+    else:
+        qo = poisoned(cp, q.shape, dt)
+        ko = poisoned(cp, k.shape, dt) if with_k else None
+    plan = rope_rtc.RopePlan(q, k, cos, sin, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                             q_out=None if in_place else qo, k_out=None if in_place else ko, **kw).compile()
+    plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, **kw)
+    return cp.asnumpy(qo), (cp.asnumpy(ko) if with_k else None), plan
+
+
+CASES = [c for c in itertools.product(["float32", "float16", "bfloat16"], ["bshd", "bhsd", "sbhd", "thd"],
+                                      [False, True], ["offset", "offsets", "positions", "cu_seqlens"], [False, True])
+         if (c[3] == "cu_seqlens") == (c[1] == "thd") or c[3] == "positions"]
+
+
+@pytest.mark.parametrize("dtype,layout,interleaved,scheme,in_place", CASES)
+def test_fixed_build_equals_generic_bits(cp, monkeypatch, dtype, layout, interleaved, scheme, in_place):
+    fq, fk, plan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place)
+    tmpl = plan._core.last.template
+    assert tmpl.fixed is not None, "the specialised build should serve this call"
+    assert plan._core.last.prefix[0] is plan._fixed[tmpl.fixed]
+    gq, gk, gplan = _run(cp, monkeypatch, False, dtype, layout, interleaved, scheme, in_place)
+    assert gplan._core.last.template.fixed is None
+    assert not np.isnan(fq.astype(np.float32)).any() and not np.isnan(fk.astype(np.float32)).any()
+    np.testing.assert_array_equal(bits(fq), bits(gq))
+    np.testing.assert_array_equal(bits(fk), bits(gk))
+
+
+@pytest.mark.parametrize("with_k,Hq,Hk", [(True, 6, 3), (False, 5, 0), (True, 32, 32)])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_fixed_build_head_counts_and_partial_window(cp, monkeypatch, with_k, Hq, Hk, layout):
+    """Odd head counts (one head per thread in bhsd), q alone, a partial window in place."""
+    for rotary_dim in (None, 64):
+        fq, fk, plan = _run(cp, monkeypatch, True, "bfloat16", layout, False, "positions", True,
+                            rotary_dim=rotary_dim, with_k=with_k, Hq=Hq, Hk=Hk or 8)
+        assert plan._core.last.template.fixed is not None
+        gq, gk, _ = _run(cp, monkeypatch, False, "bfloat16", layout, False, "positions", True,
+                         rotary_dim=rotary_dim, with_k=with_k, Hq=Hq, Hk=Hk or 8)
+        np.testing.assert_array_equal(bits(fq), bits(gq))
+        if with_k:
+            np.testing.assert_array_equal(bits(fk), bits(gk))
+
+
+def test_partial_window_out_of_place_runs_generic(cp, monkeypatch):
+    fq, fk, plan = _run(cp, monkeypatch, True, "bfloat16", "bshd", False, "offset", False, rotary_dim=64)
+    assert plan._core.last.template.fixed is None  # the channels outside the window are copied
+    assert not np.isnan(fq.astype(np.float32)).any()
+
+
+def test_new_int_offset_on_remembered_arrays(cp, monkeypatch):
+    """A new scalar offset on the same arrays rewrites the specialised block's own offset field."""
+    import rope_rtc
+    from rope_rtc.reference import rope_reference
+
+    q0 = host_random((1, 9, 4, 64), np.float32, 3)
+    cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 4))
+    q = cp.asarray(q0)
+    out = poisoned(cp, q.shape, np.float32)
+    plan = rope_rtc.RopePlan(q, None, cos, sin, q_out=out).compile()
+    for offset in (0, 7, 20, 7):
+        out.fill(np.nan)
+        plan.execute(q, None, cos, sin, q_out=out, offset=offset)
+        assert plan._core.last.template.fixed is not None
+        pos = np.arange(9) + offset
+        ref = rope_reference(q0.reshape(-1, 4, 64), cp.asnumpy(cos), cp.asnumpy(sin), pos, interleaved=False)
+        np.testing.assert_allclose(cp.asnumpy(out).reshape(-1, 4, 64), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_misaligned_call_falls_back_to_generic(cp):
+    """A view 2 bytes off the build's 8-byte vectors runs the generic kernel, on narrower ones."""
+    import rope_rtc
+
+    base = cp.asarray(host_random(4 * 128 * 8 + 1, DTYPES["bfloat16"], 5))
+    x = base[1:].reshape(1, 4, 8, 128)
+    cos, sin = (cp.asarray(a) for a in host_tables(16, 64, 6))
+    aligned = cp.ascontiguousarray(x)
+    plan = rope_rtc.RopePlan(x, None, cos, sin).compile()
+    plan.execute(x, None, cos, sin)
+    assert plan._core.last.prefix[0] is not plan._fixed.get(plan._core.last.template.fixed)
+    plan.execute(aligned, None, cos, sin)
+    assert plan._core.last.prefix[0] is plan._fixed[plan._core.last.template.fixed]
+    np.testing.assert_array_equal(bits(cp.asnumpy(x)), bits(cp.asnumpy(aligned)))
