@@ -1,13 +1,19 @@
-"""Sweep the specialised kernel's build knobs (heads per thread, cache hints, block size) against
+"""Sweep the specialised kernel's build knobs (heads per thread, vector width, block size) against
 the generic kernel and a same-size copy, on the prefill, blog and decode cases. Prints one line
-per (case, build): GB/s, % of copy, and whether the output equals the generic kernel's bit for bit.
+per (case, build): time, % of the copy, registers, and whether the output equals the generic
+kernel's bit for bit.
 
     PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
+
+Cases: ``prefill-<bf16|fp16|fp32>-<half|inter>-<bshd|bhsd>-<S>`` (B=4, H=32+32, D=128, in place),
+``blog`` (FP32 interleaved bhsd [4,32,4096,128]) and ``decode-<T>`` (bf16 thd, Hq=32, Hkv=8,
+positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4"`` runs one build
+(for ncu); ``FIXED_REPS`` sets the repetitions.
 """
 
 from __future__ import annotations
 
-import ctypes
+import itertools
 import os
 import sys
 
@@ -111,19 +117,14 @@ def main(cases):
         S = q.shape[1] if lay == "bshd" else (q.shape[2] if lay == "bhsd" else q.shape[0])
         Hq = q.shape[2] if lay == "bshd" else (q.shape[1])
         Hk = k.shape[2] if lay == "bshd" else (k.shape[1])
-        D = 128
         tokens_denser = lay == "bhsd"
         vec = 16 // q.itemsize
-        units = (128 if inter else 64) // vec
         hbs = (1,) if decode else (1, 2)
-        import itertools
-
-
         only = os.environ.get("FIXED_ONLY")
         vecs = (vec,) if q.itemsize == 4 else (vec, vec // 2)
         order = 1 if tokens_denser else 0
         for hb, block, vec in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs):
-                units = chunks = (128 if inter else 64) // vec
+                chunks = (128 if inter else 64) // vec
                 if only and only != f"hb={hb},block={block},vec={vec}":
                     continue
                 if True:

@@ -1,7 +1,7 @@
 """Run one general-kernel case twice (the first call compiles or loads, the second is the one to
 profile), for Nsight Compute:
 
-    ncu -k regex:rope_apply --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
+    ncu -k regex:rope_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats python3 benchmarks/probes/kernel_case.py blog
 
 Cases: ``blog`` (FP32 interleaved bhsd [4,32,4096,128], q+k in place), ``prefill`` (bf16
