@@ -2,7 +2,8 @@
 
 Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA driver):
 
-- :func:`rope_tables` — cos/sin tables (``numerics="exact"`` or ``"transformers"``)
+- :func:`rope_tables` — cos/sin tables (``numerics="exact"`` or ``"transformers"``);
+  :func:`cos_sin_cache` — the same as one combined table, the engines' convention
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
@@ -17,6 +18,7 @@ from ._version import __version__
 _EXPORTS = {
     "rope_tables": "tables",
     "inverse_frequencies": "tables",
+    "cos_sin_cache": "tables",
     "apply_rope": "rope",
     "apply_rope_qk": "rope",
     "RopePlan": "rope_plan",

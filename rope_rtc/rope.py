@@ -20,6 +20,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
+from .conventions import flatten_like, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
@@ -300,9 +301,10 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
     return returned[0], returned[1]
 
 
-def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
+def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                   interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-                  inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto"):
+                  inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto",
+                  cos_sin_cache=None, head_dim: int | None = None):
     """Rotate q and k in one launch. q and k may have different head counts (GQA/MQA).
 
     Parameters
@@ -313,7 +315,15 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
         ``__dlpack__`` / ``__cuda_array_interface__`` (PyTorch, JAX), used without a copy. Leading
         dimensions may have any strides (views into a fused QKV buffer work); the last is contiguous.
     cos, sin : array
-        float32 tables ``[max_positions, rotary_dim // 2]`` (see :func:`rope_tables`).
+        float32 tables ``[max_positions, rotary_dim // 2]`` (see :func:`rope_tables`); any row stride.
+    cos_sin_cache : array, optional
+        Instead of ``cos`` and ``sin``: one float32 ``[max_positions, rotary_dim]`` table with cos in
+        the first half of each row and sin in the second (vLLM's, SGLang's and FlashInfer's
+        ``cos_sin_cache``; :func:`rope_rtc.tables.cos_sin_cache` builds one). Read in place, no copy.
+    head_dim : int, optional
+        With ``layout="thd"``: q and k (and given outputs) may be flat ``[T, H * head_dim]``, as
+        engines keep them; they are viewed as ``[T, H, head_dim]`` without a copy, and allocated
+        outputs are returned flat.
     positions : array of int32/int64, optional
         One absolute position per token: ``[B, S]``, or ``[T]`` for ``layout="thd"``. Overrides ``offset``.
     offset : int or int array ``[B]``
@@ -354,17 +364,35 @@ def apply_rope_qk(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, 
     """
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
-    return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-                  (layout, interleaved, rotary_dim, rotary_offset, inverse))
+    if cos_sin_cache is None and head_dim is None:
+        return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse))
+    cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+    flat_q = q.shape if head_dim is not None and q_out is None else None
+    flat_k = k.shape if head_dim is not None and k_out is None else None
+    qo, ko = _apply(("q", "k"), unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
+                    cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
+                    unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend,
+                    (layout, interleaved, rotary_dim, rotary_offset, inverse))
+    return (q_out if q_out is not None else flatten_like(qo, flat_q),
+            k_out if k_out is not None else flatten_like(ko, flat_k))
 
 
-def apply_rope(x, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
+def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-               inverse: bool = False, out=None, stream=None, backend: str = "auto"):
+               inverse: bool = False, out=None, stream=None, backend: str = "auto", cos_sin_cache=None,
+               head_dim: int | None = None):
     """Rotate one tensor. Same arguments as :func:`apply_rope_qk` with ``x``/``out`` for ``q``/``q_out``.
 
     ``out=x`` rotates in place. Returns the output array.
     """
-    q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
+    if cos_sin_cache is None and head_dim is None:
+        q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse))
+        return q
+    cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+    flat = x.shape if head_dim is not None and out is None else None
+    q, _ = _apply(("x", "k"), unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
+                  cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend,
                   (layout, interleaved, rotary_dim, rotary_offset, inverse))
-    return q
+    return out if out is not None else flatten_like(q, flat)

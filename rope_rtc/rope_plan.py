@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from operator import is_
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from .launch import StructArg, launch_prefix, load_kernel
 from .prepared import Call, Op, Prepared, pointers, signature
 from .registry import FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, fixed_geometry, rope_head_batches, rope_spec, \
     rope_vector_widths
+from .conventions import split_cos_sin_cache, unflatten_heads
 from .rope_launch import allowed_vectors, choose_vector, fill_fixed, fill_params, fixed_build, fixed_launch_shape, \
     index_space, launch_shape
 from .rope_params import POS_OFFSET, FixedParams, RopeParams
@@ -66,11 +68,19 @@ class RopePlan:
     one argument block: give each thread its own plan.
     """
 
-    def __init__(self, q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
+    def __init__(self, q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                  interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-                 inverse: bool = False, q_out=None, k_out=None, device: int | None = None) -> None:
+                 inverse: bool = False, q_out=None, k_out=None, device: int | None = None, cos_sin_cache=None,
+                 head_dim: int | None = None) -> None:
         self._opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                           rotary_offset=rotary_offset, inverse=inverse)
+        # Engine conventions (rope_rtc.conventions): a combined cos|sin table, flat [T, H * D] q/k.
+        cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+        self._flat_head_dim = head_dim
+        self._converted = None  # (arguments, their shapes, their views) of the last converted call
+        if head_dim is not None:
+            q, k = unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k")
+            q_out, k_out = unflatten_heads(q_out, head_dim, layout, "q_out"), unflatten_heads(k_out, head_dim, layout, "k_out")
         req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                        q_out=q_out, k_out=k_out, allow_host=False, allow_desc=True, **self._opts)
         # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
@@ -111,6 +121,28 @@ class RopePlan:
         self._ensure_core()
         return self
 
+    def _execute_converted(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, cache):
+        """``execute`` for engine conventions: a combined cos|sin table, flat q/k (views, no copy).
+        The views of the last call are kept and reused while the same objects come back, so that
+        repeated calls keep the core's identity path."""
+        if self.in_place:
+            q_out = q if q_out is None else q_out
+            k_out = k if k_out is None else k_out
+        given = (q, k, q_out, k_out, cache, cos, sin)
+        last = self._converted
+        if last is not None and all(map(is_, given, last[0])) and all(
+                getattr(a, "shape", None) == sh for a, sh in zip(given, last[1])):
+            views = last[2]
+        else:
+            hd, layout = self._flat_head_dim, self.layout
+            c, s = split_cos_sin_cache(cache, cos, sin)
+            views = (unflatten_heads(q, hd, layout, "q"), unflatten_heads(k, hd, layout, "k"), c, s,
+                     unflatten_heads(q_out, hd, layout, "q_out"), unflatten_heads(k_out, hd, layout, "k_out"))
+            self._converted = (given, tuple(getattr(a, "shape", None) for a in given), views)
+        vq, vk, vc, vs, vqo, vko = views
+        self._execute(vq, vk, vc, vs, positions, vqo, vko, stream, offset, cu_seqlens)
+        return q_out, k_out
+
     def fixed_kernel(self, g: FixedGeometry):
         """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use."""
         fn = self._fixed.get(g)
@@ -144,8 +176,16 @@ class RopePlan:
         return self._core
 
     def execute(self, q, k=None, cos=None, sin=None, positions=None, q_out=None, k_out=None, stream=None, *,
-                offset=None, cu_seqlens=None):
-        """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
+                offset=None, cu_seqlens=None, cos_sin_cache=None):
+        """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``.
+
+        A plan built with ``cos_sin_cache=`` or ``head_dim=`` takes the same conventions here."""
+        if cos_sin_cache is not None or self._flat_head_dim is not None:
+            return self._execute_converted(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens,
+                                           cos_sin_cache)
+        return self._execute(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens)
+
+    def _execute(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens):
         core = self._core or self.compile()._core
         if offset is None:
             scalar, offsets = 0, None

@@ -623,3 +623,21 @@ def rope_tables(
             else:
                 out[start:stop] = values.astype(np.float32) * np.float32(attention)
     return xp.asarray(cos), xp.asarray(sin)
+
+
+def cos_sin_cache(
+    max_positions: int,
+    rotary_dim: int,
+    *,
+    base: float = _DEFAULT_BASE,
+    scaling: Mapping | None = None,
+    numerics: str = "exact",
+    xp: Any = np,
+) -> Any:
+    """The combined table inference engines keep (vLLM's, SGLang's and FlashInfer's
+    ``cos_sin_cache``): float32 ``[max_positions, rotary_dim]``, each row cos then sin, that is
+    ``concatenate([cos, sin], axis=-1)`` of :func:`rope_tables` with the same arguments (every
+    ``rope_type`` and both numerics). Pass it to the general API as ``cos_sin_cache=``; the
+    kernels read the two halves in place."""
+    cos, sin = rope_tables(max_positions, rotary_dim, base=base, scaling=scaling, numerics=numerics)
+    return xp.asarray(np.concatenate([cos, sin], axis=-1))

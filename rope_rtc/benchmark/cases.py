@@ -13,6 +13,7 @@ GROUPS = ("coldstart", "host", "blog", "general", "decode", "tail")
 PEERS = ("cupy", "torch", "torch.compile", "liger")
 OURS = "rope_rtc"
 ONE_CALL = "rope_rtc apply_rope_qk"  # the one-call function on the same buffers as OURS (a plan)
+ENGINE = "rope_rtc cos_sin_cache"  # decode in the engines' convention: flat q/k, one cos|sin table
 COPY = "copy"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from .buffers import SetBuffers, bf16_bits_to_f32, f32_to_bf16_bits
-from .cases import BLOG_VARIANTS, ONE_CALL, OURS, TAIL_COLS, Case, Skip
+from .cases import BLOG_VARIANTS, ENGINE, ONE_CALL, OURS, TAIL_COLS, Case, Skip
 from .timing import capture_cupy, capture_torch
 
 
@@ -236,6 +236,29 @@ def setup_one_call_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
     return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], case.layout, case.interleaved,
                   f"{case.layout}/{_pairing(case.interleaved)}", True, _cupy_capture(ctx, fns),
                   "apply_rope_qk (one call), in place")
+
+
+def setup_engine_decode(ctx, case: Case, bufs: SetBuffers) -> Runner:
+    """The engines' convention on the decode buffers: flat q/k ``[T, H * D]``, one combined
+    ``cos_sin_cache`` (cos then sin in each row, built once like an engine's), int positions;
+    a RopePlan in place."""
+    import cupy as cp
+
+    from ..rope import RopePlan
+
+    cache = cp.ascontiguousarray(cp.concatenate([bufs.cos(0), bufs.sin(0)], axis=1))
+    D = case.D
+    flat = [(bufs.q(i), bufs.k(i)) for i in range(bufs.n)]
+    flat = [(q, k, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)) for q, k in flat]
+    plan = RopePlan(flat[0][2], flat[0][3], cos_sin_cache=cache, positions=bufs.pos(0), layout="thd",
+                    head_dim=D).compile()
+    fns = [partial(plan.execute, fq, fk, positions=bufs.pos(i), cos_sin_cache=cache)
+           for i, (_, _, fq, fk) in enumerate(flat)]
+    run = Runner(fns, lambda: (fns[0](), flat[0][:2])[1], case.layout, case.interleaved,
+                 f"{case.layout}/{_pairing(case.interleaved)}", True, _cupy_capture(ctx, fns),
+                 "RopePlan.execute with cos_sin_cache and flat [T, H*D] q/k (head_dim=), in place")
+    run.keep = cache
+    return run
 
 
 def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runner:
@@ -480,6 +503,8 @@ def impls_for(case: Case) -> list[Impl]:
     out.append(Impl(OURS, None, _same_layout, setup_ours_tail if tail else setup_ours_general))
     if case.group == "general":
         out.append(Impl(ONE_CALL, None, _same_layout, setup_one_call_general))
+    if case.group == "decode":
+        out.append(Impl(ENGINE, None, _same_layout, setup_engine_decode))
     out.append(Impl("cupy", "cupy", _same_layout, setup_cupy_tail if tail else setup_cupy_general))
     out.append(Impl("torch", "torch", _torch_layout,
                     partial(setup_torch_tail, False) if tail else partial(setup_torch_general, False)))

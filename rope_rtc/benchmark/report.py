@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, NOISE, ONE_CALL, ONE_CALL_HOST_US,
-                    ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
+                    ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
                     TAIL_ONE_CALL_HOST_US,
                     PREFILL_RULES, TAIL_COPY_PCT, TAIL_GPU_US, TAIL_HOST_US, WARM_FIRST_S, MiB)
 from .figures import fastest_peer, gbps, ok, pct_of_copy, rows_by_impl, timing
@@ -90,7 +90,7 @@ def prefill_table(result: dict, group: str, one_call: bool = True) -> list[list[
 
 def latency_table(result: dict, group: str) -> list[list[str]]:
     """Small cases: GPU µs under graph replay (hot / cold) and host µs per call, ours and peers."""
-    impls = [COPY, OURS] + list(PEERS)
+    impls = [COPY, OURS] + ([ENGINE] if group == "decode" else []) + list(PEERS)
     rows = [["case"] + impls]
     for c in result["cases"]:
         if c["group"] != group or not c.get("small"):

@@ -1,0 +1,129 @@
+"""The engines' conventions on the CPU: one combined ``cos_sin_cache`` read in place (two strided
+views, no copy), flat ``[T, H * D]`` q/k with ``layout="thd"`` and ``head_dim=``, and the table
+builder; on the NumPy backend against the reference, and on fake device arrays down to the
+argument block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc import RopePlan, apply_rope, apply_rope_qk, cos_sin_cache, inverse_frequencies, rope_tables
+from rope_rtc.reference import rope_reference
+
+
+def vllm_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> np.ndarray:
+    """The cache as vLLM's ``RotaryEmbedding._compute_cos_sin_cache`` builds it: float32 inv_freq
+    (``1 / base ** (arange(0, rd, 2) / rd)``), float32 positions, their float32 outer product,
+    then ``cat(cos, sin, -1)``. The frequencies are ours (``numerics="transformers"``: the same
+    float32 arithmetic)."""
+    inv_freq, _ = inverse_frequencies(rotary_dim, base=base, numerics="transformers")
+    t = np.arange(max_position, dtype=np.float32)
+    freqs = np.multiply.outer(t, inv_freq.astype(np.float32))  # float32 products, as einsum in float32
+    return np.concatenate([np.cos(freqs), np.sin(freqs)], axis=-1).astype(np.float32)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+def test_vllm_convention_matches_the_reference(is_neox, rotary_dim):
+    T, Hq, Hk, D, P = 11, 4, 2, 128, 256
+    rng = np.random.default_rng(0)
+    cache = vllm_cos_sin_cache(P, rotary_dim)
+    positions = rng.integers(0, P, T).astype(np.int64)
+    q = rng.standard_normal((T, Hq * D)).astype(np.float32)
+    k = rng.standard_normal((T, Hk * D)).astype(np.float32)
+    qo, ko = apply_rope_qk(q, k, cos_sin_cache=cache, positions=positions, layout="thd", head_dim=D,
+                           interleaved=not is_neox, rotary_dim=rotary_dim, backend="numpy")
+    assert qo.shape == q.shape and ko.shape == k.shape  # returned in the caller's flat shape
+    cos, sin = cache[:, :rotary_dim // 2], cache[:, rotary_dim // 2:]
+    for got, x, H in ((qo, q, Hq), (ko, k, Hk)):
+        ref = rope_reference(x.reshape(T, H, D), cos, sin, positions, interleaved=not is_neox, rotary_dim=rotary_dim)
+        np.testing.assert_allclose(got.reshape(T, H, D), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_in_place_flat_arrays_and_given_outputs():
+    T, H, D = 5, 3, 64
+    rng = np.random.default_rng(1)
+    cache = cos_sin_cache(32, D)
+    x = rng.standard_normal((T, H * D)).astype(np.float32)
+    want = apply_rope(x, cos_sin_cache=cache, offset=4, layout="thd", head_dim=D, backend="numpy")
+    out = np.full_like(x, np.nan)
+    assert apply_rope(x, cos_sin_cache=cache, offset=4, layout="thd", head_dim=D, out=out, backend="numpy") is out
+    np.testing.assert_array_equal(out, want)
+    y = x.copy()
+    assert apply_rope(y, cos_sin_cache=cache, offset=4, layout="thd", head_dim=D, out=y, backend="numpy") is y
+    np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("numerics", ["exact", "transformers"])
+def test_cos_sin_cache_is_the_tables_side_by_side(scaling, numerics):
+    cache = cos_sin_cache(300, 64, scaling=scaling, numerics=numerics)
+    cos, sin = rope_tables(300, 64, scaling=scaling, numerics=numerics)
+    assert cache.dtype == np.float32 and cache.shape == (300, 64)
+    np.testing.assert_array_equal(cache[:, :32], cos)
+    np.testing.assert_array_equal(cache[:, 32:], sin)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"cos_sin_cache": np.zeros((8, 63), np.float32)}, ValueError, "even"),
+    ({"cos_sin_cache": np.zeros((8, 2, 64), np.float32)}, ValueError, "2-d"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "cos": np.ones((8, 32), np.float32)}, TypeError, "instead of"),
+    ({}, TypeError, "cos: expected an array"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 64, "layout": "bshd"}, ValueError, "thd"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 48, "layout": "thd"}, ValueError, "head_dim=48"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 0, "layout": "thd"}, TypeError, "head_dim"),
+])
+def test_convention_errors_name_the_argument(kwargs, exc, match):
+    x = np.ones((2, 128), np.float32)
+    before = x.copy()
+    kw = {"layout": "thd", **kwargs}
+    if "head_dim" not in kw and kw["layout"] == "thd":
+        x = x.reshape(2, 2, 64)
+    with pytest.raises(exc, match=match):
+        apply_rope(x, out=x, backend="numpy", **{n: v for n, v in kw.items() if n not in ("cos",)},
+                   **({"cos": kw["cos"]} if "cos" in kw else {}))
+    np.testing.assert_array_equal(x.reshape(before.shape), before)
+
+
+def test_a_flat_array_without_a_contiguous_last_axis_is_refused():
+    x = np.ones((4, 256), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match="contiguous last axis"):
+        apply_rope(x, cos_sin_cache=np.ones((8, 64), np.float32), layout="thd", head_dim=64, backend="numpy")
+
+
+def test_the_cache_is_read_in_place_on_the_device():
+    """On (fake) device arrays both table pointers lie inside the one cache, row stride rotary_dim."""
+    cache = fake_cupy((4096, 128), np.float32)
+    q, k = fake_cupy((8, 32 * 128), BF16), fake_cupy((8, 8 * 128), BF16)
+    pos = fake_cupy((8,), np.int64)
+    with FakeGPU(fixed=True) as gpu:
+        qo, ko = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128, q_out=q, k_out=k)
+        assert qo is q and ko is k
+        rec = gpu.launches[-1]
+        p = rec["fixed"]
+        assert (p.cos, p.sin, p.table_stride) == (cache.data.ptr, cache.data.ptr + 64 * 4, 128)
+        assert (p.in_[0], p.in_sh[0], p.in_ss[0]) == (q.data.ptr, 128, 32 * 128)
+        assert (rec["geometry"].q_heads, rec["geometry"].k_heads) == (32, 8)
+        # Out of place with allocated outputs: returned flat.
+        qo, ko = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128)
+        assert qo.shape == q.shape and ko.shape == k.shape
+
+
+def test_a_plan_keeps_its_views_while_the_same_objects_come_back():
+    cache = fake_cupy((4096, 128), np.float32)
+    q, k = fake_cupy((8, 32 * 128), BF16), fake_cupy((8, 8 * 128), BF16)
+    pos = fake_cupy((8,), np.int64)
+    with FakeGPU(fixed=True) as gpu:
+        plan = RopePlan(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128).compile()
+        for _ in range(3):
+            assert plan.execute(q, k, positions=pos, cos_sin_cache=cache) == (q, k)
+        calls = {id(r["token"]) for r in gpu.launches}
+        assert len(gpu.launches) == 3 and len(calls) == 1  # one bound call, replayed: the identity path
+        q2 = fake_cupy((8, 32 * 128), BF16)
+        plan.execute(q2, k, positions=pos, cos_sin_cache=cache)
+        assert gpu.launches[-1]["fixed"].in_[0] == q2.data.ptr
