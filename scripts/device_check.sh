@@ -5,7 +5,8 @@
 #     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [extra pytest args]
 # --full-bench also regenerates docs/benchmarks.md and docs/benchmarks/<gpu>.json/.png (copies
 # under $OUT/docs to bring back from a device machine).
-# Wheels the device image lacks (liger-kernel, platformdirs) are installed from ./.whl when present.
+# Wheels the device image lacks (liger-kernel, platformdirs; onnx and protobuf under .whl/onnx) are
+# installed from ./.whl when present.
 set -uo pipefail
 OUT=${OUT:-$(pwd)/out}
 mkdir -p "$OUT"
@@ -17,6 +18,14 @@ if [[ "${1:-}" == --no-bench ]]; then bench=none; shift; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# The ONNX reference evaluator for the RotaryEmbedding tests, when the image lacks it (protobuf
+# only when absent too, so an installed one is never shadowed).
+if compgen -G ".whl/onnx/onnx-*.whl" >/dev/null && ! python3 -c "import onnx" 2>/dev/null; then
+    wheels=(.whl/onnx/onnx-*.whl)
+    python3 -c "import google.protobuf" 2>/dev/null || wheels+=(.whl/onnx/protobuf-*.whl)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-onnx "${wheels[@]}" \
+        && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site-onnx"
 fi
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 export ROPE_RTC_REQUIRE_GPU=1 PYTHONUNBUFFERED=1

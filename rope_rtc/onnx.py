@@ -1,0 +1,149 @@
+"""ONNX ``RotaryEmbedding`` (opset 23) on the general kernel, for stacks that export to ONNX and
+want the operator's numbers from a GPU kernel.
+
+The operator's inputs map onto :func:`rope_rtc.apply_rope` without copying ``X``:
+
+- 4-D ``X`` ``[batch, num_heads, seq, head_size]`` is the ``bhsd`` layout; 3-D ``X``
+  ``[batch, seq, hidden]`` with ``num_heads`` is a ``[batch, seq, num_heads, head_size]`` view
+  (``bshd``);
+- with ``position_ids`` ``[batch, seq]`` the caches are tables ``[max_position, rotary_dim / 2]``
+  indexed by them; without, the caches are already per token, ``[batch, seq, rotary_dim / 2]``,
+  and are read as a table of ``batch * seq`` rows at positions ``0 .. batch * seq - 1``;
+- ``interleaved=1`` rotates adjacent pairs, ``0`` the two halves; ``rotary_embedding_dim=0``
+  rotates the whole head, otherwise its first ``rotary_embedding_dim`` channels (the rest is
+  copied).
+
+The caches come in ``X``'s dtype; the kernel reads float32 tables, so float16/bfloat16 caches
+are widened to float32 first (exactly: every value is representable). Each rotation is then
+computed in float32 and rounded once to ``X``'s dtype, where the ONNX reference evaluator
+rounds after each multiply and add in ``X``'s dtype: float16 results agree within a few float16
+ulps of the rotated value, float32 within a few float32 ulps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import arrays as A
+
+
+def _int_attr(name: str, value, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise TypeError(f"{name}: expected an int >= {low} (an ONNX int attribute), got {value!r}")
+    return int(value)
+
+
+def _module_of(x):
+    """numpy for host arrays, cupy for device ones (the module that makes their helper arrays)."""
+    if isinstance(x, np.ndarray):
+        return np
+    from .driver import import_cupy
+
+    return import_cupy()
+
+
+def _as_table(cache, name: str, xp, rows: int | None, half: int):
+    shape = getattr(cache, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name}: expected an array, got {type(cache).__name__}")
+    if rows is None:  # a table indexed by position_ids
+        if len(shape) != 2:
+            raise ValueError(f"{name}: with position_ids, expected [max_position, rotary_embedding_dim / 2], got shape "
+                             f"{tuple(shape)}")
+        table = cache
+    else:
+        if len(shape) != 3:
+            raise ValueError(f"{name}: without position_ids, expected [batch, seq, rotary_embedding_dim / 2], got shape "
+                             f"{tuple(shape)}")
+        table = cache.reshape(rows, shape[-1])
+    if table.shape[-1] != half:
+        raise ValueError(f"{name}: its last dimension is {table.shape[-1]}; rotary_embedding_dim / 2 is {half}")
+    if np.dtype(table.dtype) != np.float32:
+        table = xp.asarray(table, dtype=np.float32)  # float16/bfloat16 widened exactly
+    return table
+
+
+def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved: int = 0,
+                     rotary_embedding_dim: int = 0, num_heads: int = 0, out=None, stream=None,
+                     backend: str = "auto"):
+    """``Y = RotaryEmbedding(X, cos_cache, sin_cache, position_ids)`` as ONNX opset 23 specifies.
+
+    Parameters
+    ----------
+    X : array
+        ``[batch, num_heads, seq, head_size]``, or ``[batch, seq, hidden]`` with ``num_heads``;
+        float32, float16 or bfloat16; NumPy or CuPy (or any array the general API accepts).
+    cos_cache, sin_cache : array
+        ``[max_position, rotary_embedding_dim / 2]`` with ``position_ids``, else
+        ``[batch, seq, rotary_embedding_dim / 2]``.
+    position_ids : int array ``[batch, seq]``, optional
+    interleaved, rotary_embedding_dim, num_heads : int
+        The operator's attributes (``rotary_embedding_dim=0``: the whole head).
+    out : array, optional
+        Where to write ``Y`` (``X``'s shape); ``out=X`` rotates in place. Default: a new array.
+    stream, backend
+        As for :func:`rope_rtc.apply_rope`.
+
+    Returns
+    -------
+    Y, shaped like ``X``.
+    """
+    from .rope import apply_rope
+
+    interleaved = _int_attr("interleaved", interleaved)
+    if interleaved > 1:
+        raise ValueError(f"interleaved: 0 or 1, got {interleaved}")
+    rd = _int_attr("rotary_embedding_dim", rotary_embedding_dim)
+    num_heads = _int_attr("num_heads", num_heads)
+    shape = getattr(X, "shape", None)
+    if shape is None:
+        raise TypeError(f"X: expected an array, got {type(X).__name__}")
+    if len(shape) == 4:
+        B, H, S, D = (int(d) for d in shape)
+        if num_heads and num_heads != H:
+            raise ValueError(f"num_heads: {num_heads}, but 4-d X [batch, num_heads, seq, head_size] has {H} heads")
+        layout, x, y = "bhsd", X, out
+    elif len(shape) == 3:
+        if not num_heads:
+            raise ValueError("num_heads: a 3-d X [batch, seq, hidden] needs num_heads (the operator's attribute)")
+        B, S, hidden = (int(d) for d in shape)
+        if hidden % num_heads:
+            raise ValueError(f"num_heads: hidden size {hidden} is not a multiple of num_heads={num_heads}")
+        H, D = num_heads, hidden // num_heads
+        layout = "bshd"
+        x = _heads_view(X, (B, S, H, D), "X")
+        y = None if out is None else _heads_view(out, (B, S, H, D), "out")
+    else:
+        raise ValueError(f"X: expected a 4-d [batch, num_heads, seq, head_size] or 3-d [batch, seq, hidden] array, "
+                         f"got shape {tuple(shape)}")
+    if out is not None and tuple(getattr(out, "shape", ())) != tuple(shape):
+        raise ValueError(f"out: expected X's shape {tuple(shape)}, got {tuple(getattr(out, 'shape', ()))}")
+    rd = rd or D
+    if rd % 2 or rd > D:
+        raise ValueError(f"rotary_embedding_dim: {rd} must be even and at most head_size {D}")
+    xp = _module_of(X)
+    if position_ids is None:
+        rows = B * S
+        positions = xp.arange(rows, dtype=np.int32).reshape(B, S)
+    else:
+        rows = None
+        positions = position_ids
+    cos = _as_table(cos_cache, "cos_cache", xp, rows, rd // 2)
+    sin = _as_table(sin_cache, "sin_cache", xp, rows, rd // 2)
+    result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved), rotary_dim=rd,
+                        out=y, stream=stream, backend=backend)
+    if out is not None:
+        return out
+    return result.reshape(shape) if len(shape) == 3 else result
+
+
+def _heads_view(a, shape4: tuple, name: str):
+    """``a`` ``[B, S, hidden]`` as a ``[B, S, H, D]`` view of the same memory."""
+    before = A.describe(a, name)
+    if before.strides[-1] != 1:
+        raise ValueError(f"{name}: the hidden axis must be contiguous (stride 1), got element strides {before.strides}")
+    v = a.reshape(shape4)
+    if A.describe(v, name).ptr != before.ptr:
+        raise ValueError(f"{name}: could not view [batch, seq, hidden] as [batch, seq, num_heads, head_size] without a "
+                         "copy")
+    return v

@@ -1,0 +1,72 @@
+"""rope_rtc.onnx.rotary_embedding on the CPU (NumPy backend): every attribute combination, float32
+and float16, 3-d and 4-d X, with and without position_ids, against the ``onnx`` package's
+reference evaluator and within the general API's bound of the float64 reference; and its
+errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnx_cases import CASES, case_inputs, canonical, float64_reference, onnx_reference
+from rope_rtc.onnx import rotary_embedding
+from rope_rtc.reference import assert_rope_close
+
+
+def _tolerance(dtype) -> float:
+    return {np.dtype(np.float32): 4e-6, np.dtype(np.float16): 8e-3}[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("dtype,rank,interleaved,rotary_dim,with_ids", CASES)
+def test_matches_the_onnx_reference_evaluator(dtype, rank, interleaved, rotary_dim, with_ids):
+    pytest.importorskip("onnx")
+    inputs = case_inputs(dtype, rank, rotary_dim, with_ids)
+    before = inputs["X"].copy()
+    y = rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], interleaved=interleaved,
+                         rotary_embedding_dim=rotary_dim, num_heads=3 if rank == 3 else 0, backend="numpy")
+    assert y.shape == inputs["X"].shape and y.dtype == inputs["X"].dtype
+    np.testing.assert_array_equal(inputs["X"], before)  # out of place: X untouched
+    want = onnx_reference(inputs, interleaved, rotary_dim, rank)
+    # ONNX's reference rounds after each multiply and add in X's dtype; ours once: a few ulps apart.
+    np.testing.assert_allclose(y.astype(np.float64), want.astype(np.float64), rtol=0, atol=_tolerance(dtype))
+    ref, xc = float64_reference(inputs, interleaved, rotary_dim, rank)
+    assert_rope_close(canonical(y, rank), ref, xc, interleaved=bool(interleaved), rotary_dim=rotary_dim or None,
+                      dtype=np.dtype(dtype))
+
+
+def test_in_place_and_given_output():
+    inputs = case_inputs("float32", 3, 0, True, seed=3)
+    want = rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], num_heads=3, backend="numpy")
+    out = np.full_like(inputs["X"], np.nan)
+    assert rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], num_heads=3, out=out,
+                            backend="numpy") is out
+    np.testing.assert_array_equal(out, want)
+    x = inputs["X"].copy()
+    rotary_embedding(x, inputs["cos"], inputs["sin"], inputs["ids"], num_heads=3, out=x, backend="numpy")
+    np.testing.assert_array_equal(x, want)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(num_heads=0, rank=3), ValueError, "needs num_heads"),
+    (dict(num_heads=5, rank=3), ValueError, "not a multiple of num_heads"),
+    (dict(num_heads=4, rank=4), ValueError, "has 3 heads"),
+    (dict(rotary_embedding_dim=6), ValueError, "last dimension"),
+    (dict(rotary_embedding_dim=7), ValueError, "must be even"),
+    (dict(interleaved=2), ValueError, "0 or 1"),
+    (dict(interleaved=True), TypeError, "interleaved"),
+    (dict(rotary_embedding_dim=-2), TypeError, "rotary_embedding_dim"),
+    (dict(flat_cache=True), ValueError, "without position_ids"),
+    (dict(ids_out_of_cache=True), ValueError, "position"),
+])
+def test_errors_name_the_argument_and_write_nothing(change, exc, match):
+    rank = change.pop("rank", 4)
+    inputs = case_inputs("float32", rank, 0, not change.get("flat_cache"), seed=4)
+    if change.pop("flat_cache", False):
+        inputs["cos"], inputs["sin"] = inputs["cos"].reshape(-1, 8), inputs["sin"].reshape(-1, 8)
+    if change.pop("ids_out_of_cache", False):
+        inputs["ids"][0, 0] = 40
+    kw = {"num_heads": 3 if rank == 3 else 0, **change}
+    x = inputs["X"].copy()
+    with pytest.raises(exc, match=match):
+        rotary_embedding(x, inputs["cos"], inputs["sin"], inputs["ids"], out=x, backend="numpy", **kw)
+    np.testing.assert_array_equal(x, inputs["X"])
