@@ -79,3 +79,18 @@ template <typename Bits, int N>
 __device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
     *(typename RawAccess<sizeof(Bits) * N>::type*)p = v.raw;
 }
+
+// Division of n < 2^31 by a run-time invariant d in [1, 2^31) as a multiply-shift (Granlund and
+// Montgomery, PLDI 1994): the host packs m = floor(2^32 (2^l - d) / d) + 1 in the low 32 bits and
+// l = ceil(log2 d) above them (rope_rtc/rope_params.py: fast_divisor). Exact for every n < 2^32
+// whose n + umulhi(n, m) does not overflow, which n < 2^31 guarantees. A 32-bit division is a
+// ~20-instruction sequence; this is three.
+__device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
+    return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
+}
+
+// One rotation of the general kernels, each product rounded to FP32 before one FMA (as the tail
+// contract's): the same bits whatever the compiler contracts, so every build agrees exactly.
+//   re = x0 c - x1 s,  im = x1 c + x0 s
+__device__ __forceinline__ float rot_re(float x0, float x1, float c, float s) { return __fmaf_rn(x0, c, -__fmul_rn(x1, s)); }
+__device__ __forceinline__ float rot_im(float x0, float x1, float c, float s) { return __fmaf_rn(x1, c, __fmul_rn(x0, s)); }

@@ -18,6 +18,7 @@
 // cos/sin rows, which L1 then serves to every head: a table row is read from L2 once per block,
 // not once per head.
 #include "common.cuh"
+#include "positions.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC)
 #error "rope.cu needs -DROPE_DTYPE, -DROPE_INTERLEAVED and -DROPE_VEC"
@@ -55,16 +56,6 @@ typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
 
-// Position schemes (pos_mode). The codes are mirrored in rope_rtc/rope_params.py.
-#define POS_OFFSET 0       // offset + s
-#define POS_OFFSETS 1      // offsets[b] + s
-#define POS_POSITIONS 2    // positions[t]
-#define POS_CU_SEQLENS 3   // t - cu_seqlens[b] + (offsets ? offsets[b] : offset)
-
-#define IDX_POSITIONS_I64 1
-#define IDX_OFFSETS_I64 2
-#define IDX_CU_SEQLENS_I64 4
-
 // Every field is 8 bytes so the host mirror (a ctypes Structure) has no padding to get wrong.
 struct RopeParams {
     u64 q_in, q_out, k_in, k_out;  // device addresses; k_* are 0 when there is no k
@@ -96,48 +87,9 @@ struct RopeParams {
     u64 div_units, div_groups, div_tile, div_seq, div_copy_units, div_heads;  // fast_div packed
 };
 
-// Division of n < 2^31 by a run-time invariant d in [1, 2^31) as a multiply-shift (Granlund and
-// Montgomery, PLDI 1994): the host packs m = floor(2^32 (2^l - d) / d) + 1 in the low 32 bits and
-// l = ceil(log2 d) above them (rope_rtc/rope_params.py: fast_divisor). Exact for every n < 2^32
-// whose n + umulhi(n, m) does not overflow, which n < 2^31 guarantees. A 32-bit division is a
-// ~20-instruction sequence; this is three.
-__device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
-    return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
-}
-
-__device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
-    return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
-}
-
-// The table row for token t; -1 when it falls outside the table (the caller writes NaN rather
-// than reading out of bounds: device-side positions are never read back to the host).
-__device__ i64 token_row(const RopeParams& p, i64 t, i64 b, i64 s) {
-    i64 pos;
-    switch ((int)p.pos_mode) {
-        case POS_OFFSET: pos = p.offset + s; break;
-        case POS_OFFSETS: pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s; break;
-        case POS_POSITIONS: pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64); break;
-        default: {
-            const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
-            // Last sequence whose start is <= t (cu_seqlens is non-decreasing).
-            i64 lo = 0, hi = p.num_seqs;
-            if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
-            while (hi - lo > 1) {
-                const i64 mid = (lo + hi) >> 1;
-                if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
-            }
-            const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
-            pos = t - load_index(p.cu_seqlens, lo, wide) + base;
-        }
-    }
-    return (pos >= 0 && pos < p.table_rows) ? pos : -1;
-}
-
-// Each product rounded to FP32 before the FMA: the same bits whatever the compiler contracts,
-// so this kernel and its specialised build (rope_fixed.cu) agree exactly.
 __device__ __forceinline__ void rotate(float x0, float x1, float c, float s, float& o0, float& o1) {
-    o0 = __fmaf_rn(x0, c, -__fmul_rn(x1, s));
-    o1 = __fmaf_rn(x1, c, __fmul_rn(x0, s));
+    o0 = rot_re(x0, x1, c, s);
+    o1 = rot_im(x0, x1, c, s);
 }
 
 // Element offsets of head h (of q, or of k past the q heads) for token (b, s).

@@ -22,6 +22,7 @@
 // measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
 // its partner half through a warp shuffle measured slower and is not kept.
 #include "common.cuh"
+#include "positions.cuh"
 
 #if !defined(FIX_HQ) || !defined(FIX_HK) || !defined(FIX_D) || !defined(FIX_RO) || !defined(FIX_RD) || \
     !defined(FIX_HB) || !defined(FIX_ORDER) || !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) ||  \
@@ -59,15 +60,6 @@ typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
 
-// Position schemes and index flags: the codes of rope.cu (rope_rtc/rope_params.py).
-#define POS_OFFSET 0
-#define POS_OFFSETS 1
-#define POS_POSITIONS 2
-#define POS_CU_SEQLENS 3
-#define IDX_POSITIONS_I64 1
-#define IDX_OFFSETS_I64 2
-#define IDX_CU_SEQLENS_I64 4
-
 // [0] is q, [1] is k. Every field is 8 bytes (the host mirror is a ctypes Structure).
 struct FixedParams {
     u64 in[2], out[2];
@@ -79,36 +71,6 @@ struct FixedParams {
     u64 div_seq;  // fast_div packed S
 };
 
-__device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
-    return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
-}
-
-__device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
-    return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
-}
-
-// The table row of token t = (b, s), -1 outside the table (NaN is written, as rope.cu).
-__device__ __forceinline__ i64 token_row(const FixedParams& p, unsigned t, unsigned b, unsigned s) {
-    i64 pos;
-    switch ((int)p.pos_mode) {
-        case POS_OFFSET: pos = p.offset + s; break;
-        case POS_OFFSETS: pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s; break;
-        case POS_POSITIONS: pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64); break;
-        default: {
-            const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
-            i64 lo = 0, hi = p.num_seqs;
-            if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
-            while (hi - lo > 1) {
-                const i64 mid = (lo + hi) >> 1;
-                if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
-            }
-            const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
-            pos = (i64)t - load_index(p.cu_seqlens, lo, wide) + base;
-        }
-    }
-    return (pos >= 0 && pos < p.table_rows) ? pos : -1;
-}
-
 // q and k are streamed once: evict-first loads and stores (ld/st.global.cs) measured faster than
 // plain ones on every prefill case (docs/performance.md).
 __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
@@ -118,11 +80,6 @@ __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
 }
 
 __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
-
-// One rotation, each product rounded to FP32 before the FMA (as tail_rope.cu): the same bits
-// whatever the compiler contracts, so this build and rope.cu agree exactly.
-__device__ __forceinline__ float rot_re(float x0, float x1, float c, float s) { return __fmaf_rn(x0, c, -__fmul_rn(x1, s)); }
-__device__ __forceinline__ float rot_im(float x0, float x1, float c, float s) { return __fmaf_rn(x1, c, __fmul_rn(x0, s)); }
 
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,

@@ -1,0 +1,45 @@
+// Token positions, shared by the general kernels (rope.cu, rope_fixed.cu, rope_cache.cu).
+//
+// A kernel's argument block P has the fields pos_mode, index_flags, offset, offsets, positions,
+// cu_seqlens, num_seqs and table_rows; the codes are mirrored in rope_rtc/rope_params.py.
+#pragma once
+
+#include "common.cuh"
+
+#define POS_OFFSET 0       // offset + s
+#define POS_OFFSETS 1      // offsets[b] + s
+#define POS_POSITIONS 2    // positions[t]
+#define POS_CU_SEQLENS 3   // t - cu_seqlens[b] + (offsets ? offsets[b] : offset)
+
+#define IDX_POSITIONS_I64 1
+#define IDX_OFFSETS_I64 2
+#define IDX_CU_SEQLENS_I64 4
+
+__device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
+    return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
+}
+
+// The table row for token t = (b, s); -1 when it falls outside the table (the caller writes NaN
+// rather than reading out of bounds: device-side positions are never read back to the host).
+template <typename P>
+__device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
+    i64 pos;
+    switch ((int)p.pos_mode) {
+        case POS_OFFSET: pos = p.offset + s; break;
+        case POS_OFFSETS: pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s; break;
+        case POS_POSITIONS: pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64); break;
+        default: {
+            const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
+            // Last sequence whose start is <= t (cu_seqlens is non-decreasing).
+            i64 lo = 0, hi = p.num_seqs;
+            if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
+            while (hi - lo > 1) {
+                const i64 mid = (lo + hi) >> 1;
+                if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
+            }
+            const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
+            pos = t - load_index(p.cu_seqlens, lo, wide) + base;
+        }
+    }
+    return (pos >= 0 && pos < p.table_rows) ? pos : -1;
+}
