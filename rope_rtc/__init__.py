@@ -5,6 +5,7 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
 - :func:`rope_tables` — cos/sin tables (``numerics="exact"`` or ``"transformers"``);
   :func:`cos_sin_cache` — the same as one combined table, the engines' convention
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
+- :func:`rope_and_cache`, :class:`RopeCachePlan` — RoPE fused with the paged KV-cache write (FP8 too)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
 """
@@ -22,6 +23,8 @@ _EXPORTS = {
     "apply_rope": "rope",
     "apply_rope_qk": "rope",
     "RopePlan": "rope_plan",
+    "rope_and_cache": "kv_cache",
+    "RopeCachePlan": "kv_cache",
     "TailRoPEForward": "tail",
     "tail_rope": "tail",
     "TensorDesc": "descriptors",

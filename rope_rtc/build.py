@@ -88,6 +88,13 @@ def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = N
     s = settings()
     if s.no_compile:
         where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
+        if spec.family in ("rope_fixed", "rope_cache"):  # specialised on a model's geometry
+            raise KernelNotCachedError(
+                f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
+                f"compiling it; it is specialised on one model's head counts and head dim: fill the cache on a "
+                f"build machine with: rope-rtc warm --arch {target.name} --model config.json{where} (or the same "
+                f"fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)"
+            )
         if spec.family == "rope":
             hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
         elif spec.family == "tail":  # the default warm builds a fixed list of head counts

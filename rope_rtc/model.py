@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import KernelSpec, model_fixed_specs, rope_head_batches, rope_spec, rope_vector_widths
+from .registry import KernelSpec, cache_spec, model_fixed_specs, rope_head_batches, rope_spec, rope_vector_widths
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -42,14 +42,25 @@ class ModelRope:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
 
     def specs(self) -> list[KernelSpec]:
-        """Every build of the general kernel a plan for this model can launch: the generic builds
-        of its dtype and pair style (each vector width and head batch), and the builds
-        specialised on its geometry for q with k, q alone and k alone, in both thread orders
-        (``RopePlan.compile`` loads the generic ones and its own specialised one)."""
+        """Every build a plan for this model can launch: the generic builds of its dtype and pair
+        style (each vector width and head batch), the builds specialised on its geometry for q with
+        k, q alone and k alone, in both thread orders (``RopePlan.compile`` loads the generic ones
+        and its own specialised one), and the fused RoPE + KV-cache-write builds."""
         return [rope_spec(self.dtype, self.interleaved, vec, hb)
                 for vec in rope_vector_widths(self.dtype, self.interleaved)
                 for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
-            self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim)
+            self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim) + \
+            self.cache_specs()
+
+    def cache_specs(self) -> list[KernelSpec]:
+        """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache
+        in the model's dtype, FP8 e4m3 and FP8 e5m2."""
+        vec = rope_vector_widths(self.dtype, self.interleaved)[0]
+        span = self.rotary_dim if self.interleaved else self.rotary_dim // 2
+        while vec > 1 and (span % vec or (self.head_dim - self.rotary_dim) % vec):
+            vec //= 2
+        return [cache_spec(self.dtype, self.interleaved, vec, kind, self.q_heads, self.kv_heads, self.head_dim,
+                           self.rotary_dim) for kind in (0, 1, 2)]
 
 
 def _dtype(value, where: str) -> str:

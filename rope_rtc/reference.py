@@ -574,3 +574,73 @@ def assert_rope_close(
             f"actual {a_v!r}, expected {e_v!r}, |diff| {abs(a_v - e_v)!r} > bound {b_v!r} "
             f"({score:.3g}x the bound); pair inputs x0={x0v!r}, x1={x1v!r}"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# The general kernels' arithmetic, bit for bit; RoPE fused with the paged KV-cache write
+# --------------------------------------------------------------------------------------------
+
+# Largest finite value of each FP8 format (what __NV_SATFINITE saturates to).
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+
+
+def rope_kernel_arithmetic(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, *,
+                           interleaved: bool, rotary_dim: int | None = None) -> np.ndarray:
+    """What the GPU kernels compute, bit for bit (no NaN positions): each pair in FP32,
+    ``re = fmaf(x0, c, -fp32(x1 * s))``, ``im = fmaf(x1, c, fp32(x0 * s))``, rounded once to
+    ``x``'s dtype (to nearest even). ``x`` is ``[T, H, D]``; the window starts at channel 0."""
+    x = np.asarray(x)
+    dt = x.dtype
+    r, _ = _rotary_span(x.shape[-1], rotary_dim, 0)
+    xf = _bf16_to_f32(x) if dt == BFLOAT16 else x.astype(np.float32)
+    pos = np.asarray(positions).astype(np.int64).reshape(-1)
+    c = np.asarray(cos, np.float32)[pos][:, None, :]
+    s = np.asarray(sin, np.float32)[pos][:, None, :]
+    x0, x1 = _split_pairs(xf[..., :r], interleaved)
+    c, s = np.broadcast_to(c, x0.shape), np.broadcast_to(s, x0.shape)
+    re = fma_f32(x0, c, -_mul_f32(x1, s))
+    im = fma_f32(x1, c, _mul_f32(x0, s))
+    rot = _merge_pairs(re, im, interleaved)
+    out = x.copy()
+    if dt == BFLOAT16:
+        out[..., :r] = bf16_rne(np.ascontiguousarray(rot))
+    else:
+        out[..., :r] = rot.astype(dt)
+    return out
+
+
+def fp8_quantize(values: np.ndarray, scale, kind: str) -> np.ndarray:
+    """FP8 cache entries (as uint8) of ``values`` (in the input dtype): ``value / scale`` in FP32,
+    saturated to the format's finite range, rounded to nearest even (``kind``: ``"fp8_e4m3"``
+    for e4m3fn or ``"fp8_e5m2"``)."""
+    import ml_dtypes
+
+    v = np.asarray(values)
+    vf = _bf16_to_f32(v) if v.dtype == BFLOAT16 else v.astype(np.float32)
+    q = np.clip(vf / np.float32(scale), -FP8_MAX[kind], FP8_MAX[kind])
+    fmt = ml_dtypes.float8_e4m3fn if kind == "fp8_e4m3" else ml_dtypes.float8_e5m2
+    return q.astype(fmt).view(np.uint8)
+
+
+def rope_and_cache_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
+                             kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, interleaved: bool = False,
+                             rotary_dim: int | None = None):
+    """``(q_out, k_out, k_cache, v_cache)`` after :func:`rope_rtc.kv_cache.rope_and_cache`, bit for
+    bit, on host arrays (new arrays; the inputs are not modified). ``positions``: one absolute
+    position per token; caches as the API takes them (uint8 for FP8)."""
+    q_out = rope_kernel_arithmetic(q, cos, sin, positions, interleaved=interleaved, rotary_dim=rotary_dim)
+    k_out = rope_kernel_arithmetic(k, cos, sin, positions, interleaved=interleaved, rotary_dim=rotary_dim)
+    kc, vc = np.array(k_cache, copy=True), np.array(v_cache, copy=True)
+    block_size = kc.shape[1] if kv_layout == "nhd" else kc.shape[2]
+    num_slots = kc.shape[0] * block_size
+    for t, slot in enumerate(np.asarray(slot_mapping).astype(np.int64).reshape(-1)):
+        if slot < 0 or slot >= num_slots:
+            continue
+        blk, off = divmod(int(slot), block_size)
+        for cache, values, scale in ((kc, k_out[t], k_scale), (vc, np.asarray(v)[t], v_scale)):
+            entry = values if kv_cache_dtype == "auto" else fp8_quantize(values, scale, kv_cache_dtype)
+            if kv_layout == "nhd":
+                cache[blk, off] = entry
+            else:
+                cache[blk, :, off] = entry
+    return q_out, k_out, kc, vc

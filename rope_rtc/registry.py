@@ -156,6 +156,25 @@ def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int
 DEFAULT_FIXED_HEADS = ((32, 8), (32, 32))
 
 
+# RoPE fused with the paged KV-cache write (cuda_src/rope_cache.cu).
+CACHE_ENTRIES = ("rope_cache",)
+CACHE_KIND_NAMES = {0: "the input dtype", 1: "fp8_e4m3", 2: "fp8_e5m2"}
+
+
+def cache_spec(dtype: str, interleaved: bool, vec: int, kind: int, q_heads: int, k_heads: int, head_dim: int,
+               rotary_dim: int) -> KernelSpec:
+    """The fused RoPE + cache-write kernel for one geometry, vector width and cache kind."""
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
+    if kind not in CACHE_KIND_NAMES:
+        raise ValueError(f"cache kind {kind!r}: expected one of {sorted(CACHE_KIND_NAMES)}")
+    return KernelSpec(
+        "rope_cache", "rope_cache.cu", CACHE_ENTRIES,
+        (("ROPE_DTYPE", str(DTYPE_CODES[dtype])), ("ROPE_INTERLEAVED", str(int(interleaved))), ("ROPE_VEC", str(vec)),
+         ("CACHE_KIND", str(kind)), ("KV_HQ", str(q_heads)), ("KV_HK", str(k_heads)), ("KV_D", str(head_dim)),
+         ("KV_RD", str(rotary_dim))))
+
+
 def tail_spec(heads: int, dim: int) -> KernelSpec:
     return KernelSpec("tail", "tail_rope.cu", ("tail_rope_bf16_x1",),
                       (("TAIL_HEADS", str(int(heads))), ("TAIL_DIM", str(int(dim)))))

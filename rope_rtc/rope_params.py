@@ -70,3 +70,22 @@ FIXED_FIELDS = [
 class FixedParams(ctypes.Structure):
     _fields_ = FIXED_FIELDS
 assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block
+
+
+# The host mirror of ``struct CacheParams`` in cuda_src/rope_cache.cu ([0] q, [1] k, [2] v).
+_TRIPLE = _I64 * 3
+CACHE_FIELDS = [
+    ("in_", _U64 * 3), ("out", _U64 * 2),
+    ("in_st", _TRIPLE), ("in_sh", _TRIPLE), ("out_st", _PAIR), ("out_sh", _PAIR),
+    ("k_cache", _U64), ("v_cache", _U64),
+    ("cache_sb", _I64), ("cache_so", _I64), ("cache_sh", _I64),
+    ("num_slots", _I64), ("block_size", _I64),
+    ("slot_mapping", _U64), ("k_scale", _U64), ("v_scale", _U64),
+    ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
+    ("offset", _I64), ("num_tokens", _I64), ("num_seqs", _I64), ("table_rows", _I64), ("table_stride", _I64),
+    ("pos_mode", _I64), ("index_flags", _I64), ("slot_i64", _I64), ("total", _I64),
+]
+
+
+class CacheParams(ctypes.Structure):
+    _fields_ = CACHE_FIELDS

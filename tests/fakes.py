@@ -322,6 +322,14 @@ class FakeGPU:
         def load_fixed_function(g, device):
             return ("rope_fixed", g)
 
+        def load_cache_function(creq, device):
+            return ("rope_cache", creq)
+
+        from rope_rtc import kv_cache
+
+        self._patch(kv_cache, "load_cache_function", load_cache_function)
+        self._patch(kv_cache, "_current_device", lambda: 0)
+        self._patch(kv_cache, "_local", threading.local())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
         self._patch(rope_plan, "load_fixed_function", load_fixed_function)
         from rope_rtc import rope_launch
@@ -374,6 +382,11 @@ class _RecordingLauncher:
             record["params"] = RopeParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(RopeParams)))
             record["vec"] = fn[3]
             record["itemsize"] = {"float32": 4, "float16": 2, "bfloat16": 2}[fn[1]]
+        elif isinstance(fn, tuple) and fn[0] == "rope_cache":
+            from rope_rtc.rope_params import CacheParams
+
+            record["cache"] = CacheParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(CacheParams)))
+            record["request"] = fn[1]
         elif isinstance(fn, tuple) and fn[0] == "rope_fixed":
             from rope_rtc.rope_params import FixedParams
 

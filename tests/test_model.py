@@ -77,8 +77,10 @@ def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
                 assert {s.name for s in loaded} <= {s.name for s in model.specs()}
                 assert sum(s.family == "rope_fixed" for s in loaded) == 1  # its own specialisation
                 every += loaded
-        # Together the plans load every kernel the model warms.
-        assert {s.name for s in every} == {s.name for s in model.specs()}
+        # Together the plans load every kernel the model warms but the fused cache-write builds
+        # (loaded by rope_and_cache's plans).
+        assert {s.name for s in every} == {s.name for s in model.specs() if s.family != "rope_cache"}
+        assert {s.family for s in model.cache_specs()} == {"rope_cache"} and len(model.cache_specs()) == 3
 
 
 def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
@@ -89,7 +91,7 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
-    assert "warmed 28 kernels for sm_90, sm_80" in out
+    assert "warmed 34 kernels for sm_90, sm_80" in out
     from rope_rtc.cache import open_store
     from rope_rtc.cache.location import versioned_cache_dir
 
@@ -99,8 +101,8 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     # The same fields as flags, without a config file.
     assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
                      "--cache-dir", str(root), "--no-progress"]) == 0
-    # (32, 32) shares its q-alone builds with (32, 8): two new specialisations.
-    assert "compiled 2, already cached 10" in capsys.readouterr().out
+    # (32, 32) shares its q-alone builds with (32, 8): two new specialisations, three cache builds.
+    assert "compiled 5, already cached 10" in capsys.readouterr().out
     assert cli.main(["warm", "--arch", "sm_90", "--heads", "32", "--cache-dir", str(root), "--no-progress"]) != 0
     assert "needs --dtype, --head-dim (or --model config.json)" in capsys.readouterr().err
 
@@ -113,6 +115,20 @@ def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, mon
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
     with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --model config\.json"):
         get_binary(rope_spec("bfloat16", False, 8, 2), target_for(90))
+
+
+@pytest.mark.parametrize("family", ["rope_fixed", "rope_cache"])
+def test_a_missing_specialised_kernel_names_the_model_command(tmp_path, monkeypatch, family):
+    from rope_rtc.build import get_binary
+    from rope_rtc.registry import cache_spec, fixed_geometry
+    from rope_rtc.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    spec = (fixed_geometry("bfloat16", False, 32, 8, 128, 0, 128, False).spec() if family == "rope_fixed"
+            else cache_spec("bfloat16", False, 8, 1, 32, 8, 128, 128))
+    with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --model config\.json .*--kv-heads"):
+        get_binary(spec, target_for(90))
 
 
 def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):

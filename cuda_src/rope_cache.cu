@@ -1,0 +1,159 @@
+// RoPE fused with the paged KV-cache write (rope_rtc/kv_cache.py): in one launch, rotate q (in
+// place or into q_out) and k (into k_out, which may be k), and write the rotated k and the
+// unrotated v into the caches at slot_mapping[t] (block = slot / block_size, offset = slot %
+// block_size); a negative slot, or one past the cache, writes no cache entry for that token.
+//
+// Cache entries are either the input dtype (the rotated k exactly as k_out holds it) or FP8:
+// the value as rounded to the input dtype, divided by the per-tensor scale in FP32 (a device
+// scalar, so it can change between launches), saturated to the format's finite range and
+// rounded to nearest even (cuda_fp8.h, __NV_SATFINITE): what RoPE followed by vLLM's
+// reshape_and_cache_flash would store.
+//
+// Compile-time: ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC (as rope.cu), CACHE_KIND (0: the input
+// dtype, 1: FP8 e4m3fn, 2: FP8 e5m2), KV_HQ, KV_HK (head counts), KV_D (head dim), KV_RD
+// (rotary dim, the window starting at channel 0).
+//
+// Work split: one thread per (token, head, unit) over HQ q heads, HK k heads and HK v heads. A
+// unit is a pair of vectors of the window (half-split: lo and hi; interleaved: one vector), then
+// one vector per unit of the channels past the window. v copies the same channels.
+#include "common.cuh"
+#include "positions.cuh"
+#include <cuda_fp8.h>
+
+#if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(CACHE_KIND) || \
+    !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD)
+#error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
+#endif
+
+#if ROPE_DTYPE == ROPE_DTYPE_F32
+typedef float elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_F16
+typedef __half elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+#error "unknown ROPE_DTYPE"
+#endif
+
+constexpr int VEC = ROPE_VEC;
+constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
+constexpr int HALF = KV_RD / 2;
+constexpr unsigned ROT_UNITS = (ROPE_INTERLEAVED ? KV_RD : HALF) / VEC;
+constexpr unsigned COPY_UNITS = (KV_D - KV_RD) / VEC;
+constexpr unsigned UNITS = ROT_UNITS + COPY_UNITS;
+constexpr unsigned HEADS = KV_HQ + 2 * KV_HK;
+static_assert((ROPE_INTERLEAVED ? KV_RD : HALF) % VEC == 0 && (KV_D - KV_RD) % VEC == 0, "vectors must tile the head");
+static_assert(CACHE_KIND == 0 || VEC >= 2, "an FP8 entry store needs at least 2 bytes");
+
+typedef Scalar<elem_t> conv;
+typedef conv::bits_t bits_t;
+typedef Vec<bits_t, VEC> vec_t;
+typedef Vec<unsigned char, VEC> fp8_vec_t;
+
+// [0] is q, [1] is k, [2] is v (element strides of the token and head axes; the channel axis is
+// contiguous). Every field is 8 bytes (the host mirror is a ctypes Structure).
+struct CacheParams {
+    u64 in[3], out[2];
+    i64 in_st[3], in_sh[3], out_st[2], out_sh[2];
+    u64 k_cache, v_cache;
+    i64 cache_sb, cache_so, cache_sh;  // element strides of a cache's block, in-block offset, head
+    i64 num_slots, block_size;
+    u64 slot_mapping, k_scale, v_scale;
+    u64 cos, sin, positions, offsets, cu_seqlens;
+    i64 offset, num_tokens, num_seqs, table_rows, table_stride;
+    i64 pos_mode, index_flags, slot_i64, total;
+};
+
+__device__ __forceinline__ vec_t load_v(const bits_t* p) {
+    vec_t r;
+    r = load_vec<bits_t, VEC>(p);
+    return r;
+}
+
+// One cache entry vector: the input dtype's bits, or FP8 of value / scale.
+__device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, float scale) {
+#if CACHE_KIND == 0
+    store_vec<bits_t, VEC>((bits_t*)cache + at, x);
+#else
+    fp8_vec_t e;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+        const float v = __fdiv_rn(conv::to_float(x.v[j]), scale);
+        e.v[j] = (unsigned char)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, CACHE_KIND == 1 ? __NV_E4M3 : __NV_E5M2);
+    }
+    store_vec<unsigned char, VEC>((unsigned char*)cache + at, e);
+#endif
+}
+
+__device__ __forceinline__ void table_slice(const CacheParams& p, i64 t, unsigned u, float* c, float* sn) {
+    const i64 row = token_row(p, t, 0, t);
+    if (row >= 0) {
+        const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
+        const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) {
+            c[j] = __ldg(cr + j);
+            sn[j] = __ldg(sr + j);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (unsigned)p.total) return;
+    const unsigned t = i / (HEADS * UNITS), r = i - t * (HEADS * UNITS);
+    const unsigned h = r / UNITS, u = r - h * UNITS;
+    const int which = h < KV_HQ ? 0 : (h < KV_HQ + KV_HK ? 1 : 2);
+    const unsigned hh = h - (which == 0 ? 0 : (which == 1 ? KV_HQ : KV_HQ + KV_HK));
+    const bool rot = u < ROT_UNITS;
+    // Channels of this unit: (c0, c1) for a half-split rotary unit, c0 alone otherwise.
+    const unsigned c0 = rot ? u * VEC : KV_RD + (u - ROT_UNITS) * VEC;
+    const bool two = rot && !ROPE_INTERLEAVED;
+    const unsigned c1 = c0 + HALF;
+    const bits_t* in = (const bits_t*)p.in[which] + ((i64)t * p.in_st[which] + (i64)hh * p.in_sh[which]);
+    vec_t a = load_v(in + c0), b;
+    if (two) b = load_v(in + c1);
+
+    if (which < 2 && rot) {  // rotate q and k
+        float c[NPAIR], sn[NPAIR];
+        table_slice(p, t, u, c, sn);
+#if ROPE_INTERLEAVED
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) {
+            const float x0 = conv::to_float(a.v[2 * j]), x1 = conv::to_float(a.v[2 * j + 1]);
+            a.v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+            a.v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+        }
+#else
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) {
+            const float x0 = conv::to_float(a.v[j]), x1 = conv::to_float(b.v[j]);
+            a.v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+            b.v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+        }
+#endif
+    }
+    if (which < 2) {  // q_out / k_out (in place: the same addresses; the outside of the window too)
+        bits_t* out = (bits_t*)p.out[which] + ((i64)t * p.out_st[which] + (i64)hh * p.out_sh[which]);
+        if (rot || out != in) {
+            store_vec<bits_t, VEC>(out + c0, a);
+            if (two) store_vec<bits_t, VEC>(out + c1, b);
+        }
+    }
+    if (which == 0) return;
+    const i64 slot = load_index(p.slot_mapping, t, p.slot_i64);
+    if (slot < 0 || slot >= p.num_slots) return;  // skipped token, or a slot past the cache
+    const i64 block = slot / p.block_size, off = slot - block * p.block_size;
+    const i64 at = block * p.cache_sb + off * p.cache_so + (i64)hh * p.cache_sh;
+    const u64 cache = which == 1 ? p.k_cache : p.v_cache;
+#if CACHE_KIND == 0
+    const float scale = 1.0f;
+#else
+    const float scale = *(const float*)(which == 1 ? p.k_scale : p.v_scale);
+#endif
+    store_entry(cache, at + c0, a, scale);
+    if (two) store_entry(cache, at + c1, b, scale);
+}

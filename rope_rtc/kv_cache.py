@@ -1,0 +1,374 @@
+"""RoPE fused with the paged KV-cache write, as inference engines run it: one launch rotates q
+and k and writes the rotated k and the unrotated v into the caches at ``slot_mapping[t]``
+(cuda_src/rope_cache.cu), optionally quantised to FP8.
+
+- :func:`rope_and_cache`: the one-call function (a plan per signature and thread, as
+  ``apply_rope_qk`` keeps).
+- :class:`RopeCachePlan`: the prepared form, on the prepared-launch core (rope_rtc.prepared):
+  validated once, then ``execute`` allocates nothing, never synchronises and is capturable in a
+  CUDA graph; new arrays are validated again (the address checks of the other plans are not
+  specialised here yet).
+
+Caches: ``[num_blocks, block_size, H_kv, D]`` (``kv_layout="nhd"``) or ``[num_blocks, H_kv,
+block_size, D]`` (``"hnd"``), of the input dtype, or FP8 held as ``uint8`` with
+``kv_cache_dtype="fp8_e4m3"`` (e4m3fn) or ``"fp8_e5m2"`` and per-tensor float32 device scales
+``k_scale`` / ``v_scale``. The FP8 entry is the value as rounded to the input dtype (what
+``k_out`` holds for k), divided by the scale in FP32, saturated to the format's finite range and
+rounded to nearest even: what RoPE followed by a separate quantising cache write (vLLM's
+``reshape_and_cache_flash``) stores. ``rope_rtc.reference.rope_and_cache_reference`` is the
+NumPy reference.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays as A
+from .launch import StructArg, launch_prefix, load_kernel, remember
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
+from .registry import cache_spec, rope_vector_widths
+from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_OFFSET, CacheParams
+from .rope_request import Request, validate
+
+KV_LAYOUTS = ("nhd", "hnd")
+# kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)
+CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+BLOCK_THREADS = 256
+# Argument order of the core's calls.
+ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache", "k_scale", "v_scale",
+        "q_out", "k_out", "cu_seqlens", "offsets")
+
+
+@dataclass
+class CacheRequest:
+    """A validated call: the RoPE part (a general-API ``Request`` on layout ``thd``) and the cache part."""
+
+    rope: Request
+    v: A.ArrayInfo
+    slots: A.ArrayInfo
+    k_cache: A.ArrayInfo
+    v_cache: A.ArrayInfo
+    k_scale: A.ArrayInfo | None
+    v_scale: A.ArrayInfo | None
+    kv_layout: str
+    kind: int
+    vec: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.k_cache.shape[0] * self.block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1 if self.kv_layout == "nhd" else 2]
+
+
+def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
+                        kv_cache_dtype="auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
+                        cu_seqlens=None, interleaved=False, rotary_dim=None) -> tuple[CacheRequest, tuple]:
+    """Every check of a call, before anything is launched or written. Returns the request and the
+    call's arguments in the core's order (a host ``slot_mapping``, once checked, replaced by its
+    device copy). Positions follow the general API: all device arrays."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout: expected 'nhd' ([blocks, block_size, H_kv, D]) or 'hnd' ([blocks, H_kv, "
+                         f"block_size, D]), got {kv_layout!r}")
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in CACHE_KINDS:
+        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, CACHE_KINDS))}, got {kv_cache_dtype!r}")
+    if k is None or v is None:
+        raise TypeError("k, v: rope_and_cache writes both caches; pass k and v")
+    req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout="thd",
+                   interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=False)
+    T, Hk, D = req.num_tokens, req.ck.H, req.cq.D
+    vi = A.describe(v, "v", allow_host=False)
+    if vi.shape != req.k.shape or vi.dtype != req.k.dtype:
+        raise ValueError(f"v: expected k's shape {req.k.shape} and dtype {req.k.dtype}, got {vi.shape} {vi.dtype}")
+    A.check_last_dim_contiguous(vi)
+    si = A.describe(slot_mapping, "slot_mapping")
+    A.check_dtype(si, A.INDEX_DTYPES)
+    if si.shape != (T,):
+        raise ValueError(f"slot_mapping: expected one slot per token, shape ({T},), got {si.shape}")
+    A.check_contiguous(si)
+    kind = CACHE_KINDS[kv_cache_dtype]
+    caches = []
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        ci = A.describe(cache, name, allow_host=False)
+        want = "uint8" if kind else req.dtype
+        if ci.dtype != want:
+            hint = ("; an FP8 cache is a uint8 array with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'" if kind == 0 else "")
+            raise TypeError(f"{name}: dtype {ci.dtype}, expected {want} for kv_cache_dtype={kv_cache_dtype!r}{hint}")
+        if len(ci.shape) != 4:
+            raise ValueError(f"{name}: expected a 4-d cache ({'[blocks, block_size, H_kv, D]' if kv_layout == 'nhd' else '[blocks, H_kv, block_size, D]'}), got shape {ci.shape}")
+        heads, dim = (ci.shape[2], ci.shape[3]) if kv_layout == "nhd" else (ci.shape[1], ci.shape[3])
+        if (heads, dim) != (Hk, D):
+            raise ValueError(f"{name}: holds {heads} heads of dim {dim} ({kv_layout}); k has {Hk} heads of dim {D}")
+        A.check_last_dim_contiguous(ci)
+        A.check_writable(ci)
+        caches.append(ci)
+    kc, vc = caches
+    if kc.shape != vc.shape or kc.strides != vc.strides:
+        raise ValueError(f"v_cache: expected k_cache's shape and strides {kc.shape} {kc.strides}, got {vc.shape} "
+                         f"{vc.strides}")
+    scales = []
+    for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if kind == 0:
+            if scale is not None:
+                raise ValueError(f"{name}: only FP8 caches take scales (kv_cache_dtype={kv_cache_dtype!r})")
+            scales.append(None)
+            continue
+        if scale is None:
+            raise TypeError(f"{name}: an FP8 cache needs a float32 device scale (one element)")
+        sc = A.describe(scale, name, allow_host=False)
+        A.check_dtype(sc, ("float32",))
+        if sc.size != 1:
+            raise ValueError(f"{name}: expected one element (a per-tensor scale), got shape {sc.shape}")
+        A.check_aligned(sc, 4)
+        scales.append(sc)
+    num_slots = kc.shape[0] * kc.shape[1 if kv_layout == "nhd" else 2]
+    if isinstance(slot_mapping, np.ndarray):  # slots from the host: every value checked
+        s = slot_mapping.astype(np.int64)
+        bad = s >= num_slots
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"slot_mapping: entry {i} is {int(s[i])}, past the cache's {num_slots} slots "
+                             f"(a negative slot skips its token)")
+    everything = [i for i in (*req.infos(), vi, si, *scales) if i is not None]
+    A.check_same_device(everything + caches)
+    for ci in caches:
+        for other in everything + [c for c in caches if c is not ci]:
+            if other is not None and A.overlaps(ci, other):
+                raise ValueError(f"{ci.name}: overlaps {other.name}; the caches must not share memory with any "
+                                 "other argument")
+    vec = _vector(req, vi, kc, kind)
+    host_slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else None
+    if host_slots is not None:  # checked above, value by value: now its device copy
+        from .driver import import_cupy
+
+        slot_mapping = import_cupy().asarray(host_slots)
+        si = A.describe(slot_mapping, "slot_mapping", allow_host=False)
+    creq = CacheRequest(req, vi, si, kc, vc, scales[0], scales[1], kv_layout, kind, vec)
+    args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+            q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
+            None if isinstance(offset, (int, np.integer)) else offset)
+    return creq, args
+
+
+def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, kind: int) -> int:
+    """The widest vector every address, stride and channel split allows (FP8 entries: >= 2 bytes)."""
+    D, R = req.cq.D, req.rotary_dim
+    size = req.q.itemsize
+    infos = [i for i in (req.q, req.k, req.q_out, req.k_out, vi) if i is not None]
+    for vec in rope_vector_widths(req.dtype, req.interleaved):
+        if kind and vec < 2:
+            continue
+        if (R if req.interleaved else R // 2) % vec or (D - R) % vec:
+            continue
+        if any(i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
+               for i in infos):
+            continue
+        if kc.ptr % (vec * kc.itemsize) or any(s % vec for d, s in zip(kc.shape[:-1], kc.strides[:-1]) if d > 1):
+            continue
+        return vec
+    raise ValueError("q/k/v/caches: addresses or strides are not aligned to the smallest access the kernel can use "
+                     f"for {req.dtype}{' with an FP8 cache' if kind else ''}; pass aligned arrays")
+
+
+def fill_cache_params(p: CacheParams, creq: CacheRequest) -> None:
+    req = creq.rope
+    q_out, k_out = req.q_out or req.q, req.k_out or req.k
+    for w, info in enumerate((req.q, req.k, creq.v)):
+        p.in_[w], p.in_st[w], p.in_sh[w] = info.ptr, info.strides[0], info.strides[1]
+    for w, info in enumerate((q_out, k_out)):
+        p.out[w], p.out_st[w], p.out_sh[w] = info.ptr, info.strides[0], info.strides[1]
+    kc = creq.k_cache
+    p.k_cache, p.v_cache = kc.ptr, creq.v_cache.ptr
+    st = kc.strides
+    p.cache_sb, p.cache_so, p.cache_sh = (st[0], st[1], st[2]) if creq.kv_layout == "nhd" else (st[0], st[2], st[1])
+    p.num_slots, p.block_size = creq.num_slots, creq.block_size
+    p.slot_mapping = creq.slots.ptr
+    p.k_scale = creq.k_scale.ptr if creq.k_scale is not None else 0
+    p.v_scale = creq.v_scale.ptr if creq.v_scale is not None else 0
+    p.cos, p.sin = req.cos.ptr, req.sin.ptr
+    p.positions = req.positions.ptr if req.positions is not None else 0
+    p.offsets = req.offsets.ptr if req.offsets is not None else 0
+    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
+    p.offset, p.num_tokens = req.offset, req.num_tokens
+    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else 1
+    p.table_rows, p.table_stride = req.cos.shape[0], req.cos.strides[0]
+    p.pos_mode = req.pos_mode
+    p.index_flags = ((IDX_POSITIONS_I64 if req.positions is not None and req.positions.dtype == "int64" else 0)
+                     | (IDX_OFFSETS_I64 if req.offsets is not None and req.offsets.dtype == "int64" else 0)
+                     | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
+    p.slot_i64 = int(creq.slots.dtype == "int64")
+    p.total = cache_threads(creq)
+
+
+def cache_threads(creq: CacheRequest) -> int:
+    req = creq.rope
+    D, R, vec = req.cq.D, req.rotary_dim, creq.vec
+    units = (R if req.interleaved else R // 2) // vec + (D - R) // vec
+    return req.num_tokens * (req.cq.H + 2 * req.ck.H) * units
+
+
+def load_cache_function(creq: CacheRequest, device: int):
+    req = creq.rope
+    spec = cache_spec(req.dtype, req.interleaved, creq.vec, creq.kind, req.cq.H, req.ck.H, req.cq.D, req.rotary_dim)
+    return load_kernel(spec, device).functions[spec.entries[0]]
+
+
+class _CacheTemplate:
+    """A validated call's block, bound again only to the very addresses it was validated with
+    (new arrays go through full validation)."""
+
+    def __init__(self, plan: "RopeCachePlan", creq: CacheRequest, args: tuple) -> None:
+        self.plan = plan
+        self.creq = creq
+        self.validated_pointers = pointers(args)
+        total = cache_threads(creq)
+        self.prefix = None
+        if total:
+            fn = plan.function(creq)
+            self.prefix = launch_prefix(fn, (-(-total // BLOCK_THREADS), 1, 1), (BLOCK_THREADS, 1, 1))
+
+    pointers = staticmethod(pointers)
+
+    def check_scalar(self, offset: int) -> None:
+        """A new int offset for arguments already validated (ValueError when it cannot be used)."""
+        req = self.creq.rope
+        if req.positions is not None and offset:
+            raise ValueError("positions and offset: pass one of them (positions are absolute)")
+        rows = req.cos.shape[0]
+        if offset < 0 or (req.pos_mode == POS_OFFSET and offset + req.num_tokens > rows):
+            raise ValueError(f"offset: positions {offset}..{offset + req.num_tokens - 1} fall outside the table's "
+                             f"{rows} rows")
+
+    @staticmethod
+    def write_scalar(block, offset: int, call=None) -> None:
+        block.offset = offset
+
+    def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
+        if ptrs != self.validated_pointers or scalar != self.creq.rope.offset:
+            return None
+        if core.filled is not self:
+            fill_cache_params(core.block, self.creq)
+            core.filled = self
+        return Call(arrays, scalar, self, self.prefix, (arrays[11], arrays[12]))
+
+
+class _CacheOp(Op):
+    def __init__(self, plan: "RopeCachePlan") -> None:
+        self.plan = plan
+
+    def validate(self, arrays: tuple, scalar: int):
+        kw = dict(zip(ARGS, arrays))
+        offsets = kw.pop("offsets")
+        creq, args = validate_cache_call(**{n: kw[n] for n in ARGS[:9]}, **self.plan._opts,
+                                         k_scale=kw["k_scale"], v_scale=kw["v_scale"], q_out=kw["q_out"],
+                                         k_out=kw["k_out"], cu_seqlens=kw["cu_seqlens"],
+                                         offset=scalar if offsets is None else offsets)
+        plan = self.plan
+        fixed = (creq.rope.dtype, creq.rope.cq.H, creq.rope.ck.H, creq.rope.cq.D, creq.kind, creq.rope.pos_mode)
+        if fixed != plan._fixed:
+            raise ValueError(f"execute: this plan was built for (dtype, q heads, k heads, head dim, cache kind, position "
+                             f"scheme) {plan._fixed}, got {fixed}")
+        return _CacheTemplate(plan, creq, args)
+
+
+class RopeCachePlan:
+    """A prepared :func:`rope_and_cache`: built from one call's arguments (the same keywords),
+    ``execute`` takes the same arguments again. Fixed: dtype, head counts, head dim, pair style,
+    rotary dim, cache layout and kind, the position scheme and the device. The last 16 argument
+    sets are remembered (held) and relaunched without validation, from the second time as a
+    one-node CUDA graph; new arrays are fully validated."""
+
+    def __init__(self, q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
+                 kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
+                 cu_seqlens=None, interleaved: bool = False, rotary_dim: int | None = None) -> None:
+        self._opts = dict(kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, interleaved=interleaved,
+                          rotary_dim=rotary_dim)
+        creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale=k_scale,
+                                      v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
+                                      **self._opts)
+        r = creq.rope
+        self._fixed = (r.dtype, r.cq.H, r.ck.H, r.cq.D, creq.kind, r.pos_mode)
+        self.device = int(r.device if r.device is not None else _current_device())
+        self._functions: dict = {}
+        self._core = Prepared(_CacheOp(self), StructArg(CacheParams), self.device)
+
+    def function(self, creq: CacheRequest):
+        key = (creq.vec, creq.rope.interleaved, creq.rope.rotary_dim)
+        fn = self._functions.get(key)
+        if fn is None:
+            fn = self._functions[key] = load_cache_function(creq, self.device)
+        return fn
+
+    def execute(self, q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, k_scale=None, v_scale=None,
+                q_out=None, k_out=None, offset=0, cu_seqlens=None, stream=None):
+        """Validate (nothing when the arguments repeat) and launch on ``stream``. Returns
+        ``(q_out, k_out)`` (q and k when rotated in place)."""
+        scalar, offsets = (int(offset), None) if isinstance(offset, (int, np.integer)) else (0, offset)
+        arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+                  q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
+        return self._core.execute(arrays, scalar, stream)
+
+
+_local = threading.local()
+
+
+def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
+                   kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
+                   cu_seqlens=None, interleaved: bool = False, rotary_dim: int | None = None, stream=None):
+    """Rotate q and k and write the rotated k and the unrotated v into a paged KV cache, in one launch.
+
+    Parameters
+    ----------
+    q, k, v : device arrays ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``
+        float32, float16 or bfloat16 (any token and head strides; the channel axis contiguous).
+    cos, sin : float32 tables ``[max_positions, rotary_dim // 2]``
+    positions : int array ``[T]``, or None with ``offset`` / ``cu_seqlens`` (as :func:`apply_rope_qk`).
+    slot_mapping : int32/int64 ``[T]``
+        Cache slot of each token, ``block * block_size + offset``; a negative slot writes no cache
+        entry for its token (q and k are still rotated). NumPy slots are checked on the host;
+        device slots past the cache are skipped by the kernel, which never writes outside it.
+    k_cache, v_cache : device arrays ``[num_blocks, block_size, Hkv, D]`` (``kv_layout="nhd"``) or
+        ``[num_blocks, Hkv, block_size, D]`` (``"hnd"``): q's dtype, or uint8 holding FP8 with
+        ``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``.
+    k_scale, v_scale : float32 device arrays of one element, FP8 caches only
+        Per-tensor scales: the cache holds ``value / scale``; they may change between calls.
+    q_out, k_out : optional
+        Where the rotated q and k go (default: in place).
+    interleaved, rotary_dim : as :func:`apply_rope_qk` (the window starts at channel 0).
+
+    Returns
+    -------
+    (q_out, k_out)
+    """
+    arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+              q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
+              None if isinstance(offset, (int, np.integer)) else offset)
+    sig = signature(arrays)
+    key = None if sig is None else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
+    plans = getattr(_local, "plans", None)
+    if plans is None:
+        plans = _local.plans = {}
+    plan = plans.get(key) if key is not None else None
+    if plan is None:
+        plan = RopeCachePlan(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
+                             kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out,
+                             k_out=k_out, offset=offset, cu_seqlens=cu_seqlens, interleaved=interleaved,
+                             rotary_dim=rotary_dim)
+        if key is not None:
+            remember(plans, key, plan, ONE_CALL_SIGNATURES)
+    scalar = int(offset) if isinstance(offset, (int, np.integer)) else 0
+    call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
+    if call.prefix is not None:
+        plan._core.launcher(call.prefix, stream)
+    return call.result
+
+
+def _current_device() -> int:
+    from .driver import import_cupy
+
+    return int(import_cupy().cuda.runtime.getDevice())

@@ -1,0 +1,135 @@
+"""RoPE fused with the paged KV-cache write on the GPU, bit for bit against the NumPy reference:
+q_out and k_out (the kernels' arithmetic), and every byte of both caches, poisoned with random
+bytes first, so a write at a skipped slot or outside the written entries shows; FP8 entries
+bit-exact; scales changed between launches of one plan; CUDA graph capture."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+from rope_rtc.reference import rope_and_cache_reference
+
+pytestmark = pytest.mark.gpu
+
+T, HQ, HK, D, NB, BS, P = 9, 4, 2, 64, 4, 8, 64
+
+
+def _arrays(cp, dtype, kind, kv_layout, seed=0):
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    host = dict(q=host_random((T, HQ, D), dt, seed + 1, 2.0), k=host_random((T, HK, D), dt, seed + 2, 2.0),
+                v=host_random((T, HK, D), dt, seed + 3, 2.0))
+    host["cos"], host["sin"] = host_tables(P, D // 2, seed + 4)
+    host["positions"] = rng.integers(0, P, T).astype(np.int64)
+    slots = rng.permutation(NB * BS)[:T].astype(np.int64)
+    slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a device slot past the cache
+    host["slot_mapping"] = slots
+    shape = (NB, BS, HK, D) if kv_layout == "nhd" else (NB, HK, BS, D)
+    cache_dt = np.uint8 if kind != "auto" else dt
+    for name in ("k_cache", "v_cache"):  # random bytes: every byte not written must stay as it is
+        raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
+        host[name] = raw.view(cache_dt).reshape(shape)
+    dev = {n: cp.asarray(a) for n, a in host.items()}
+    if kind != "auto":  # small scales: some entries saturate
+        for name, value in (("k_scale", 0.004), ("v_scale", 0.02)):
+            host[name] = np.float32(value)
+            dev[name] = cp.asarray(np.array([value], np.float32))
+    return host, dev
+
+
+CASES = list(itertools.product(["bfloat16", "float16", "float32"], ["auto", "fp8_e4m3", "fp8_e5m2"], ["nhd", "hnd"],
+                               [False, True], [None, 32], [True, False]))
+
+
+@pytest.mark.parametrize("dtype,kind,kv_layout,interleaved,rotary_dim,in_place", CASES)
+def test_rope_and_cache_bit_exact(dtype, kind, kv_layout, interleaved, rotary_dim, in_place):
+    import cupy as cp
+
+    import rope_rtc
+
+    host, dev = _arrays(cp, dtype, kind, kv_layout)
+    dt = DTYPES[dtype]
+    q_out = None if in_place else poisoned(cp, (T, HQ, D), dt)
+    k_out = None if in_place else poisoned(cp, (T, HK, D), dt)
+    scales = {n: dev[n] for n in ("k_scale", "v_scale") if n in dev}
+    got = rope_rtc.rope_and_cache(dev["q"], dev["k"], dev["v"], dev["cos"], dev["sin"], dev["positions"],
+                                  dev["slot_mapping"], dev["k_cache"], dev["v_cache"], kv_layout=kv_layout,
+                                  kv_cache_dtype=kind, q_out=q_out, k_out=k_out, interleaved=interleaved,
+                                  rotary_dim=rotary_dim, **scales)
+    want = rope_and_cache_reference(host["q"], host["k"], host["v"], host["cos"], host["sin"], host["positions"],
+                                    host["slot_mapping"], host["k_cache"], host["v_cache"], kv_layout=kv_layout,
+                                    kv_cache_dtype=kind, k_scale=host.get("k_scale"), v_scale=host.get("v_scale"),
+                                    interleaved=interleaved, rotary_dim=rotary_dim)
+    for out, ref in zip(got, want[:2]):
+        np.testing.assert_array_equal(bits(cp.asnumpy(out)), bits(ref))
+    for name, ref in (("k_cache", want[2]), ("v_cache", want[3])):
+        np.testing.assert_array_equal(cp.asnumpy(dev[name]).view(np.uint8), ref.view(np.uint8), err_msg=name)
+    if not in_place:
+        np.testing.assert_array_equal(bits(cp.asnumpy(dev["q"])), bits(host["q"]))
+        np.testing.assert_array_equal(bits(cp.asnumpy(dev["k"])), bits(host["k"]))
+    np.testing.assert_array_equal(bits(cp.asnumpy(dev["v"])), bits(host["v"]))
+
+
+@pytest.mark.parametrize("scheme", ["offset", "cu_seqlens"])
+def test_position_schemes(scheme):
+    import cupy as cp
+
+    import rope_rtc
+
+    host, dev = _arrays(cp, "bfloat16", "auto", "nhd", seed=5)
+    if scheme == "offset":
+        kw = {"offset": 11}
+        positions = np.arange(T) + 11
+    else:
+        cu = np.array([0, 4, T], np.int32)
+        offs = np.array([3, 20], np.int64)
+        kw = {"cu_seqlens": cp.asarray(cu), "offset": cp.asarray(offs)}
+        t = np.arange(T)
+        seq = np.searchsorted(cu, t, side="right") - 1
+        positions = t - cu[seq] + offs[seq]
+    rope_rtc.rope_and_cache(dev["q"], dev["k"], dev["v"], dev["cos"], dev["sin"], None, dev["slot_mapping"],
+                            dev["k_cache"], dev["v_cache"], **kw)
+    want = rope_and_cache_reference(host["q"], host["k"], host["v"], host["cos"], host["sin"], positions,
+                                    host["slot_mapping"], host["k_cache"], host["v_cache"])
+    np.testing.assert_array_equal(bits(cp.asnumpy(dev["q"])), bits(want[0]))
+    np.testing.assert_array_equal(cp.asnumpy(dev["k_cache"]).view(np.uint8), want[2].view(np.uint8))
+
+
+def test_plan_new_scales_graph_replay_and_capture():
+    """One plan: launches on the same arrays replay a graph; a scale changed on the device between
+    launches is used by the next; a captured launch replays on refilled buffers."""
+    import cupy as cp
+
+    import rope_rtc
+
+    host, dev = _arrays(cp, "bfloat16", "fp8_e4m3", "hnd", seed=9)
+    args = [dev[n] for n in ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")]
+    q_out, k_out = cp.empty_like(dev["q"]), cp.empty_like(dev["k"])
+    kw = dict(kv_layout="hnd", kv_cache_dtype="fp8_e4m3", k_scale=dev["k_scale"], v_scale=dev["v_scale"])
+    plan = rope_rtc.RopeCachePlan(*args, q_out=q_out, k_out=k_out, **kw)
+    for k_scale in (0.004, 0.5, 0.01):
+        dev["k_scale"][...] = k_scale
+        plan.execute(*args, q_out=q_out, k_out=k_out, k_scale=dev["k_scale"], v_scale=dev["v_scale"])
+        want = rope_and_cache_reference(host["q"], host["k"], host["v"], host["cos"], host["sin"], host["positions"],
+                                        host["slot_mapping"], host["k_cache"], host["v_cache"], kv_layout="hnd",
+                                        kv_cache_dtype="fp8_e4m3", k_scale=np.float32(k_scale),
+                                        v_scale=host["v_scale"])
+        np.testing.assert_array_equal(cp.asnumpy(dev["k_cache"]), want[2])
+        np.testing.assert_array_equal(bits(cp.asnumpy(k_out)), bits(want[1]))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        plan.execute(*args, q_out=q_out, k_out=k_out, k_scale=dev["k_scale"], v_scale=dev["v_scale"], stream=stream)
+        graph = stream.end_capture()
+    new_k = host_random((T, HK, D), DTYPES["bfloat16"], 77, 2.0)
+    dev["k"][...] = cp.asarray(new_k)
+    graph.launch(stream)
+    stream.synchronize()
+    want = rope_and_cache_reference(host["q"], new_k, host["v"], host["cos"], host["sin"], host["positions"],
+                                    host["slot_mapping"], host["k_cache"], host["v_cache"], kv_layout="hnd",
+                                    kv_cache_dtype="fp8_e4m3", k_scale=np.float32(0.01), v_scale=host["v_scale"])
+    np.testing.assert_array_equal(cp.asnumpy(dev["k_cache"]), want[2])

@@ -1,0 +1,118 @@
+"""RoPE fused with the paged KV-cache write, on the CPU: the NumPy reference (FP8 encodings checked
+by hand, the kernels' arithmetic within the general API's bound), the checks that run before any
+launch (fake device arrays, recorded launches), and the argument block."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc import rope_and_cache
+from rope_rtc.reference import assert_rope_close, fp8_quantize, rope_kernel_arithmetic, rope_reference
+
+T, HQ, HK, D = 5, 4, 2, 64
+
+
+@pytest.mark.parametrize("kind,values,scale,bits", [
+    ("fp8_e4m3", [1.0, -1.0, 448.0, 1000.0, -1e30, 0.0, 3.0], 1.0, [0x38, 0xB8, 0x7E, 0x7E, 0xFE, 0x00, 0x44]),
+    ("fp8_e4m3", [2.0, 896.0], 2.0, [0x38, 0x7E]),
+    ("fp8_e5m2", [1.0, -2.0, 57344.0, 1e9, 0.5], 1.0, [0x3C, 0xC0, 0x7B, 0x7B, 0x38]),
+])
+def test_fp8_encodings_by_hand(kind, values, scale, bits):
+    got = fp8_quantize(np.asarray(values, np.float32), scale, kind)
+    assert got.dtype == np.uint8
+    assert [int(b) for b in got] == bits
+
+
+def test_fp8_rounds_to_nearest_even():
+    # e4m3 near 1: spacing 1/8. 1 + 1/16 is a tie between 1 and 1.125: even (1.0, 0x38) wins;
+    # 1 + 3/16 ties 1.125 and 1.25: even (1.25, 0x3A).
+    got = fp8_quantize(np.asarray([1.0625, 1.1875], np.float32), 1.0, "fp8_e4m3")
+    assert [int(b) for b in got] == [0x38, 0x3A]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", BF16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kernel_arithmetic_is_within_the_bound(dtype, interleaved):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((T, HQ, D)).astype(dtype)
+    ang = rng.uniform(-9, 9, (32, 24))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    pos = rng.integers(0, 32, T)
+    got = rope_kernel_arithmetic(x, cos, sin, pos, interleaved=interleaved, rotary_dim=48)
+    ref = rope_reference(x, cos, sin, pos, interleaved=interleaved, rotary_dim=48)
+    assert_rope_close(got, ref, x, interleaved=interleaved, rotary_dim=48, dtype=np.dtype(dtype))
+    np.testing.assert_array_equal(got[..., 48:], x[..., 48:])
+
+
+def _call(**change):
+    """A valid bf16 call on fake device arrays, with ``change`` applied."""
+    kw = dict(q=fake_cupy((T, HQ, D), BF16), k=fake_cupy((T, HK, D), BF16), v=fake_cupy((T, HK, D), BF16),
+              cos=fake_cupy((64, D // 2), np.float32), sin=fake_cupy((64, D // 2), np.float32),
+              positions=fake_cupy((T,), np.int64), slot_mapping=fake_cupy((T,), np.int64),
+              k_cache=fake_cupy((3, 16, HK, D), BF16), v_cache=fake_cupy((3, 16, HK, D), BF16))
+    kw.update(change)
+    return kw
+
+
+def test_a_call_launches_once_with_its_block():
+    with FakeGPU() as gpu:
+        kw = _call(kv_layout="hnd", k_cache=fake_cupy((3, HK, 16, D), BF16), v_cache=fake_cupy((3, HK, 16, D), BF16))
+        out = rope_and_cache(**kw)
+        assert out == (kw["q"], kw["k"])
+        (rec,) = gpu.launches
+        p = rec["cache"]
+        assert (p.in_[0], p.in_[1], p.in_[2]) == (kw["q"].data.ptr, kw["k"].data.ptr, kw["v"].data.ptr)
+        assert (p.out[0], p.out[1]) == (kw["q"].data.ptr, kw["k"].data.ptr)
+        assert (p.k_cache, p.v_cache) == (kw["k_cache"].data.ptr, kw["v_cache"].data.ptr)
+        # hnd: block stride Hk*16*D, head stride 16*D, in-block offset stride D
+        assert (p.cache_sb, p.cache_so, p.cache_sh) == (HK * 16 * D, D, 16 * D)
+        assert (p.num_slots, p.block_size, p.slot_i64, p.pos_mode) == (48, 16, 1, 2)
+        vec = rec["request"].vec
+        assert p.total == T * (HQ + 2 * HK) * ((D // 2) // vec)
+        (gx, _, _), (bx, _, _) = rec["grid"], rec["block"]
+        assert gx * bx >= p.total
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(kv_layout="bhsd"), ValueError, "kv_layout"),
+    (dict(kv_cache_dtype="fp8"), ValueError, "kv_cache_dtype"),
+    (dict(k_cache=fake_cupy((3, 16, HK, D), np.uint8), v_cache=fake_cupy((3, 16, HK, D), np.uint8)), TypeError,
+     "kv_cache_dtype='fp8_e4m3'"),
+    (dict(kv_cache_dtype="fp8_e4m3", k_cache=fake_cupy((3, 16, HK, D), np.uint8),
+          v_cache=fake_cupy((3, 16, HK, D), np.uint8)), TypeError, "k_scale"),
+    (dict(k_scale=fake_cupy((1,), np.float32)), ValueError, "only FP8"),
+    (dict(k_cache=fake_cupy((3, 16, 4, D), BF16), v_cache=fake_cupy((3, 16, 4, D), BF16)), ValueError, "4 heads"),
+    (dict(v_cache=fake_cupy((4, 16, HK, D), BF16)), ValueError, "v_cache"),
+    (dict(v=fake_cupy((T, HK, D), np.float16)), ValueError, "v:"),
+    (dict(slot_mapping=fake_cupy((T + 1,), np.int64)), ValueError, "one slot per token"),
+    (dict(slot_mapping=np.array([0, 1, -1, 47, 48])), ValueError, "slot_mapping: entry 4 is 48"),
+    (dict(positions=np.array([0, 1, 2, 3, 4])), TypeError, "positions: a NumPy"),
+    (dict(k=None), TypeError, "k, v"),
+])
+def test_bad_calls_are_refused_before_any_launch(change, exc, match):
+    with FakeGPU() as gpu:
+        with pytest.raises(exc, match=match):
+            rope_and_cache(**_call(**change))
+        assert gpu.launches == []
+
+
+def test_caches_may_not_overlap_other_arguments():
+    with FakeGPU() as gpu:
+        k_cache = fake_cupy((3, 16, HK, D), BF16)
+        kw = _call(k_cache=k_cache, v=k_cache[0, :T])  # v lives inside the k cache
+        with pytest.raises(ValueError, match="k_cache: overlaps v"):
+            rope_and_cache(**kw)
+        assert gpu.launches == []
+
+
+def test_fp8_scales_and_a_host_slot_mapping():
+    with FakeGPU() as gpu:
+        ks, vs = fake_cupy((1,), np.float32), fake_cupy((), np.float32)
+        kw = _call(kv_cache_dtype="fp8_e5m2", k_cache=fake_cupy((3, 16, HK, D), np.uint8),
+                   v_cache=fake_cupy((3, 16, HK, D), np.uint8), k_scale=ks, v_scale=vs)
+        rope_and_cache(**kw)
+        p = gpu.launches[-1]["cache"]
+        assert (p.k_scale, p.v_scale) == (ks.data.ptr, vs.data.ptr)
+        assert gpu.launches[-1]["request"].kind == 2
