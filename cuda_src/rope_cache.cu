@@ -57,23 +57,30 @@ struct CacheParams {
     i64 in_st[3], in_sh[3], out_st[2], out_sh[2];
     u64 k_cache, v_cache;
     i64 cache_sb, cache_so, cache_sh;  // element strides of a cache's block, in-block offset, head
-    i64 num_slots, block_size;
+    i64 num_slots, block_size;  // num_slots < 2^31 (the host checks)
     u64 slot_mapping, k_scale, v_scale;
     u64 cos, sin, positions, offsets, cu_seqlens;
     i64 offset, num_tokens, num_seqs, table_rows, table_stride;
     i64 pos_mode, index_flags, slot_i64, total;
+    u64 div_block;  // fast_div packed block_size
 };
 
+typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
+
+// q, k and v are read once and the outputs written once: evict-first loads and stores, as the
+// specialised RoPE build streams them (docs/performance.md).
 __device__ __forceinline__ vec_t load_v(const bits_t* p) {
     vec_t r;
-    r = load_vec<bits_t, VEC>(p);
+    r.raw = __ldcs((const raw_t*)p);
     return r;
 }
+
+__device__ __forceinline__ void store_v(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
 
 // One cache entry vector: the input dtype's bits, or FP8 of value / scale.
 __device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, float scale) {
 #if CACHE_KIND == 0
-    store_vec<bits_t, VEC>((bits_t*)cache + at, x);
+    store_v((bits_t*)cache + at, x);
 #else
     fp8_vec_t e;
 #pragma unroll
@@ -139,15 +146,16 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
     if (which < 2) {  // q_out / k_out (in place: the same addresses; the outside of the window too)
         bits_t* out = (bits_t*)p.out[which] + ((i64)t * p.out_st[which] + (i64)hh * p.out_sh[which]);
         if (rot || out != in) {
-            store_vec<bits_t, VEC>(out + c0, a);
-            if (two) store_vec<bits_t, VEC>(out + c1, b);
+            store_v(out + c0, a);
+            if (two) store_v(out + c1, b);
         }
     }
     if (which == 0) return;
     const i64 slot = load_index(p.slot_mapping, t, p.slot_i64);
     if (slot < 0 || slot >= p.num_slots) return;  // skipped token, or a slot past the cache
-    const i64 block = slot / p.block_size, off = slot - block * p.block_size;
-    const i64 at = block * p.cache_sb + off * p.cache_so + (i64)hh * p.cache_sh;
+    const unsigned block = fast_div((unsigned)slot, p.div_block);
+    const i64 off = slot - (i64)block * p.block_size;
+    const i64 at = (i64)block * p.cache_sb + off * p.cache_so + (i64)hh * p.cache_sh;
     const u64 cache = which == 1 ? p.k_cache : p.v_cache;
 #if CACHE_KIND == 0
     const float scale = 1.0f;

@@ -30,7 +30,7 @@ from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel, remember
 from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
 from .registry import cache_spec, rope_vector_widths
-from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_OFFSET, CacheParams
+from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
@@ -127,6 +127,11 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
         A.check_aligned(sc, 4)
         scales.append(sc)
     num_slots = kc.shape[0] * kc.shape[1 if kv_layout == "nhd" else 2]
+    if num_slots >= 2**31 or cache_threads_of(req) >= 2**31:
+        raise ValueError(f"k_cache: {num_slots} slots, or {req.num_tokens} tokens: the kernel indexes slots and threads "
+                         "with 32 bits; split the call")
+    if num_slots == 0:
+        raise ValueError("k_cache: holds no slot (a dimension is 0)")
     if isinstance(slot_mapping, np.ndarray):  # slots from the host: every value checked
         s = slot_mapping.astype(np.int64)
         bad = s >= num_slots
@@ -203,11 +208,16 @@ def fill_cache_params(p: CacheParams, creq: CacheRequest) -> None:
                      | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
     p.slot_i64 = int(creq.slots.dtype == "int64")
     p.total = cache_threads(creq)
+    p.div_block = fast_divisor(creq.block_size)
 
 
 def cache_threads(creq: CacheRequest) -> int:
-    req = creq.rope
-    D, R, vec = req.cq.D, req.rotary_dim, creq.vec
+    return cache_threads_of(creq.rope, creq.vec)
+
+
+def cache_threads_of(req: Request, vec: int = 1) -> int:
+    """Threads of the fused kernel at vector width ``vec`` (1: the most any width gives)."""
+    D, R = req.cq.D, req.rotary_dim
     units = (R if req.interleaved else R // 2) // vec + (D - R) // vec
     return req.num_tokens * (req.cq.H + 2 * req.ck.H) * units
 

@@ -84,6 +84,7 @@ CACHE_FIELDS = [
     ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
     ("offset", _I64), ("num_tokens", _I64), ("num_seqs", _I64), ("table_rows", _I64), ("table_stride", _I64),
     ("pos_mode", _I64), ("index_flags", _I64), ("slot_i64", _I64), ("total", _I64),
+    ("div_block", _U64),
 ]
 
 

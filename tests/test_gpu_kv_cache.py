@@ -18,12 +18,12 @@ pytestmark = pytest.mark.gpu
 T, HQ, HK, D, NB, BS, P = 9, 4, 2, 64, 4, 8, 64
 
 
-def _arrays(cp, dtype, kind, kv_layout, seed=0):
+def _arrays(cp, dtype, kind, kv_layout, seed=0, rotary_dim=None):
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
     host = dict(q=host_random((T, HQ, D), dt, seed + 1, 2.0), k=host_random((T, HK, D), dt, seed + 2, 2.0),
                 v=host_random((T, HK, D), dt, seed + 3, 2.0))
-    host["cos"], host["sin"] = host_tables(P, D // 2, seed + 4)
+    host["cos"], host["sin"] = host_tables(P, (rotary_dim or D) // 2, seed + 4)
     host["positions"] = rng.integers(0, P, T).astype(np.int64)
     slots = rng.permutation(NB * BS)[:T].astype(np.int64)
     slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a device slot past the cache
@@ -51,7 +51,7 @@ def test_rope_and_cache_bit_exact(dtype, kind, kv_layout, interleaved, rotary_di
 
     import rope_rtc
 
-    host, dev = _arrays(cp, dtype, kind, kv_layout)
+    host, dev = _arrays(cp, dtype, kind, kv_layout, rotary_dim=rotary_dim)
     dt = DTYPES[dtype]
     q_out = None if in_place else poisoned(cp, (T, HQ, D), dt)
     k_out = None if in_place else poisoned(cp, (T, HK, D), dt)
