@@ -17,6 +17,19 @@ typedef unsigned long long u64;
 #define ROPE_DTYPE_F16 1
 #define ROPE_DTYPE_BF16 2
 
+// The element type of a kernel built with -DROPE_DTYPE (the general kernels).
+#ifdef ROPE_DTYPE
+#if ROPE_DTYPE == ROPE_DTYPE_F32
+typedef float elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_F16
+typedef __half elem_t;
+#elif ROPE_DTYPE == ROPE_DTYPE_BF16
+typedef __nv_bfloat16 elem_t;
+#else
+#error "unknown ROPE_DTYPE"
+#endif
+#endif
+
 // Element types as raw bits, so vectors are plain integer loads: a struct of __half or
 // __nv_bfloat16 (classes with constructors) is not always turned into one 16-byte access.
 template <typename T> struct Scalar;

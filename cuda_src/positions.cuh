@@ -1,4 +1,5 @@
-// Token positions, shared by the general kernels (rope.cu, rope_fixed.cu, rope_cache.cu).
+// Token positions and their table rows, shared by the general kernels (rope.cu, rope_fixed.cu,
+// rope_cache.cu).
 //
 // A kernel's argument block P has the fields pos_mode, index_flags, offset, offsets, positions,
 // cu_seqlens, num_seqs and table_rows; the codes are mirrored in rope_rtc/rope_params.py.
@@ -42,4 +43,34 @@ __device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
         }
     }
     return (pos >= 0 && pos < p.table_rows) ? pos : -1;
+}
+
+// The cos/sin values of NPAIR pairs from column `at` of table row `row` (NaN when row < 0), sin
+// times `sign`, from the tables of P (fields cos, sin, table_stride). The tables go through the
+// read-only path (a launch never writes them: the host refuses outputs that overlap them);
+// `vec`: the row slice is aligned for one NPAIR-float load.
+template <int NPAIR, typename P, typename At, typename Flag>
+__device__ __forceinline__ void table_slice_at(const P& p, i64 row, At at, Flag vec, float sign, float* c, float* sn) {
+    if (row >= 0) {
+        const float* cr = (const float*)p.cos + row * p.table_stride + at;
+        const float* sr = (const float*)p.sin + row * p.table_stride + at;
+        if (vec) {
+            const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
+            const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = cv.v[j];
+                sn[j] = sign * sv.v[j];
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < NPAIR; ++j) {
+                c[j] = __ldg(cr + j);
+                sn[j] = sign * __ldg(sr + j);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
+    }
 }

@@ -24,16 +24,6 @@
 #error "rope.cu needs -DROPE_DTYPE, -DROPE_INTERLEAVED and -DROPE_VEC"
 #endif
 
-#if ROPE_DTYPE == ROPE_DTYPE_F32
-typedef float elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_F16
-typedef __half elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_BF16
-typedef __nv_bfloat16 elem_t;
-#else
-#error "unknown ROPE_DTYPE"
-#endif
-
 #if ROPE_INTERLEAVED && (ROPE_VEC % 2)
 #error "interleaved pairs need an even vector width"
 #endif
@@ -48,10 +38,6 @@ constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 #error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
 #endif
 constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
-// Tables through the read-only path (1; a launch never writes them) or plain loads (0).
-#ifndef ROPE_TABLE_NC
-#define ROPE_TABLE_NC 1
-#endif
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
@@ -175,17 +161,14 @@ __device__ __forceinline__ void rotate_group(const RopeParams& p, i64 t, i64 b, 
     }
     const i64 row = token_row(p, t, b, s);
     float c[NPAIR], sn[NPAIR];
+    // The values of positions.cuh's table_slice_at, written out: through the helper NVRTC numbers
+    // this kernel's registers differently and ptxas allocates another binary.
     if (row >= 0) {
         const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
         const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
         if (p.table_vec) {
-#if ROPE_TABLE_NC
             const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
             const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
-#else
-            const Vec<float, NPAIR> cv = load_vec<float, NPAIR>(cr);
-            const Vec<float, NPAIR> sv = load_vec<float, NPAIR>(sr);
-#endif
 #pragma unroll
             for (int j = 0; j < NPAIR; ++j) {
                 c[j] = cv.v[j];

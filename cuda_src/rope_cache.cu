@@ -25,16 +25,6 @@
 #error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
 #endif
 
-#if ROPE_DTYPE == ROPE_DTYPE_F32
-typedef float elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_F16
-typedef __half elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_BF16
-typedef __nv_bfloat16 elem_t;
-#else
-#error "unknown ROPE_DTYPE"
-#endif
-
 constexpr int VEC = ROPE_VEC;
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr int HALF = KV_RD / 2;
@@ -93,19 +83,7 @@ __device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, f
 }
 
 __device__ __forceinline__ void table_slice(const CacheParams& p, i64 t, unsigned u, float* c, float* sn) {
-    const i64 row = token_row(p, t, 0, t);
-    if (row >= 0) {
-        const float* cr = (const float*)p.cos + row * p.table_stride + u * NPAIR;
-        const float* sr = (const float*)p.sin + row * p.table_stride + u * NPAIR;
-#pragma unroll
-        for (int j = 0; j < NPAIR; ++j) {
-            c[j] = __ldg(cr + j);
-            sn[j] = __ldg(sr + j);
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
-    }
+    table_slice_at<NPAIR>(p, token_row(p, t, 0, t), u * NPAIR, false, 1.0f, c, sn);
 }
 
 extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p) {

@@ -30,16 +30,6 @@
 #error "rope_fixed.cu needs every compile-time parameter (rope_rtc/registry.py: FixedGeometry)"
 #endif
 
-#if ROPE_DTYPE == ROPE_DTYPE_F32
-typedef float elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_F16
-typedef __half elem_t;
-#elif ROPE_DTYPE == ROPE_DTYPE_BF16
-typedef __nv_bfloat16 elem_t;
-#else
-#error "unknown ROPE_DTYPE"
-#endif
-
 constexpr int VEC = ROPE_VEC;
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr int HALF = FIX_RD / 2;
@@ -84,30 +74,7 @@ __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn) {
-    const i64 row = token_row(p, t, b, s);
-    const float sign = p.inverse ? -1.0f : 1.0f;
-    if (row >= 0) {
-        const float* cr = (const float*)p.cos + row * p.table_stride + pu * NPAIR;
-        const float* sr = (const float*)p.sin + row * p.table_stride + pu * NPAIR;
-        if (p.table_vec) {
-            const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
-            const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
-#pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                c[j] = cv.v[j];
-                sn[j] = sign * sv.v[j];
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                c[j] = __ldg(cr + j);
-                sn[j] = sign * __ldg(sr + j);
-            }
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
-    }
+    table_slice_at<NPAIR>(p, token_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedParams p) {

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+from test_gpu_rope import _shape
 
 pytestmark = pytest.mark.gpu
 
@@ -19,10 +20,6 @@ def cp():
     import cupy
 
     return cupy
-
-
-def _shape(layout, B, S, H, D):
-    return {"bshd": (B, S, H, D), "bhsd": (B, H, S, D), "sbhd": (S, B, H, D), "thd": (B * S, H, D)}[layout]
 
 
 def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_place, rotary_dim=None, with_k=True,
