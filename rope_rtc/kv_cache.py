@@ -5,9 +5,9 @@ and k and writes the rotated k and the unrotated v into the caches at ``slot_map
 - :func:`rope_and_cache`: the one-call function (a plan per signature and thread, as
   ``apply_rope_qk`` keeps).
 - :class:`RopeCachePlan`: the prepared form, on the prepared-launch core (rope_rtc.prepared):
-  validated once, then ``execute`` allocates nothing, never synchronises and is capturable in a
-  CUDA graph; new arrays are validated again (the address checks of the other plans are not
-  specialised here yet).
+  validated once, then ``execute`` (device arrays only) allocates nothing, never synchronises
+  and is capturable in a CUDA graph; new arrays are validated again (the address checks of the
+  other plans are not specialised here yet).
 
 Caches: ``[num_blocks, block_size, H_kv, D]`` (``kv_layout="nhd"``) or ``[num_blocks, H_kv,
 block_size, D]`` (``"hnd"``), of the input dtype, or FP8 held as ``uint8`` with
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays as A
-from .launch import StructArg, launch_prefix, load_kernel, remember
+from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
 from .registry import cache_spec, rope_vector_widths
 from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_OFFSET, CacheParams, fast_divisor
@@ -66,17 +66,23 @@ class CacheRequest:
         return self.k_cache.shape[1 if self.kv_layout == "nhd" else 2]
 
 
-def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
-                        kv_cache_dtype="auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
-                        cu_seqlens=None, interleaved=False, rotary_dim=None) -> tuple[CacheRequest, tuple]:
-    """Every check of a call, before anything is launched or written. Returns the request and the
-    call's arguments in the core's order (a host ``slot_mapping``, once checked, replaced by its
-    device copy). Positions follow the general API: all device arrays."""
-    if kv_layout not in KV_LAYOUTS:
+def check_cache_options(kv_layout, kv_cache_dtype) -> None:
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout: expected 'nhd' ([blocks, block_size, H_kv, D]) or 'hnd' ([blocks, H_kv, "
                          f"block_size, D]), got {kv_layout!r}")
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in CACHE_KINDS:
         raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, CACHE_KINDS))}, got {kv_cache_dtype!r}")
+
+
+def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
+                        kv_cache_dtype="auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
+                        cu_seqlens=None, interleaved=False, rotary_dim=None,
+                        allow_host_slots: bool = False) -> tuple[CacheRequest, tuple]:
+    """Every check of a call, before anything is launched or written. Returns the request and the
+    call's arguments in the core's order. Positions follow the general API (device arrays); a
+    NumPy ``slot_mapping`` (``allow_host_slots``: the one-call function, which copies it to the
+    device after these checks) is checked value by value."""
+    check_cache_options(kv_layout, kv_cache_dtype)
     if k is None or v is None:
         raise TypeError("k, v: rope_and_cache writes both caches; pass k and v")
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout="thd",
@@ -86,11 +92,16 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     if vi.shape != req.k.shape or vi.dtype != req.k.dtype:
         raise ValueError(f"v: expected k's shape {req.k.shape} and dtype {req.k.dtype}, got {vi.shape} {vi.dtype}")
     A.check_last_dim_contiguous(vi)
+    if isinstance(slot_mapping, np.ndarray) and not allow_host_slots:
+        raise TypeError("slot_mapping: a plan takes device arrays; pass a CuPy/device array (the one-call "
+                        "rope_and_cache also takes a NumPy one)")
     si = A.describe(slot_mapping, "slot_mapping")
     A.check_dtype(si, A.INDEX_DTYPES)
     if si.shape != (T,):
         raise ValueError(f"slot_mapping: expected one slot per token, shape ({T},), got {si.shape}")
     A.check_contiguous(si)
+    if si.device is not None:  # read as aligned int32/int64
+        A.check_aligned(si, si.itemsize)
     kind = CACHE_KINDS[kv_cache_dtype]
     caches = []
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -106,6 +117,9 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
             raise ValueError(f"{name}: holds {heads} heads of dim {dim} ({kv_layout}); k has {Hk} heads of dim {D}")
         A.check_last_dim_contiguous(ci)
         A.check_writable(ci)
+        if ci.size > 1 and A.overlaps_itself(ci):
+            raise ValueError(f"{name}: its entries overlap each other (strides {ci.strides} elements); pass a cache "
+                             "whose slots have their own memory")
         caches.append(ci)
     kc, vc = caches
     if kc.shape != vc.shape or kc.strides != vc.strides:
@@ -127,9 +141,10 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
         A.check_aligned(sc, 4)
         scales.append(sc)
     num_slots = kc.shape[0] * kc.shape[1 if kv_layout == "nhd" else 2]
-    if num_slots >= 2**31 or cache_threads_of(req) >= 2**31:
-        raise ValueError(f"k_cache: {num_slots} slots, or {req.num_tokens} tokens: the kernel indexes slots and threads "
-                         "with 32 bits; split the call")
+    if num_slots >= 2**31:
+        raise ValueError(f"k_cache: {num_slots} slots; the kernel indexes slots with 32 bits (at most 2^31 - 1)")
+    if cache_threads_of(req) >= 2**31:
+        raise ValueError(f"q: {req.num_tokens} tokens need more than 2^31 threads; split the call")
     if num_slots == 0:
         raise ValueError("k_cache: holds no slot (a dimension is 0)")
     if isinstance(slot_mapping, np.ndarray):  # slots from the host: every value checked
@@ -143,16 +158,18 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     A.check_same_device(everything + caches)
     for ci in caches:
         for other in everything + [c for c in caches if c is not ci]:
-            if other is not None and A.overlaps(ci, other):
+            if A.overlaps(ci, other):
                 raise ValueError(f"{ci.name}: overlaps {other.name}; the caches must not share memory with any "
                                  "other argument")
-    vec = _vector(req, vi, kc, kind)
-    host_slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else None
-    if host_slots is not None:  # checked above, value by value: now its device copy
-        from .driver import import_cupy
-
-        slot_mapping = import_cupy().asarray(host_slots)
-        si = A.describe(slot_mapping, "slot_mapping", allow_host=False)
+    # What the launch writes besides the caches (q_out, k_out; q and k themselves in place) must
+    # not meet what it reads besides q and k (the general API's checks cover those).
+    written = [req.q_out or req.q, req.k_out or req.k]
+    for out in written:
+        for other in [vi, si, *(x for x in scales if x is not None), *(w for w in written if w is not out)]:
+            if A.overlaps(out, other):
+                raise ValueError(f"{out.name}: overlaps {other.name}, which the same launch reads or writes; pass "
+                                 "separate arrays")
+    vec = _vector(req, vi, kc, vc, kind)
     creq = CacheRequest(req, vi, si, kc, vc, scales[0], scales[1], kv_layout, kind, vec)
     args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
             q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
@@ -160,20 +177,23 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     return creq, args
 
 
-def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, kind: int) -> int:
+def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kind: int) -> int:
     """The widest vector every address, stride and channel split allows (FP8 entries: >= 2 bytes)."""
     D, R = req.cq.D, req.rotary_dim
     size = req.q.itemsize
     infos = [i for i in (req.q, req.k, req.q_out, req.k_out, vi) if i is not None]
-    for vec in rope_vector_widths(req.dtype, req.interleaved):
-        if kind and vec < 2:
-            continue
-        if (R if req.interleaved else R // 2) % vec or (D - R) % vec:
-            continue
+    fits = [vec for vec in rope_vector_widths(req.dtype, req.interleaved)
+            if not (kind and vec < 2) and not ((R if req.interleaved else R // 2) % vec or (D - R) % vec)]
+    if not fits:
+        raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "
+                                  f"the head to be whole vectors of at least {2 if kind else 1} elements"
+                                  f"{' for FP8 entries' if kind else ''}; use apply_rope_qk and a separate cache write")
+    for vec in fits:
         if any(i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
                for i in infos):
             continue
-        if kc.ptr % (vec * kc.itemsize) or any(s % vec for d, s in zip(kc.shape[:-1], kc.strides[:-1]) if d > 1):
+        if any(c.ptr % (vec * c.itemsize) for c in (kc, vc)) or any(
+                s % vec for d, s in zip(kc.shape[:-1], kc.strides[:-1]) if d > 1):
             continue
         return vec
     raise ValueError("q/k/v/caches: addresses or strides are not aligned to the smallest access the kernel can use "
@@ -235,7 +255,11 @@ class _CacheTemplate:
     def __init__(self, plan: "RopeCachePlan", creq: CacheRequest, args: tuple) -> None:
         self.plan = plan
         self.creq = creq
-        self.validated_pointers = pointers(args)
+        # The addresses validation saw, in the core's argument order (any array kind, not only CuPy).
+        r = creq.rope
+        infos = (r.q, r.k, creq.v, r.cos, r.sin, r.positions, creq.slots, creq.k_cache, creq.v_cache, creq.k_scale,
+                 creq.v_scale, r.q_out or r.q, r.k_out or r.k, r.cu_seqlens, r.offsets)
+        self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
         total = cache_threads(creq)
         self.prefix = None
         if total:
@@ -279,6 +303,8 @@ class _CacheOp(Op):
                                          k_out=kw["k_out"], cu_seqlens=kw["cu_seqlens"],
                                          offset=scalar if offsets is None else offsets)
         plan = self.plan
+        if creq.rope.device is not None and creq.rope.device != plan.device:
+            raise ValueError(f"q: on device {creq.rope.device}; this plan was built for device {plan.device}")
         fixed = (creq.rope.dtype, creq.rope.cq.H, creq.rope.ck.H, creq.rope.cq.D, creq.kind, creq.rope.pos_mode)
         if fixed != plan._fixed:
             raise ValueError(f"execute: this plan was built for (dtype, q heads, k heads, head dim, cache kind, position "
@@ -340,8 +366,9 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     positions : int array ``[T]``, or None with ``offset`` / ``cu_seqlens`` (as :func:`apply_rope_qk`).
     slot_mapping : int32/int64 ``[T]``
         Cache slot of each token, ``block * block_size + offset``; a negative slot writes no cache
-        entry for its token (q and k are still rotated). NumPy slots are checked on the host;
-        device slots past the cache are skipped by the kernel, which never writes outside it.
+        entry for its token (q and k are still rotated). NumPy slots are checked on the host and
+        copied to the device (on ``stream``); device slots past the cache are skipped by the
+        kernel, which never writes outside it.
     k_cache, v_cache : device arrays ``[num_blocks, block_size, Hkv, D]`` (``kv_layout="nhd"``) or
         ``[num_blocks, Hkv, block_size, D]`` (``"hnd"``): q's dtype, or uint8 holding FP8 with
         ``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``.
@@ -355,6 +382,20 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     -------
     (q_out, k_out)
     """
+    check_cache_options(kv_layout, kv_cache_dtype)  # before they are hashed into a key
+    if isinstance(slot_mapping, np.ndarray):
+        # Every check, the host slots value by value; then their device copy, made in the order
+        # of the launch's stream (CuPy's pool reuses it only after the launch has read it).
+        creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
+                                      kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                      v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
+                                      interleaved=interleaved, rotary_dim=rotary_dim, allow_host_slots=True)
+        from .driver import import_cupy
+
+        cupy = import_cupy()
+        device = creq.rope.device
+        with cupy.cuda.Device(device), cupy_stream(stream_handle(stream, device)):
+            slot_mapping = cupy.asarray(slot_mapping)
     arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
               None if isinstance(offset, (int, np.integer)) else offset)

@@ -116,3 +116,81 @@ def test_fp8_scales_and_a_host_slot_mapping():
         p = gpu.launches[-1]["cache"]
         assert (p.k_scale, p.v_scale) == (ks.data.ptr, vs.data.ptr)
         assert gpu.launches[-1]["request"].kind == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# regressions: arrays other than CuPy's, alignment of every written array, overlaps, plans
+
+def test_arrays_through_the_cuda_array_interface_launch():
+    from fakes import FakeDeviceArray
+
+    f16 = np.float16  # (bfloat16 has no __cuda_array_interface__ type string)
+    with FakeGPU() as gpu:
+        kw = _call(q=FakeDeviceArray((T, HQ, D), f16), k=fake_cupy((T, HK, D), f16), v=FakeDeviceArray((T, HK, D), f16),
+                   k_cache=fake_cupy((3, 16, HK, D), f16), v_cache=fake_cupy((3, 16, HK, D), f16))
+        rope_and_cache(**kw)
+        p = gpu.launches[-1]["cache"]
+        assert (p.in_[0], p.in_[2]) == (kw["q"].ptr, kw["v"].ptr)
+
+
+def test_a_misaligned_v_cache_gets_narrower_vectors():
+    with FakeGPU() as gpu:
+        kw = _call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=2))
+        rope_and_cache(**kw)
+        vec = gpu.launches[-1]["request"].vec
+        assert kw["v_cache"].data.ptr % (vec * 2) == 0 and vec == 1
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("slots_misaligned", ValueError, "slot_mapping"),
+    ("k_out_is_v", ValueError, "overlaps v"),
+    ("slots_inside_k_out", ValueError, "overlaps slot_mapping"),
+    ("scale_inside_q_out", ValueError, "overlaps k_scale"),
+    ("unhashable_layout", ValueError, "kv_layout"),
+    ("cache_overlaps_itself", ValueError, "k_cache: its entries overlap"),
+    ("fp8_odd_window", NotImplementedError, "whole vectors"),
+])
+def test_more_bad_calls_are_refused_before_any_launch(case, exc, match):
+    with FakeGPU() as gpu:
+        if case == "slots_misaligned":
+            kw = _call(slot_mapping=fake_cupy((T,), np.int64, byte_offset=4))
+        elif case == "k_out_is_v":
+            v = fake_cupy((T, HK, D), BF16)
+            kw = _call(v=v, k_out=v, q_out=fake_cupy((T, HQ, D), BF16))
+        elif case == "slots_inside_k_out":
+            k_out = fake_cupy((T, HK, D), BF16)
+            slots = fake_cupy((T,), np.int64, ptr=k_out.data.ptr)
+            kw = _call(k_out=k_out, q_out=fake_cupy((T, HQ, D), BF16), slot_mapping=slots)
+        elif case == "scale_inside_q_out":
+            q_out = fake_cupy((T, HQ, D), BF16)
+            kw = _call(q_out=q_out, k_out=fake_cupy((T, HK, D), BF16), kv_cache_dtype="fp8_e4m3",
+                       k_cache=fake_cupy((3, 16, HK, D), np.uint8), v_cache=fake_cupy((3, 16, HK, D), np.uint8),
+                       k_scale=fake_cupy((1,), np.float32, ptr=q_out.data.ptr), v_scale=fake_cupy((1,), np.float32))
+        elif case == "unhashable_layout":
+            kw = _call(kv_layout=["nhd"])
+        elif case == "cache_overlaps_itself":
+            kw = _call(k_cache=fake_cupy((3, 16, HK, D), BF16, strides=(0, HK * D * 2, D * 2, 2)))
+        else:
+            kw = _call(kv_cache_dtype="fp8_e4m3", k_cache=fake_cupy((3, 16, HK, D), np.uint8),
+                       v_cache=fake_cupy((3, 16, HK, D), np.uint8), k_scale=fake_cupy((1,), np.float32),
+                       v_scale=fake_cupy((1,), np.float32), rotary_dim=2,
+                       cos=fake_cupy((64, 1), np.float32), sin=fake_cupy((64, 1), np.float32))
+        with pytest.raises(exc, match=match):
+            rope_and_cache(**kw)
+        assert gpu.launches == []
+
+
+def test_a_plan_takes_device_slots_and_stays_on_its_device():
+    from rope_rtc import RopeCachePlan
+
+    with FakeGPU() as gpu:
+        kw = _call()
+        plan = RopeCachePlan(**kw)
+        with pytest.raises(TypeError, match="slot_mapping: a plan takes device arrays"):
+            plan.execute(**{**kw, "slot_mapping": np.arange(T)})
+        other = {n: (fake_cupy(a.shape, a.dtype, device=1) if hasattr(a, "data") else a) for n, a in kw.items()}
+        with pytest.raises(ValueError, match="built for device 0"):
+            plan.execute(**other)
+        assert gpu.launches == []
+        plan.execute(**kw)
+        assert len(gpu.launches) == 1
