@@ -26,6 +26,9 @@ def split_cos_sin_cache(cache, cos, sin) -> tuple:
     if shape is None or len(shape) != 2:
         raise ValueError("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first "
                          f"half of each row, sin in the second), got {'shape ' + str(tuple(shape)) if shape is not None else type(cache).__name__}")
+    dtype = getattr(cache, "dtype", None)
+    if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
+        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")
     width = int(shape[1])
     if width == 0 or width % 2:
         raise ValueError(f"cos_sin_cache: its rows hold cos then sin, so their width must be even and positive, got "

@@ -55,12 +55,16 @@ class ModelRope:
     def cache_specs(self) -> list[KernelSpec]:
         """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache
         in the model's dtype, FP8 e4m3 and FP8 e5m2."""
-        vec = rope_vector_widths(self.dtype, self.interleaved)[0]
         span = self.rotary_dim if self.interleaved else self.rotary_dim // 2
-        while vec > 1 and (span % vec or (self.head_dim - self.rotary_dim) % vec):
-            vec //= 2
-        return [cache_spec(self.dtype, self.interleaved, vec, kind, self.q_heads, self.kv_heads, self.head_dim,
-                           self.rotary_dim) for kind in (0, 1, 2)]
+        fits = [v for v in rope_vector_widths(self.dtype, self.interleaved)
+                if span % v == 0 and (self.head_dim - self.rotary_dim) % v == 0]
+        out = []
+        for kind in (0, 1, 2):  # the widest width the geometry allows (FP8 entries: 2 bytes at least)
+            vec = next((v for v in fits if not kind or v >= 2), None)
+            if vec is not None:
+                out.append(cache_spec(self.dtype, self.interleaved, vec, kind, self.q_heads, self.kv_heads,
+                                      self.head_dim, self.rotary_dim))
+        return out
 
 
 def _dtype(value, where: str) -> str:

@@ -7,8 +7,9 @@ The operator's inputs map onto :func:`rope_rtc.apply_rope` without copying ``X``
   ``[batch, seq, hidden]`` with ``num_heads`` is a ``[batch, seq, num_heads, head_size]`` view
   (``bshd``);
 - with ``position_ids`` ``[batch, seq]`` the caches are tables ``[max_position, rotary_dim / 2]``
-  indexed by them; without, the caches are already per token, ``[batch, seq, rotary_dim / 2]``,
-  and are read as a table of ``batch * seq`` rows at positions ``0 .. batch * seq - 1``;
+  indexed by them; without, the caches are already per token, ``[batch, seq, rotary_dim / 2]``
+  (or ``[1, seq, rotary_dim / 2]``, shared by the batch, as the reference broadcasts it), and
+  are read as a table of ``batch * seq`` (or ``seq``) rows;
 - ``interleaved=1`` rotates adjacent pairs, ``0`` the two halves; ``rotary_embedding_dim=0``
   rotates the whole head, otherwise its first ``rotary_embedding_dim`` channels (the rest is
   copied).
@@ -27,9 +28,11 @@ import numpy as np
 from . import arrays as A
 
 
-def _int_attr(name: str, value, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise TypeError(f"{name}: expected an int >= {low} (an ONNX int attribute), got {value!r}")
+def _int_attr(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int (an ONNX int attribute), got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: must not be negative, got {value}")
     return int(value)
 
 
@@ -42,22 +45,23 @@ def _module_of(x):
     return import_cupy()
 
 
-def _as_table(cache, name: str, xp, rows: int | None, half: int):
+def _as_table(cache, name: str, xp, per_token: tuple[int, int] | None, half: int):
+    """``cache`` as a float32 table ``[rows, half]``. ``per_token=(B, S)``: the cache is
+    ``[B, S, half]`` (or ``[1, S, half]``, one row per position shared by the batch)."""
     shape = getattr(cache, "shape", None)
     if shape is None:
         raise TypeError(f"{name}: expected an array, got {type(cache).__name__}")
-    if rows is None:  # a table indexed by position_ids
-        if len(shape) != 2:
-            raise ValueError(f"{name}: with position_ids, expected [max_position, rotary_embedding_dim / 2], got shape "
-                             f"{tuple(shape)}")
+    if per_token is None:  # a table indexed by position_ids
+        if len(shape) != 2 or shape[-1] != half:
+            raise ValueError(f"{name}: with position_ids, expected [max_position, {half}] (rotary_embedding_dim / 2 "
+                             f"columns), got shape {tuple(shape)}")
         table = cache
     else:
-        if len(shape) != 3:
-            raise ValueError(f"{name}: without position_ids, expected [batch, seq, rotary_embedding_dim / 2], got shape "
-                             f"{tuple(shape)}")
-        table = cache.reshape(rows, shape[-1])
-    if table.shape[-1] != half:
-        raise ValueError(f"{name}: its last dimension is {table.shape[-1]}; rotary_embedding_dim / 2 is {half}")
+        B, S = per_token
+        if tuple(shape) not in ((B, S, half), (1, S, half)):
+            raise ValueError(f"{name}: without position_ids, expected [batch, seq, rotary_embedding_dim / 2] = "
+                             f"{[B, S, half]} (or [1, {S}, {half}], shared by the batch), got shape {tuple(shape)}")
+        table = cache.reshape(shape[0] * S, half)
     if np.dtype(table.dtype) != np.float32:
         table = xp.asarray(table, dtype=np.float32)  # float16/bfloat16 widened exactly
     return table
@@ -98,6 +102,8 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     shape = getattr(X, "shape", None)
     if shape is None:
         raise TypeError(f"X: expected an array, got {type(X).__name__}")
+    if out is not None and tuple(getattr(out, "shape", ())) != tuple(shape):
+        raise ValueError(f"out: expected X's shape {tuple(shape)}, got {tuple(getattr(out, 'shape', ()))}")
     if len(shape) == 4:
         B, H, S, D = (int(d) for d in shape)
         if num_heads and num_heads != H:
@@ -116,25 +122,57 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     else:
         raise ValueError(f"X: expected a 4-d [batch, num_heads, seq, head_size] or 3-d [batch, seq, hidden] array, "
                          f"got shape {tuple(shape)}")
-    if out is not None and tuple(getattr(out, "shape", ())) != tuple(shape):
-        raise ValueError(f"out: expected X's shape {tuple(shape)}, got {tuple(getattr(out, 'shape', ()))}")
+    if rd == 0 and D % 2:
+        raise ValueError(f"X: head_size {D} is odd; rotate an even number of channels (rotary_embedding_dim)")
     rd = rd or D
     if rd % 2 or rd > D:
         raise ValueError(f"rotary_embedding_dim: {rd} must be even and at most head_size {D}")
     xp = _module_of(X)
-    if position_ids is None:
-        rows = B * S
-        positions = xp.arange(rows, dtype=np.int32).reshape(B, S)
-    else:
-        rows = None
-        positions = position_ids
-    cos = _as_table(cos_cache, "cos_cache", xp, rows, rd // 2)
-    sin = _as_table(sin_cache, "sin_cache", xp, rows, rd // 2)
-    result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved), rotary_dim=rd,
-                        out=y, stream=stream, backend=backend)
+    with _launch_order(xp, X, stream) as stream:
+        # Helper arrays (positions, widened tables) made in the launch stream's order: the memory
+        # pool reuses them only after the kernel that reads them.
+        if position_ids is None:
+            shared = getattr(cos_cache, "shape", (None,))[0] == 1 and B > 1
+            positions = (xp.arange(S, dtype=np.int32)[None, :].repeat(B, axis=0) if shared
+                         else xp.arange(B * S, dtype=np.int32).reshape(B, S))
+            per_token = (B, S)
+        else:
+            positions, per_token = position_ids, None
+        cos = _as_table(cos_cache, "cos_cache", xp, per_token, rd // 2)
+        sin = _as_table(sin_cache, "sin_cache", xp, per_token, rd // 2)
+        if cos.shape[0] != sin.shape[0]:
+            raise ValueError(f"sin_cache: {sin.shape[0]} rows, cos_cache {cos.shape[0]}")
+        result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved),
+                            rotary_dim=rd, out=y, stream=stream, backend=backend)
     if out is not None:
         return out
     return result.reshape(shape) if len(shape) == 3 else result
+
+
+class _launch_order:
+    """``with _launch_order(xp, X, stream) as s``: CuPy's work inside runs in the order of the
+    stream the kernel will use (``s``: its raw handle); a no-op for host arrays."""
+
+    def __init__(self, xp, X, stream) -> None:
+        self.xp, self.X, self.stream = xp, X, stream
+        self._ctx = None
+
+    def __enter__(self):
+        if self.xp is np:
+            return self.stream
+        from . import arrays as arr
+        from .launch import cupy_stream, stream_handle
+
+        device = arr.describe(self.X, "X").device
+        handle = stream_handle(self.stream, device)
+        self._ctx = cupy_stream(handle)
+        self._ctx.__enter__()
+        return handle
+
+    def __exit__(self, *exc) -> bool:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+        return False
 
 
 def _heads_view(a, shape4: tuple, name: str):

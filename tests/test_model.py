@@ -141,3 +141,16 @@ def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
     with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --cache-dir \S+ --tail-heads 3$"):
         get_binary(tail_spec(3, 128), target_for(90))
+
+
+def test_cache_builds_of_an_odd_geometry_all_compile(tmp_path):
+    """rotary_dim / 2 odd: no FP8 build (its entries need 2-byte stores), and what is listed compiles."""
+    from rope_rtc.build import get_binary
+    from rope_rtc.cache import open_store
+    from rope_rtc.toolchain import target_for
+
+    model = ModelRope(head_dim=100, q_heads=4, kv_heads=2, rotary_dim=50, dtype="bfloat16")
+    specs = model.cache_specs()
+    assert [dict(s.defines)["CACHE_KIND"] for s in specs] == ["0"]
+    for spec in specs:
+        get_binary(spec, target_for(90), store=open_store(tmp_path), announce=False)

@@ -50,11 +50,12 @@ def test_in_place_and_given_output():
     (dict(num_heads=0, rank=3), ValueError, "needs num_heads"),
     (dict(num_heads=5, rank=3), ValueError, "not a multiple of num_heads"),
     (dict(num_heads=4, rank=4), ValueError, "has 3 heads"),
-    (dict(rotary_embedding_dim=6), ValueError, "last dimension"),
+    (dict(rotary_embedding_dim=6), ValueError, r"cos_cache: with position_ids, expected \[max_position, 3\]"),
     (dict(rotary_embedding_dim=7), ValueError, "must be even"),
     (dict(interleaved=2), ValueError, "0 or 1"),
     (dict(interleaved=True), TypeError, "interleaved"),
-    (dict(rotary_embedding_dim=-2), TypeError, "rotary_embedding_dim"),
+    (dict(rotary_embedding_dim=-2), ValueError, "rotary_embedding_dim: must not be negative"),
+    (dict(num_heads=2.0), TypeError, "num_heads: expected an int"),
     (dict(flat_cache=True), ValueError, "without position_ids"),
     (dict(ids_out_of_cache=True), ValueError, "position"),
 ])
@@ -70,3 +71,32 @@ def test_errors_name_the_argument_and_write_nothing(change, exc, match):
     with pytest.raises(exc, match=match):
         rotary_embedding(x, inputs["cos"], inputs["sin"], inputs["ids"], out=x, backend="numpy", **kw)
     np.testing.assert_array_equal(x, inputs["X"])
+
+
+def test_a_per_token_cache_shared_by_the_batch_matches_the_reference():
+    pytest.importorskip("onnx")
+    inputs = case_inputs("float32", 4, 0, False, seed=5)
+    inputs["cos"], inputs["sin"] = inputs["cos"][:1].copy(), inputs["sin"][:1].copy()  # [1, S, half]
+    y = rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], None, backend="numpy")
+    want = onnx_reference(inputs, 0, 0, 4)
+    np.testing.assert_allclose(y, want, rtol=0, atol=_tolerance("float32"))
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("transposed_per_token_cache", ValueError, r"cos_cache: without position_ids, expected \[batch, seq"),
+    ("odd_head_size", ValueError, "X: head_size 5 is odd"),
+    ("wrong_out", ValueError, "out: expected X's shape"),
+])
+def test_shapes_the_operator_does_not_take(case, exc, match):
+    inputs = case_inputs("float32", 3, 0, False, seed=6)
+    X, cos, sin, kw = inputs["X"], inputs["cos"], inputs["sin"], {"num_heads": 3}
+    if case == "transposed_per_token_cache":  # [S, B, half] has the right size, not the right shape
+        cos, sin = cos.transpose(1, 0, 2).copy(), sin.transpose(1, 0, 2).copy()
+    elif case == "odd_head_size":
+        X = np.ones((2, 5, 15), np.float32)
+    else:
+        kw["out"] = np.zeros((2, 5, 47), np.float32)
+    before = X.copy()
+    with pytest.raises(exc, match=match):
+        rotary_embedding(X, cos, sin, None, backend="numpy", **kw)
+    np.testing.assert_array_equal(X, before)
