@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import warnings
 from operator import is_
 
 import numpy as np
@@ -17,6 +18,7 @@ from .prepared import Call, Op, Prepared, pointers, signature
 from .registry import FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, fixed_geometry, rope_head_batches, rope_spec, \
     rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
+from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, choose_vector, fill_fixed, fill_params, fixed_build, fixed_launch_shape, \
     index_space, launch_shape
 from .rope_params import POS_OFFSET, FixedParams, RopeParams
@@ -110,7 +112,8 @@ class RopePlan:
 
     def compile(self) -> "RopePlan":
         """Load the kernels this plan can launch (every vector width and head batch of its dtype
-        and pair style), compiling on a cache miss. After this, ``execute`` never compiles."""
+        and pair style, and the build specialised on its geometry), compiling on a cache miss.
+        After this, ``execute`` never compiles."""
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             for hb in rope_head_batches(self.interleaved):
                 self.kernel(vec, hb)
@@ -144,10 +147,18 @@ class RopePlan:
         return q_out, k_out
 
     def fixed_kernel(self, g: FixedGeometry):
-        """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use."""
-        fn = self._fixed.get(g)
-        if fn is None:
-            fn = self._fixed[g] = load_fixed_function(g, self.device)
+        """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use;
+        None when ``ROPE_RTC_NO_COMPILE=1`` finds it missing from the cache: the plan then runs the
+        generic build, and a warning names the ``rope-rtc warm --model`` command that adds it."""
+        if g in self._fixed:
+            return self._fixed[g]
+        try:
+            fn = load_fixed_function(g, self.device)
+        except KernelNotCachedError as exc:
+            warnings.warn(f"{exc}. Until then this plan runs the generic build (slower on large shapes).",
+                          RuntimeWarning, stacklevel=3)
+            fn = None
+        self._fixed[g] = fn
         return fn
 
     def kernel(self, vec: int, head_batch: int) -> tuple:
@@ -296,8 +307,11 @@ class _RopeTemplate:
             for (o, own), same in zip(self.OUTPUTS, in_place) if self.extents[o] is not None)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
-        # The specialised build when the call fits it (its vector's alignment is checked per call).
+        # The specialised build when the call fits it and is at hand (its vector's alignment is
+        # checked per call).
         self.fixed = fixed_build(req, plan.layout == "bhsd") if req.num_tokens else None
+        if self.fixed is not None and plan.fixed_kernel(self.fixed) is None:
+            self.fixed = None
         self.fixed_align = self.fixed.vec * self.itemsize if self.fixed is not None else 0
         self._fixed_prefix = None
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).

@@ -169,3 +169,22 @@ def test_fuzz_each_launch_fits_its_build(dtype, interleaved, layout, heads, toke
         g = fixed_geometry(np.dtype(dtype).name if dtype is not BF16 else "bfloat16", interleaved, hq, hk, D, roff,
                            rdim or D, layout == "bhsd")
         assert g is None or shift % (g.vec * size) or (not in_place and (rdim or D) < D)
+
+
+def test_a_missing_specialised_build_under_no_compile_falls_back_with_a_warning(gpu, monkeypatch):
+    """A cache warmed without the model's specialised build still serves every call (the generic
+    build), and says once which command adds the build."""
+    from rope_rtc.errors import KernelNotCachedError
+
+    def missing(g, device):
+        raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache; fill it with: "
+                                   "rope-rtc warm --arch sm_90 --model config.json")
+
+    monkeypatch.setattr(rope_plan, "load_fixed_function", missing)
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    with pytest.warns(RuntimeWarning, match="--model config.json.*generic build"):
+        plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    plan.execute(x, None, cos, sin)
+    apply_rope(x, cos, sin, out=x)  # the one-call path too
+    assert [r["fn"][0] for r in gpu.launches] == ["rope_apply", "rope_apply"]
