@@ -19,6 +19,7 @@ import sys
 
 import ml_dtypes
 import numpy as np
+from probe_timing import event_us, graph_us
 
 
 def main(cases):
@@ -32,39 +33,6 @@ def main(cases):
     dev = cp.cuda.runtime.getDevice()
     bf16 = ml_dtypes.bfloat16
     rng = cp.random.default_rng(0)
-
-    def ev_time(fn, reps):
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return cp.cuda.get_elapsed_time(s, e) / reps * 1e3  # us
-
-    def graph_time(fn, n=200):
-        st = cp.cuda.Stream(non_blocking=True)
-        with st:
-            fn()
-            st.synchronize()
-            st.begin_capture()
-            for _ in range(n):
-                fn()
-            g = st.end_capture()
-            g.upload(st)
-            g.launch(st)
-            st.synchronize()
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            best = 1e9
-            for _ in range(5):
-                s.record(st)
-                g.launch(st)
-                e.record(st)
-                e.synchronize()
-                best = min(best, cp.cuda.get_elapsed_time(s, e) / n * 1e3)
-        return best
 
     for case in cases:
         decode = case.startswith("decode")
@@ -104,9 +72,9 @@ def main(cases):
         gen = lambda: plan.execute(q, k, cos, sin, positions=pos)
         reps = int(os.environ.get("FIXED_REPS", 2000 if decode else 30))
         if decode:
-            tc, tg = graph_time(copy), graph_time(gen)
+            tc, tg = graph_us(copy), graph_us(gen)
         else:
-            tc, tg = ev_time(copy, reps), ev_time(gen, reps)
+            tc, tg = event_us(copy, reps), event_us(gen, reps)
         q[...] = q0
         k[...] = k0
         gen()
@@ -173,7 +141,7 @@ def main(cases):
                                       ref_k.view(cp.uint16 if k.itemsize == 2 else cp.uint32)).all())
                     err = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
                               for a, b in ((q, ref_q), (k, ref_k)))
-                    t = graph_time(run) if decode else ev_time(run, reps)
+                    t = graph_us(run) if decode else event_us(run, reps)
                     regs = fn_regs(fn)
                     print(f"  hb={hb} block={block} vec={vec} order={order}: {t:.2f} us ({100 * tc / t:.1f}% of copy) "
                           f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+from probe_timing import event_us, graph_us
 
 
 def main() -> None:
@@ -22,38 +23,6 @@ def main() -> None:
 
     bf16 = ml_dtypes.bfloat16
     rng = np.random.default_rng(0)
-
-    def graph_us(fn, stream, n=200):
-        with stream:
-            fn()
-            stream.synchronize()
-            stream.begin_capture()
-            for _ in range(n):
-                fn()
-            g = stream.end_capture()
-            g.upload(stream)
-            g.launch(stream)
-            stream.synchronize()
-            s, e = cp.cuda.Event(), cp.cuda.Event()
-            best = 1e9
-            for _ in range(5):
-                s.record(stream)
-                g.launch(stream)
-                e.record(stream)
-                e.synchronize()
-                best = min(best, cp.cuda.get_elapsed_time(s, e) / n * 1e3)
-        return best
-
-    def event_us(fn, reps=20):
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        s, e = cp.cuda.Event(), cp.cuda.Event()
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        return cp.cuda.get_elapsed_time(s, e) / reps * 1e3
 
     for T, label in ((8, "decode"), (16384, "prefill")):
         HQ, HK, D, BS = 32, 8, 128, 16
@@ -93,8 +62,7 @@ def main() -> None:
         def copy():
             cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, moved // 2, 3, cp.cuda.get_current_stream().ptr)
 
-        stream = cp.cuda.Stream(non_blocking=True)
-        timer = (lambda f: graph_us(f, stream)) if label == "decode" else event_us
+        timer = graph_us if label == "decode" else event_us
         t_copy, t_fused, t_fused8, t_two = (timer(f) for f in (copy, run_fused, run_fused8, run_two_step))
         moved8 = moved - 2 * k.size * (size - 1)  # FP8 entries: one byte each
         print(f"{label} T={T}: {moved / 1e6:.2f} MB moved ({moved8 / 1e6:.2f} with FP8 entries); copy {t_copy:.2f} us "

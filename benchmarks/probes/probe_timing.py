@@ -1,0 +1,46 @@
+"""Timing helpers shared by the probes (CUDA events; CUDA-graph replay for latency-bound calls)."""
+
+from __future__ import annotations
+
+
+def event_us(fn, reps: int = 20) -> float:
+    """µs per call of ``fn`` issued ``reps`` times back to back on the current stream (after one
+    untimed call)."""
+    import cupy as cp
+
+    fn()
+    cp.cuda.runtime.deviceSynchronize()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return cp.cuda.get_elapsed_time(start, end) / reps * 1e3
+
+
+def graph_us(fn, n: int = 200, samples: int = 5) -> float:
+    """GPU µs per call of ``fn`` captured ``n`` times into one CUDA graph, best of ``samples``
+    replays (``fn`` must launch on CuPy's current stream)."""
+    import cupy as cp
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(n):
+            fn()
+        graph = stream.end_capture()
+        graph.upload(stream)
+        graph.launch(stream)
+        stream.synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        best = float("inf")
+        for _ in range(samples):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, end) / n * 1e3)
+    return best
