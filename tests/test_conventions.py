@@ -128,3 +128,19 @@ def test_a_plan_keeps_its_views_while_the_same_objects_come_back():
         q2 = fake_cupy((8, 32 * 128), BF16)
         plan.execute(q2, k, positions=pos, cos_sin_cache=cache)
         assert gpu.launches[-1]["fixed"].in_[0] == q2.data.ptr
+
+
+def test_a_plan_declared_with_the_engines_conventions():
+    """TensorDesc declarations of flat q/k and of a combined cache build the plan; arrays run it."""
+    from rope_rtc import TensorDesc
+
+    with FakeGPU(fixed=True) as gpu:
+        plan = RopePlan(TensorDesc(BF16, (8, 32 * 128), device=0), TensorDesc(BF16, (8, 8 * 128), device=0),
+                        cos_sin_cache=TensorDesc(np.float32, (4096, 128), device=0),
+                        positions=TensorDesc(np.int64, (8,), device=0), layout="thd", head_dim=128).compile()
+        assert (plan.q_heads, plan.k_heads, plan.head_dim, plan.rotary_dim) == (32, 8, 128, 128)
+        cache = fake_cupy((4096, 128), np.float32)
+        q, k, pos = fake_cupy((8, 32 * 128), BF16), fake_cupy((8, 8 * 128), BF16), fake_cupy((8,), np.int64)
+        plan.execute(q, k, positions=pos, cos_sin_cache=cache)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.cos, p.sin, p.table_stride, p.in_[0]) == (cache.data.ptr, cache.data.ptr + 256, 128, q.data.ptr)
