@@ -644,3 +644,65 @@ def rope_and_cache_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache
             else:
                 cache[blk, :, off] = entry
     return q_out, k_out, kc, vc
+
+
+# --------------------------------------------------------------------------------------------
+# Multimodal RoPE (MRoPE): three position streams, one per section of the frequencies
+# --------------------------------------------------------------------------------------------
+
+
+def mrope_streams(mrope_section, rotary_dim: int, *, interleaved_sections: bool = False) -> np.ndarray:
+    """The position stream (0: temporal, 1: height, 2: width) of each frequency (pair) index.
+
+    ``mrope_section = [t, h, w]`` sums to ``rotary_dim / 2``. Contiguous sections (Qwen2-VL,
+    Qwen2.5-VL): the first ``t`` frequencies take the temporal position, the next ``h`` the
+    height, the last ``w`` the width. Interleaved (Qwen3-VL): T, H, W, T, H, W, ... with the
+    remainder to T, that is index i takes H when ``i % 3 == 1`` and ``i < 3 h``, W when
+    ``i % 3 == 2`` and ``i < 3 w``, T otherwise.
+    """
+    sec = list(mrope_section) if isinstance(mrope_section, (list, tuple, np.ndarray)) else None
+    if sec is None or len(sec) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
+                                            for v in sec):
+        raise TypeError(f"mrope_section: expected three non-negative ints [t, h, w], got {mrope_section!r}")
+    half = int(rotary_dim) // 2
+    if sum(sec) != half:
+        raise ValueError(f"mrope_section: {list(map(int, sec))} sums to {sum(sec)}; it must sum to rotary_dim / 2 = "
+                         f"{half}")
+    t, h, w = (int(v) for v in sec)
+    i = np.arange(half)
+    if not interleaved_sections:
+        return np.where(i < t, 0, np.where(i < t + h, 1, 2))
+    return np.where((i % 3 == 1) & (i < 3 * h), 1, np.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+
+
+def mrope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, mrope_section, *,
+                    interleaved_sections: bool = False, rotary_dim: int | None = None) -> np.ndarray:
+    """Multimodal RoPE in float64 (half-split pairs, the window at channel 0): pair i of token n
+    uses table row ``positions[stream(i), n]`` (:func:`mrope_streams`). ``x`` is ``[N, H, D]``,
+    ``positions`` ``[3, N]``, the tables ``[P, R/2]`` float32. With three equal streams this is
+    :func:`rope_reference`."""
+    x = np.asarray(x)
+    _float_dtype(x.dtype, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [N, H, D], got {x.shape}")
+    n, _, d = x.shape
+    r, _ = _rotary_span(d, rotary_dim, 0)
+    positions = np.asarray(positions)
+    if positions.shape != (3, n) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(f"positions must be an integer array of shape [3, N] = (3, {n}), got {positions.dtype} "
+                         f"{positions.shape}")
+    cos, sin = np.asarray(cos), np.asarray(sin)
+    if cos.dtype != np.float32 or sin.dtype != np.float32 or cos.shape != sin.shape or cos.shape[-1] != r // 2:
+        raise ValueError(f"cos and sin must be float32 [P, {r // 2}], got {cos.dtype} {cos.shape} and {sin.dtype} "
+                         f"{sin.shape}")
+    stream = mrope_streams(mrope_section, r, interleaved_sections=interleaved_sections)
+    rows = positions[stream, :].T  # [N, R/2]: the row each pair of each token reads
+    valid = (rows >= 0) & (rows < cos.shape[0])
+    safe = np.where(valid, rows, 0)
+    cols = np.arange(r // 2)[None, :]
+    c = np.where(valid, cos[safe, cols].astype(np.float64), np.nan)[:, None, :]
+    s = np.where(valid, sin[safe, cols].astype(np.float64), np.nan)[:, None, :]
+    out = x.astype(np.float64)
+    x0, x1 = _split_pairs(out[..., :r], False)
+    out[..., :r] = _merge_pairs(x0 * c - x1 * s, x1 * c + x0 * s, False)
+    return out
