@@ -30,7 +30,8 @@ from . import arrays as A
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
 from .registry import cache_spec, rope_vector_widths
-from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, POS_OFFSET, CacheParams, fast_divisor
+from .rope_launch import fill_positions_and_tables
+from .rope_params import POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
@@ -215,17 +216,7 @@ def fill_cache_params(p: CacheParams, creq: CacheRequest) -> None:
     p.slot_mapping = creq.slots.ptr
     p.k_scale = creq.k_scale.ptr if creq.k_scale is not None else 0
     p.v_scale = creq.v_scale.ptr if creq.v_scale is not None else 0
-    p.cos, p.sin = req.cos.ptr, req.sin.ptr
-    p.positions = req.positions.ptr if req.positions is not None else 0
-    p.offsets = req.offsets.ptr if req.offsets is not None else 0
-    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
-    p.offset, p.num_tokens = req.offset, req.num_tokens
-    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else 1
-    p.table_rows, p.table_stride = req.cos.shape[0], req.cos.strides[0]
-    p.pos_mode = req.pos_mode
-    p.index_flags = ((IDX_POSITIONS_I64 if req.positions is not None and req.positions.dtype == "int64" else 0)
-                     | (IDX_OFFSETS_I64 if req.offsets is not None and req.offsets.dtype == "int64" else 0)
-                     | (IDX_CU_SEQLENS_I64 if req.cu_seqlens is not None and req.cu_seqlens.dtype == "int64" else 0))
+    fill_positions_and_tables(p, req)  # thd: one sequence unless cu_seqlens says otherwise
     p.slot_i64 = int(creq.slots.dtype == "int64")
     p.total = cache_threads(creq)
     p.div_block = fast_divisor(creq.block_size)

@@ -107,26 +107,13 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
         p.k_in = p.k_out = 0
         p.k_in_sb = p.k_in_ss = p.k_in_sh = p.k_out_sb = p.k_out_ss = p.k_out_sh = 0
         p.k_heads = 0
-    p.cos, p.sin = req.cos.ptr, req.sin.ptr
-    p.table_rows = req.cos.shape[0]
-    p.table_stride = req.cos.strides[0]
-    p.positions = req.positions.ptr if req.positions is not None else 0
-    p.offsets = req.offsets.ptr if req.offsets is not None else 0
-    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
-    p.offset = req.offset
-    p.num_tokens = req.num_tokens
+    fill_positions_and_tables(p, req)
     p.seq_len = max(req.cq.S, 1)
-    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else req.cq.B
+    p.inverse = int(req.inverse)
     p.q_heads, p.head_dim = req.cq.H, req.cq.D
     p.rot_offset, p.rot_half = req.rotary_offset, req.rotary_dim // 2
-    p.pos_mode = req.pos_mode
-    p.index_flags = _index_flags(req)
-    p.inverse = int(req.inverse)
     p.copy_passthrough = int(not req.in_place and req.rotary_dim < req.cq.D)
-    # Table rows read NPAIR floats per access when every row slice is aligned to that.
-    npair = vec // 2 if req.interleaved else vec
-    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
-    p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
+    p.table_vec = table_vec(req, vec // 2 if req.interleaved else vec)
     space = index_space(req, vec)
     p.tile, p.units, p.groups, p.copy_units = space.tile, space.units, space.groups, space.copy_units
     p.rot_total, p.total, p.narrow = space.rot_total, space.total, int(space.narrow)
@@ -137,6 +124,28 @@ def fill_params(p: RopeParams, req: Request, vec: int) -> None:
         p.div_seq = fast_divisor(p.seq_len)
         p.div_copy_units = fast_divisor(max(space.copy_units, 1))
         p.div_heads = fast_divisor(max(space.heads, 1))
+
+
+def fill_positions_and_tables(p, req: Request) -> None:
+    """The fields every general kernel's block shares (rope.cu, rope_fixed.cu, rope_cache.cu and
+    positions.cuh read them under the same names): tables, position scheme, token counts."""
+    p.cos, p.sin = req.cos.ptr, req.sin.ptr
+    p.table_rows = req.cos.shape[0]
+    p.table_stride = req.cos.strides[0]
+    p.positions = req.positions.ptr if req.positions is not None else 0
+    p.offsets = req.offsets.ptr if req.offsets is not None else 0
+    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
+    p.offset = req.offset
+    p.num_tokens = req.num_tokens
+    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else req.cq.B
+    p.pos_mode = req.pos_mode
+    p.index_flags = _index_flags(req)
+
+
+def table_vec(req: Request, npair: int) -> int:
+    """1 when table rows may be read ``npair`` floats per access: every row slice aligned to that."""
+    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
+    return int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
 
 
 def _index_flags(req: Request) -> int:
@@ -177,22 +186,10 @@ def fill_fixed(p: FixedParams, req: Request, g: FixedGeometry) -> None:
             p.in_[side], p.in_sb[side], p.in_ss[side], p.in_sh[side] = info.ptr, c.sb, c.ss, c.sh
         else:
             p.out[side], p.out_sb[side], p.out_ss[side], p.out_sh[side] = info.ptr, c.sb, c.ss, c.sh
-    p.cos, p.sin = req.cos.ptr, req.sin.ptr
-    p.positions = req.positions.ptr if req.positions is not None else 0
-    p.offsets = req.offsets.ptr if req.offsets is not None else 0
-    p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
-    p.offset = req.offset
-    p.num_tokens = req.num_tokens
+    fill_positions_and_tables(p, req)
     p.seq_len = max(req.cq.S, 1)
-    p.num_seqs = req.cu_seqlens.shape[0] - 1 if req.cu_seqlens is not None else req.cq.B
-    p.table_rows = req.cos.shape[0]
-    p.table_stride = req.cos.strides[0]
-    p.pos_mode = req.pos_mode
-    p.index_flags = _index_flags(req)
     p.inverse = int(req.inverse)
-    npair = g.vec // 2 if g.interleaved else g.vec
-    rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
-    p.table_vec = int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
+    p.table_vec = table_vec(req, g.vec // 2 if g.interleaved else g.vec)
     p.total = fixed_threads(req, g)
     p.div_seq = fast_divisor(p.seq_len)
 
