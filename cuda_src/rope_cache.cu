@@ -11,9 +11,10 @@
 //
 // Compile-time: ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC (as rope.cu), CACHE_KIND (0: the input
 // dtype, 1: FP8 e4m3fn, 2: FP8 e5m2), KV_HQ, KV_HK (head counts), KV_D (head dim), KV_RD
-// (rotary dim, the window starting at channel 0).
+// (rotary dim, the window starting at channel 0), KV_HB (heads per thread; divides both head counts).
 //
-// Work split: one thread per (token, head, unit) over HQ q heads, HK k heads and HK v heads. A
+// Work split: one thread per (token, group of KV_HB heads, unit) over HQ q heads, HK k heads and
+// HK v heads (a group is all q, all k or all v; the table slice is read once per group). A
 // unit is a pair of vectors of the window (half-split: lo and hi; interleaved: one vector), then
 // one vector per unit of the channels past the window. v copies the same channels.
 #include "common.cuh"
@@ -21,7 +22,7 @@
 #include <cuda_fp8.h>
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(CACHE_KIND) || \
-    !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD)
+    !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD) || !defined(KV_HB)
 #error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
 #endif
 
@@ -32,8 +33,10 @@ constexpr unsigned ROT_UNITS = (ROPE_INTERLEAVED ? KV_RD : HALF) / VEC;
 constexpr unsigned COPY_UNITS = (KV_D - KV_RD) / VEC;
 constexpr unsigned UNITS = ROT_UNITS + COPY_UNITS;
 constexpr unsigned HEADS = KV_HQ + 2 * KV_HK;
+constexpr unsigned GROUPS = HEADS / KV_HB;
 static_assert((ROPE_INTERLEAVED ? KV_RD : HALF) % VEC == 0 && (KV_D - KV_RD) % VEC == 0, "vectors must tile the head");
 static_assert(CACHE_KIND == 0 || VEC >= 2, "an FP8 entry store needs at least 2 bytes");
+static_assert(KV_HQ % KV_HB == 0 && KV_HK % KV_HB == 0, "KV_HB must divide both head counts");
 
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
@@ -89,8 +92,9 @@ __device__ __forceinline__ void table_slice(const CacheParams& p, i64 t, unsigne
 extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p) {
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned)p.total) return;
-    const unsigned t = i / (HEADS * UNITS), r = i - t * (HEADS * UNITS);
-    const unsigned h = r / UNITS, u = r - h * UNITS;
+    const unsigned t = i / (GROUPS * UNITS), r = i - t * (GROUPS * UNITS);
+    const unsigned g = r / UNITS, u = r - g * UNITS;
+    const unsigned h = g * KV_HB;  // the group's first head: its heads are all q, all k or all v
     const int which = h < KV_HQ ? 0 : (h < KV_HQ + KV_HK ? 1 : 2);
     const unsigned hh = h - (which == 0 ? 0 : (which == 1 ? KV_HQ : KV_HQ + KV_HK));
     const bool rot = u < ROT_UNITS;
@@ -98,48 +102,64 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
     const unsigned c0 = rot ? u * VEC : KV_RD + (u - ROT_UNITS) * VEC;
     const bool two = rot && !ROPE_INTERLEAVED;
     const unsigned c1 = c0 + HALF;
-    const bits_t* in = (const bits_t*)p.in[which] + ((i64)t * p.in_st[which] + (i64)hh * p.in_sh[which]);
-    vec_t a = load_v(in + c0), b;
-    if (two) b = load_v(in + c1);
+    // The slot (and the FP8 scale) first: issued with the input loads, not behind the k_out
+    // store, which the compiler may not move a later load across (the pointers could alias).
+    const i64 slot = which ? load_index(p.slot_mapping, t, p.slot_i64) : -1;
+#if CACHE_KIND == 0
+    const float scale = 1.0f;
+#else
+    const float scale = which ? *(const float*)(which == 1 ? p.k_scale : p.v_scale) : 1.0f;
+#endif
+    const i64 in_sh = p.in_sh[which];
+    const bits_t* in = (const bits_t*)p.in[which] + ((i64)t * p.in_st[which] + (i64)hh * in_sh);
+    vec_t a[KV_HB], b[KV_HB];
+#pragma unroll
+    for (int k = 0; k < KV_HB; ++k) {
+        a[k] = load_v(in + k * in_sh + c0);
+        if (two) b[k] = load_v(in + k * in_sh + c1);
+    }
 
-    if (which < 2 && rot) {  // rotate q and k
+    if (which < 2 && rot) {  // rotate q and k: one table slice for the group's heads
         float c[NPAIR], sn[NPAIR];
         table_slice(p, t, u, c, sn);
+#pragma unroll
+        for (int k = 0; k < KV_HB; ++k) {
 #if ROPE_INTERLEAVED
 #pragma unroll
-        for (int j = 0; j < NPAIR; ++j) {
-            const float x0 = conv::to_float(a.v[2 * j]), x1 = conv::to_float(a.v[2 * j + 1]);
-            a.v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-            a.v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-        }
+            for (int j = 0; j < NPAIR; ++j) {
+                const float x0 = conv::to_float(a[k].v[2 * j]), x1 = conv::to_float(a[k].v[2 * j + 1]);
+                a[k].v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+                a[k].v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+            }
 #else
 #pragma unroll
-        for (int j = 0; j < NPAIR; ++j) {
-            const float x0 = conv::to_float(a.v[j]), x1 = conv::to_float(b.v[j]);
-            a.v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-            b.v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-        }
+            for (int j = 0; j < NPAIR; ++j) {
+                const float x0 = conv::to_float(a[k].v[j]), x1 = conv::to_float(b[k].v[j]);
+                a[k].v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
+                b[k].v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
+            }
 #endif
+        }
     }
     if (which < 2) {  // q_out / k_out (in place: the same addresses; the outside of the window too)
-        bits_t* out = (bits_t*)p.out[which] + ((i64)t * p.out_st[which] + (i64)hh * p.out_sh[which]);
+        const i64 out_sh = p.out_sh[which];
+        bits_t* out = (bits_t*)p.out[which] + ((i64)t * p.out_st[which] + (i64)hh * out_sh);
         if (rot || out != in) {
-            store_v(out + c0, a);
-            if (two) store_v(out + c1, b);
+#pragma unroll
+            for (int k = 0; k < KV_HB; ++k) {
+                store_v(out + k * out_sh + c0, a[k]);
+                if (two) store_v(out + k * out_sh + c1, b[k]);
+            }
         }
     }
-    if (which == 0) return;
-    const i64 slot = load_index(p.slot_mapping, t, p.slot_i64);
-    if (slot < 0 || slot >= p.num_slots) return;  // skipped token, or a slot past the cache
+    if (which == 0 || slot < 0 || slot >= p.num_slots) return;  // q, a skipped token, or a slot past the cache
     const unsigned block = fast_div((unsigned)slot, p.div_block);
     const i64 off = slot - (i64)block * p.block_size;
     const i64 at = (i64)block * p.cache_sb + off * p.cache_so + (i64)hh * p.cache_sh;
     const u64 cache = which == 1 ? p.k_cache : p.v_cache;
-#if CACHE_KIND == 0
-    const float scale = 1.0f;
-#else
-    const float scale = *(const float*)(which == 1 ? p.k_scale : p.v_scale);
-#endif
-    store_entry(cache, at + c0, a, scale);
-    if (two) store_entry(cache, at + c1, b, scale);
+#pragma unroll
+    for (int k = 0; k < KV_HB; ++k) {
+        store_entry(cache, at + k * p.cache_sh + c0, a[k], scale);
+        if (two) store_entry(cache, at + k * p.cache_sh + c1, b[k], scale);
+    }
 }

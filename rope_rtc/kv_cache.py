@@ -6,8 +6,8 @@ and k and writes the rotated k and the unrotated v into the caches at ``slot_map
   ``apply_rope_qk`` keeps).
 - :class:`RopeCachePlan`: the prepared form, on the prepared-launch core (rope_rtc.prepared):
   validated once, then ``execute`` (device arrays only) allocates nothing, never synchronises
-  and is capturable in a CUDA graph; new arrays are validated again (the address checks of the
-  other plans are not specialised here yet).
+  and is capturable in a CUDA graph; new arrays of a signature seen before take only the
+  address checks (alignment, overlap), as the general plan's do.
 
 Caches: ``[num_blocks, block_size, H_kv, D]`` (``kv_layout="nhd"``) or ``[num_blocks, H_kv,
 block_size, D]`` (``"hnd"``), of the input dtype, or FP8 held as ``uint8`` with
@@ -29,7 +29,7 @@ import numpy as np
 from . import arrays as A
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
-from .registry import cache_spec, rope_vector_widths
+from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, validate
@@ -37,7 +37,7 @@ from .rope_request import Request, validate
 KV_LAYOUTS = ("nhd", "hnd")
 # kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)
 CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
-BLOCK_THREADS = 256
+BLOCK_THREADS = 128  # measured 0-1 point above 256 on prefill (docs/performance.md)
 # Argument order of the core's calls.
 ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache", "k_scale", "v_scale",
         "q_out", "k_out", "cu_seqlens", "offsets")
@@ -57,6 +57,7 @@ class CacheRequest:
     kv_layout: str
     kind: int
     vec: int
+    head_batch: int  # heads per thread (registry.cache_head_batch)
 
     @property
     def num_slots(self) -> int:
@@ -171,7 +172,8 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                 raise ValueError(f"{out.name}: overlaps {other.name}, which the same launch reads or writes; pass "
                                  "separate arrays")
     vec = _vector(req, vi, kc, vc, kind)
-    creq = CacheRequest(req, vi, si, kc, vc, scales[0], scales[1], kv_layout, kind, vec)
+    creq = CacheRequest(req, vi, si, kc, vc, scales[0], scales[1], kv_layout, kind, vec,
+                        cache_head_batch(req.cq.H, req.ck.H, req.dtype, req.interleaved, vec))
     args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
             q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
             None if isinstance(offset, (int, np.integer)) else offset)
@@ -179,11 +181,12 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
 
 
 def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kind: int) -> int:
-    """The widest vector every address, stride and channel split allows (FP8 entries: >= 2 bytes)."""
+    """The first vector of :func:`cache_vector_widths` that every address, stride and channel
+    split allows (FP8 entries: >= 2 bytes)."""
     D, R = req.cq.D, req.rotary_dim
     size = req.q.itemsize
     infos = [i for i in (req.q, req.k, req.q_out, req.k_out, vi) if i is not None]
-    fits = [vec for vec in rope_vector_widths(req.dtype, req.interleaved)
+    fits = [vec for vec in cache_vector_widths(req.dtype, req.interleaved)
             if not (kind and vec < 2) and not ((R if req.interleaved else R // 2) % vec or (D - R) % vec)]
     if not fits:
         raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "
@@ -223,34 +226,65 @@ def fill_cache_params(p: CacheParams, creq: CacheRequest) -> None:
 
 
 def cache_threads(creq: CacheRequest) -> int:
-    return cache_threads_of(creq.rope, creq.vec)
+    return cache_threads_of(creq.rope, creq.vec, creq.head_batch)
 
 
-def cache_threads_of(req: Request, vec: int = 1) -> int:
-    """Threads of the fused kernel at vector width ``vec`` (1: the most any width gives)."""
+def cache_threads_of(req: Request, vec: int = 1, head_batch: int = 1) -> int:
+    """Threads of the fused kernel at vector width ``vec`` and ``head_batch`` heads per thread
+    (1, 1: the most any build gives)."""
     D, R = req.cq.D, req.rotary_dim
     units = (R if req.interleaved else R // 2) // vec + (D - R) // vec
-    return req.num_tokens * (req.cq.H + 2 * req.ck.H) * units
+    return req.num_tokens * ((req.cq.H + 2 * req.ck.H) // head_batch) * units
 
 
 def load_cache_function(creq: CacheRequest, device: int):
     req = creq.rope
-    spec = cache_spec(req.dtype, req.interleaved, creq.vec, creq.kind, req.cq.H, req.ck.H, req.cq.D, req.rotary_dim)
+    spec = cache_spec(req.dtype, req.interleaved, creq.vec, creq.kind, req.cq.H, req.ck.H, req.cq.D, req.rotary_dim,
+                      creq.head_batch)
     return load_kernel(spec, device).functions[spec.entries[0]]
 
 
+# The core's argument indices (ARGS order).
+(Q, K, V, COS, SIN, POSITIONS, SLOTS, K_CACHE, V_CACHE, K_SCALE, V_SCALE, Q_OUT, K_OUT, CU_SEQLENS,
+ OFFSETS) = range(len(ARGS))
+_VECTOR_ARGS = (Q, K, V, Q_OUT, K_OUT)  # read or written as vectors of the input dtype
+_NATURAL_ARGS = (COS, SIN, POSITIONS, SLOTS, K_SCALE, V_SCALE, CU_SEQLENS, OFFSETS)  # aligned 4/8-byte scalars
+
+
 class _CacheTemplate:
-    """A validated call's block, bound again only to the very addresses it was validated with
-    (new arrays go through full validation)."""
+    """What full validation established for one signature, minus the addresses (it holds no
+    caller's array): new arrays of the signature bind after the address checks alone, as the
+    general plan's template does (rope_plan._RopeTemplate); anything those checks cannot settle
+    goes back to full validation."""
 
     def __init__(self, plan: "RopeCachePlan", creq: CacheRequest, args: tuple) -> None:
         self.plan = plan
         self.creq = creq
-        # The addresses validation saw, in the core's argument order (any array kind, not only CuPy).
         r = creq.rope
         infos = (r.q, r.k, creq.v, r.cos, r.sin, r.positions, creq.slots, creq.k_cache, creq.v_cache, creq.k_scale,
                  creq.v_scale, r.q_out or r.q, r.k_out or r.k, r.cu_seqlens, r.offsets)
         self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
+        # Extents relative to each array's pointer, and the placement validation accepted (views
+        # of one buffer have extents that meet without sharing a byte).
+        extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
+                        for i in infos)
+        self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
+        in_place = tuple(A.same_view(infos[o], infos[i]) for o, i in ((Q_OUT, Q), (K_OUT, K)))
+        self.same_view = tuple(pair for pair, same in zip(((Q_OUT, Q), (K_OUT, K)), in_place) if same)
+        # Every array the launch writes must not meet any other argument (its own input aside, in place).
+        own = {Q_OUT: Q if in_place[0] else None, K_OUT: K if in_place[1] else None}
+        self.disjoint = tuple(
+            (o, *extents[o], tuple((j, *e) for j, e in enumerate(extents)
+                                   if e is not None and j != o and j != own.get(o)))
+            for o in (Q_OUT, K_OUT, K_CACHE, V_CACHE) if extents[o] is not None)
+        vec_bytes = creq.vec * r.q.itemsize
+        cache_bytes = creq.vec * creq.k_cache.itemsize
+        self.masks = tuple((i, vec_bytes - 1) for i in _VECTOR_ARGS) + tuple(
+            (i, cache_bytes - 1) for i in (K_CACHE, V_CACHE)) + tuple(
+            (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
+        self.has_positions = r.positions is not None
+        self.offset_tokens = r.num_tokens if r.pos_mode == POS_OFFSET else None
+        self.table_rows = r.cos.shape[0]
         total = cache_threads(creq)
         self.prefix = None
         if total:
@@ -259,27 +293,53 @@ class _CacheTemplate:
 
     pointers = staticmethod(pointers)
 
+    def _offset_ok(self, offset: int) -> bool:
+        if self.has_positions and offset:
+            return False
+        return 0 <= offset <= self.table_rows and (self.offset_tokens is None
+                                                    or offset + self.offset_tokens <= self.table_rows)
+
     def check_scalar(self, offset: int) -> None:
         """A new int offset for arguments already validated (ValueError when it cannot be used)."""
-        req = self.creq.rope
-        if req.positions is not None and offset:
+        if self.has_positions and offset:
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
-        rows = req.cos.shape[0]
-        if offset < 0 or (req.pos_mode == POS_OFFSET and offset + req.num_tokens > rows):
-            raise ValueError(f"offset: positions {offset}..{offset + req.num_tokens - 1} fall outside the table's "
-                             f"{rows} rows")
+        if not self._offset_ok(offset):
+            n = self.offset_tokens or 1
+            raise ValueError(f"offset: positions {offset}..{offset + n - 1} fall outside the table's "
+                             f"{self.table_rows} rows")
 
     @staticmethod
     def write_scalar(block, offset: int, call=None) -> None:
         block.offset = offset
 
     def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
-        if ptrs != self.validated_pointers or scalar != self.creq.rope.offset:
+        """Address checks, then the block's addresses; None sends the call through full validation."""
+        for o, own in self.same_view:
+            if ptrs[o] != ptrs[own]:
+                return None  # validated in place, now a separate output
+        for o, olo, ohi, others in self.disjoint:
+            lo, hi = ptrs[o] + olo, ptrs[o] + ohi
+            for j, jlo, jhi in others:
+                p = ptrs[j]
+                if p + jlo < hi and lo < p + jhi:
+                    if tuple(p - ptrs[0] for p in ptrs) != self.placement:
+                        return None  # extents meet at a placement not validated: full validation decides
+                    break
+        for i, mask in self.masks:
+            if ptrs[i] & mask:
+                return None  # narrower vectors (a new template) or a real misalignment
+        if not self._offset_ok(scalar):
             return None
+        p = core.block
         if core.filled is not self:
-            fill_cache_params(core.block, self.creq)
+            fill_cache_params(p, self.creq)
             core.filled = self
-        return Call(arrays, scalar, self, self.prefix, (arrays[11], arrays[12]))
+        q, k, v, c, s, pos, slots, kc, vc, ks, vs, qo, ko, cu, offs = ptrs
+        p.in_[0], p.in_[1], p.in_[2] = q, k, v
+        p.out[0], p.out[1] = qo, ko
+        p.k_cache, p.v_cache, p.slot_mapping, p.k_scale, p.v_scale = kc, vc, slots, ks, vs
+        p.cos, p.sin, p.positions, p.offsets, p.cu_seqlens, p.offset = c, s, pos, offs, cu, scalar
+        return Call(arrays, scalar, self, self.prefix, (arrays[Q_OUT], arrays[K_OUT]))
 
 
 class _CacheOp(Op):
@@ -308,7 +368,8 @@ class RopeCachePlan:
     ``execute`` takes the same arguments again. Fixed: dtype, head counts, head dim, pair style,
     rotary dim, cache layout and kind, the position scheme and the device. The last 16 argument
     sets are remembered (held) and relaunched without validation, from the second time as a
-    one-node CUDA graph; new arrays are fully validated."""
+    one-node CUDA graph; new arrays of a seen signature (shapes, strides, dtypes) take only the
+    address checks."""
 
     def __init__(self, q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
                  kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
@@ -325,7 +386,7 @@ class RopeCachePlan:
         self._core = Prepared(_CacheOp(self), StructArg(CacheParams), self.device)
 
     def function(self, creq: CacheRequest):
-        key = (creq.vec, creq.rope.interleaved, creq.rope.rotary_dim)
+        key = (creq.vec, creq.head_batch, creq.rope.interleaved, creq.rope.rotary_dim)
         fn = self._functions.get(key)
         if fn is None:
             fn = self._functions[key] = load_cache_function(creq, self.device)

@@ -161,9 +161,31 @@ CACHE_ENTRIES = ("rope_cache",)
 CACHE_KIND_NAMES = {0: "the input dtype", 1: "fp8_e4m3", 2: "fp8_e5m2"}
 
 
+def cache_head_batch(q_heads: int, k_heads: int, dtype: str, interleaved: bool, vec: int) -> int:
+    """Heads one thread of the fused RoPE + cache-write kernel handles (KV_HB): 2 where one head's
+    share of a thread (a vector, or a vector of each half for half-split pairs) is at most 16
+    bytes and both head counts are even, else 1. Prefill measured fastest with about 32 bytes of
+    q/k in flight per thread: bf16 half-split 8-byte halves and interleaved 16-byte vectors with 2
+    heads, FP32 half-split 16-byte halves with 1 (docs/performance.md)."""
+    unit = vec * ITEMSIZE[dtype] * (1 if interleaved else 2)
+    return 2 if unit <= 16 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
+
+
+def cache_vector_widths(dtype: str, interleaved: bool) -> tuple[int, ...]:
+    """Elements per access of the fused RoPE + cache-write kernel, in order of preference: the
+    specialised build's width first (8-byte halves for half-split 2-byte types measured fastest
+    here too), then the others, widest first."""
+    first = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
+    widths = rope_vector_widths(dtype, interleaved)
+    return tuple([first] + [w for w in widths if w != first]) if first in widths else widths
+
+
 def cache_spec(dtype: str, interleaved: bool, vec: int, kind: int, q_heads: int, k_heads: int, head_dim: int,
-               rotary_dim: int) -> KernelSpec:
-    """The fused RoPE + cache-write kernel for one geometry, vector width and cache kind."""
+               rotary_dim: int, head_batch: int | None = None) -> KernelSpec:
+    """The fused RoPE + cache-write kernel for one geometry, vector width and cache kind
+    (``head_batch``: heads per thread, :func:`cache_head_batch` by default)."""
+    if head_batch is None:
+        head_batch = cache_head_batch(q_heads, k_heads, dtype, interleaved, vec)
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
     if kind not in CACHE_KIND_NAMES:
@@ -172,7 +194,7 @@ def cache_spec(dtype: str, interleaved: bool, vec: int, kind: int, q_heads: int,
         "rope_cache", "rope_cache.cu", CACHE_ENTRIES,
         (("ROPE_DTYPE", str(DTYPE_CODES[dtype])), ("ROPE_INTERLEAVED", str(int(interleaved))), ("ROPE_VEC", str(vec)),
          ("CACHE_KIND", str(kind)), ("KV_HQ", str(q_heads)), ("KV_HK", str(k_heads)), ("KV_D", str(head_dim)),
-         ("KV_RD", str(rotary_dim))))
+         ("KV_RD", str(rotary_dim)), ("KV_HB", str(head_batch))))
 
 
 def tail_spec(heads: int, dim: int) -> KernelSpec:

@@ -602,3 +602,51 @@ def test_host_timing_falls_back_to_an_idle_gpu_when_a_burst_outlasts_the_hold():
 def test_host_timing_without_a_hold():
     clock = timing.Clock(None, _Stream([]), quick=True)
     assert clock.host([lambda: None])["held"] is False
+
+
+def _engine_records(fused_prefill_us: float, fused_decode_us: float) -> list:
+    def row(impl, t, check="bit-exact (= the two-step sequence)"):
+        return {"impl": impl, "layout": "-", "check": check, "note": "", "timings": t}
+
+    prefill = {"id": "engine/kv-cache-prefill/bf16/half/T=16384", "group": "engine", "params": {},
+               "bytes_moved": 445_000_000, "rows": [
+                   row(bcases.COPY, _timings(107.0), "-"), row(bcases.KV_FUSED, _timings(fused_prefill_us)),
+                   row(bcases.KV_TWO_STEP, _timings(300.0), "-")]}
+    decode = {"id": "engine/kv-cache-decode/bf16/half/T=8", "group": "engine", "params": {}, "bytes_moved": 120_000,
+              "rows": [row(bcases.COPY, _timings(4.0, small=True, graph=1.0), "-"),
+                       row(bcases.KV_FUSED, _timings(5.0, small=True, graph=fused_decode_us)),
+                       row(bcases.KV_TWO_STEP, _timings(9.0, small=True, graph=4.6), "-")]}
+    onnx = {"id": "engine/onnx-rotary-embedding/fp16/bhsd/S=4096", "group": "engine", "params": {},
+            "bytes_moved": 140_000_000, "rows": [row(bcases.COPY, _timings(34.0), "-"),
+                                                 row(bcases.ONNX_OP, _timings(40.0), "bit-exact (= apply_rope)")]}
+    return [prefill, decode, onnx]
+
+
+def test_engine_section_is_rendered_and_judged():
+    res = synthetic_result(True)
+    res["engine"] = _engine_records(110.0, 1.8)
+    md = report.render_markdown(res)
+    assert "## Engine interfaces" in md
+    assert "| kv-cache-prefill/bf16/half/T=16384 | rope_and_cache (RopeCachePlan) | 445.00 | 110.00 | 4045 (97.3%)" in md
+    assert "onnx-rotary-embedding/fp16/bhsd/S=4096 | onnx.rotary_embedding" in md
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    assert t["fused RoPE + KV-cache write, prefill >= 95% of copy"]["status"] == "PASS"
+    assert t["fused RoPE + KV-cache write, decode GPU time < the two-step sequence's"]["status"] == "PASS"
+    res["engine"] = _engine_records(115.0, 5.0)  # 93.0% of the copy; slower than the two steps
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    miss = t["fused RoPE + KV-cache write, prefill >= 95% of copy"]
+    assert miss["status"] == "MISS" and miss["gap"] == "2.0% short"
+    assert t["fused RoPE + KV-cache write, decode GPU time < the two-step sequence's"]["status"] == "MISS"
+    res.pop("engine")
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    assert t["fused RoPE + KV-cache write, prefill >= 95% of copy"]["status"] == "N/A"
+
+
+def test_engine_bytes_moved():
+    from rope_rtc.benchmark.engine import kv_bytes_moved
+
+    # bf16, T=8, Hq=32, Hkv=8, D=128: q, k (read + written) and v read, two entries, rows, position, slot
+    T, item = 8, 2
+    want = T * (2 * 32 * 128 * item + 2 * 8 * 128 * item + 8 * 128 * item + 2 * 8 * 128 * item + 128 * 4 + 16)
+    assert kv_bytes_moved(T, "bfloat16") == want
+    assert kv_bytes_moved(T, "bfloat16", fp8=True) == want - T * 2 * 8 * 128

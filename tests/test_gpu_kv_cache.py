@@ -18,17 +18,18 @@ pytestmark = pytest.mark.gpu
 T, HQ, HK, D, NB, BS, P = 9, 4, 2, 64, 4, 8, 64
 
 
-def _arrays(cp, dtype, kind, kv_layout, seed=0, rotary_dim=None):
+def _arrays(cp, dtype, kind, kv_layout, seed=0, rotary_dim=None, heads=(HQ, HK)):
     dt = DTYPES[dtype]
     rng = np.random.default_rng(seed)
-    host = dict(q=host_random((T, HQ, D), dt, seed + 1, 2.0), k=host_random((T, HK, D), dt, seed + 2, 2.0),
-                v=host_random((T, HK, D), dt, seed + 3, 2.0))
+    hq, hk = heads
+    host = dict(q=host_random((T, hq, D), dt, seed + 1, 2.0), k=host_random((T, hk, D), dt, seed + 2, 2.0),
+                v=host_random((T, hk, D), dt, seed + 3, 2.0))
     host["cos"], host["sin"] = host_tables(P, (rotary_dim or D) // 2, seed + 4)
     host["positions"] = rng.integers(0, P, T).astype(np.int64)
     slots = rng.permutation(NB * BS)[:T].astype(np.int64)
     slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a device slot past the cache
     host["slot_mapping"] = slots
-    shape = (NB, BS, HK, D) if kv_layout == "nhd" else (NB, HK, BS, D)
+    shape = (NB, BS, hk, D) if kv_layout == "nhd" else (NB, hk, BS, D)
     cache_dt = np.uint8 if kind != "auto" else dt
     for name in ("k_cache", "v_cache"):  # random bytes: every byte not written must stay as it is
         raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
@@ -133,3 +134,29 @@ def test_plan_new_scales_graph_replay_and_capture():
                                     host["slot_mapping"], host["k_cache"], host["v_cache"], kv_layout="hnd",
                                     kv_cache_dtype="fp8_e4m3", k_scale=np.float32(0.01), v_scale=host["v_scale"])
     np.testing.assert_array_equal(cp.asnumpy(dev["k_cache"]), want[2])
+
+
+NAMES = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+
+
+@pytest.mark.parametrize("heads", [(3, 1), (6, 3), (4, 2)])
+@pytest.mark.parametrize("kind", ["auto", "fp8_e5m2"])
+def test_head_counts_and_new_arrays_of_one_plan(heads, kind):
+    """Odd head counts (one head per thread) and even ones (two); then a second set of arrays of
+    the same signature through the same plan (the address-only rebind), every byte checked."""
+    import cupy as cp
+
+    import rope_rtc
+
+    for seed in (21, 22):
+        host, dev = _arrays(cp, "bfloat16", kind, "nhd", seed=seed, heads=heads)
+        scales = {n: dev[n] for n in ("k_scale", "v_scale") if n in dev}
+        if seed == 21:
+            plan = rope_rtc.RopeCachePlan(*(dev[n] for n in NAMES), kv_cache_dtype=kind, **scales)
+        plan.execute(*(dev[n] for n in NAMES), **scales)
+        want = rope_and_cache_reference(*(host[n] for n in NAMES), kv_cache_dtype=kind, k_scale=host.get("k_scale"),
+                                        v_scale=host.get("v_scale"))
+        np.testing.assert_array_equal(bits(cp.asnumpy(dev["q"])), bits(want[0]))
+        np.testing.assert_array_equal(bits(cp.asnumpy(dev["k"])), bits(want[1]))
+        for name, ref in (("k_cache", want[2]), ("v_cache", want[3])):
+            np.testing.assert_array_equal(cp.asnumpy(dev[name]).view(np.uint8), ref.view(np.uint8), err_msg=name)

@@ -69,8 +69,8 @@ def test_a_call_launches_once_with_its_block():
         # hnd: block stride Hk*16*D, head stride 16*D, in-block offset stride D
         assert (p.cache_sb, p.cache_so, p.cache_sh) == (HK * 16 * D, D, 16 * D)
         assert (p.num_slots, p.block_size, p.slot_i64, p.pos_mode) == (48, 16, 1, 2)
-        vec = rec["request"].vec
-        assert p.total == T * (HQ + 2 * HK) * ((D // 2) // vec)
+        vec, hb = rec["request"].vec, rec["request"].head_batch
+        assert hb == 2 and p.total == T * ((HQ + 2 * HK) // hb) * ((D // 2) // vec)
         (gx, _, _), (bx, _, _) = rec["grid"], rec["block"]
         assert gx * bx >= p.total
 
@@ -194,3 +194,74 @@ def test_a_plan_takes_device_slots_and_stays_on_its_device():
         assert gpu.launches == []
         plan.execute(**kw)
         assert len(gpu.launches) == 1
+
+
+def test_new_arrays_of_a_seen_signature_bind_without_full_validation(monkeypatch):
+    """A plan's second call with new arrays of the same shapes, strides and dtypes takes only the
+    address checks: full validation does not run again, and the block holds the new addresses."""
+    from rope_rtc import kv_cache
+    from rope_rtc.kv_cache import RopeCachePlan
+
+    names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+    with FakeGPU() as gpu:
+        first = _call()
+        plan = RopeCachePlan(**first)
+        plan.execute(*(first[n] for n in names))
+        calls = []
+        real = kv_cache.validate_cache_call
+        monkeypatch.setattr(kv_cache, "validate_cache_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+        second = _call()
+        plan.execute(*(second[n] for n in names))
+        assert calls == []
+        p = gpu.launches[-1]["cache"]
+        assert (p.in_[0], p.in_[1], p.in_[2]) == (second["q"].data.ptr, second["k"].data.ptr, second["v"].data.ptr)
+        assert (p.out[0], p.out[1]) == (second["q"].data.ptr, second["k"].data.ptr)
+        assert (p.k_cache, p.v_cache, p.slot_mapping) == (second["k_cache"].data.ptr, second["v_cache"].data.ptr,
+                                                          second["slot_mapping"].data.ptr)
+        assert (p.cos, p.sin, p.positions) == (second["cos"].data.ptr, second["sin"].data.ptr,
+                                               second["positions"].data.ptr)
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("cache_inside_q", ValueError, "k_cache: overlaps q"),
+    ("v_cache_is_k_cache", ValueError, "overlaps"),
+    ("slots_inside_k", ValueError, "overlaps slot_mapping"),
+])
+def test_a_seen_signature_with_overlapping_new_arrays_is_refused(case, exc, match):
+    """The address checks of a seen signature send an overlapping call to full validation, which
+    refuses it before any launch (the same arrays as a valid call would pass the signature)."""
+    from rope_rtc.kv_cache import RopeCachePlan
+
+    names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+    with FakeGPU() as gpu:
+        plan = RopeCachePlan(**_call())
+        plan.execute(*(_call()[n] for n in names))
+        kw = _call()
+        if case == "cache_inside_q":  # a cache of the same shape carved out of q's memory
+            big = fake_cupy((3 * 16 * HK * D + T * HQ * D,), BF16)
+            kw["q"] = big[: T * HQ * D].reshape(T, HQ, D)
+            kw["k_cache"] = big[T * HQ * D - 64:][: 3 * 16 * HK * D].reshape(3, 16, HK, D)
+        elif case == "v_cache_is_k_cache":
+            kw["v_cache"] = kw["k_cache"]
+        else:
+            kw["slot_mapping"] = kw["k"].reshape(-1)[:4 * T].view(np.int64)
+        before = len(gpu.launches)
+        with pytest.raises(exc, match=match):
+            plan.execute(*(kw[n] for n in names))
+        assert len(gpu.launches) == before
+
+
+def test_heads_per_thread_and_vector_preference():
+    from rope_rtc.registry import cache_head_batch, cache_vector_widths
+
+    assert cache_head_batch(32, 8, "bfloat16", False, 4) == 2 and cache_head_batch(32, 8, "bfloat16", True, 8) == 2
+    assert cache_head_batch(32, 8, "float32", False, 4) == 1 and cache_head_batch(32, 8, "float32", True, 4) == 2
+    assert cache_head_batch(32, 1, "bfloat16", False, 4) == 1 and cache_head_batch(3, 2, "bfloat16", False, 4) == 1
+    assert cache_vector_widths("bfloat16", False)[0] == 4  # 8-byte halves, as the specialised build
+    assert cache_vector_widths("bfloat16", True)[0] == 8 and cache_vector_widths("float32", False)[0] == 4
+    with FakeGPU() as gpu:
+        rope_and_cache(**_call(q=fake_cupy((T, 3, D), BF16), k=fake_cupy((T, 1, D), BF16),
+                               v=fake_cupy((T, 1, D), BF16), k_cache=fake_cupy((3, 16, 1, D), BF16),
+                               v_cache=fake_cupy((3, 16, 1, D), BF16)))
+        rec = gpu.launches[-1]
+        assert rec["request"].head_batch == 1 and rec["cache"].total == T * 5 * ((D // 2) // rec["request"].vec)

@@ -9,12 +9,17 @@ from dataclasses import dataclass
 
 
 SCHEMA = 1
-GROUPS = ("coldstart", "host", "blog", "general", "decode", "tail")
+GROUPS = ("coldstart", "host", "engine", "blog", "general", "decode", "tail")
 PEERS = ("cupy", "torch", "torch.compile", "liger")
 OURS = "rope_rtc"
 ONE_CALL = "rope_rtc apply_rope_qk"  # the one-call function on the same buffers as OURS (a plan)
 ENGINE = "rope_rtc cos_sin_cache"  # decode in the engines' convention: flat q/k, one cos|sin table
 COPY = "copy"
+KV_FUSED = "rope_and_cache (RopeCachePlan)"        # engine section: the fused RoPE + KV-cache write
+KV_FUSED_FP8 = "rope_and_cache, FP8 e4m3 entries"
+KV_TWO_STEP = "RopePlan, then a CuPy scatter per cache"
+ONNX_OP = "onnx.rotary_embedding"
+ONNX_APPLY = "apply_rope (same X, float32 tables)"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
 REGIMES = ("hot", "cold", "graph", "graph_cold", "host")
@@ -48,6 +53,7 @@ ONE_CALL_PLAN_RATIO = 2.0       # ... and at most this many times RopePlan.execu
 TAIL_ONE_CALL_HOST_US = 10.0    # tail_rope, output allocation included
 ONE_CALL_PREFILL_POINTS = 1.0   # one-call prefill within this many points of the plan's % of copy
 ONE_CALL_POOL = 64              # distinct array sets cycled for the one-call host rows
+KV_FUSED_PREFILL_PCT = 95.0     # RoPE fused with the KV-cache write, prefill, % of a copy of its bytes
 WARM_FIRST_S = 0.050
 COMPILE_ONE_S = 1.0
 

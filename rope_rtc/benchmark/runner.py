@@ -592,7 +592,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     "command": regenerate_command(args), "argv": sys.argv[1:], "quick": args.quick,
                     "options": {"peers": args.peer_list, "cases": args.cases, "compile_budget_s": args.compile_budget,
                                 "time_budget_s": args.time_budget, "seed": args.seed},
-                    "skips": [], "cases": [], "host": [], "coldstart": []}
+                    "skips": [], "cases": [], "host": [], "engine": [], "coldstart": []}
     with ctx.stream:
         result["env"] = environment(ctx)
         result["l2_bytes"] = ctx.l2
@@ -614,6 +614,16 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
+        if selected("engine", "engine", tokens):
+            from .engine import run_engine_section
+
+            try:
+                result["engine"] = run_engine_section(ctx, measure, CopyRunner)
+            except Exception as exc:
+                result["skips"].append(f"engine section failed: {type(exc).__name__}: {exc}"[:400])
+                print(result["skips"][-1], flush=True)
+                _recover(ctx)
+                ctx.free()
         result["big_copy"] = measure_big_copy(ctx)
         for case in all_cases(args.quick):
             if not selected(case.id, case.group, tokens):
