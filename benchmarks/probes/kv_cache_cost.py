@@ -3,8 +3,9 @@ separate cache write: CuPy's scatter, one launch per cache), and against a same-
 
     PYTHONPATH=. python3 benchmarks/probes/kv_cache_cost.py
 
-Decode: T=8 tokens (B=8 sequences, one token each), Hq=32, Hkv=8, D=128, bf16, nhd cache of the
-input dtype and FP8 e4m3 (fused only: CuPy has no FP8 cast); GPU µs per call under graph replay.
+Decode: T=8 tokens (B=8 sequences, one token each), Hq=32, Hkv=8, D=128, bf16, nhd cache (blocks
+of 16 tokens in a random order) of the input dtype and FP8 e4m3 (fused only: CuPy has no FP8
+cast); GPU µs per call under graph replay.
 Prefill: T=16384, the same heads; GB/s of the bytes moved (q and k read and written, v read, the k
 and v cache entries written, table rows, positions and slots) and % of a copy of that many bytes.
 """
@@ -32,7 +33,8 @@ def main() -> None:
         v = cp.asarray(rng.standard_normal((T, HK, D)).astype(bf16))
         cos, sin = rope_rtc.rope_tables(32768, D, xp=cp)
         pos = cp.asarray(rng.integers(0, 32768, T).astype(np.int64))
-        slots = cp.asarray(rng.permutation(NB * BS)[:T].astype(np.int64))
+        # Whole blocks in a random order, each filled in order (what a block allocator hands out).
+        slots = cp.asarray((rng.permutation(NB)[:, None] * BS + np.arange(BS)).reshape(-1)[:T].astype(np.int64))
         kc = cp.zeros((NB, BS, HK, D), bf16)
         vc = cp.zeros_like(kc)
         kc8 = cp.zeros((NB, BS, HK, D), cp.uint8)
