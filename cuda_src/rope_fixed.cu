@@ -12,6 +12,11 @@
 //   FIX_ORDER         0: thread order (token, head group, unit), the memory order when heads are
 //                     the denser axis (bshd, thd); 1: (batch, head group, token, unit), the memory
 //                     order of bhsd, one head's rows end to end
+//   FIX_MROPE         optional multimodal RoPE (rope_rtc/mrope.py): 0 or absent: none; 1: contiguous
+//                     sections (Qwen2-VL, Qwen2.5-VL); 2: interleaved T, H, W, T, ... (Qwen3-VL); with
+//                     FIX_MT, FIX_MH, FIX_MW the sections (pairs per stream, summing to FIX_RD / 2).
+//                     positions is then [3, tokens] (temporal, height, width; mrope_stride elements
+//                     between streams), and pair column i takes the row of its stream's position.
 // The kernel rotates in place or out of place with the whole head rotated; an out-of-place
 // call with a partial window (the outside copied) runs the generic kernel.
 //
@@ -44,6 +49,13 @@ constexpr int MAX_BLOCK = 512;
 static_assert(FIX_RD % 2 == 0 && FIX_RO + FIX_RD <= FIX_D, "rotary window outside the head");
 static_assert((ROPE_INTERLEAVED ? FIX_RD : HALF) % VEC == 0 && FIX_RO % VEC == 0, "window not a whole number of vectors");
 static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide both head counts");
+#ifndef FIX_MROPE
+#define FIX_MROPE 0
+#endif
+#if FIX_MROPE
+static_assert(!ROPE_INTERLEAVED, "multimodal RoPE rotates half-split pairs");
+static_assert(FIX_MT + FIX_MH + FIX_MW == HALF, "the MRoPE sections must sum to FIX_RD / 2");
+#endif
 
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
@@ -59,6 +71,7 @@ struct FixedParams {
     i64 offset, num_tokens, seq_len, num_seqs, table_rows, table_stride;
     i64 pos_mode, index_flags, inverse, table_vec, total;
     u64 div_seq;  // fast_div packed S
+    i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
 };
 
 // q and k are streamed once: evict-first loads and stores (ld/st.global.cs) measured faster than
@@ -71,10 +84,45 @@ __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
 
 __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
 
+#if FIX_MROPE
+// The position stream (0 temporal, 1 height, 2 width) of pair column i.
+__device__ __forceinline__ int mrope_stream(unsigned i) {
+#if FIX_MROPE == 1
+    return i < FIX_MT ? 0 : (i < FIX_MT + FIX_MH ? 1 : 2);
+#else
+    return (i % 3 == 1 && i < 3 * FIX_MH) ? 1 : ((i % 3 == 2 && i < 3 * FIX_MW) ? 2 : 0);
+#endif
+}
+#endif
+
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn) {
+#if FIX_MROPE
+    // Each stream's row for this token (-1 outside the table), then each pair from its stream's row.
+    const bool wide = p.index_flags & IDX_POSITIONS_I64;
+    i64 row[3];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+        const i64 pos = load_index(p.positions, (i64)k * p.mrope_stride + t, wide);
+        row[k] = (pos >= 0 && pos < p.table_rows) ? pos : -1;
+    }
+    const float sign = p.inverse ? -1.0f : 1.0f;
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        const unsigned i = pu * NPAIR + j;
+        const int k = mrope_stream(i);
+        const i64 r = k == 0 ? row[0] : (k == 1 ? row[1] : row[2]);
+        if (r >= 0) {
+            c[j] = __ldg((const float*)p.cos + r * p.table_stride + i);
+            sn[j] = sign * __ldg((const float*)p.sin + r * p.table_stride + i);
+        } else {
+            c[j] = sn[j] = __int_as_float(0x7fffffff);
+        }
+    }
+#else
     table_slice_at<NPAIR>(p, token_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedParams p) {

@@ -6,6 +6,7 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
   :func:`cos_sin_cache` — the same as one combined table, the engines' convention
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
 - :func:`rope_and_cache`, :class:`RopeCachePlan` — RoPE fused with the paged KV-cache write (FP8 too)
+- :func:`apply_mrope`, :func:`apply_mrope_qk`, :class:`MRopePlan` — multimodal RoPE (Qwen2-VL, Qwen3-VL)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
 """
@@ -25,6 +26,9 @@ _EXPORTS = {
     "RopePlan": "rope_plan",
     "rope_and_cache": "kv_cache",
     "RopeCachePlan": "kv_cache",
+    "apply_mrope": "mrope",
+    "apply_mrope_qk": "mrope",
+    "MRopePlan": "mrope",
     "TailRoPEForward": "tail",
     "tail_rope": "tail",
     "TensorDesc": "descriptors",

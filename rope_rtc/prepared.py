@@ -75,16 +75,16 @@ class Call:
 
     __slots__ = ("arrays", "shape", "scalar", "template", "prefix", "result")
 
-    def __init__(self, arrays: tuple, scalar: int, template, prefix, result) -> None:
+    def __init__(self, arrays: tuple, scalar: int, template, prefix, result, shape=None) -> None:
         self.arrays = arrays
-        self.shape = shapes(arrays)
+        self.shape = shape  # set when the call is remembered (Prepared._prepare): a one-call bind never needs it
         self.scalar = scalar
         self.template = template
         self.prefix = prefix
         self.result = result
 
     def with_scalar(self, scalar: int) -> "Call":
-        return Call(self.arrays, scalar, self.template, self.prefix, self.result)
+        return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.shape)
 
 
 class Op:
@@ -162,6 +162,7 @@ class Prepared:
             self.last = call
             return call if scalar == call.scalar else self._rescalar(call, scalar)
         call = self.bind(arrays, scalar)
+        call.shape = shapes(arrays)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call
         return call

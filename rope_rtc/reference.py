@@ -706,3 +706,20 @@ def mrope_reference(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: 
     x0, x1 = _split_pairs(out[..., :r], False)
     out[..., :r] = _merge_pairs(x0 * c - x1 * s, x1 * c + x0 * s, False)
     return out
+
+
+def mrope_kernel_arithmetic(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, mrope_section,
+                            *, interleaved_sections: bool = False, rotary_dim: int | None = None) -> np.ndarray:
+    """What the GPU's multimodal RoPE computes, bit for bit (positions inside the table): the
+    arithmetic of :func:`rope_kernel_arithmetic` with pair i of token n taking its cos/sin from
+    row ``positions[stream(i), n]`` (:func:`mrope_streams`). ``x`` is ``[N, H, D]``, ``positions``
+    ``[3, N]``."""
+    x = np.asarray(x)
+    r, _ = _rotary_span(x.shape[-1], rotary_dim, 0)
+    stream = mrope_streams(mrope_section, r, interleaved_sections=interleaved_sections)
+    rows = np.asarray(positions).astype(np.int64)[stream, :].T  # [N, R/2]
+    cols = np.arange(r // 2)[None, :]
+    per_token_cos = np.asarray(cos, np.float32)[rows, cols]  # one table row per token
+    per_token_sin = np.asarray(sin, np.float32)[rows, cols]
+    return rope_kernel_arithmetic(x, per_token_cos, per_token_sin, np.arange(x.shape[0]), interleaved=False,
+                                  rotary_dim=rotary_dim)

@@ -104,14 +104,18 @@ class FixedGeometry:
     vec: int
     head_batch: int
     order: int  # 0: (token, head group, unit), heads denser; 1: (batch, head group, token, unit), bhsd
+    # Multimodal RoPE (rope_rtc.mrope): (style, t, h, w), style 1 contiguous sections, 2 interleaved; () for none.
+    mrope: tuple = ()
 
     def spec(self) -> KernelSpec:
+        mrope = () if not self.mrope else tuple(
+            (name, str(v)) for name, v in zip(("FIX_MROPE", "FIX_MT", "FIX_MH", "FIX_MW"), self.mrope))
         return KernelSpec(
             "rope_fixed", "rope_fixed.cu", FIXED_ENTRIES,
             (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
              ("ROPE_VEC", str(self.vec)), ("FIX_HQ", str(self.q_heads)), ("FIX_HK", str(self.k_heads)),
              ("FIX_D", str(self.head_dim)), ("FIX_RO", str(self.rotary_offset)), ("FIX_RD", str(self.rotary_dim)),
-             ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))))
+             ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))) + mrope)
 
 
 # Bytes per access of the specialised build: half-split pairs read two vectors per thread and

@@ -64,6 +64,7 @@ FIXED_FIELDS = [
     ("table_rows", _I64), ("table_stride", _I64),
     ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("table_vec", _I64), ("total", _I64),
     ("div_seq", _U64),
+    ("mrope_stride", _I64),  # multimodal RoPE builds only: elements between the position streams
 ]
 
 

@@ -183,8 +183,11 @@ class RopePlan:
             from .env import settings
 
             self._check_positions = settings().check_positions
-            self._core = Prepared(_RopeOp(self), StructArg(RopeParams), self.device)
+            self._core = Prepared(self._op(), StructArg(RopeParams), self.device)
         return self._core
+
+    def _op(self) -> Op:
+        return _RopeOp(self)
 
     def execute(self, q, k=None, cos=None, sin=None, positions=None, q_out=None, k_out=None, stream=None, *,
                 offset=None, cu_seqlens=None, cos_sin_cache=None):
@@ -285,9 +288,10 @@ class _RopeTemplate:
     holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS)."""
 
     OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
+    generic = True  # whether a call the specialised build cannot take runs the generic kernel
 
     def __init__(self, plan: RopePlan, req: Request) -> None:
-        infos = req.infos()
+        infos = self._infos(req)
         self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
         self.req = req = req.without_arrays()
         self.plan = plan
@@ -309,7 +313,7 @@ class _RopeTemplate:
         self.itemsize = req.q.itemsize
         # The specialised build when the call fits it and is at hand (its vector's alignment is
         # checked per call).
-        self.fixed = fixed_build(req, plan.layout == "bhsd") if req.num_tokens else None
+        self.fixed = self._geometry(req) if req.num_tokens else None
         if self.fixed is not None and plan.fixed_kernel(self.fixed) is None:
             self.fixed = None
         self.fixed_align = self.fixed.vec * self.itemsize if self.fixed is not None else 0
@@ -324,6 +328,17 @@ class _RopeTemplate:
         self._prefixes: dict[int, tuple] = {}
 
     pointers = staticmethod(pointers)
+
+    def _infos(self, req: Request) -> tuple:
+        """The arguments' infos in the core's order (what the address checks cover)."""
+        return req.infos()
+
+    def _geometry(self, req: Request) -> FixedGeometry | None:
+        """The specialised build for the call, or None (the generic kernel serves it)."""
+        return fixed_build(req, self.plan.layout == "bhsd")
+
+    def _fill_fixed(self, p: FixedParams) -> None:
+        fill_fixed(p, self.req, self.fixed)
 
     def check_scalar(self, offset: int) -> None:
         """A new int offset for arguments already validated (ValueError when it cannot be used)."""
@@ -367,6 +382,8 @@ class _RopeTemplate:
         combined = ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]
         if self.fixed_align and combined % self.fixed_align == 0:
             return self._bind_fixed(core, arrays, offset, ptrs)
+        if not self.generic:
+            return None  # full validation says why the specialised build cannot take the call
         for vec in self.allowed:
             if combined % (vec * self.itemsize) == 0:
                 break
@@ -389,7 +406,7 @@ class _RopeTemplate:
         p = self.plan._fixed_view(core)
         g = self.fixed
         if core.filled is not self or core.filled_vec != "fixed":
-            fill_fixed(p, self.req, g)
+            self._fill_fixed(p)
             core.filled, core.filled_vec = self, "fixed"
         q, k, c, s, pos, qo, ko, cu, offs = ptrs
         # Two packed writes instead of ten field assignments (the one-call path's host time).

@@ -340,6 +340,10 @@ class FakeGPU:
         self._patch(launch, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
         self._patch(tail, "stream_handle", stream_handle)
+        from rope_rtc import mrope
+
+        self._patch(mrope, "stream_handle", stream_handle)
+        self._patch(mrope, "_local", threading.local())
         import cupy
 
         self._patch(rope, "_gpu_present", True)

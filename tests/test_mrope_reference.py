@@ -63,3 +63,23 @@ def test_a_position_outside_the_table_gives_nan_for_its_pairs_only():
     cos = sin = np.full((4, 4), 0.5, np.float32)
     got = mrope_reference(x, cos, sin, np.array([[0], [9], [1]]), [2, 1, 1])[0, 0]  # H = 9: outside
     assert np.isnan(got[[2, 6]]).all() and not np.isnan(got[[0, 1, 3, 4, 5, 7]]).any()
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kernel_arithmetic_is_within_the_bound_and_plain_rope_for_equal_streams(interleaved):
+    import ml_dtypes
+
+    from rope_rtc.reference import assert_rope_close, mrope_kernel_arithmetic, rope_kernel_arithmetic
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 2, 64)).astype(ml_dtypes.bfloat16)
+    ang = rng.uniform(-9, 9, (40, 32))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    pos = rng.integers(0, 40, (3, 6))
+    got = mrope_kernel_arithmetic(x, cos, sin, pos, [8, 12, 12], interleaved_sections=interleaved)
+    ref = mrope_reference(x, cos, sin, pos, [8, 12, 12], interleaved_sections=interleaved)
+    assert_rope_close(got, ref, x, interleaved=False, dtype=np.dtype(ml_dtypes.bfloat16))
+    same = np.stack([pos[0]] * 3)
+    np.testing.assert_array_equal(
+        mrope_kernel_arithmetic(x, cos, sin, same, [8, 12, 12], interleaved_sections=interleaved).view(np.uint16),
+        rope_kernel_arithmetic(x, cos, sin, pos[0], interleaved=False).view(np.uint16))

@@ -1,0 +1,306 @@
+"""Multimodal RoPE (MRoPE), as Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate q and k.
+
+Every token has three positions, temporal, height and width (``positions`` ``[3, T]``, or
+``[3, B, S]`` for the batched layouts), and ``mrope_section = [t, h, w]`` (summing to
+``rotary_dim / 2``) says which of them each frequency takes: contiguous sections (Qwen2-VL,
+Qwen2.5-VL: the first ``t`` frequencies the temporal position, the next ``h`` the height, the
+last ``w`` the width) or, with ``interleaved_sections=True``, Qwen3-VL's T, H, W, T, H, W, ...
+with the remainder to T. Pairs are half-split (``rotate_half``), as those models rotate.
+
+The kernel is the general kernel's specialised build (cuda_src/rope_fixed.cu) with the sections
+fixed at compile time, so the rotation has the general API's numerical contract (FP32, one
+rounding); a plan runs on the same prepared-launch core (docs/design.md).
+:func:`rope_rtc.reference.mrope_reference` is the float64 reference.
+
+- :class:`MRopePlan`: built once, then ``execute`` allocates nothing and can be captured.
+- :func:`apply_mrope_qk` / :func:`apply_mrope`: one call (a plan per signature and thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from . import arrays as A
+from . import launch
+from .launch import remember, stream_handle
+from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
+from .reference import mrope_streams
+from .registry import FixedGeometry, fixed_geometry
+from .rope_launch import NARROW_LIMIT, allowed_vectors, fixed_threads
+from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
+from .rope_request import Request, validate
+
+# FIX_MROPE of rope_fixed.cu: how the sections are laid out.
+SECTION_STYLES = {False: 1, True: 2}
+
+
+def _stream_zero(positions):
+    """The temporal stream of ``positions`` (a view: its address is the array's)."""
+    shape = getattr(positions, "shape", None)
+    if shape is None:
+        raise TypeError(f"positions: expected a device array [3, T] or [3, B, S] of int32/int64, got "
+                        f"{type(positions).__name__}")
+    if len(shape) < 2 or shape[0] != 3:
+        raise ValueError(f"positions: expected [3, T] (thd) or [3, B, S] (temporal, height, width positions of "
+                         f"each token), got shape {tuple(shape)}")
+    return positions[0]
+
+
+def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sections=False, layout="thd",
+                   rotary_dim=None, inverse=False, q_out=None, k_out=None, names=("q", "k")):
+    """Every check of an MRoPE call, before anything is launched or written. Returns the general
+    request (validated with the temporal stream as its positions), the info of the whole
+    ``positions`` array and the specialised build that runs the call."""
+    if not isinstance(interleaved_sections, bool):
+        raise TypeError(f"interleaved_sections: expected a bool, got {interleaved_sections!r}")
+    req = validate(q, k, cos, sin, positions=_stream_zero(positions), layout=layout, rotary_dim=rotary_dim,
+                   inverse=inverse, q_out=q_out, k_out=k_out, allow_host=False, names=names)
+    if req.rotary_offset:  # pragma: no cover - validate's rotary_offset is 0 here
+        raise NotImplementedError("rotary_offset: multimodal RoPE rotates the window at channel 0")
+    mrope_streams(mrope_section, req.rotary_dim, interleaved_sections=interleaved_sections)  # checks the sections
+    sections = tuple(int(v) for v in mrope_section)
+    pi = A.describe(positions, "positions", allow_host=False)
+    if pi.strides[0] < 0:
+        raise ValueError(f"positions: a negative stride between streams ({pi.strides[0]} elements) is not supported")
+    for out in (req.q_out, req.k_out):
+        if out is not None and A.overlaps(out, pi):
+            raise ValueError(f"{out.name}: overlaps positions; pass separate arrays")
+    return req, pi, mrope_geometry(req, layout, sections, interleaved_sections)
+
+
+def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_sections: bool) -> FixedGeometry:
+    """The specialised build with the sections fixed, or an error saying why none fits."""
+    if not req.in_place and req.rotary_dim < req.cq.D:
+        raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; multimodal "
+                                  "RoPE rotates a partial window in place only (pass q_out=q, k_out=k, or the whole "
+                                  "head)")
+    g = fixed_geometry(req.dtype, False, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D, 0,
+                       req.rotary_dim, layout == "bhsd")
+    if g is None:
+        raise NotImplementedError(f"rotary_dim: {req.rotary_dim} is not a whole number of the kernel's vectors per "
+                                  f"half for {req.dtype}")
+    views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
+    if req.num_tokens and (g.vec not in allowed_vectors(req)
+                           or any(i.ptr % (g.vec * req.q.itemsize) for i in views)):
+        raise ValueError(f"{req.q.name}/{req.k.name if req.k is not None else 'k'}/outputs: addresses or strides are "
+                         f"not aligned to {g.vec * req.q.itemsize} bytes, which multimodal RoPE reads; pass aligned "
+                         "arrays (a contiguous array is)")
+    if fixed_threads(req, g) >= NARROW_LIMIT:
+        raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
+    return dataclasses.replace(g, mrope=(SECTION_STYLES[interleaved_sections],) + sections)
+
+
+class _MRopeTemplate(_RopeTemplate):
+    """The general template with the MRoPE build, the whole positions array in the address checks,
+    and no generic fallback."""
+
+    generic = False
+
+    def __init__(self, plan: "MRopePlan", req: Request, positions: A.ArrayInfo, g: FixedGeometry) -> None:
+        self._positions, self._g = positions, g
+        super().__init__(plan, req)
+        self._positions = None  # hold no caller's array
+        self.stream_stride = positions.strides[0]
+
+    def _infos(self, req: Request) -> tuple:
+        infos = list(req.infos())
+        infos[POSITIONS] = self._positions
+        return tuple(infos)
+
+    def _geometry(self, req: Request) -> FixedGeometry:
+        return self._g
+
+    def _fill_fixed(self, p) -> None:
+        super()._fill_fixed(p)
+        p.mrope_stride = self.stream_stride
+
+
+class _MRopeOp(Op):
+    def __init__(self, plan: "MRopePlan") -> None:
+        self.plan = plan
+
+    def signature(self, arrays: tuple):
+        sig = signature(arrays)
+        return None if sig is None else (sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K])
+
+    def validate(self, arrays: tuple, scalar: int) -> _MRopeTemplate:
+        plan = self.plan
+        q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
+        if plan.has_k != (k is not None):
+            raise TypeError("k: this plan was built " + ("with" if plan.has_k else "without") + " k")
+        if not plan.in_place and (q_out is None or (plan.has_k and k_out is None)):
+            raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
+        req, pi, g = validate_mrope(q, k, cos, sin, positions, plan.mrope_section,
+                                    interleaved_sections=plan.interleaved_sections, layout=plan.layout,
+                                    rotary_dim=plan._opts["rotary_dim"], inverse=plan.inverse, q_out=q_out,
+                                    k_out=k_out, names=plan._names)
+        if plan.in_place:
+            for out, own, name in ((req.q_out, req.q, "q"), (req.k_out, req.k, "k")):
+                if out is not None and not A.same_view(out, own):
+                    raise ValueError(f"{name}_out: this plan rotates in place; pass {name}_out=None or {name}_out={name}")
+        if req.device != plan.device:
+            A.check_same_device([req.q], plan.device)
+        problems = []
+        if req.dtype != plan.dtype:
+            problems.append(f"dtype {req.dtype} (plan: {plan.dtype})")
+        if (req.cq.H, req.cq.D) != (plan.q_heads, plan.head_dim):
+            problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(plan.q_heads, plan.head_dim)})")
+        if req.ck is not None and req.ck.H != plan.k_heads:
+            problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
+        if problems:
+            raise ValueError("execute: " + "; ".join(problems))
+        return _MRopeTemplate(plan, req, pi, g)
+
+
+class MRopePlan(RopePlan):
+    """A prepared :func:`apply_mrope_qk`: built from one call's arrays (device arrays) with the
+    same keywords, ``compile()`` once, then ``execute(q, k, cos, sin, positions, ...)`` launches
+    with no allocation, no synchronisation and no compilation (and can be captured in a CUDA
+    graph). Fixed: dtype, layout, rotary dim, sections and their style, head counts, head dim,
+    in place or not, the device. New arrays of a signature seen before take the address checks
+    alone; the last 16 argument sets are relaunched without any (from the second launch as a
+    one-node CUDA graph)."""
+
+    def __init__(self, q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
+                 layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,
+                 device: int | None = None) -> None:
+        validate_mrope(q, k, cos, sin, positions, mrope_section, interleaved_sections=interleaved_sections,
+                       layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out)
+        super().__init__(q, k, cos, sin, positions=_stream_zero(positions), layout=layout, rotary_dim=rotary_dim,
+                         inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+        self.mrope_section = tuple(int(v) for v in mrope_section)
+        self.interleaved_sections = interleaved_sections
+
+    def _op(self) -> Op:
+        return _MRopeOp(self)
+
+    def compile(self) -> "MRopePlan":
+        """Load the specialised build of this plan's geometry and sections (compiling on a cache miss)."""
+        g = fixed_geometry(self.dtype, False, self.q_heads, self.k_heads, self.head_dim, 0, self.rotary_dim,
+                           self.layout == "bhsd")
+        self.fixed_kernel(dataclasses.replace(
+            g, mrope=(SECTION_STYLES[self.interleaved_sections],) + self.mrope_section))
+        self._ensure_core()
+        return self
+
+    def execute(self, q, k=None, cos=None, sin=None, positions=None, q_out=None, k_out=None, stream=None):
+        """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
+        core = self._core or self.compile()._core
+        if self.in_place:
+            q_out = q if q_out is None else q_out
+            k_out = k if k_out is None else k_out
+        arrays = (q, k, cos, sin, positions, q_out, k_out, None, None)
+        if self._check_positions:
+            check_mrope_positions(positions, cos)
+        return core.execute(arrays, 0, stream)
+
+
+def check_mrope_positions(positions, cos) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read the positions back (synchronising) and raise on one
+    outside the table."""
+    import cupy
+
+    host = cupy.asnumpy(cupy.asarray(positions))
+    rows = int(cos.shape[0])
+    bad = np.argwhere((host < 0) | (host >= rows))
+    if len(bad):
+        at = tuple(int(i) for i in bad[0])
+        raise ValueError(f"positions: entry {at} is {int(host[at])}, outside the table's {rows} rows")
+
+
+_local = threading.local()
+
+
+def apply_mrope_qk(q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
+                   layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,
+                   stream=None):
+    """Rotate q and k with multimodal RoPE in one launch (q and k may have different head counts).
+
+    Parameters
+    ----------
+    q, k : device arrays
+        ``layout``-shaped (``"thd"`` ``[T, H, D]``, ``"bshd"``, ``"bhsd"``, ``"sbhd"``), float32,
+        float16 or bfloat16; CuPy or any object with ``__cuda_array_interface__`` / ``__dlpack__``.
+    cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`)
+    positions : int32/int64 device array ``[3, T]`` (``thd``) or ``[3, B, S]``
+        The temporal, height and width position of every token (text tokens: three equal ones).
+        A position outside the table gives NaN for its pairs (device positions are not read back
+        unless ``ROPE_RTC_CHECK_POSITIONS=1``).
+    mrope_section : three ints ``[t, h, w]`` summing to ``rotary_dim / 2``
+        Frequencies per stream: Qwen2-VL's ``[16, 24, 24]`` at head dim 128.
+    interleaved_sections : bool
+        ``False``: contiguous sections (Qwen2-VL, Qwen2.5-VL); ``True``: T, H, W, T, H, W, ...,
+        the remainder to T (Qwen3-VL).
+    rotary_dim, inverse, q_out, k_out, stream
+        As :func:`rope_rtc.apply_rope_qk` (pairs are half-split; the window starts at channel 0).
+
+    Returns
+    -------
+    (q_out, k_out)
+    """
+    if k is None:
+        raise TypeError("k: expected an array (use apply_mrope for a single tensor)")
+    return _apply(("q", "k"), q, k, cos, sin, positions, mrope_section, interleaved_sections, layout, rotary_dim,
+                  inverse, q_out, k_out, stream)
+
+
+def apply_mrope(x, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False, layout: str = "thd",
+                rotary_dim: int | None = None, inverse: bool = False, out=None, stream=None):
+    """Rotate one tensor with multimodal RoPE; the arguments of :func:`apply_mrope_qk` with
+    ``x``/``out`` for ``q``/``q_out`` (``out=x``: in place). Returns the output."""
+    return _apply(("x", "k"), x, None, cos, sin, positions, mrope_section, interleaved_sections, layout, rotary_dim,
+                  inverse, out, None, stream)[0]
+
+
+def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
+           k_out, stream):
+    qi = A.describe(q, names[0], allow_host=False)
+    device = qi.device
+    handle = stream_handle(stream, device)
+    if q_out is None:
+        q_out = launch.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
+    if k is not None and k_out is None:
+        ki = A.describe(k, names[1], allow_host=False)
+        k_out = launch.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
+    arrays = (q, k, cos, sin, positions, q_out, k_out, None, None)
+    options = (names, layout, rotary_dim, inverse, interleaved_sections,
+               tuple(section) if isinstance(section, (list, tuple)) else section)
+    sig = signature(arrays)
+    plain = (type(layout) is str and type(inverse) is bool and type(interleaved_sections) is bool
+             and (rotary_dim is None or type(rotary_dim) is int)
+             and isinstance(section, (list, tuple)) and all(type(v) is int for v in section))
+    key = None if sig is None or not plain else (options, sig, q_out is q, k_out is k)
+    cache = getattr(_local, "plans", None)
+    if cache is None:
+        cache = _local.plans = {}
+    plan, call = bind_once(cache, key, arrays, 0, None, _plan_for, arrays, options, device)
+    if plan._check_positions:
+        check_mrope_positions(positions, cos)
+    if call.prefix is not None:
+        plan._core.launcher(call.prefix, handle)
+    return q_out, k_out
+
+
+def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:
+    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+    names, layout, rotary_dim, inverse, interleaved_sections, section = options
+    q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
+    req, _, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
+                               layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
+                               names=names)
+    key = (options, req.dtype, req.cq.H, None if req.ck is None else req.ck.H, req.cq.D, req.in_place, device)
+    by_key = getattr(_local, "by_key", None)
+    if by_key is None:
+        by_key = _local.by_key = {}
+    plan = by_key.get(key)
+    if plan is None:
+        plan = MRopePlan(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
+                         layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
+                         device=device)
+        plan._names = names
+        plan._ensure_core()
+        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
+    return plan

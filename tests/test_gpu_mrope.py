@@ -1,0 +1,176 @@
+"""Multimodal RoPE on the GPU: bit for bit against the kernel-arithmetic reference over dtypes,
+section styles, layouts, in and out of place (outputs poisoned with NaN first); against
+Hugging Face transformers' Qwen2-VL and Qwen3-VL rotary embeddings (the model's own cos/sin
+recomposition, then apply_rotary_pos_emb); a plan's new arrays, CUDA graph capture and the
+debug check of device positions."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+from rope_rtc.reference import assert_rope_close, mrope_kernel_arithmetic, mrope_reference
+
+pytestmark = pytest.mark.gpu
+
+HQ, HK, D, P = 4, 2, 128, 96
+SECTIONS = {False: [16, 24, 24], True: [24, 20, 20]}  # Qwen2-VL's and Qwen3-VL's at head dim 128
+TO_LAYOUT = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3)}
+
+
+def _canonical(B, S, H, dtype, seed):
+    return host_random((B, S, H, D), DTYPES[dtype], seed, 2.0)
+
+
+def _to_layout(x, layout):
+    return x[0] if layout == "thd" else np.ascontiguousarray(np.transpose(x, TO_LAYOUT[layout]))
+
+
+def _from_layout(y, layout, B, S):
+    if layout == "thd":
+        return y[None]
+    return np.transpose(y, np.argsort(TO_LAYOUT[layout]))
+
+
+@pytest.mark.parametrize("dtype,interleaved_sections,layout,in_place", list(itertools.product(
+    ["bfloat16", "float16", "float32"], [False, True], ["thd", "bshd", "bhsd", "sbhd"], [True, False])))
+def test_bit_exact_against_the_kernel_arithmetic(dtype, interleaved_sections, layout, in_place):
+    import cupy as cp
+
+    import rope_rtc
+
+    B, S = (1, 11) if layout == "thd" else (2, 5)
+    section = SECTIONS[interleaved_sections]
+    qh, kh = _canonical(B, S, HQ, dtype, 1), _canonical(B, S, HK, dtype, 2)
+    cos, sin = host_tables(P, D // 2, 3)
+    pos = np.random.default_rng(4).integers(0, P, (3, B, S)).astype(np.int64)
+    dpos = cp.asarray(pos[:, 0] if layout == "thd" else pos)
+    q, k = cp.asarray(_to_layout(qh, layout)), cp.asarray(_to_layout(kh, layout))
+    q_out = q if in_place else poisoned(cp, q.shape, DTYPES[dtype])
+    k_out = k if in_place else poisoned(cp, k.shape, DTYPES[dtype])
+    got = rope_rtc.apply_mrope_qk(q, k, cp.asarray(cos), cp.asarray(sin), dpos, section,
+                                  interleaved_sections=interleaved_sections, layout=layout, q_out=q_out, k_out=k_out)
+    flat_pos = pos.reshape(3, -1)
+    for out, host, h in zip(got, (qh, kh), (HQ, HK)):
+        want = mrope_kernel_arithmetic(host.reshape(B * S, h, D), cos, sin, flat_pos, section,
+                                       interleaved_sections=interleaved_sections)
+        actual = _from_layout(cp.asnumpy(out), layout, B, S).reshape(B * S, h, D)
+        np.testing.assert_array_equal(bits(actual), bits(want))
+        ref = mrope_reference(host.reshape(B * S, h, D), cos, sin, flat_pos, section,
+                              interleaved_sections=interleaved_sections)
+        assert_rope_close(actual, ref, host.reshape(B * S, h, D), interleaved=False, dtype=np.dtype(DTYPES[dtype]))
+    if not in_place:
+        np.testing.assert_array_equal(bits(cp.asnumpy(q)), bits(_to_layout(qh, layout)))
+
+
+def test_a_partial_window_in_place_leaves_the_rest():
+    import cupy as cp
+
+    import rope_rtc
+
+    T, section, R = 9, [8, 12, 12], 64
+    x = host_random((T, HQ, D), DTYPES["bfloat16"], 7, 2.0)
+    cos, sin = host_tables(P, R // 2, 8)
+    pos = np.random.default_rng(9).integers(0, P, (3, T)).astype(np.int32)
+    dx = cp.asarray(x)
+    rope_rtc.apply_mrope(dx, cp.asarray(cos), cp.asarray(sin), cp.asarray(pos), section, rotary_dim=R, out=dx)
+    want = mrope_kernel_arithmetic(x, cos, sin, pos, section, rotary_dim=R)
+    np.testing.assert_array_equal(bits(cp.asnumpy(dx)), bits(want))
+    np.testing.assert_array_equal(bits(cp.asnumpy(dx)[..., R:]), bits(x[..., R:]))
+
+
+def _hf_rotary(torch, module, section, inv_freq):
+    """A transformers rotary-embedding module of ``module`` with our inverse frequencies and
+    sections (built without a model config: the fields its forward reads)."""
+    cls = {"qwen2_vl": "Qwen2VLRotaryEmbedding", "qwen3_vl": "Qwen3VLTextRotaryEmbedding"}[module]
+    mod = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=[cls])
+    emb = getattr(mod, cls).__new__(getattr(mod, cls))
+    torch.nn.Module.__init__(emb)
+    emb.inv_freq = inv_freq
+    emb.original_inv_freq = inv_freq
+    emb.attention_scaling = 1.0
+    emb.mrope_section = list(section)
+    emb.rope_type = "default"
+    return emb, mod.apply_rotary_pos_emb
+
+
+@pytest.mark.parametrize("module,interleaved_sections", [("qwen2_vl", False), ("qwen3_vl", True)])
+def test_against_transformers(module, interleaved_sections):
+    """fp32 q/k [B, H, S, D]: transformers computes cos/sin per stream and recombines them by
+    section, then rotates (separate multiply and add); our tables are transformers' own cos/sin
+    of positions 0..P-1 (three equal streams), so the two differ by the rotation's rounding only."""
+    import cupy as cp
+    import torch
+
+    import rope_rtc
+
+    B, S, section = 2, 33, SECTIONS[interleaved_sections]
+    inv_freq = (1.0 / (1e6 ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))).cuda()
+    emb, apply_rotary_pos_emb = _hf_rotary(torch, module, section, inv_freq)
+    probe = torch.zeros(1, device="cuda", dtype=torch.float32)
+    every = torch.arange(P, device="cuda")[None, None, :].expand(3, 1, P)
+    cos_t, sin_t = emb(probe, every)
+    cos, sin = cp.asarray(cos_t[0, :, : D // 2].contiguous()), cp.asarray(sin_t[0, :, : D // 2].contiguous())
+    pos = torch.randint(0, P, (3, B, S), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    q = torch.randn(B, HQ, S, D, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    k = torch.randn(B, HK, S, D, device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    c3, s3 = emb(q, pos)
+    want_q, want_k = apply_rotary_pos_emb(q, k, c3, s3)
+    got_q, got_k = rope_rtc.apply_mrope_qk(cp.asarray(q), cp.asarray(k), cos, sin, cp.asarray(pos), section,
+                                           interleaved_sections=interleaved_sections, layout="bhsd")
+    for got, want, x in ((got_q, want_q, q), (got_k, want_k, k)):
+        g = np.transpose(cp.asnumpy(got), (0, 2, 1, 3)).reshape(B * S, -1, D)
+        w = np.transpose(want.cpu().numpy(), (0, 2, 1, 3)).reshape(B * S, -1, D).astype(np.float64)
+        xs = np.transpose(x.cpu().numpy(), (0, 2, 1, 3)).reshape(B * S, -1, D)
+        assert_rope_close(g, w, xs, interleaved=False, dtype=np.dtype(np.float32))
+        assert np.isfinite(g).all()
+
+
+def test_plan_new_arrays_graph_capture_and_the_position_check(monkeypatch):
+    import cupy as cp
+
+    import rope_rtc
+
+    T, section = 7, SECTIONS[False]
+    cos, sin = host_tables(P, D // 2, 11)
+    dc, ds = cp.asarray(cos), cp.asarray(sin)
+
+    def arrays(seed):
+        q, k = host_random((T, HQ, D), DTYPES["bfloat16"], seed, 2.0), host_random((T, HK, D), DTYPES["bfloat16"],
+                                                                                   seed + 1, 2.0)
+        pos = np.random.default_rng(seed).integers(0, P, (3, T)).astype(np.int64)
+        return (q, k, pos), (cp.asarray(q), cp.asarray(k), cp.asarray(pos))
+
+    def check(host, dev):
+        for out, x in zip(dev[:2], host[:2]):
+            want = mrope_kernel_arithmetic(x, cos, sin, host[2], section)
+            np.testing.assert_array_equal(bits(cp.asnumpy(out)), bits(want))
+
+    h0, d0 = arrays(20)
+    plan = rope_rtc.MRopePlan(d0[0], d0[1], dc, ds, d0[2], section).compile()
+    plan.execute(d0[0], d0[1], dc, ds, d0[2])
+    check(h0, d0)
+    h1, d1 = arrays(30)  # new arrays of the same signature
+    plan.execute(d1[0], d1[1], dc, ds, d1[2])
+    check(h1, d1)
+    h2, d2 = arrays(40)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        plan.execute(d2[0], d2[1], dc, ds, d2[2], stream=stream)
+        graph = stream.end_capture()
+    graph.launch(stream)
+    stream.synchronize()
+    check(h2, d2)
+    # ROPE_RTC_CHECK_POSITIONS=1 reads device positions back and names the bad one
+    monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+    bad = d1[2].copy()
+    bad[1, 3] = P
+    checked = rope_rtc.MRopePlan(d1[0], d1[1], dc, ds, bad, section)
+    before = cp.asnumpy(d1[0])
+    with pytest.raises(ValueError, match=r"positions: entry \(1, 3\) is 96"):
+        checked.execute(d1[0], d1[1], dc, ds, bad)
+    np.testing.assert_array_equal(bits(cp.asnumpy(d1[0])), bits(before))

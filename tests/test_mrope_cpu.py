@@ -1,0 +1,139 @@
+"""Multimodal RoPE on the CPU: the build a call gets (sections fixed at compile time, NVRTC
+compiling it for several architectures), its argument block, the checks that run before any
+launch, and the address-only path of a seen signature (fake device arrays, recorded launches;
+the kernel itself: test_gpu_mrope.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk, mrope
+from rope_rtc.registry import fixed_geometry
+
+T, HQ, HK, D = 6, 4, 2, 128
+SECTION = [16, 24, 24]
+
+
+@pytest.fixture
+def gpu():
+    with FakeGPU() as g:
+        yield g
+
+
+def _call(**change):
+    kw = dict(q=fake_cupy((T, HQ, D), BF16), k=fake_cupy((T, HK, D), BF16), cos=fake_cupy((64, D // 2), np.float32),
+              sin=fake_cupy((64, D // 2), np.float32), positions=fake_cupy((3, T), np.int64),
+              mrope_section=SECTION)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("interleaved,style", [(False, 1), (True, 2)])
+def test_a_call_launches_the_sectioned_build_with_its_block(gpu, interleaved, style):
+    kw = _call()
+    apply_mrope_qk(**kw, interleaved_sections=interleaved, q_out=kw["q"], k_out=kw["k"])
+    (rec,) = gpu.launches
+    g, p = rec["geometry"], rec["fixed"]
+    assert g.mrope == (style, 16, 24, 24) and (g.q_heads, g.k_heads, g.head_dim, g.interleaved) == (HQ, HK, D, False)
+    spec = dict(g.spec().defines)
+    assert (spec["FIX_MROPE"], spec["FIX_MT"], spec["FIX_MH"], spec["FIX_MW"]) == (str(style), "16", "24", "24")
+    assert p.positions == kw["positions"].data.ptr and p.mrope_stride == T and p.index_flags & 1
+    assert (p.in_[0], p.out[0], p.in_[1], p.out[1]) == (kw["q"].data.ptr,) * 2 + (kw["k"].data.ptr,) * 2
+
+
+def test_batched_layouts_and_a_strided_positions_view(gpu):
+    B, S = 2, 3
+    q, k = fake_cupy((B, HQ, S, D), BF16), fake_cupy((B, HK, S, D), BF16)
+    big = fake_cupy((3, 2, B, S), np.int32)  # each stream's [B, S] contiguous, 2 B S elements apart
+    pos = big[:, 0]
+    out_q, out_k = apply_mrope_qk(q, k, _call()["cos"], _call()["sin"], pos, SECTION, layout="bhsd")
+    rec = gpu.launches[-1]
+    assert rec["geometry"].order == 1 and rec["fixed"].mrope_stride == 2 * B * S
+    assert out_q.shape == q.shape and out_k.shape == k.shape and out_q.data.ptr != q.data.ptr
+    x = fake_cupy((B, S, HQ, D), BF16)
+    y = apply_mrope(x, _call()["cos"], _call()["sin"], fake_cupy((3, B, S), np.int64), SECTION, layout="bshd", out=x)
+    assert y is x and gpu.launches[-1]["geometry"].k_heads == 0
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(positions=fake_cupy((T,), np.int64)), ValueError, r"positions: expected \[3, T\]"),
+    (dict(positions=fake_cupy((2, T), np.int64)), ValueError, r"positions: expected \[3, T\]"),
+    (dict(positions=fake_cupy((3, T + 1), np.int64)), ValueError, "positions"),
+    (dict(positions=fake_cupy((3, T), np.float32)), TypeError, "positions"),
+    (dict(positions=np.zeros((3, T), np.int64)), TypeError, "positions"),
+    (dict(mrope_section=[16, 24, 23]), ValueError, "sums to 63"),
+    (dict(mrope_section=[16, 48]), TypeError, "three non-negative ints"),
+    (dict(q=fake_cupy((T, HQ, D), BF16, byte_offset=2)), ValueError, "aligned"),
+    (dict(q=np.zeros((T, HQ, D), np.float32)), TypeError, "q"),
+])
+def test_bad_calls_are_refused_before_any_launch(gpu, change, exc, match):
+    with pytest.raises(exc, match=match):
+        apply_mrope_qk(**_call(**change))
+    assert gpu.launches == []
+
+
+def test_more_refusals(gpu):
+    kw = _call()
+    with pytest.raises(TypeError, match="interleaved_sections"):
+        apply_mrope_qk(**kw, interleaved_sections=1)
+    with pytest.raises(NotImplementedError, match="partial window in place only"):
+        apply_mrope_qk(**_call(cos=fake_cupy((64, 32), np.float32), sin=fake_cupy((64, 32), np.float32),
+                               mrope_section=[8, 12, 12]), rotary_dim=64)
+    qo = fake_cupy((T, HQ, D), BF16)
+    pos = fake_cupy((3, T), np.int64, ptr=qo.data.ptr + 64)  # positions inside q_out
+    with pytest.raises(ValueError, match="overlaps positions"):
+        apply_mrope_qk(**_call(positions=pos), q_out=qo)
+    with pytest.raises(TypeError, match="k: expected an array"):
+        apply_mrope_qk(kw["q"], None, kw["cos"], kw["sin"], kw["positions"], SECTION)
+    assert gpu.launches == []
+    # a partial window in place is fine
+    part = _call(cos=fake_cupy((64, 32), np.float32), sin=fake_cupy((64, 32), np.float32), mrope_section=[8, 12, 12])
+    apply_mrope_qk(**part, rotary_dim=64, q_out=part["q"], k_out=part["k"])
+    assert gpu.launches[-1]["geometry"].rotary_dim == 64
+
+
+def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkeypatch):
+    first = _call()
+    plan = MRopePlan(**first).compile()
+    plan.execute(first["q"], first["k"], first["cos"], first["sin"], first["positions"])
+    calls = []
+    real = mrope.validate_mrope
+    monkeypatch.setattr(mrope, "validate_mrope", lambda *a, **k: calls.append(1) or real(*a, **k))
+    second = _call()
+    plan.execute(second["q"], second["k"], second["cos"], second["sin"], second["positions"])
+    assert calls == []
+    p = gpu.launches[-1]["fixed"]
+    assert (p.in_[0], p.in_[1], p.positions, p.cos) == (second["q"].data.ptr, second["k"].data.ptr,
+                                                         second["positions"].data.ptr, second["cos"].data.ptr)
+    # positions whose later streams reach into q: the extents of the whole array are checked
+    third = _call()
+    big = fake_cupy((3 * T + T * HQ * D // 4,), np.int64)
+    third["positions"] = big[: 3 * T].reshape(3, T)
+    third["q"] = big[3 * T - 4:].view(BF16)[: T * HQ * D].reshape(T, HQ, D)
+    n = len(gpu.launches)
+    with pytest.raises(ValueError, match="overlaps"):
+        plan.execute(third["q"], third["k"], third["cos"], third["sin"], third["positions"])
+    assert len(gpu.launches) == n
+
+
+def test_the_one_call_function_reuses_its_plan(gpu):
+    for _ in range(3):
+        kw = _call()
+        apply_mrope_qk(**kw, q_out=kw["q"], k_out=kw["k"])
+    assert len(mrope._local.by_key) == 1 and len(gpu.launches) == 3
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_sectioned_builds_compile(arch, dtype, tmp_path, monkeypatch):
+    import dataclasses
+
+    from rope_rtc.build import get_binary
+    from rope_rtc.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    for style, sec in ((1, (16, 24, 24)), (2, (24, 20, 20))):
+        g = dataclasses.replace(fixed_geometry(dtype, False, 32, 8, 128, 0, 128, False), mrope=(style,) + sec)
+        assert get_binary(g.spec(), target_for(arch)).data
