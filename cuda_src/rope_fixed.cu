@@ -85,6 +85,12 @@ __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
 __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
 
 #if FIX_MROPE
+// Token t's table row in stream k (0 temporal, 1 height, 2 width); -1 outside the table.
+__device__ __forceinline__ i64 mrope_row(const FixedParams& p, unsigned t, int k, bool wide) {
+    const i64 pos = load_index(p.positions, (i64)k * p.mrope_stride + t, wide);
+    return (pos >= 0 && pos < p.table_rows) ? pos : -1;
+}
+
 // The position stream (0 temporal, 1 height, 2 width) of pair column i.
 __device__ __forceinline__ int mrope_stream(unsigned i) {
 #if FIX_MROPE == 1
@@ -99,18 +105,30 @@ __device__ __forceinline__ int mrope_stream(unsigned i) {
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn) {
 #if FIX_MROPE
-    // Each stream's row for this token (-1 outside the table), then each pair from its stream's row.
     const bool wide = p.index_flags & IDX_POSITIONS_I64;
+    const float sign = p.inverse ? -1.0f : 1.0f;
+    const unsigned i0 = pu * NPAIR;
+    const int k0 = mrope_stream(i0);
+#if FIX_MROPE == 1
+    // Contiguous sections: the unit's ends decide (always one stream when the sections are whole
+    // vectors, which the compiler then knows).
+    const bool one = (FIX_MT % NPAIR == 0 && FIX_MH % NPAIR == 0) || k0 == mrope_stream(i0 + NPAIR - 1);
+#else
+    const bool one = i0 >= 3 * (FIX_MH > FIX_MW ? FIX_MH : FIX_MW);  // past the interleaved part: temporal only
+#endif
+    if (one) {
+        // The unit lies in one section (every unit, when the sections are whole vectors): one
+        // position, one row slice, vector loads where the table allows.
+        table_slice_at<NPAIR>(p, mrope_row(p, t, k0, wide), i0, p.table_vec, sign, c, sn);
+        return;
+    }
+    // Pairs from several streams: each stream's row, then each pair from its stream's row.
     i64 row[3];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-        const i64 pos = load_index(p.positions, (i64)k * p.mrope_stride + t, wide);
-        row[k] = (pos >= 0 && pos < p.table_rows) ? pos : -1;
-    }
-    const float sign = p.inverse ? -1.0f : 1.0f;
+    for (int k = 0; k < 3; ++k) row[k] = mrope_row(p, t, k, wide);
 #pragma unroll
     for (int j = 0; j < NPAIR; ++j) {
-        const unsigned i = pu * NPAIR + j;
+        const unsigned i = i0 + j;
         const int k = mrope_stream(i);
         const i64 r = k == 0 ? row[0] : (k == 1 ? row[1] : row[2]);
         if (r >= 0) {

@@ -650,3 +650,33 @@ def test_engine_bytes_moved():
     want = T * (2 * 32 * 128 * item + 2 * 8 * 128 * item + 8 * 128 * item + 2 * 8 * 128 * item + 128 * 4 + 16)
     assert kv_bytes_moved(T, "bfloat16") == want
     assert kv_bytes_moved(T, "bfloat16", fp8=True) == want - T * 2 * 8 * 128
+
+
+def test_mrope_targets():
+    def rec(ident, rows):
+        return {"id": ident, "group": "engine", "params": {}, "bytes_moved": 1_000_000_000, "rows": [
+            {"impl": impl, "layout": "-", "check": "ok", "note": "", "timings": t} for impl, t in rows]}
+
+    def result(ours_prefill, ours_decode):
+        res = synthetic_result(True)
+        res["engine"] = [
+            rec("engine/mrope-prefill/bf16/thd/T=16384", [(bcases.COPY, _timings(100.0)),
+                                                          (bcases.MROPE_OP, _timings(ours_prefill))]),
+            rec("engine/mrope-decode/bf16/thd/T=8", [(bcases.COPY, _timings(4.0, small=True, graph=1.0)),
+                                                     (bcases.MROPE_OP, _timings(5.0, small=True, graph=ours_decode)),
+                                                     (bcases.MROPE_PLAIN, _timings(5.0, small=True, graph=1.6))])]
+        return {x["target"]: x for x in report.evaluate_targets(res)}
+
+    t = result(104.0, 1.65)
+    assert t["multimodal RoPE, prefill >= 95% of copy"]["status"] == "PASS"
+    assert t["multimodal RoPE, decode GPU time <= plain RoPE's + 0.1 µs"]["status"] == "PASS"
+    t = result(110.0, 1.8)
+    assert t["multimodal RoPE, prefill >= 95% of copy"]["status"] == "MISS"
+    miss = t["multimodal RoPE, decode GPU time <= plain RoPE's + 0.1 µs"]
+    assert miss["status"] == "MISS" and miss["gap"] == "0.10 µs over"
+
+
+def test_mrope_bytes_moved():
+    from rope_rtc.benchmark.engine import mrope_bytes_moved
+
+    assert mrope_bytes_moved(8) == 8 * (2 * (28 + 4) * 128 * 2 + 128 * 4 + 24)

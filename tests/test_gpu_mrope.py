@@ -174,3 +174,32 @@ def test_plan_new_arrays_graph_capture_and_the_position_check(monkeypatch):
     with pytest.raises(ValueError, match=r"positions: entry \(1, 3\) is 96"):
         checked.execute(d1[0], d1[1], dc, ds, bad)
     np.testing.assert_array_equal(bits(cp.asnumpy(d1[0])), bits(before))
+
+
+@pytest.mark.parametrize("interleaved_sections", [False, True])
+@pytest.mark.parametrize("layout", ["thd", "bhsd"])
+def test_prefill_builds_with_several_heads_per_thread(interleaved_sections, layout):
+    """Launches of 2^14 threads and more take the prefill builds (2 or 4 heads per thread)."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc import mrope
+
+    hq, hk = 8, 4
+    B, S = (1, 600) if layout == "thd" else (2, 300)
+    section = SECTIONS[interleaved_sections]
+    qh, kh = host_random((B, S, hq, D), DTYPES["bfloat16"], 51, 2.0), host_random((B, S, hk, D), DTYPES["bfloat16"],
+                                                                                  52, 2.0)
+    cos, sin = host_tables(P, D // 2, 53)
+    pos = np.random.default_rng(54).integers(0, P, (3, B, S)).astype(np.int32)
+    q, k = cp.asarray(_to_layout(qh, layout)), cp.asarray(_to_layout(kh, layout))
+    dpos = cp.asarray(pos[:, 0] if layout == "thd" else pos)
+    q_out, k_out = poisoned(cp, q.shape, DTYPES["bfloat16"]), poisoned(cp, k.shape, DTYPES["bfloat16"])
+    rope_rtc.apply_mrope_qk(q, k, cp.asarray(cos), cp.asarray(sin), dpos, section,
+                            interleaved_sections=interleaved_sections, layout=layout, q_out=q_out, k_out=k_out)
+    assert mrope.mrope_head_batch(hq, hk, interleaved_sections, False) == (4 if interleaved_sections else 2)
+    for out, host, h in ((q_out, qh, hq), (k_out, kh, hk)):
+        want = mrope_kernel_arithmetic(host.reshape(B * S, h, D), cos, sin, pos.reshape(3, -1), section,
+                                       interleaved_sections=interleaved_sections)
+        actual = _from_layout(cp.asnumpy(out), layout, B, S).reshape(B * S, h, D)
+        np.testing.assert_array_equal(bits(actual), bits(want))

@@ -137,3 +137,13 @@ def test_sectioned_builds_compile(arch, dtype, tmp_path, monkeypatch):
     for style, sec in ((1, (16, 24, 24)), (2, (24, 20, 20))):
         g = dataclasses.replace(fixed_geometry(dtype, False, 32, 8, 128, 0, 128, False), mrope=(style,) + sec)
         assert get_binary(g.spec(), target_for(arch)).data
+
+
+@pytest.mark.parametrize("interleaved,tokens,want", [(False, T, 1), (True, T, 2), (False, 400, 2), (True, 400, 2)])
+def test_heads_per_thread(gpu, interleaved, tokens, want):
+    kw = _call(q=fake_cupy((tokens, HQ, D), BF16), k=fake_cupy((tokens, HK, D), BF16),
+               positions=fake_cupy((3, tokens), np.int64))
+    apply_mrope_qk(**kw, interleaved_sections=interleaved)
+    assert gpu.launches[-1]["geometry"].head_batch == want
+    assert mrope.mrope_head_batch(28, 4, True, False) == 4 and mrope.mrope_head_batch(28, 4, False, False) == 2
+    assert mrope.mrope_head_batch(3, 1, True, False) == 1

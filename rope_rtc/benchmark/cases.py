@@ -19,6 +19,8 @@ KV_FUSED = "rope_and_cache (RopeCachePlan)"        # engine section: the fused R
 KV_FUSED_FP8 = "rope_and_cache, FP8 e4m3 entries"
 KV_TWO_STEP = "RopePlan, then a CuPy scatter per cache"
 ONNX_OP = "onnx.rotary_embedding"
+MROPE_OP = "apply_mrope_qk (MRopePlan)"
+MROPE_PLAIN = "plain RoPE, same arrays (RopePlan)"
 ONNX_APPLY = "apply_rope (same X, float32 tables)"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
@@ -54,6 +56,8 @@ TAIL_ONE_CALL_HOST_US = 10.0    # tail_rope, output allocation included
 ONE_CALL_PREFILL_POINTS = 1.0   # one-call prefill within this many points of the plan's % of copy
 ONE_CALL_POOL = 64              # distinct array sets cycled for the one-call host rows
 KV_FUSED_PREFILL_PCT = 95.0     # RoPE fused with the KV-cache write, prefill, % of a copy of its bytes
+MROPE_PREFILL_PCT = 95.0        # multimodal RoPE, prefill, % of a copy of its bytes
+MROPE_DECODE_EXTRA_US = 0.1     # multimodal RoPE decode GPU time, at most plain RoPE's plus this
 WARM_FIRST_S = 0.050
 COMPILE_ONE_S = 1.0
 

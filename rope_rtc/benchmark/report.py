@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, KV_FUSED, KV_FUSED_PREFILL_PCT,
-                    KV_TWO_STEP, NOISE,
+                    KV_TWO_STEP, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
                     ONE_CALL, ONE_CALL_HOST_US, ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
                     TAIL_ONE_CALL_HOST_US,
                     PREFILL_RULES, TAIL_COPY_PCT, TAIL_GPU_US, TAIL_HOST_US, WARM_FIRST_S, MiB)
@@ -181,6 +181,19 @@ def _engine_targets(add, result: dict) -> None:
                 ratios.append((fused / two, r["id"]))
     _worst(add, "fused RoPE + KV-cache write, decode GPU time < the two-step sequence's", ratios, 1.0, "x",
            floor=False)
+    mrope = [r for r in recs if r["id"].startswith("engine/mrope-")]
+    _worst(add, f"multimodal RoPE, prefill >= {MROPE_PREFILL_PCT:.0f}% of copy",
+           [(pct_of_copy(r, rows_by_impl(r).get(MROPE_OP), "cold*"), r["id"]) for r in mrope
+            if r["id"].startswith("engine/mrope-prefill")], MROPE_PREFILL_PCT, "%", floor=True)
+    extra = []
+    for r in mrope:
+        if r["id"].startswith("engine/mrope-decode"):
+            by = rows_by_impl(r)
+            ours, plain = timing(by.get(MROPE_OP), "graph"), timing(by.get(MROPE_PLAIN), "graph")
+            if ours and plain:
+                extra.append((ours - plain, r["id"]))
+    _worst(add, f"multimodal RoPE, decode GPU time <= plain RoPE's + {MROPE_DECODE_EXTRA_US} µs", extra,
+           MROPE_DECODE_EXTRA_US, " µs", floor=False)
 
 
 def coldstart_table(result: dict) -> list[list[str]]:
@@ -569,7 +582,10 @@ def render_markdown(result: dict | None) -> str:
         "of 16 tokens in a random order, random positions, q and k in place) beside the two-step sequence and "
         "a copy of the bytes moved (q and k read and written, v read, the k and v entries written, table rows, "
         "positions and slots); decode under graph replay, prefill over buffers larger than the L2. ONNX "
-        "`RotaryEmbedding` (float16 X [4, 32, 4096, 128] with position_ids) beside `apply_rope` on the same X.",
+        "`RotaryEmbedding` (float16 X [4, 32, 4096, 128] with position_ids) beside `apply_rope` on the same X. "
+        "Multimodal RoPE (Qwen2-VL-7B's heads: Hq=28, Hkv=4, D=128; Qwen2-VL's contiguous sections [16, 24, 24] "
+        "and Qwen3-VL's interleaved [24, 20, 20]; bf16 `thd`, random positions per stream, in place) beside our "
+        "plain RoPE on the same arrays, a copy and the peers.",
         "", markdown_table(engine_table(result)), "",
         "## Cold start", "", "Fresh processes with an empty `ROPE_RTC_CACHE_DIR`, then the same (warm) directory. "
         "First result excludes imports and CUDA context creation, reported separately.", "",
