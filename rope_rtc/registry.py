@@ -119,10 +119,12 @@ class FixedGeometry:
 
 
 # Bytes per access of the specialised build: half-split pairs read two vectors per thread and
-# measured fastest at 8 bytes each for 2-byte types; interleaved pairs and FP32 at 16 bytes
+# measured fastest at 8 bytes each (2-byte types and FP32 alike); interleaved pairs at 16 bytes
 # (docs/performance.md).
 def fixed_vector_bytes(dtype: str, interleaved: bool) -> int:
-    return 16 if interleaved or ITEMSIZE[dtype] == 4 else 8
+    if dtype not in ITEMSIZE:
+        raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
+    return 16 if interleaved else 8
 
 
 def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int,
@@ -169,16 +171,16 @@ def cache_head_batch(q_heads: int, k_heads: int, dtype: str, interleaved: bool, 
     """Heads one thread of the fused RoPE + cache-write kernel handles (KV_HB): 2 where one head's
     share of a thread (a vector, or a vector of each half for half-split pairs) is at most 16
     bytes and both head counts are even, else 1. Prefill measured fastest with about 32 bytes of
-    q/k in flight per thread: bf16 half-split 8-byte halves and interleaved 16-byte vectors with 2
-    heads, FP32 half-split 16-byte halves with 1 (docs/performance.md)."""
+    q/k in flight per thread: 8-byte halves (half-split) and 16-byte vectors (interleaved) with 2
+    heads, FP32 half-split 16-byte halves with 1 as fast as 8-byte ones with 2 (docs/performance.md)."""
     unit = vec * ITEMSIZE[dtype] * (1 if interleaved else 2)
     return 2 if unit <= 16 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
 
 
 def cache_vector_widths(dtype: str, interleaved: bool) -> tuple[int, ...]:
     """Elements per access of the fused RoPE + cache-write kernel, in order of preference: the
-    specialised build's width first (8-byte halves for half-split 2-byte types measured fastest
-    here too), then the others, widest first."""
+    specialised build's width first (8-byte halves for half-split pairs measured fastest here
+    too, or as fast), then the others, widest first."""
     first = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
     widths = rope_vector_widths(dtype, interleaved)
     return tuple([first] + [w for w in widths if w != first]) if first in widths else widths

@@ -89,7 +89,7 @@ def main(cases):
         vec = 16 // q.itemsize
         hbs = (1,) if decode else (1, 2)
         only = os.environ.get("FIXED_ONLY")
-        vecs = (vec,) if q.itemsize == 4 else (vec, vec // 2)
+        vecs = (vec, vec // 2)
         order = 1 if tokens_denser else 0
         for hb, block, vec in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs):
                 chunks = (128 if inter else 64) // vec
