@@ -22,7 +22,7 @@ NumPy reference.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +62,12 @@ class CacheRequest:
     @property
     def num_slots(self) -> int:
         return self.k_cache.shape[0] * self.block_size
+
+    def without_arrays(self) -> "CacheRequest":
+        """The same request holding no caller's array (what a template keeps)."""
+        strip = {f: replace(getattr(self, f), array=None) for f in
+                 ("v", "slots", "k_cache", "v_cache", "k_scale", "v_scale") if getattr(self, f) is not None}
+        return replace(self, rope=self.rope.without_arrays(), **strip)
 
     @property
     def block_size(self) -> int:
@@ -176,7 +182,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                         cache_head_batch(req.cq.H, req.ck.H, req.dtype, req.interleaved, vec))
     args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
             q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
-            None if isinstance(offset, (int, np.integer)) else offset)
+            None if _int_offset(offset) else offset)
     return creq, args
 
 
@@ -257,24 +263,26 @@ class _CacheTemplate:
     general plan's template does (rope_plan._RopeTemplate); anything those checks cannot settle
     goes back to full validation."""
 
-    def __init__(self, plan: "RopeCachePlan", creq: CacheRequest, args: tuple) -> None:
+    def __init__(self, plan: "RopeCachePlan", creq: CacheRequest) -> None:
         self.plan = plan
-        self.creq = creq
         r = creq.rope
         infos = (r.q, r.k, creq.v, r.cos, r.sin, r.positions, creq.slots, creq.k_cache, creq.v_cache, creq.k_scale,
                  creq.v_scale, r.q_out or r.q, r.k_out or r.k, r.cu_seqlens, r.offsets)
         self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
-        # Extents relative to each array's pointer, and the placement validation accepted (views
-        # of one buffer have extents that meet without sharing a byte).
+        # Extents relative to each array's pointer.
         extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
                         for i in infos)
-        self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
+        vp = self.validated_pointers
         in_place = tuple(A.same_view(infos[o], infos[i]) for o, i in ((Q_OUT, Q), (K_OUT, K)))
         self.same_view = tuple(pair for pair, same in zip(((Q_OUT, Q), (K_OUT, K)), in_place) if same)
-        # Every array the launch writes must not meet any other argument (its own input aside, in place).
+        # Every array the launch writes must not meet any other argument (its own input aside, in
+        # place). Whether two arrays of fixed shapes and strides share a byte depends only on their
+        # relative offset: extents that meet are accepted at the offset validation accepted (views
+        # of one buffer, such as q, k and v of a fused QKV projection, or k and v caches
+        # interleaved in one allocation).
         own = {Q_OUT: Q if in_place[0] else None, K_OUT: K if in_place[1] else None}
         self.disjoint = tuple(
-            (o, *extents[o], tuple((j, *e) for j, e in enumerate(extents)
+            (o, *extents[o], tuple((j, *e, vp[j] - vp[o]) for j, e in enumerate(extents)
                                    if e is not None and j != o and j != own.get(o)))
             for o in (Q_OUT, K_OUT, K_CACHE, V_CACHE) if extents[o] is not None)
         vec_bytes = creq.vec * r.q.itemsize
@@ -290,6 +298,7 @@ class _CacheTemplate:
         if total:
             fn = plan.function(creq)
             self.prefix = launch_prefix(fn, (-(-total // BLOCK_THREADS), 1, 1), (BLOCK_THREADS, 1, 1))
+        self.creq = creq.without_arrays()  # after the infos above: the template holds no caller's array
 
     pointers = staticmethod(pointers)
 
@@ -318,13 +327,12 @@ class _CacheTemplate:
             if ptrs[o] != ptrs[own]:
                 return None  # validated in place, now a separate output
         for o, olo, ohi, others in self.disjoint:
-            lo, hi = ptrs[o] + olo, ptrs[o] + ohi
-            for j, jlo, jhi in others:
+            po = ptrs[o]
+            lo, hi = po + olo, po + ohi
+            for j, jlo, jhi, validated in others:
                 p = ptrs[j]
-                if p + jlo < hi and lo < p + jhi:
-                    if tuple(p - ptrs[0] for p in ptrs) != self.placement:
-                        return None  # extents meet at a placement not validated: full validation decides
-                    break
+                if p + jlo < hi and lo < p + jhi and p - po != validated:
+                    return None  # extents meet at an offset not validated: full validation decides
         for i, mask in self.masks:
             if ptrs[i] & mask:
                 return None  # narrower vectors (a new template) or a real misalignment
@@ -349,7 +357,7 @@ class _CacheOp(Op):
     def validate(self, arrays: tuple, scalar: int):
         kw = dict(zip(ARGS, arrays))
         offsets = kw.pop("offsets")
-        creq, args = validate_cache_call(**{n: kw[n] for n in ARGS[:9]}, **self.plan._opts,
+        creq, _ = validate_cache_call(**{n: kw[n] for n in ARGS[:9]}, **self.plan._opts,
                                          k_scale=kw["k_scale"], v_scale=kw["v_scale"], q_out=kw["q_out"],
                                          k_out=kw["k_out"], cu_seqlens=kw["cu_seqlens"],
                                          offset=scalar if offsets is None else offsets)
@@ -360,7 +368,7 @@ class _CacheOp(Op):
         if fixed != plan._fixed:
             raise ValueError(f"execute: this plan was built for (dtype, q heads, k heads, head dim, cache kind, position "
                              f"scheme) {plan._fixed}, got {fixed}")
-        return _CacheTemplate(plan, creq, args)
+        return _CacheTemplate(plan, creq)
 
 
 class RopeCachePlan:
@@ -396,7 +404,7 @@ class RopeCachePlan:
                 q_out=None, k_out=None, offset=0, cu_seqlens=None, stream=None):
         """Validate (nothing when the arguments repeat) and launch on ``stream``. Returns
         ``(q_out, k_out)`` (q and k when rotated in place)."""
-        scalar, offsets = (int(offset), None) if isinstance(offset, (int, np.integer)) else (0, offset)
+        scalar, offsets = (int(offset), None) if _int_offset(offset) else (0, offset)
         arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
                   q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
         return self._core.execute(arrays, scalar, stream)
@@ -450,7 +458,7 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
             slot_mapping = cupy.asarray(slot_mapping)
     arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
-              None if isinstance(offset, (int, np.integer)) else offset)
+              None if _int_offset(offset) else offset)
     sig = signature(arrays)
     key = None if sig is None else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
     plans = getattr(_local, "plans", None)
@@ -464,11 +472,16 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
                              rotary_dim=rotary_dim)
         if key is not None:
             remember(plans, key, plan, ONE_CALL_SIGNATURES)
-    scalar = int(offset) if isinstance(offset, (int, np.integer)) else 0
+    scalar = int(offset) if _int_offset(offset) else 0
     call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)
     return call.result
+
+
+def _int_offset(offset) -> bool:
+    """An int ``offset`` (bools are not: validation names them), as opposed to an array of them."""
+    return isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_))
 
 
 def _current_device() -> int:

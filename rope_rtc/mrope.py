@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 from . import arrays as A
-from . import launch
+from . import launch, rope_plan
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
@@ -190,6 +190,15 @@ class MRopePlan(RopePlan):
     def _op(self) -> Op:
         return _MRopeOp(self)
 
+    def fixed_kernel(self, g: FixedGeometry):
+        """The entry of the sectioned build ``g``, loaded on first use. No generic kernel serves
+        multimodal RoPE: with ``ROPE_RTC_NO_COMPILE=1`` and the build missing, the
+        KernelNotCachedError says so."""
+        fn = self._fixed.get(g)
+        if fn is None:
+            fn = self._fixed[g] = rope_plan.load_fixed_function(g, self.device)
+        return fn
+
     def compile(self) -> "MRopePlan":
         """Load the specialised builds of this plan's geometry and sections, for small launches and
         large ones (compiling on a cache miss). After this, ``execute`` never compiles."""
@@ -273,6 +282,8 @@ def apply_mrope(x, cos, sin, positions, mrope_section, *, interleaved_sections: 
 
 def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
            k_out, stream):
+    if isinstance(section, np.ndarray):  # hashable, as the plan cache's key needs (its values checked later)
+        section = tuple(section.tolist())
     qi = A.describe(q, names[0], allow_host=False)
     device = qi.device
     handle = stream_handle(stream, device)

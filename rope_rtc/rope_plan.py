@@ -295,18 +295,21 @@ class _RopeTemplate:
         self.validated_pointers = tuple(0 if i is None else i.ptr for i in infos)
         self.req = req = req.without_arrays()
         self.plan = plan
-        # Extents relative to each array's pointer; and the placement full validation accepted
-        # (views of one buffer, such as q and k of a fused QKV projection, have extents that meet).
+        # Extents relative to each array's pointer.
         self.extents = tuple(None if i is None or i.size == 0 else tuple(e - i.ptr for e in i.byte_extent())
                              for i in infos)
-        self.placement = tuple(p - self.validated_pointers[0] for p in self.validated_pointers)
         in_place = tuple(infos[o] is not None and A.same_view(infos[o], infos[i]) for o, i in self.OUTPUTS)
         # Outputs validated as their own input's view: a call binds here only if they still are
         # (the signature fixes shape, strides and dtype, so an equal pointer is the same view).
         self.same_view = tuple(pair for pair, same in zip(self.OUTPUTS, in_place) if same)
-        # For each output, the arguments whose bytes it must not meet: (output, lo, hi, [(j, lo, hi)]).
+        # For each output, the arguments whose bytes it must not meet: (output, lo, hi, [(j, lo, hi,
+        # validated offset of j from the output)]). Whether two arrays of fixed shapes and strides
+        # share a byte depends only on their relative offset: extents that meet are accepted at the
+        # offset full validation accepted (views of one buffer, such as q and k of a fused QKV
+        # projection, have extents that meet without sharing a byte).
+        vp = self.validated_pointers
         self.disjoint = tuple(
-            (o, *self.extents[o], tuple((j, *e) for j, e in enumerate(self.extents)
+            (o, *self.extents[o], tuple((j, *e, vp[j] - vp[o]) for j, e in enumerate(self.extents)
                                         if e is not None and j != o and not (same and j == own)))
             for (o, own), same in zip(self.OUTPUTS, in_place) if self.extents[o] is not None)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
@@ -363,13 +366,12 @@ class _RopeTemplate:
             if ptrs[o] != ptrs[own]:
                 return None  # validated in place, now a separate output: not this template's call
         for o, olo, ohi, others in self.disjoint:  # no output meets another argument (by extents)
-            lo, hi = ptrs[o] + olo, ptrs[o] + ohi
-            for j, jlo, jhi in others:
+            po = ptrs[o]
+            lo, hi = po + olo, po + ohi
+            for j, jlo, jhi, validated in others:
                 p = ptrs[j]
-                if p + jlo < hi and lo < p + jhi:
-                    if tuple(p - ptrs[0] for p in ptrs) != self.placement:
-                        return None  # extents meet at a placement not validated: full validation decides
-                    break
+                if p + jlo < hi and lo < p + jhi and p - po != validated:
+                    return None  # extents meet at an offset not validated: full validation decides
         if offset and self.has_positions or offset < 0 or offset > self.table_rows:
             return None
         if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:

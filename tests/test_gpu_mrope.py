@@ -203,3 +203,33 @@ def test_prefill_builds_with_several_heads_per_thread(interleaved_sections, layo
                                        interleaved_sections=interleaved_sections)
         actual = _from_layout(cp.asnumpy(out), layout, B, S).reshape(B * S, h, D)
         np.testing.assert_array_equal(bits(actual), bits(want))
+
+
+@pytest.mark.parametrize("interleaved_sections,section", [(False, [10, 27, 27]), (True, [22, 21, 21])])
+def test_sections_off_vector_boundaries_and_positions_outside_the_table(interleaved_sections, section):
+    """Contiguous sections that split a thread's pairs between streams take the several-stream
+    path; a position outside the table gives NaN on exactly the pairs of its stream."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc.reference import mrope_streams
+
+    T = 9
+    x = host_random((T, HQ, D), DTYPES["float32"], 61, 2.0)
+    cos, sin = host_tables(P, D // 2, 62)
+    pos = np.random.default_rng(63).integers(0, P, (3, T)).astype(np.int64)
+    bad_token, bad_stream = 4, 1
+    pos[bad_stream, bad_token] = P + 5
+    out = poisoned(cp, (T, HQ, D), np.float32)
+    rope_rtc.apply_mrope(cp.asarray(x), cp.asarray(cos), cp.asarray(sin), cp.asarray(pos), section,
+                         interleaved_sections=interleaved_sections, out=out)
+    got = cp.asnumpy(out)
+    stream = mrope_streams(section, D, interleaved_sections=interleaved_sections)
+    nan_pairs = np.flatnonzero(stream == bad_stream)
+    good = [t for t in range(T) if t != bad_token]
+    want = mrope_kernel_arithmetic(x[good], cos, sin, pos[:, good], section, interleaved_sections=interleaved_sections)
+    np.testing.assert_array_equal(bits(got[good]), bits(want))
+    row = got[bad_token]
+    expect_nan = np.zeros(D, bool)
+    expect_nan[nan_pairs] = expect_nan[nan_pairs + D // 2] = True
+    assert np.isnan(row[:, expect_nan]).all() and not np.isnan(row[:, ~expect_nan]).any()

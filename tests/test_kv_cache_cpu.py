@@ -265,3 +265,62 @@ def test_heads_per_thread_and_vector_preference():
                                v_cache=fake_cupy((3, 16, 1, D), BF16)))
         rec = gpu.launches[-1]
         assert rec["request"].head_batch == 1 and rec["cache"].total == T * 5 * ((D // 2) // rec["request"].vec)
+
+
+def test_a_plan_holds_no_callers_array_after_a_call():
+    import gc
+    import weakref
+
+    with FakeGPU():
+        kw = _call()
+        refs = {name: weakref.ref(a) for name, a in kw.items()}
+        rope_and_cache(**kw)
+        del kw
+        gc.collect()
+        assert [name for name, r in refs.items() if r() is not None] == []
+
+
+def test_fused_qkv_views_and_one_kv_allocation_of_new_buffers_bind_without_full_validation(monkeypatch):
+    """q, k and v as views of one fused projection, and the k and v caches as the halves of one
+    [blocks, 2, block_size, H, D] allocation: new buffers of the same layout take the address checks
+    alone (their views meet in extent, at the offsets validation accepted)."""
+    from rope_rtc import kv_cache
+    from rope_rtc.kv_cache import RopeCachePlan
+
+    def arrays():
+        qkv = fake_cupy((T, HQ + 2 * HK, D), BF16)
+        kv = fake_cupy((3, 2, 16, HK, D), BF16)
+        return dict(q=qkv[:, :HQ], k=qkv[:, HQ:HQ + HK], v=qkv[:, HQ + HK:], cos=fake_cupy((64, D // 2), np.float32),
+                    sin=fake_cupy((64, D // 2), np.float32), positions=fake_cupy((T,), np.int64),
+                    slot_mapping=fake_cupy((T,), np.int64), k_cache=kv[:, 0], v_cache=kv[:, 1])
+
+    names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+    with FakeGPU() as gpu:
+        first = arrays()
+        plan = RopeCachePlan(**first)
+        plan.execute(*(first[n] for n in names))
+        calls = []
+        real = kv_cache.validate_cache_call
+        monkeypatch.setattr(kv_cache, "validate_cache_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+        for _ in range(3):
+            new = arrays()
+            plan.execute(*(new[n] for n in names))
+            assert gpu.launches[-1]["cache"].k_cache == new["k_cache"].data.ptr
+        assert calls == []
+
+
+def test_a_bool_offset_is_refused_after_an_int_one_of_the_same_signature():
+    from rope_rtc.kv_cache import RopeCachePlan
+
+    names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+    with FakeGPU() as gpu:
+        kw = _call(positions=None)
+        rope_and_cache(**kw, offset=3)
+        plan = RopeCachePlan(**kw, offset=3)
+        plan.execute(*(kw[n] for n in names), offset=3)
+        n = len(gpu.launches)
+        for call in (lambda: rope_and_cache(**kw, offset=True),
+                     lambda: plan.execute(*(kw[n] for n in names), offset=True)):
+            with pytest.raises(TypeError, match="offset"):
+                call()
+        assert len(gpu.launches) == n

@@ -147,3 +147,25 @@ def test_heads_per_thread(gpu, interleaved, tokens, want):
     assert gpu.launches[-1]["geometry"].head_batch == want
     assert mrope.mrope_head_batch(28, 4, True, False) == 4 and mrope.mrope_head_batch(28, 4, False, False) == 2
     assert mrope.mrope_head_batch(3, 1, True, False) == 1
+
+
+def test_a_numpy_section_is_accepted(gpu):
+    kw = _call(mrope_section=np.array([16, 24, 24]))
+    apply_mrope_qk(**kw)
+    apply_mrope_qk(**_call(mrope_section=np.array([16, 24, 24])))  # the cached plan serves it
+    assert gpu.launches[-1]["geometry"].mrope == (1, 16, 24, 24) and len(gpu.launches) == 2
+    with pytest.raises(TypeError, match="three non-negative ints"):
+        apply_mrope_qk(**_call(mrope_section=np.array([16.0, 24.0, 24.0])))
+
+
+def test_a_missing_build_is_named_not_an_assertion(gpu, monkeypatch):
+    from rope_rtc import rope_plan
+    from rope_rtc.errors import KernelNotCachedError
+
+    def missing(g, device):
+        raise KernelNotCachedError("rope_fixed[...] is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids compiling it")
+
+    monkeypatch.setattr(rope_plan, "load_fixed_function", missing)
+    with pytest.raises(KernelNotCachedError, match="ROPE_RTC_NO_COMPILE"):
+        apply_mrope_qk(**_call())
+    assert gpu.launches == []
