@@ -256,8 +256,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         raise _Usage(str(exc)) from None
     if model is not None:
         print(f"model: head_dim {model.head_dim}, {model.q_heads} q heads, {model.kv_heads} kv heads, rotary_dim "
-              f"{model.rotary_dim}, {model.dtype}, {'interleaved' if model.interleaved else 'half-split'} pairs: "
-              f"{len(model.specs())} kernel builds per architecture")
+              f"{model.rotary_dim}, {model.dtype}, {'interleaved' if model.interleaved else 'half-split'} pairs"
+              + (f", MRoPE sections {list(model.mrope_section)}" + (" interleaved" if model.mrope_interleaved else "")
+                 if model.mrope_section else "")
+              + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())
     print(report.summary())
     if report.failed:

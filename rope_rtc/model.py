@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import (KernelSpec, cache_spec, cache_vector_widths, model_fixed_specs, rope_head_batches, rope_spec,
-                       rope_vector_widths)
+from .registry import (KernelSpec, cache_spec, cache_vector_widths, model_fixed_specs, mrope_geometries,
+                       rope_head_batches, rope_spec, rope_vector_widths)
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -31,6 +31,10 @@ class ModelRope:
     rotary_dim: int
     dtype: str
     interleaved: bool = False
+    # Multimodal RoPE (Qwen2-VL, Qwen3-VL): [t, h, w] frequencies per position stream, () for none,
+    # and whether the sections interleave (T, H, W, T, ...) as Qwen3-VL's do.
+    mrope_section: tuple = ()
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "q_heads", "kv_heads", "rotary_dim"):
@@ -51,7 +55,17 @@ class ModelRope:
                 for vec in rope_vector_widths(self.dtype, self.interleaved)
                 for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
             self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim) + \
-            self.cache_specs()
+            self.cache_specs() + self.mrope_specs()
+
+    def mrope_specs(self) -> list[KernelSpec]:
+        """The multimodal RoPE builds (rope_rtc.mrope) of a model with ``mrope_section``: q with k,
+        q alone and k alone, both thread orders, for small and large launches."""
+        if not self.mrope_section:
+            return []
+        return [g.spec() for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
+                for denser in (False, True)
+                for g in mrope_geometries(self.dtype, hq, hk, self.head_dim, self.rotary_dim, self.mrope_section,
+                                          self.mrope_interleaved, denser)]
 
     def cache_specs(self) -> list[KernelSpec]:
         """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache
@@ -131,4 +145,22 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         dtype = _dtype(value, f"{where}: torch_dtype")
     else:
         dtype = _dtype(dtype, "dtype")
-    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved))
+    section, style = _mrope(config, where, rotary_dim)
+    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style)
+
+
+def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:
+    """``(mrope_section, interleaved)`` from the config's ``rope_scaling`` or ``rope_parameters``
+    (Qwen2-VL and Qwen3-VL keep them there), or ``((), False)``."""
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = config.get(field)
+        if isinstance(rope, dict) and rope.get("mrope_section") is not None:
+            section = rope["mrope_section"]
+            if (not isinstance(section, list) or len(section) != 3
+                    or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in section)):
+                raise ValueError(f"{where}: {field}.mrope_section must be three non-negative ints, got {section!r}")
+            if sum(section) != rotary_dim // 2:
+                raise ValueError(f"{where}: {field}.mrope_section {section} sums to {sum(section)}, not rotary_dim / 2 "
+                                 f"= {rotary_dim // 2}")
+            return tuple(section), bool(rope.get("mrope_interleaved", False))
+    return (), False

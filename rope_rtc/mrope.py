@@ -28,7 +28,7 @@ from . import launch, rope_plan
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
-from .registry import FixedGeometry, fixed_geometry
+from .registry import FixedGeometry, fixed_geometry, mrope_geometries, mrope_head_batch
 from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, fixed_threads
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
@@ -95,15 +95,6 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
                                head_batch=mrope_head_batch(g.q_heads, g.k_heads, interleaved_sections, small))
 
 
-def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool) -> int:
-    """Heads per thread of an MRoPE build: sharing a thread's table slice across heads pays on
-    prefill (2 heads for contiguous sections, 4 for interleaved ones, whose pairs read up to
-    three rows each), one head (two for interleaved sections) on small launches such as decode
-    (docs/performance.md); always a divisor of both head counts."""
-    want = (2 if interleaved_sections else 1) if small else (4 if interleaved_sections else 2)
-    while want > 1 and (q_heads % want or k_heads % want):
-        want //= 2
-    return want
 
 
 class _MRopeTemplate(_RopeTemplate):
@@ -202,12 +193,9 @@ class MRopePlan(RopePlan):
     def compile(self) -> "MRopePlan":
         """Load the specialised builds of this plan's geometry and sections, for small launches and
         large ones (compiling on a cache miss). After this, ``execute`` never compiles."""
-        g = fixed_geometry(self.dtype, False, self.q_heads, self.k_heads, self.head_dim, 0, self.rotary_dim,
-                           self.layout == "bhsd")
-        for small in (True, False):  # the decode and the prefill build
-            self.fixed_kernel(dataclasses.replace(
-                g, mrope=(SECTION_STYLES[self.interleaved_sections],) + self.mrope_section,
-                head_batch=mrope_head_batch(self.q_heads, self.k_heads, self.interleaved_sections, small)))
+        for g in mrope_geometries(self.dtype, self.q_heads, self.k_heads, self.head_dim, self.rotary_dim,
+                                  self.mrope_section, self.interleaved_sections, self.layout == "bhsd"):
+            self.fixed_kernel(g)  # the decode and the prefill build
         self._ensure_core()
         return self
 

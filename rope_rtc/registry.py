@@ -7,7 +7,7 @@ their specs with the functions here, so what is warmed is exactly what is launch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # dtype name -> code of ROPE_DTYPE in cuda_src/common.cuh
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -143,6 +143,29 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
     hb = 2 if order == 1 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
     return FixedGeometry(dtype, bool(interleaved), q_heads, k_heads, head_dim, rotary_offset, rotary_dim, vec, hb,
                          order)
+
+
+def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool) -> int:
+    """Heads per thread of a multimodal RoPE build: sharing a thread's table slice across heads
+    pays on prefill (2 heads for contiguous sections, 4 for interleaved ones, whose pairs read up
+    to three rows each), one head (two for interleaved sections) on small launches such as decode
+    (docs/performance.md); always a divisor of both head counts."""
+    want = (2 if interleaved_sections else 1) if small else (4 if interleaved_sections else 2)
+    while want > 1 and (q_heads % want or k_heads % want):
+        want //= 2
+    return want
+
+
+def mrope_geometries(dtype: str, q_heads: int, k_heads: int, head_dim: int, rotary_dim: int, sections: tuple,
+                     interleaved_sections: bool, tokens_denser: bool) -> list[FixedGeometry]:
+    """The multimodal RoPE builds of one geometry and thread order: for small launches and large
+    ones (their heads per thread differ). Empty when the window is not a whole number of vectors."""
+    g = fixed_geometry(dtype, False, q_heads, k_heads, head_dim, 0, rotary_dim, tokens_denser)
+    if g is None:
+        return []
+    mrope = (2 if interleaved_sections else 1,) + tuple(int(v) for v in sections)
+    return [replace(g, mrope=mrope, head_batch=mrope_head_batch(q_heads, k_heads, interleaved_sections, small))
+            for small in (True, False)]
 
 
 def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int, head_dim: int,

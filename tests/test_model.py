@@ -154,3 +154,40 @@ def test_cache_builds_of_an_odd_geometry_all_compile(tmp_path):
     assert [dict(s.defines)["CACHE_KIND"] for s in specs] == ["0"]
     for spec in specs:
         get_binary(spec, target_for(90), store=open_store(tmp_path), announce=False)
+
+
+@pytest.mark.parametrize("rope,section,interleaved", [
+    ({"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}, (16, 24, 24), False),  # Qwen2-VL
+    ({"text_config": {"rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                       "rope_type": "default"}}}, (24, 20, 20), True),            # Qwen3-VL
+])
+def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interleaved):
+    from rope_rtc.model import from_config
+
+    config = {"head_dim": 128, "num_attention_heads": 28, "num_key_value_heads": 4, "torch_dtype": "bfloat16", **rope}
+    model = from_config(config)
+    assert model.mrope_section == section and model.mrope_interleaved is interleaved
+    specs = model.mrope_specs()
+    defines = [dict(s.defines) for s in specs]
+    assert len(specs) == 12 and all(d["FIX_MROPE"] == ("2" if interleaved else "1") for d in defines)
+    assert {(d["FIX_HQ"], d["FIX_HK"]) for d in defines} == {("28", "4"), ("28", "0"), ("4", "0")}
+    assert set(s.name for s in specs) <= set(s.name for s in model.specs())
+    # the builds a plan of this model loads are among them
+    import dataclasses
+
+    from rope_rtc.registry import fixed_geometry, mrope_head_batch
+
+    g = fixed_geometry("bfloat16", False, 28, 4, 128, 0, 128, False)
+    for small in (True, False):
+        want = dataclasses.replace(g, mrope=(2 if interleaved else 1,) + section,
+                                   head_batch=mrope_head_batch(28, 4, interleaved, small)).spec()
+        assert want.name in {s.name for s in specs}
+
+
+def test_a_bad_mrope_section_is_named():
+    from rope_rtc.model import from_config
+
+    config = {"head_dim": 128, "num_attention_heads": 28, "num_key_value_heads": 4, "torch_dtype": "bfloat16",
+              "rope_scaling": {"mrope_section": [16, 24, 20]}}
+    with pytest.raises(ValueError, match="rope_scaling.mrope_section .* sums to 60"):
+        from_config(config)
