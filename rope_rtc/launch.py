@@ -80,6 +80,9 @@ def loaded_kernels() -> list[tuple[str, int]]:
     return sorted(_loaded)
 
 
+_CURRENT_STREAM: list = [None]  # cupy.cuda.get_current_stream, once CuPy is imported
+
+
 def stream_handle(stream, device: int | None = None) -> int:
     """A raw CUstream from ``stream``.
 
@@ -88,9 +91,12 @@ def stream_handle(stream, device: int | None = None) -> int:
     (``.cuda_stream``); or an integer handle.
     """
     if stream is None:
-        import cupy
+        current = _CURRENT_STREAM[0]
+        if current is None:  # CuPy is imported on first use; the lookup is kept (it is on every call's path)
+            import cupy
 
-        return cupy.cuda.get_current_stream(-1 if device is None else device).ptr
+            current = _CURRENT_STREAM[0] = cupy.cuda.get_current_stream
+        return current(-1 if device is None else device).ptr
     if isinstance(stream, int):
         return stream
     ptr = getattr(stream, "ptr", None)
@@ -187,7 +193,8 @@ class Launcher:
     """
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
-                 "device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch", "_graphs", "_seen",
+                 "device", "_check_device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch",
+                 "_graphs", "_seen",
                  "replay", "_last_token", "_last_graph")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
@@ -204,6 +211,9 @@ class Launcher:
         self._capturing = cupy.cuda.runtime.streamIsCapturing
         self.args_address = args_address
         self.device = device
+        # With one visible device the current device is always the plan's: no need to ask the
+        # runtime on every launch (a measurable part of a launch's host time).
+        self._check_device = device is not None and _visible_devices() != 1
         self._stream_device = -1 if device is None else device
         self._prefix = self._handle = self._argv = None
         self._graphs: dict[int, _GraphExec] = {}  # id(token) -> its graph
@@ -213,7 +223,7 @@ class Launcher:
 
     def __call__(self, prefix: tuple, stream=None, token=None) -> None:
         device = self.device
-        if device is not None and self._get_device() != device:
+        if self._check_device and self._get_device() != device:
             # A plan stays on its device when the caller's current device changes: launch in
             # the plan device's context (the stream must belong to that device too).
             with driver.in_context(device):
@@ -299,6 +309,17 @@ class Launcher:
         self._graphs.clear()
         self._seen.clear()
         self._last_token = self._last_graph = None
+
+
+def _visible_devices() -> int:
+    """CUDA devices this process sees (0 when it cannot tell: the launcher then checks the
+    current device on every launch)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
 
 
 def launch_prefix(function, grid: tuple[int, int, int], block: tuple[int, int, int]) -> tuple:

@@ -170,3 +170,18 @@ def test_a_failed_launch_raises_the_cuda_error_by_name(rig):
     with pytest.raises(CudaError, match=r"cuLaunchKernel\(grid=\(1, 1, 1\).*CUDA_ERROR_INVALID_VALUE") as info:
         launcher(PREFIX, None)
     assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
+
+
+@pytest.mark.parametrize("visible,asks", [(1, False), (2, True), (0, True)])
+def test_the_current_device_is_asked_only_when_it_can_differ(monkeypatch, visible, asks):
+    """One visible device: the current device is the plan's, so a launch does not ask the runtime
+    (0: the count is unknown, so it asks)."""
+    pytest.importorskip("cupy")
+    monkeypatch.setattr(L, "_visible_devices", lambda: visible)
+    launcher = L.Launcher(1234, device=0)
+    asked = []
+    launcher._get_device = lambda: asked.append(1) or 0
+    launcher._current_stream = lambda device: FakeStream()
+    launcher._launch = lambda *argv: None
+    launcher(PREFIX, None)
+    assert bool(asked) is asks
