@@ -133,29 +133,12 @@ class _MRopeOp(Op):
     def validate(self, arrays: tuple, scalar: int) -> _MRopeTemplate:
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
-        if plan.has_k != (k is not None):
-            raise TypeError("k: this plan was built " + ("with" if plan.has_k else "without") + " k")
-        if not plan.in_place and (q_out is None or (plan.has_k and k_out is None)):
-            raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
+        rope_plan.check_plan_arguments(plan, k, q_out, k_out)
         req, pi, g = validate_mrope(q, k, cos, sin, positions, plan.mrope_section,
                                     interleaved_sections=plan.interleaved_sections, layout=plan.layout,
                                     rotary_dim=plan._opts["rotary_dim"], inverse=plan.inverse, q_out=q_out,
                                     k_out=k_out, names=plan._names)
-        if plan.in_place:
-            for out, own, name in ((req.q_out, req.q, "q"), (req.k_out, req.k, "k")):
-                if out is not None and not A.same_view(out, own):
-                    raise ValueError(f"{name}_out: this plan rotates in place; pass {name}_out=None or {name}_out={name}")
-        if req.device != plan.device:
-            A.check_same_device([req.q], plan.device)
-        problems = []
-        if req.dtype != plan.dtype:
-            problems.append(f"dtype {req.dtype} (plan: {plan.dtype})")
-        if (req.cq.H, req.cq.D) != (plan.q_heads, plan.head_dim):
-            problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(plan.q_heads, plan.head_dim)})")
-        if req.ck is not None and req.ck.H != plan.k_heads:
-            problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
-        if problems:
-            raise ValueError("execute: " + "; ".join(problems))
+        rope_plan.check_request_fits_plan(plan, req)
         return _MRopeTemplate(plan, req, pi, g)
 
 

@@ -254,33 +254,44 @@ class _RopeOp(Op):
     def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
-        if plan.has_k != (k is not None):
-            raise TypeError("k: this plan was built " + ("with" if plan.has_k else "without") + " k")
-        if not plan.in_place and (q_out is None or (plan.has_k and k_out is None)):
-            raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
+        check_plan_arguments(plan, k, q_out, k_out)
         req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
                        **plan._opts)
-        if plan.in_place:
-            for out, own, name in ((req.q_out, req.q, "q"), (req.k_out, req.k, "k")):
-                if out is not None and not A.same_view(out, own):
-                    raise ValueError(f"{name}_out: this plan rotates in place; pass {name}_out=None or {name}_out={name}")
-        if req.device is not None and req.device != plan.device:
-            A.check_same_device([req.q], plan.device)
-        problems = []
-        if req.dtype != plan.dtype:
-            problems.append(f"dtype {req.dtype} (plan: {plan.dtype})")
-        if (req.cq.H, req.cq.D) != (plan.q_heads, plan.head_dim):
-            problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(plan.q_heads, plan.head_dim)})")
-        if req.ck is not None and req.ck.H != plan.k_heads:
-            problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
-        if req.pos_mode != plan.pos_mode:
-            problems.append("the position scheme (positions / offset array / cu_seqlens) differs from the plan's")
-        if problems:
-            raise ValueError("execute: " + "; ".join(problems))
+        check_request_fits_plan(plan, req)
         if req.num_tokens:
             choose_vector(req)  # raises, naming the misaligned argument
         return _RopeTemplate(plan, req)
+
+
+def check_plan_arguments(plan: RopePlan, k, q_out, k_out) -> None:
+    """Before validation: the arguments a plan's calls must give (k or not; outputs out of place)."""
+    if plan.has_k != (k is not None):
+        raise TypeError("k: this plan was built " + ("with" if plan.has_k else "without") + " k")
+    if not plan.in_place and (q_out is None or (plan.has_k and k_out is None)):
+        raise TypeError("q_out/k_out: this plan writes to separate outputs; pass them to execute()")
+
+
+def check_request_fits_plan(plan: RopePlan, req: Request) -> None:
+    """After validation: what the plan fixes (in place or not, device, dtype, heads, head dim,
+    position scheme) against the validated call; ValueError naming every difference."""
+    if plan.in_place:
+        for out, own, name in ((req.q_out, req.q, "q"), (req.k_out, req.k, "k")):
+            if out is not None and not A.same_view(out, own):
+                raise ValueError(f"{name}_out: this plan rotates in place; pass {name}_out=None or {name}_out={name}")
+    if req.device is not None and req.device != plan.device:
+        A.check_same_device([req.q], plan.device)
+    problems = []
+    if req.dtype != plan.dtype:
+        problems.append(f"dtype {req.dtype} (plan: {plan.dtype})")
+    if (req.cq.H, req.cq.D) != (plan.q_heads, plan.head_dim):
+        problems.append(f"q heads/dim {(req.cq.H, req.cq.D)} (plan: {(plan.q_heads, plan.head_dim)})")
+    if req.ck is not None and req.ck.H != plan.k_heads:
+        problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
+    if req.pos_mode != plan.pos_mode:
+        problems.append("the position scheme (positions / offset array / cu_seqlens) differs from the plan's")
+    if problems:
+        raise ValueError("execute: " + "; ".join(problems))
 
 
 class _RopeTemplate:

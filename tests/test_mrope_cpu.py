@@ -169,3 +169,19 @@ def test_a_missing_build_is_named_not_an_assertion(gpu, monkeypatch):
     with pytest.raises(KernelNotCachedError, match="ROPE_RTC_NO_COMPILE"):
         apply_mrope_qk(**_call())
     assert gpu.launches == []
+
+
+def test_a_plan_refuses_calls_that_do_not_fit_it(gpu):
+    kw = _call()
+    plan = MRopePlan(**kw)
+    other = _call(q=fake_cupy((T, HQ, D), np.float16), k=fake_cupy((T, HK, D), np.float16))
+    with pytest.raises(ValueError, match="execute: dtype float16"):
+        plan.execute(other["q"], other["k"], other["cos"], other["sin"], other["positions"])
+    with pytest.raises(ValueError, match="q heads/dim"):
+        wider = _call(q=fake_cupy((T, 2 * HQ, D), BF16))
+        plan.execute(wider["q"], wider["k"], wider["cos"], wider["sin"], wider["positions"])
+    with pytest.raises(TypeError, match="this plan was built with k"):
+        plan.execute(kw["q"], None, kw["cos"], kw["sin"], kw["positions"])
+    with pytest.raises(ValueError, match="q_out: this plan rotates in place"):
+        plan.execute(kw["q"], kw["k"], kw["cos"], kw["sin"], kw["positions"], q_out=fake_cupy((T, HQ, D), BF16))
+    assert gpu.launches == []
