@@ -28,14 +28,10 @@ from . import launch, rope_plan
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
-from .registry import FixedGeometry, fixed_geometry, mrope_geometries, mrope_head_batch
+from .registry import FixedGeometry, mrope_geometries
 from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, fixed_threads
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
-
-# FIX_MROPE of rope_fixed.cu: how the sections are laid out.
-SECTION_STYLES = {False: 1, True: 2}
-
 
 def _stream_zero(positions):
     """The temporal stream of ``positions`` (a view: its address is the array's)."""
@@ -77,24 +73,23 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; multimodal "
                                   "RoPE rotates a partial window in place only (pass q_out=q, k_out=k, or the whole "
                                   "head)")
-    g = fixed_geometry(req.dtype, False, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D, 0,
-                       req.rotary_dim, layout == "bhsd")
-    if g is None:
+    builds = mrope_geometries(req.dtype, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D, req.rotary_dim,
+                              sections, interleaved_sections, layout == "bhsd")  # [small launches, large ones]
+    if not builds:
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} is not a whole number of the kernel's vectors per "
                                   f"half for {req.dtype}")
+    g = builds[0]
     views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
     if req.num_tokens and (g.vec not in allowed_vectors(req)
                            or any(i.ptr % (g.vec * req.q.itemsize) for i in views)):
         raise ValueError(f"{req.q.name}/{req.k.name if req.k is not None else 'k'}/outputs: addresses or strides are "
                          f"not aligned to {g.vec * req.q.itemsize} bytes, which multimodal RoPE reads; pass aligned "
                          "arrays (a contiguous array is)")
-    if fixed_threads(req, g) >= NARROW_LIMIT:
-        raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     small = fixed_threads(req, dataclasses.replace(g, head_batch=1)) < FIXED_SMALL_THREADS
-    return dataclasses.replace(g, mrope=(SECTION_STYLES[interleaved_sections],) + sections,
-                               head_batch=mrope_head_batch(g.q_heads, g.k_heads, interleaved_sections, small))
-
-
+    chosen = builds[0] if small else builds[1]
+    if fixed_threads(req, chosen) >= NARROW_LIMIT:
+        raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
+    return chosen
 
 
 class _MRopeTemplate(_RopeTemplate):

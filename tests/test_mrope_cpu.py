@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
-from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk, mrope
+from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk, mrope, registry
 from rope_rtc.registry import fixed_geometry
 
 T, HQ, HK, D = 6, 4, 2, 128
@@ -145,8 +145,8 @@ def test_heads_per_thread(gpu, interleaved, tokens, want):
                positions=fake_cupy((3, tokens), np.int64))
     apply_mrope_qk(**kw, interleaved_sections=interleaved)
     assert gpu.launches[-1]["geometry"].head_batch == want
-    assert mrope.mrope_head_batch(28, 4, True, False) == 4 and mrope.mrope_head_batch(28, 4, False, False) == 2
-    assert mrope.mrope_head_batch(3, 1, True, False) == 1
+    assert registry.mrope_head_batch(28, 4, True, False) == 4 and registry.mrope_head_batch(28, 4, False, False) == 2
+    assert registry.mrope_head_batch(3, 1, True, False) == 1
 
 
 def test_a_numpy_section_is_accepted(gpu):
