@@ -192,7 +192,7 @@ def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kin
     D, R = req.cq.D, req.rotary_dim
     size = req.q.itemsize
     infos = [i for i in (req.q, req.k, req.q_out, req.k_out, vi) if i is not None]
-    fits = [vec for vec in cache_vector_widths(req.dtype, req.interleaved)
+    fits = [vec for vec in cache_vector_widths(req.dtype, req.interleaved, kind)
             if not (kind and vec < 2) and not ((R if req.interleaved else R // 2) % vec or (D - R) % vec)]
     if not fits:
         raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "

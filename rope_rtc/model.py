@@ -71,11 +71,10 @@ class ModelRope:
         """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache
         in the model's dtype, FP8 e4m3 and FP8 e5m2."""
         span = self.rotary_dim if self.interleaved else self.rotary_dim // 2
-        fits = [v for v in cache_vector_widths(self.dtype, self.interleaved)
-                if span % v == 0 and (self.head_dim - self.rotary_dim) % v == 0]
         out = []
         for kind in (0, 1, 2):  # the first width the geometry allows (FP8 entries: 2 bytes at least)
-            vec = next((v for v in fits if not kind or v >= 2), None)
+            vec = next((v for v in cache_vector_widths(self.dtype, self.interleaved, kind)
+                        if span % v == 0 and (self.head_dim - self.rotary_dim) % v == 0 and (not kind or v >= 2)), None)
             if vec is not None:
                 out.append(cache_spec(self.dtype, self.interleaved, vec, kind, self.q_heads, self.kv_heads,
                                       self.head_dim, self.rotary_dim))

@@ -617,7 +617,8 @@ def fp8_quantize(values: np.ndarray, scale, kind: str) -> np.ndarray:
 
     v = np.asarray(values)
     vf = _bf16_to_f32(v) if v.dtype == BFLOAT16 else v.astype(np.float32)
-    q = np.clip(vf / np.float32(scale), -FP8_MAX[kind], FP8_MAX[kind])
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a zero scale, inf and NaN are legitimate
+        q = np.clip(vf / np.float32(scale), -FP8_MAX[kind], FP8_MAX[kind])
     fmt = ml_dtypes.float8_e4m3fn if kind == "fp8_e4m3" else ml_dtypes.float8_e5m2
     return q.astype(fmt).view(np.uint8)
 

@@ -200,12 +200,17 @@ def cache_head_batch(q_heads: int, k_heads: int, dtype: str, interleaved: bool, 
     return 2 if unit <= 16 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
 
 
-def cache_vector_widths(dtype: str, interleaved: bool) -> tuple[int, ...]:
-    """Elements per access of the fused RoPE + cache-write kernel, in order of preference: the
-    specialised build's width first (8-byte halves for half-split pairs measured fastest here
-    too, or as fast), then the others, widest first."""
-    first = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
+def cache_vector_widths(dtype: str, interleaved: bool, kind: int = 0) -> tuple[int, ...]:
+    """Elements per access of the fused RoPE + cache-write kernel, in order of preference. Cache
+    entries of the input dtype (``kind`` 0): the specialised build's width first (8-byte halves
+    for half-split pairs measured fastest here too, or as fast), then the others, widest first.
+    FP8 entries: widest first, so an entry store is as wide as it can be (8-byte entry stores, one
+    head per thread, measured 95.8% of a copy on bf16 prefill where 4-byte ones with two heads
+    reached 94.4%: docs/performance.md)."""
     widths = rope_vector_widths(dtype, interleaved)
+    if kind:
+        return widths
+    first = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
     return tuple([first] + [w for w in widths if w != first]) if first in widths else widths
 
 

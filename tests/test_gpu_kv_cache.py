@@ -160,3 +160,60 @@ def test_head_counts_and_new_arrays_of_one_plan(heads, kind):
         np.testing.assert_array_equal(bits(cp.asnumpy(dev["k"])), bits(want[1]))
         for name, ref in (("k_cache", want[2]), ("v_cache", want[3])):
             np.testing.assert_array_equal(cp.asnumpy(dev[name]).view(np.uint8), ref.view(np.uint8), err_msg=name)
+
+
+# Scales on both sides of the kernel's fast-quotient range [2^-64, 2^64] and in it: ordinary, an
+# inexact reciprocal (1/3), negative, huge and tiny, subnormal and zero (the exact division path).
+FP8_SCALES = (0.05, 1.0 / 3.0, -0.75, 448.0 / 7.0, 2.0 ** -64, 2.0 ** 64, 3.0e-20, 2.0 ** -65, 2.0 ** 65,
+              1.0e-30, 3.0e30, 1.0e-40, 0.0)
+
+
+def _every_input_value(dtype: str) -> np.ndarray:
+    """Every bit pattern of a 16-bit dtype (NaNs included); for float32, 2^16 random patterns and
+    the special values (zeros, infinities, the extremes of the normal and subnormal ranges)."""
+    if dtype != "float32":
+        return np.arange(1 << 16, dtype=np.uint16).view(DTYPES[dtype])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, 3.4028235e38, -3.4028235e38, 1.1754944e-38, 1.0e-45, -1.0e-45,
+                        448.0, 464.0, 57344.0, 61440.0], np.float32)
+    rand = np.random.default_rng(31).integers(0, 1 << 32, (1 << 16) - special.size, dtype=np.uint64)
+    return np.concatenate([special, rand.astype(np.uint32).view(np.float32)])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_entries_of_every_input_value(dtype, kind):
+    """v carries every value of its dtype into the cache: each FP8 entry equals the reference's
+    (the value divided by the scale in FP32, saturated, rounded to nearest even) for scales inside
+    and outside the kernel's fast-quotient range; a NaN value gives an FP8 NaN."""
+    import cupy as cp
+    import ml_dtypes
+
+    import rope_rtc
+    from rope_rtc.reference import fp8_quantize
+
+    hk, d = 2, 64
+    values = _every_input_value(dtype)
+    t = values.size // (hk * d)
+    dt = DTYPES[dtype]
+    v = cp.asarray(values.reshape(t, hk, d))
+    q, k = (cp.asarray(host_random((t, n, d), dt, 40 + n, 2.0)) for n in (2, hk))
+    cos, sin = (cp.asarray(a) for a in host_tables(8, d // 2, 41))
+    positions = cp.zeros(t, cp.int64)
+    slots = cp.arange(t, dtype=cp.int64)
+    shape = (t // BS, BS, hk, d)
+    fmt = ml_dtypes.float8_e4m3fn if kind == "fp8_e4m3" else ml_dtypes.float8_e5m2
+    nan_in = np.isnan(values.astype(np.float32))
+    for scale in FP8_SCALES:
+        k_cache, v_cache = cp.zeros(shape, cp.uint8), cp.zeros(shape, cp.uint8)
+        k_scale = v_scale = cp.asarray(np.array([scale], np.float32))
+        rope_rtc.rope_and_cache(q.copy(), k.copy(), v, cos, sin, positions, slots, k_cache, v_cache,
+                                kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
+        got = cp.asnumpy(v_cache).reshape(-1)
+        want = fp8_quantize(values, np.float32(scale), kind)
+        nan_want = np.isnan(want.view(fmt).astype(np.float32))
+        exact = ~nan_want
+        bad = np.flatnonzero(got[exact] != want[exact])
+        assert bad.size == 0, (f"scale {scale!r}: {bad.size} entries differ, first at value "
+                               f"{values[exact][bad[0]]!r}: got {got[exact][bad[0]]:#04x}, want {want[exact][bad[0]]:#04x}")
+        assert np.isnan(got[nan_want].view(fmt).astype(np.float32)).all(), f"scale {scale!r}: a NaN quotient's entry"
+        assert nan_in.sum() == 0 or nan_want[nan_in].all()

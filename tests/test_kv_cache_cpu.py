@@ -259,6 +259,9 @@ def test_heads_per_thread_and_vector_preference():
     assert cache_head_batch(32, 1, "bfloat16", False, 4) == 1 and cache_head_batch(3, 2, "bfloat16", False, 4) == 1
     assert cache_vector_widths("bfloat16", False)[0] == 4  # 8-byte halves, as the specialised build
     assert cache_vector_widths("bfloat16", True)[0] == 8 and cache_vector_widths("float32", False)[0] == 2
+    # FP8 entries: the widest access first (8-byte entry stores for 2-byte inputs), one head per thread
+    assert cache_vector_widths("bfloat16", False, 1)[0] == 8 and cache_vector_widths("float32", False, 2)[0] == 4
+    assert cache_head_batch(32, 8, "bfloat16", False, 8) == 1
     with FakeGPU() as gpu:
         rope_and_cache(**_call(q=fake_cupy((T, 3, D), BF16), k=fake_cupy((T, 1, D), BF16),
                                v=fake_cupy((T, 1, D), BF16), k_cache=fake_cupy((3, 16, 1, D), BF16),
