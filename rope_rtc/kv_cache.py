@@ -28,7 +28,8 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, pointers, signature
+from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, disjoint_pairs, meets_unvalidated, pointers,
+                       signature)
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_OFFSET, CacheParams, fast_divisor
@@ -276,15 +277,9 @@ class _CacheTemplate:
         in_place = tuple(A.same_view(infos[o], infos[i]) for o, i in ((Q_OUT, Q), (K_OUT, K)))
         self.same_view = tuple(pair for pair, same in zip(((Q_OUT, Q), (K_OUT, K)), in_place) if same)
         # Every array the launch writes must not meet any other argument (its own input aside, in
-        # place). Whether two arrays of fixed shapes and strides share a byte depends only on their
-        # relative offset: extents that meet are accepted at the offset validation accepted (views
-        # of one buffer, such as q, k and v of a fused QKV projection, or k and v caches
-        # interleaved in one allocation).
-        own = {Q_OUT: Q if in_place[0] else None, K_OUT: K if in_place[1] else None}
-        self.disjoint = tuple(
-            (o, *extents[o], tuple((j, *e, vp[j] - vp[o]) for j, e in enumerate(extents)
-                                   if e is not None and j != o and j != own.get(o)))
-            for o in (Q_OUT, K_OUT, K_CACHE, V_CACHE) if extents[o] is not None)
+        # place): prepared.disjoint_pairs (k and v caches may be interleaved in one allocation).
+        self.disjoint = disjoint_pairs(extents, (Q_OUT, K_OUT, K_CACHE, V_CACHE),
+                                       {Q_OUT: Q if in_place[0] else None, K_OUT: K if in_place[1] else None}, vp)
         vec_bytes = creq.vec * r.q.itemsize
         cache_bytes = creq.vec * creq.k_cache.itemsize
         self.masks = tuple((i, vec_bytes - 1) for i in _VECTOR_ARGS) + tuple(
@@ -326,13 +321,8 @@ class _CacheTemplate:
         for o, own in self.same_view:
             if ptrs[o] != ptrs[own]:
                 return None  # validated in place, now a separate output
-        for o, olo, ohi, others in self.disjoint:
-            po = ptrs[o]
-            lo, hi = po + olo, po + ohi
-            for j, jlo, jhi, validated in others:
-                p = ptrs[j]
-                if p + jlo < hi and lo < p + jhi and p - po != validated:
-                    return None  # extents meet at an offset not validated: full validation decides
+        if meets_unvalidated(self.disjoint, ptrs):
+            return None  # extents meet at an offset not validated: full validation decides
         for i, mask in self.masks:
             if ptrs[i] & mask:
                 return None  # narrower vectors (a new template) or a real misalignment

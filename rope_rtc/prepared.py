@@ -67,6 +67,45 @@ def shapes(arrays: tuple) -> tuple:
     return getattr(arrays[0], "shape", None), getattr(arrays[1], "shape", None)
 
 
+def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers: tuple) -> tuple:
+    """The address check of a template, prepared once: ``(o, j, lo, hi, validated)`` for each
+    written argument ``o`` and each other argument ``j`` whose bytes it must not meet.
+
+    ``extents``: each argument's byte extent relative to its pointer (None: absent or empty);
+    ``own``: written argument -> the input it was validated as a view of (in place), which it may
+    meet. Whether two arrays of fixed shapes and strides share a byte depends only on their
+    relative offset ``d = ptr[j] - ptr[o]``: their extents meet exactly when ``lo < d < hi``,
+    and meeting extents are accepted at the offset full validation accepted (views of one
+    buffer, such as q and k of a fused QKV projection, have extents that meet without sharing a
+    byte). Each unordered pair is listed once, an in-place output standing for its input (the
+    template checks that it still is that input's view before this check)."""
+    canon = {o: i for o, i in own.items() if i is not None}
+    seen, pairs = set(), []
+    vp = validated_pointers
+    for o in written:
+        if extents[o] is None:
+            continue
+        olo, ohi = extents[o]
+        for j, e in enumerate(extents):
+            if e is None or j == o or j == own.get(o):
+                continue
+            pair = frozenset((canon.get(o, o), canon.get(j, j)))
+            if pair in seen:
+                continue
+            seen.add(pair)
+            pairs.append((o, j, olo - e[1], ohi - e[0], vp[j] - vp[o]))
+    return tuple(pairs)
+
+
+def meets_unvalidated(pairs: tuple, ptrs: tuple) -> bool:
+    """Whether any pair of :func:`disjoint_pairs` meets at an offset full validation did not accept."""
+    for o, j, lo, hi, validated in pairs:
+        d = ptrs[j] - ptrs[o]
+        if lo < d < hi and d != validated:
+            return True
+    return False
+
+
 class Call:
     """One bound call: its arguments (held, so their identities stay theirs while remembered),
     the scalar argument, the template that bound it, the launch prefix (None: nothing to

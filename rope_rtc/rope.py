@@ -365,6 +365,10 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
     if cos_sin_cache is None and head_dim is None:
+        if _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
+            # The engine's call (CuPy arrays, a GPU seen before): straight to the plan cache.
+            return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse), ("q", "k"))
         return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse))
     cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
@@ -387,6 +391,9 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     ``out=x`` rotates in place. Returns the output array.
     """
     if cos_sin_cache is None and head_dim is None:
+        if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
+            return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream,
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse), ("x", "k"))[0]
         q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse))
         return q

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel
-from .prepared import Call, Op, Prepared, pointers, signature
+from .prepared import Call, Op, Prepared, disjoint_pairs, pointers, signature
 from .registry import FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, fixed_geometry, rope_head_batches, rope_spec, \
     rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
@@ -313,16 +313,10 @@ class _RopeTemplate:
         # Outputs validated as their own input's view: a call binds here only if they still are
         # (the signature fixes shape, strides and dtype, so an equal pointer is the same view).
         self.same_view = tuple(pair for pair, same in zip(self.OUTPUTS, in_place) if same)
-        # For each output, the arguments whose bytes it must not meet: (output, lo, hi, [(j, lo, hi,
-        # validated offset of j from the output)]). Whether two arrays of fixed shapes and strides
-        # share a byte depends only on their relative offset: extents that meet are accepted at the
-        # offset full validation accepted (views of one buffer, such as q and k of a fused QKV
-        # projection, have extents that meet without sharing a byte).
-        vp = self.validated_pointers
-        self.disjoint = tuple(
-            (o, *self.extents[o], tuple((j, *e, vp[j] - vp[o]) for j, e in enumerate(self.extents)
-                                        if e is not None and j != o and not (same and j == own)))
-            for (o, own), same in zip(self.OUTPUTS, in_place) if self.extents[o] is not None)
+        # No output may meet another argument's bytes (prepared.disjoint_pairs).
+        self.disjoint = disjoint_pairs(self.extents, tuple(o for o, _ in self.OUTPUTS),
+                                       {o: (own if same else None) for (o, own), same in zip(self.OUTPUTS, in_place)},
+                                       self.validated_pointers)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
         # The specialised build when the call fits it and is at hand (its vector's alignment is
@@ -376,13 +370,10 @@ class _RopeTemplate:
         for o, own in self.same_view:
             if ptrs[o] != ptrs[own]:
                 return None  # validated in place, now a separate output: not this template's call
-        for o, olo, ohi, others in self.disjoint:  # no output meets another argument (by extents)
-            po = ptrs[o]
-            lo, hi = po + olo, po + ohi
-            for j, jlo, jhi, validated in others:
-                p = ptrs[j]
-                if p + jlo < hi and lo < p + jhi and p - po != validated:
-                    return None  # extents meet at an offset not validated: full validation decides
+        for o, j, lo, hi, validated in self.disjoint:  # no output meets another argument (by extents)
+            d = ptrs[j] - ptrs[o]
+            if lo < d < hi and d != validated:
+                return None  # extents meet at an offset not validated: full validation decides
         if offset and self.has_positions or offset < 0 or offset > self.table_rows:
             return None
         if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:

@@ -124,6 +124,17 @@ def test_address_checks_still_run_on_a_known_signature(gpu, table):
     qv, kv = base[:, :, :HQ], base[:, :, HQ - HK + 1:HQ + 1]
     with pytest.raises(ValueError, match="overlaps"):
         apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv)
+    # Every other pairing too (the template lists each unordered pair once): k rotated in place
+    # over the offsets array, q over the offsets, and k over the table.
+    q2, k2, _ = decode_arrays()
+    shared = fake_cupy(cos.shape, np.float32)  # a table whose first bytes are k's
+    k_on_table = shared.reshape(-1).view(BF16)[:k2.size].reshape(k2.shape)
+    for offsets, q_arg, k_arg, tables in (
+            (k2.reshape(-1)[:2 * B].view(np.int32), q2, k2, (cos, sin)),
+            (q2.reshape(-1)[:2 * B].view(np.int32), q2, k2, (cos, sin)),
+            (offs, q2, k_on_table, (cos, shared))):
+        with pytest.raises(ValueError, match="overlaps"):
+            apply_rope_qk(q_arg, k_arg, *tables, offset=offsets, q_out=q_arg, k_out=k_arg)
     assert len(gpu.launches) == n + 1
 
 
