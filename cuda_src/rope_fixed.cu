@@ -27,6 +27,7 @@
 // measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
 // its partner half through a warp shuffle measured slower and is not kept.
 #include "common.cuh"
+#include "fixed_params.cuh"
 #include "positions.cuh"
 
 #if !defined(FIX_HQ) || !defined(FIX_HK) || !defined(FIX_D) || !defined(FIX_RO) || !defined(FIX_RD) || \
@@ -61,18 +62,6 @@ typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
-
-// [0] is q, [1] is k. Every field is 8 bytes (the host mirror is a ctypes Structure).
-struct FixedParams {
-    u64 in[2], out[2];
-    i64 in_sb[2], in_ss[2], in_sh[2];
-    i64 out_sb[2], out_ss[2], out_sh[2];
-    u64 cos, sin, positions, offsets, cu_seqlens;
-    i64 offset, num_tokens, seq_len, num_seqs, table_rows, table_stride;
-    i64 pos_mode, index_flags, inverse, table_vec, total;
-    u64 div_seq;  // fast_div packed S
-    i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
-};
 
 // q and k are streamed once: evict-first loads and stores (ld/st.global.cs) measured faster than
 // plain ones on every prefill case (docs/performance.md).

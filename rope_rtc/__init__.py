@@ -7,6 +7,7 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
 - :func:`rope_and_cache`, :class:`RopeCachePlan` — RoPE fused with the paged KV-cache write (FP8 too)
 - :func:`apply_mrope`, :func:`apply_mrope_qk`, :class:`MRopePlan` — multimodal RoPE (Qwen2-VL, Qwen3-VL)
+- :func:`apply_qk_norm_rope`, :class:`QKNormRopePlan` — per-head RMSNorm fused with RoPE (Qwen3, Gemma 3)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
 """
@@ -29,6 +30,8 @@ _EXPORTS = {
     "apply_mrope": "mrope",
     "apply_mrope_qk": "mrope",
     "MRopePlan": "mrope",
+    "apply_qk_norm_rope": "qk_norm",
+    "QKNormRopePlan": "qk_norm",
     "TailRoPEForward": "tail",
     "tail_rope": "tail",
     "TensorDesc": "descriptors",

@@ -724,3 +724,49 @@ def mrope_kernel_arithmetic(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos
     per_token_sin = np.asarray(sin, np.float32)[rows, cols]
     return rope_kernel_arithmetic(x, per_token_cos, per_token_sin, np.arange(x.shape[0]), interleaved=False,
                                   rotary_dim=rotary_dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-head RMSNorm fused with RoPE (QK-norm)
+
+def qk_norm_reference(x: np.ndarray, weight: np.ndarray, *, eps: float) -> np.ndarray:
+    """Each head of ``x`` (``[N, H, D]``) normalised by its root mean square and scaled by
+    ``weight`` (``[D]``), in float64: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    x = np.asarray(x)
+    xf = _bf16_to_f32(x).astype(np.float64) if x.dtype == BFLOAT16 else x.astype(np.float64)
+    w = np.asarray(weight)
+    wf = _bf16_to_f32(w).astype(np.float64) if w.dtype == BFLOAT16 else w.astype(np.float64)
+    ms = np.mean(xf * xf, axis=-1, keepdims=True)
+    return xf / np.sqrt(ms + float(np.float32(eps))) * wf
+
+
+def qk_norm_rope_reference(x: np.ndarray, weight: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                           positions: np.ndarray, *, eps: float, interleaved: bool, rotary_dim: int | None = None,
+                           rotary_offset: int = 0, inverse: bool = False) -> np.ndarray:
+    """What :func:`rope_rtc.apply_qk_norm_rope` computes, in float64: :func:`qk_norm_reference`,
+    then :func:`rope_reference` of the result (channels outside the window normalised only)."""
+    return rope_reference(qk_norm_reference(x, weight, eps=eps), cos, sin, positions, interleaved=interleaved,
+                          rotary_dim=rotary_dim, rotary_offset=rotary_offset, inverse=inverse)
+
+
+# The FP32 error of the norm relative to the normalised value: the mean square (a sum of D
+# squares) and the scaling add at most (D / 2 + 4) float32 roundings' worth.
+def qk_norm_error_bound(normalized: np.ndarray, out_dtype, result: np.ndarray, *, interleaved: bool,
+                        rotary_dim: int | None = None, rotary_offset: int = 0) -> np.ndarray:
+    """How far a correct ``numerics="exact"`` output may be from :func:`qk_norm_rope_reference`.
+
+    ``normalized``: :func:`qk_norm_reference` of the input (float64, ``[N, H, D]``). Each output
+    element may be off by ``(2^-22 + (D / 2 + 4) * 2^-24) * m``, with ``m`` the ``|y0| + |y1|``
+    of its pair (``|y|`` outside the window), plus one output-dtype ulp of ``result`` for
+    float16 and bfloat16 outputs (their one rounding)."""
+    dt = _float_dtype(out_dtype, "out_dtype")
+    y = np.abs(np.asarray(normalized, dtype=np.float64))
+    d = y.shape[-1]
+    r, ro = _rotary_span(d, rotary_dim, rotary_offset)
+    mag = y.copy()
+    y0, y1 = _split_pairs(y[..., ro:ro + r], interleaved)
+    mag[..., ro:ro + r] = _merge_pairs(y0 + y1, y0 + y1, interleaved)
+    bound = (_FP32_PAIR_REL_BOUND + (d / 2 + 4) * 2.0**-24) * mag
+    if dt in _ROUNDED_OUTPUTS:
+        bound = bound + _ulp(result, dt)
+    return bound

@@ -118,6 +118,54 @@ class FixedGeometry:
              ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))) + mrope)
 
 
+# Per-head RMSNorm fused with RoPE (cuda_src/qk_norm_rope.cu, rope_rtc/qk_norm.py).
+NORM_ENTRIES = ("qk_norm_rope",)
+NORM_MODES = {"exact": 0, "transformers": 1}
+
+
+@dataclass(frozen=True)
+class NormGeometry:
+    """What a build of the fused QK-norm + RoPE kernel fixes: the model's geometry, the weights'
+    type, the numerics and the vector width (head_dim / vec lanes per head)."""
+
+    dtype: str
+    interleaved: bool
+    q_heads: int
+    k_heads: int
+    head_dim: int
+    rotary_offset: int
+    rotary_dim: int
+    vec: int
+    weights_f32: bool
+    numerics: str
+
+    @property
+    def lanes(self) -> int:
+        return self.head_dim // self.vec
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(
+            "qk_norm_rope", "qk_norm_rope.cu", NORM_ENTRIES,
+            (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
+             ("ROPE_VEC", str(self.vec)), ("NORM_HQ", str(self.q_heads)), ("NORM_HK", str(self.k_heads)),
+             ("NORM_D", str(self.head_dim)), ("NORM_RO", str(self.rotary_offset)), ("NORM_RD", str(self.rotary_dim)),
+             ("NORM_WF32", str(int(self.weights_f32))), ("NORM_MODE", str(NORM_MODES[self.numerics]))))
+
+
+def norm_vector_widths(dtype: str, interleaved: bool, head_dim: int, rotary_offset: int, rotary_dim: int) -> tuple:
+    """Vector widths (elements) the fused QK-norm kernel can use for a geometry, widest first:
+    a head must be a power-of-two number of lanes, at most a warp, and the window whole vectors
+    (pairs inside a vector for interleaved pairs)."""
+    out = []
+    for vec in rope_vector_widths(dtype, interleaved):
+        lanes, span = head_dim // vec, rotary_dim if interleaved else rotary_dim // 2
+        if (head_dim % vec or lanes > 32 or lanes & (lanes - 1) or rotary_offset % vec or span % vec
+                or (interleaved and vec % 2)):
+            continue
+        out.append(vec)
+    return tuple(out)
+
+
 # Bytes per access of the specialised build: half-split pairs read two vectors per thread and
 # measured fastest at 8 bytes each (2-byte types and FP32 alike); interleaved pairs at 16 bytes
 # (docs/performance.md).

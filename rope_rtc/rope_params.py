@@ -53,7 +53,7 @@ def fast_div(n: int, packed: int) -> int:
     return (((n * mul) >> 32) + n) >> shift
 
 
-# The host mirror of ``struct FixedParams`` in cuda_src/rope_fixed.cu ([0] is q, [1] is k).
+# The host mirror of ``struct FixedParams`` in cuda_src/fixed_params.cuh ([0] is q, [1] is k).
 _PAIR = _I64 * 2
 FIXED_FIELDS = [
     ("in_", _U64 * 2), ("out", _U64 * 2),
@@ -71,6 +71,16 @@ FIXED_FIELDS = [
 class FixedParams(ctypes.Structure):
     _fields_ = FIXED_FIELDS
 assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block
+
+
+# The host mirror of ``struct NormParams`` in cuda_src/qk_norm_rope.cu: FixedParams, then the
+# weights (q's, k's) and eps. The same field names, so what fills a FixedParams fills its start.
+NORM_FIELDS = FIXED_FIELDS + [("weight", _U64 * 2), ("eps", ctypes.c_float), ("pad", ctypes.c_uint32)]
+
+
+class NormParams(ctypes.Structure):
+    _fields_ = NORM_FIELDS
+assert ctypes.sizeof(NormParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block
 
 
 # The host mirror of ``struct CacheParams`` in cuda_src/rope_cache.cu ([0] q, [1] k, [2] v).

@@ -271,7 +271,7 @@ class FakeGPU:
     blocks (rope_rtc.prepared). Replaced are the bottom layers alone:
 
     * the kernel loaders (``rope_plan.load_rope_functions``, ``load_fixed_function``,
-      ``tail.load_tail_function``) return descriptive tuples/names instead of function handles;
+      ``tail.load_tail_function``, ``qk_norm.load_norm_function``) return descriptive tuples/names instead of function handles;
       the specialised build serves the calls it fits only with ``FakeGPU(fixed=True)``;
     * every core's launcher is a recorder that appends ``{"fn", "grid", "block", "stream",
       "token", "thread", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
@@ -344,6 +344,11 @@ class FakeGPU:
 
         self._patch(mrope, "stream_handle", stream_handle)
         self._patch(mrope, "_local", threading.local())
+        from rope_rtc import qk_norm
+
+        self._patch(qk_norm, "load_norm_function", lambda g, device: ("qk_norm_rope", g))
+        self._patch(qk_norm, "stream_handle", stream_handle)
+        self._patch(qk_norm, "_local", threading.local())
         import cupy
 
         self._patch(rope, "_gpu_present", True)
@@ -391,6 +396,12 @@ class _RecordingLauncher:
 
             record["cache"] = CacheParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(CacheParams)))
             record["request"] = fn[1]
+        elif isinstance(fn, tuple) and fn[0] == "qk_norm_rope":
+            from rope_rtc.rope_params import NormParams
+
+            record["norm"] = NormParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(NormParams)))
+            record["geometry"] = fn[1]
+            record["vec"] = fn[1].vec
         elif isinstance(fn, tuple) and fn[0] == "rope_fixed":
             from rope_rtc.rope_params import FixedParams
 

@@ -1,0 +1,363 @@
+"""Per-head RMSNorm fused with RoPE (QK-norm), as Qwen3 and Gemma 3 prepare q and k: each head
+is normalised over the head dim in FP32, scaled by a learned weight (``q_weight`` or
+``k_weight``, ``head_dim`` entries), then rotated, in one launch over q and k
+(cuda_src/qk_norm_rope.cu).
+
+Numerics (``numerics=``):
+
+- ``"exact"``: FP32 throughout, one rounding to the output dtype at the end, within
+  :func:`rope_rtc.reference.qk_norm_error_bound` of the float64 reference
+  (:func:`rope_rtc.reference.qk_norm_rope_reference`).
+- ``"transformers"``: rounds where Hugging Face's ``Qwen3RMSNorm`` and ``apply_rotary_pos_emb``
+  round: the normalised value is cast to the input dtype before the weight (of the input dtype)
+  multiplies it, and the rotation runs in the input dtype with the tables cast to it.
+
+The plan is the general plan's specialised-build path on the prepared-launch core
+(docs/design.md), with the two weights after the general arguments:
+
+- :class:`QKNormRopePlan`: built once; ``execute`` allocates nothing and can be captured.
+- :func:`apply_qk_norm_rope`: one call (a plan per signature and thread).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import struct
+import threading
+
+import numpy as np
+
+from . import arrays as A
+from . import launch, rope_plan
+from .launch import launch_prefix, load_kernel, remember, stream_handle
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, signature
+from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_vector_widths
+from .rope_launch import fill_fixed
+from .rope_params import NormParams
+from .rope_plan import _FIXED_IO, _FIXED_TABLES, _FIXED_TABLES_AT, K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, \
+    check_positions_of, split_offset
+from .rope_request import Request, validate
+
+NUMERICS = tuple(NORM_MODES)
+# The weights follow the general plan's nine arguments in the core's calls.
+Q_WEIGHT, K_WEIGHT = 9, 10
+_WEIGHTS = struct.Struct("<2Q")
+_WEIGHTS_AT = NormParams.weight.offset
+BLOCK_THREADS = 256  # __launch_bounds__ of qk_norm_rope.cu
+
+
+def load_norm_function(g: NormGeometry, device: int):
+    """The entry of the fused QK-norm build ``g``, loaded on ``device`` (compiled on a cache miss)."""
+    return load_kernel(g.spec(), device).functions[NORM_ENTRIES[0]]
+
+
+def check_norm_options(eps, numerics) -> float:
+    """``eps`` as the float32 the kernel adds, after checking both options."""
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    if not math.isfinite(float(eps)) or float(eps) < 0:
+        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    if not isinstance(numerics, str) or numerics not in NUMERICS:
+        raise ValueError(f"numerics: expected one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
+    return float(np.float32(eps))
+
+
+def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
+    if w is None:
+        raise TypeError(f"{name}: expected a device array of head_dim ({req.cq.D}) weights")
+    wi = A.describe(w, name, allow_host=False)
+    allowed = (req.dtype, "float32") if numerics == "exact" else (req.dtype,)
+    A.check_dtype(wi, tuple(dict.fromkeys(allowed)),
+                  f" for {req.dtype} q/k with numerics={numerics!r} (transformers multiplies in the input dtype)"
+                  if numerics != "exact" else f" for {req.dtype} q/k")
+    if wi.shape != (req.cq.D,):
+        raise ValueError(f"{name}: expected shape [head_dim] = ({req.cq.D},), got {wi.shape}")
+    if req.cq.D > 1 and wi.strides[0] != 1:
+        raise ValueError(f"{name}: expected a contiguous vector (stride 1 element), got stride {wi.strides[0]}")
+    return wi
+
+
+def validate_qk_norm(q, k, q_weight, k_weight, cos, sin, *, eps, numerics: str, positions=None, offset=0,
+                     cu_seqlens=None, layout: str = "bshd", interleaved: bool = False, rotary_dim: int | None = None,
+                     rotary_offset: int = 0, inverse: bool = False, q_out=None, k_out=None,
+                     names: tuple[str, str] = ("q", "k")):
+    """Every check of a fused QK-norm call, before anything is launched or written. Returns
+    ``(request, q_weight info, k_weight info, build, eps as float32)``."""
+    eps32 = check_norm_options(eps, numerics)
+    if k is None:
+        raise TypeError("k: expected an array (the fused norm rotates q and k together)")
+    req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
+                   k_out=k_out, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                   rotary_offset=rotary_offset, inverse=inverse, allow_host=False, names=names)
+    if req.ck.D != req.cq.D:  # pragma: no cover - validate refuses different head dims
+        raise ValueError("k: the head dim must equal q's")
+    qw, kw = _weight(q_weight, "q_weight", req, numerics), _weight(k_weight, "k_weight", req, numerics)
+    if qw.dtype != kw.dtype:
+        raise TypeError(f"q_weight/k_weight: one dtype for both, got {qw.dtype} and {kw.dtype}")
+    A.check_same_device([req.q, qw, kw])
+    for out in (req.q_out or req.q, req.k_out or req.k):  # what the launch writes (in place: q and k)
+        for w in (qw, kw):
+            if A.overlaps(out, w):
+                raise ValueError(f"{out.name} overlaps {w.name}: the weights must not share bytes with an output")
+    return req, qw, kw, norm_geometry(req, qw, numerics), eps32
+
+
+def norm_geometry(req: Request, weight: A.ArrayInfo, numerics: str) -> NormGeometry:
+    """The build for a validated call: the widest vector that the geometry and every address allow."""
+    D = req.cq.D
+    widths = norm_vector_widths(req.dtype, req.interleaved, D, req.rotary_offset, req.rotary_dim)
+    if not widths:
+        raise NotImplementedError(
+            f"head_dim {D} with rotary_dim {req.rotary_dim} at rotary_offset {req.rotary_offset}: the fused QK-norm "
+            "kernel needs head_dim to be a power-of-two number (at most 32) of its vectors and the window whole "
+            "vectors; normalise separately, then call apply_rope_qk")
+    views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
+    size = req.q.itemsize
+    for vec in widths:
+        if not req.num_tokens or not any(
+                i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
+                for i in views):
+            break
+    else:  # pragma: no cover - a vector of one element always fits when the geometry allows it
+        raise ValueError(f"{req.q.name}/{req.k.name}/outputs: addresses or strides are not aligned to any vector "
+                         "the fused QK-norm kernel reads; pass aligned arrays")
+    g = NormGeometry(req.dtype, req.interleaved, req.cq.H, req.ck.H, D, req.rotary_offset, req.rotary_dim, vec,
+                     weight.dtype == "float32" and req.dtype != "float32", numerics)
+    if norm_threads(req, g) >= 2**31:
+        raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
+    return g
+
+
+def norm_threads(req: Request, g: NormGeometry) -> int:
+    return req.num_tokens * (g.q_heads + g.k_heads) * g.lanes
+
+
+class _NormTemplate(_RopeTemplate):
+    """The general template with the fused norm build, the weights in the address checks and no
+    generic fallback."""
+
+    generic = False
+
+    def __init__(self, plan: "QKNormRopePlan", req: Request, qw: A.ArrayInfo, kw: A.ArrayInfo,
+                 g: NormGeometry) -> None:
+        self._weights, self._g = (qw, kw), g
+        super().__init__(plan, req)
+        self._weights = None  # hold no caller's array
+        self.natural = self.natural + ((Q_WEIGHT, qw.itemsize - 1), (K_WEIGHT, kw.itemsize - 1))
+        # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
+        self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
+                                       g.rotary_dim, g.vec, 1, 0)
+
+    def _infos(self, req: Request) -> tuple:
+        return req.infos() + self._weights
+
+    def _geometry(self, req: Request) -> NormGeometry:
+        return self._g
+
+    def _fill_fixed(self, p) -> None:
+        fill_fixed(p, self.req, self._as_fixed)
+        p.total = norm_threads(self.req, self._g)
+        p.eps = self.plan.eps
+
+    def _bind_fixed(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call:
+        plan = self.plan
+        p = plan._fixed_view(core)
+        g = self._g
+        if core.filled is not self or core.filled_vec != "fixed":
+            self._fill_fixed(p)
+            core.filled, core.filled_vec = self, "fixed"
+        q, k, c, s, pos, qo, ko, cu, offs, qw, kw = ptrs
+        block = plan._fixed_bytes
+        _FIXED_IO.pack_into(block, 0, q, k, qo, ko)
+        _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, pos, offs, cu, offset)
+        _WEIGHTS.pack_into(block, _WEIGHTS_AT, qw, kw)
+        npair = g.vec // self.npair_div
+        p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
+        pre = self._fixed_prefix
+        if pre is None:
+            total = norm_threads(self.req, g)
+            pre = self._fixed_prefix = launch_prefix(plan.fixed_kernel(g), (max(1, -(-total // BLOCK_THREADS)), 1, 1),
+                                                     (BLOCK_THREADS, 1, 1))
+        return Call(arrays, offset, self, pre, (arrays[Q_OUT], arrays[K_OUT]))
+
+
+class _NormOp(Op):
+    def __init__(self, plan: "QKNormRopePlan") -> None:
+        self.plan = plan
+
+    def signature(self, arrays: tuple):
+        sig = signature(arrays)
+        return None if sig is None else (sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K])
+
+    def validate(self, arrays: tuple, scalar: int) -> _NormTemplate:
+        plan = self.plan
+        q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
+        rope_plan.check_plan_arguments(plan, k, q_out, k_out)
+        req, qwi, kwi, g, _ = validate_qk_norm(q, k, qw, kw, cos, sin, eps=plan.eps, numerics=plan.numerics,
+                                               positions=positions, offset=scalar if offsets is None else offsets,
+                                               cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, names=plan._names,
+                                               **plan._opts)
+        rope_plan.check_request_fits_plan(plan, req)
+        if qwi.dtype != plan.weight_dtype:
+            raise ValueError(f"q_weight/k_weight: dtype {qwi.dtype} (plan: {plan.weight_dtype})")
+        return _NormTemplate(plan, req, qwi, kwi, g)
+
+
+class QKNormRopePlan(RopePlan):
+    """A prepared :func:`apply_qk_norm_rope`: built from one call's device arrays with the same
+    keywords, ``compile()`` once, then ``execute(q, k, q_weight, k_weight, cos, sin, ...)``
+    launches with no allocation, no synchronisation and no compilation (and can be captured in
+    a CUDA graph). Fixed: what a :class:`~rope_rtc.RopePlan` fixes, plus ``eps``, ``numerics``
+    and the weights' dtype. New arrays of a signature seen before take the address checks alone;
+    the last 16 argument sets are relaunched without any (from the second launch as a one-node
+    CUDA graph)."""
+
+    def __init__(self, q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
+                 positions=None, offset=0, cu_seqlens=None, layout: str = "bshd", interleaved: bool = False,
+                 rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
+                 k_out=None, device: int | None = None) -> None:
+        _, qw, _, _, self.eps = validate_qk_norm(
+            q, k, q_weight, k_weight, cos, sin, eps=eps, numerics=numerics, positions=positions, offset=offset,
+            cu_seqlens=cu_seqlens, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+            rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out)
+        super().__init__(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout=layout,
+                         interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
+                         inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+        self.numerics = numerics
+        self.weight_dtype = qw.dtype
+        self._norm: dict[NormGeometry, object] = {}
+
+    def _op(self) -> Op:
+        return _NormOp(self)
+
+    def fixed_kernel(self, g: NormGeometry):
+        """The entry of the fused build ``g``, loaded on first use (no generic kernel serves the
+        fused norm: with ``ROPE_RTC_NO_COMPILE=1`` and the build missing, the
+        KernelNotCachedError says so)."""
+        fn = self._norm.get(g)
+        if fn is None:
+            fn = self._norm[g] = load_norm_function(g, self.device)
+        return fn
+
+    def compile(self) -> "QKNormRopePlan":
+        """Load every build this plan's calls can take (one per vector width the geometry allows;
+        the widest serves aligned arrays), compiling on a cache miss. After this, ``execute``
+        never compiles."""
+        f32 = self.weight_dtype == "float32" and self.dtype != "float32"
+        for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, self.rotary_offset,
+                                      self.rotary_dim):
+            self.fixed_kernel(NormGeometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
+                                           self.rotary_offset, self.rotary_dim, vec, f32, self.numerics))
+        self._ensure_core()
+        return self
+
+    def _fixed_view(self, core: Prepared) -> NormParams:
+        """The core's block seen as the fused build's arguments (same memory)."""
+        view = self._fixed_block
+        if view is None or view[0] is not core:
+            address = ctypes.addressof(core.block)
+            view = self._fixed_block = (core, NormParams.from_address(address))
+            self._fixed_bytes = (ctypes.c_char * ctypes.sizeof(NormParams)).from_address(address)
+        return view[1]
+
+    def execute(self, q, k, q_weight, k_weight, cos, sin, positions=None, q_out=None, k_out=None, stream=None, *,
+                offset=None, cu_seqlens=None):
+        """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
+        core = self._core or self.compile()._core
+        if offset is None:
+            scalar, offsets = 0, None
+        else:
+            scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
+        if self.in_place:
+            q_out = q if q_out is None else q_out
+            k_out = k if k_out is None else k_out
+        arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight)
+        if self._check_positions:
+            check_positions_of(arrays[:9], scalar, self._opts)
+        return core.execute(arrays, scalar, stream)
+
+
+_local = threading.local()
+
+
+def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
+                       positions=None, offset=0, cu_seqlens=None, layout: str = "bshd", interleaved: bool = False,
+                       rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
+                       k_out=None, stream=None):
+    """RMSNorm each q and k head over the head dim, scale by its weight, then rotate: one launch.
+
+    Parameters
+    ----------
+    q, k : device arrays
+        ``layout``-shaped, float32, float16 or bfloat16 (CuPy, or any object with
+        ``__cuda_array_interface__`` / ``__dlpack__``); q and k may have different head counts.
+    q_weight, k_weight : device arrays ``[head_dim]``
+        The norms' weights (Hugging Face's ``q_norm.weight`` / ``k_norm.weight``): the input's
+        dtype, or float32 with ``numerics="exact"``.
+    cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`)
+    eps : float
+        Added to the mean square before the square root (``rms_norm_eps``), as float32.
+    numerics : {"exact", "transformers"}
+        ``"exact"``: FP32 throughout and one rounding. ``"transformers"``: the roundings of Hugging
+        Face's ``Qwen3RMSNorm`` followed by ``apply_rotary_pos_emb`` in the input dtype.
+    positions, offset, cu_seqlens, layout, interleaved, rotary_dim, rotary_offset, inverse, q_out, k_out, stream
+        As :func:`rope_rtc.apply_rope_qk`. Channels outside the rotary window are normalised and
+        not rotated.
+
+    Returns
+    -------
+    (q_out, k_out)
+    """
+    if k is None:
+        raise TypeError("k: expected an array (the fused norm rotates q and k together)")
+    qi = A.describe(q, "q", allow_host=False)
+    device = qi.device
+    handle = stream_handle(stream, device)
+    if q_out is None:
+        q_out = launch.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
+    if k_out is None:
+        ki = A.describe(k, "k", allow_host=False)
+        k_out = launch.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
+    scalar, offsets = split_offset(offset)
+    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight)
+    options = (layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics)
+    sig = signature(arrays)
+    plain = (type(layout) is str and type(interleaved) is bool and type(inverse) is bool
+             and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+             and type(eps) in (float, int) and type(numerics) is str)
+    key = None if sig is None or not plain else (options, sig, q_out is q, k_out is k)
+    cache = getattr(_local, "plans", None)
+    if cache is None:
+        cache = _local.plans = {}
+    plan, call = bind_once(cache, key, arrays, scalar, None, _plan_for, arrays, scalar, options, device)
+    if plan._check_positions:
+        check_positions_of(arrays[:9], scalar, plan._opts)
+    if call.prefix is not None:
+        plan._core.launcher(call.prefix, handle)
+    return q_out, k_out
+
+
+def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
+    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+    layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
+    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
+    offset = scalar if offsets is None else offsets
+    req, qwi, _, _, _ = validate_qk_norm(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
+                                         offset=offset, cu_seqlens=cu_seqlens, layout=layout,
+                                         interleaved=interleaved, rotary_dim=rotary_dim,
+                                         rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out)
+    key = (options, req.dtype, req.cq.H, req.ck.H, req.cq.D, req.in_place, req.pos_mode,
+           tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)), qwi.dtype,
+           device)
+    by_key = getattr(_local, "by_key", None)
+    if by_key is None:
+        by_key = _local.by_key = {}
+    plan = by_key.get(key)
+    if plan is None:
+        plan = QKNormRopePlan(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions, offset=offset,
+                              cu_seqlens=cu_seqlens, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                              rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+        plan._ensure_core()
+        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
+    return plan

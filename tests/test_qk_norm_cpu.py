@@ -1,0 +1,127 @@
+"""Per-head RMSNorm fused with RoPE on the CPU: the float64 reference against hand-computed
+values, the argument block a call launches with, refusals before any launch, the repeat path's
+address checks (weights included), and the builds compiling for several architectures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc.reference import qk_norm_reference, qk_norm_rope_reference
+
+B, S, HQ, HK, D, P = 2, 5, 4, 2, 128, 64
+
+
+@pytest.fixture
+def gpu():
+    with FakeGPU() as g:
+        yield g
+
+
+def _call(**change):
+    kw = dict(q=fake_cupy((B, S, HQ, D), BF16), k=fake_cupy((B, S, HK, D), BF16), q_weight=fake_cupy((D,), BF16),
+              k_weight=fake_cupy((D,), BF16), cos=fake_cupy((P, D // 2), np.float32),
+              sin=fake_cupy((P, D // 2), np.float32))
+    kw.update(change)
+    return kw
+
+
+def test_reference_against_hand_computed_values():
+    x = np.array([[[3.0, 4.0, 0.0, 0.0]]], np.float32)  # mean square 25 / 4
+    w = np.array([1.0, 2.0, 0.5, 1.0], np.float32)
+    y = qk_norm_reference(x, w, eps=0.0)
+    np.testing.assert_allclose(y[0, 0], [3 / 2.5, 2 * 4 / 2.5, 0.0, 0.0])
+    # A quarter turn of pair 0 (channels 0 and 2) and none of pair 1 (channels 1 and 3).
+    cos = np.array([[0.0, 1.0]], np.float32)
+    sin = np.array([[1.0, 0.0]], np.float32)
+    out = qk_norm_rope_reference(x, w, cos, sin, np.array([0]), eps=0.0, interleaved=False)
+    np.testing.assert_allclose(out[0, 0], [-0.0, 3.2, 1.2, 0.0], atol=1e-12)
+
+
+def test_a_call_launches_the_fused_build_with_its_block(gpu):
+    import rope_rtc
+
+    kw = _call()
+    rope_rtc.apply_qk_norm_rope(**kw, eps=1e-5, offset=3)
+    rec = gpu.launches[-1]
+    g, p = rec["geometry"], rec["norm"]
+    assert (g.vec, g.lanes, g.numerics, g.weights_f32) == (8, 16, "exact", False)
+    assert p.total == B * S * (HQ + HK) * 16 and rec["grid"] == (-(-p.total // 256), 1, 1)
+    assert (p.weight[0], p.weight[1]) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
+    assert p.eps == np.float32(1e-5) and p.offset == 3 and p.in_[0] == kw["q"].data.ptr
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(eps=-1.0), ValueError, "eps"),
+    (dict(eps=float("nan")), ValueError, "eps"),
+    (dict(eps="1e-6"), TypeError, "eps"),
+    (dict(numerics="hf"), ValueError, "numerics"),
+    (dict(q_weight=None), TypeError, "q_weight"),
+    (dict(q_weight=fake_cupy((D // 2,), BF16)), ValueError, r"q_weight: expected shape \[head_dim\]"),
+    (dict(q_weight=fake_cupy((D, 2), BF16)[:, 0]), ValueError, "q_weight: expected a contiguous"),
+    (dict(k_weight=fake_cupy((D,), np.float16)), TypeError, "k_weight"),
+    (dict(q_weight=fake_cupy((D,), np.float32), k_weight=fake_cupy((D,), np.float32), numerics="transformers"),
+     TypeError, "transformers multiplies in the input dtype"),
+    (dict(k=None), TypeError, "k:"),
+    (dict(q=fake_cupy((B, S, HQ, 96), BF16), k=fake_cupy((B, S, HK, 96), BF16), q_weight=fake_cupy((96,), BF16),
+          k_weight=fake_cupy((96,), BF16), cos=fake_cupy((P, 48), np.float32), sin=fake_cupy((P, 48), np.float32)),
+     NotImplementedError, "head_dim 96"),
+])
+def test_bad_calls_are_refused_before_any_launch(gpu, change, exc, match):
+    import rope_rtc
+
+    with pytest.raises(exc, match=match):
+        rope_rtc.apply_qk_norm_rope(**_call(**change))
+    assert gpu.launches == []
+
+
+def test_an_output_over_a_weight_is_refused_on_the_repeat_path_too(gpu):
+    import rope_rtc
+
+    kw = _call()
+    rope_rtc.apply_qk_norm_rope(**kw, q_out=kw["q"], k_out=kw["k"])
+    n = len(gpu.launches)
+    # New arrays of the same signature: q's first head is also q_weight's bytes.
+    q2 = fake_cupy((B, S, HQ, D), BF16)
+    with pytest.raises(ValueError, match="q_out overlaps q_weight"):
+        rope_rtc.apply_qk_norm_rope(**_call(q=q2, q_weight=q2.reshape(-1)[:D]), q_out=q2, k_out=kw["k"])
+    assert len(gpu.launches) == n
+
+
+def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkeypatch):
+    import rope_rtc
+    from rope_rtc import qk_norm
+
+    plan = rope_rtc.QKNormRopePlan(**_call(), numerics="transformers")
+    plan.execute(**_call())
+    calls = []
+    real = qk_norm.validate_qk_norm
+    monkeypatch.setattr(qk_norm, "validate_qk_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(3):
+        kw = _call()
+        plan.execute(**kw)
+        assert gpu.launches[-1]["norm"].weight[1] == kw["k_weight"].data.ptr
+    assert calls == [] and gpu.launches[-1]["geometry"].numerics == "transformers"
+    # Weights of another dtype than the plan's: refused (float32 ones by the transformers numerics
+    # themselves, and by an exact plan built with bfloat16 weights).
+    f32 = dict(q_weight=fake_cupy((D,), np.float32), k_weight=fake_cupy((D,), np.float32))
+    with pytest.raises(TypeError, match="transformers multiplies in the input dtype"):
+        plan.execute(**_call(**f32))
+    exact = rope_rtc.QKNormRopePlan(**_call())
+    with pytest.raises(ValueError, match="plan: bfloat16"):
+        exact.execute(**_call(**f32))
+
+
+@pytest.mark.parametrize("arch", [80, 90, 100])
+def test_the_builds_compile(arch, tmp_path, monkeypatch):
+    from rope_rtc import compiler, toolchain
+    from rope_rtc.registry import NormGeometry, norm_vector_widths
+
+    if arch not in toolchain.supported_archs():
+        pytest.skip(f"this NVRTC does not know sm_{arch}")
+    for dtype, interleaved, numerics in (("bfloat16", False, "exact"), ("float16", True, "transformers"),
+                                         ("float32", False, "transformers")):
+        vec = norm_vector_widths(dtype, interleaved, D, 0, D)[0]
+        spec = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics).spec()
+        assert compiler.compile_source(spec.name, spec.source, spec.defines, toolchain.Target(arch, "cubin")).binary
