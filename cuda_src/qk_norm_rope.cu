@@ -5,6 +5,7 @@
 // Compile-time parameters:
 //   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC  as in rope.cu
 //   NORM_HQ, NORM_HK   q and k head counts
+//   NORM_HB            heads per lane group (divides both counts, so a group is all q or all k)
 //   NORM_D             head dim; NORM_D / ROPE_VEC is a power of two of at most 32
 //   NORM_RO, NORM_RD   rotary window [NORM_RO, NORM_RO + NORM_RD) of each head (whole vectors)
 //   NORM_WF32          1: float32 weights; 0: weights of the input dtype
@@ -16,9 +17,8 @@
 //   ss  = sum of x[c]^2: each lane adds its vector's squares in channel order, then the lanes'
 //         sums are combined by a butterfly over the lanes (every lane gets the same sum, since
 //         each step adds the same two values)
-//   var = ss / D (exact) or ss * (1 / D) (transformers, as torch's mean)
-//   r   = 1 / sqrt(var + eps), the square root and the division each correctly rounded (exact);
-//         rsqrtf (transformers, as torch.rsqrt)
+//   var = ss * (1 / D), as torch's mean
+//   r   = rsqrtf(var + eps), as torch.rsqrt
 //   y   = x * r * w (exact); round(w * round(x * r)) (transformers: the normalised value is cast
 //         to the input dtype before the weight multiplies it, the product is rounded again)
 //   out = the general kernels' rotation of (y0, y1) with one rounding (exact); transformers:
@@ -26,28 +26,32 @@
 //         the table values rounded to the input dtype (apply_rotary_pos_emb in that dtype)
 // Channels outside the window are y, rounded.
 //
-// Work split: LANES = NORM_D / ROPE_VEC consecutive threads per (token, head), each holding one
-// vector of the head; a head's lanes lie in one warp (LANES divides 32). A half-split pair's
-// partner vector is HALF / ROPE_VEC lanes away and comes through a warp shuffle.
+// Work split: LANES = NORM_D / ROPE_VEC consecutive threads per (token, group of NORM_HB heads),
+// each holding one vector of each of the group's heads; a group's lanes lie in one warp (LANES
+// divides 32). The weights, the position and the table slice are read once for the group. A
+// half-split pair's partner vector is HALF / ROPE_VEC lanes away and comes through a warp
+// shuffle.
 #include "common.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(NORM_HQ) || \
     !defined(NORM_HK) || !defined(NORM_D) || !defined(NORM_RO) || !defined(NORM_RD) || !defined(NORM_WF32) || \
-    !defined(NORM_MODE)
+    !defined(NORM_MODE) || !defined(NORM_HB)
 #error "qk_norm_rope.cu needs every compile-time parameter (rope_rtc/registry.py: NormGeometry)"
 #endif
 
 constexpr int VEC = ROPE_VEC;
 constexpr unsigned LANES = NORM_D / VEC;
 constexpr unsigned HEADS = NORM_HQ + NORM_HK;
+constexpr unsigned GROUPS = HEADS / NORM_HB;  // head groups per token: all q or all k
 constexpr int HALF = NORM_RD / 2;
 constexpr unsigned PARTNER = HALF / VEC;  // lanes between the two vectors of half-split pairs
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr unsigned FULL = 0xffffffffu;
 
 static_assert(NORM_D % VEC == 0 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "a head must be 1-32 lanes (a power of two)");
+static_assert(NORM_HQ % NORM_HB == 0 && NORM_HK % NORM_HB == 0, "NORM_HB must divide both head counts");
 static_assert(NORM_RO % VEC == 0 && NORM_RO + NORM_RD <= NORM_D, "the window must start on a vector, inside the head");
 static_assert(ROPE_INTERLEAVED ? (NORM_RD % VEC == 0 && VEC % 2 == 0) : HALF % VEC == 0, "the window must be whole vectors");
 
@@ -70,57 +74,36 @@ struct NormParams {
 
 __device__ __forceinline__ float round_to_dtype(float v) { return conv::to_float(conv::from_float(v)); }
 
-__device__ __forceinline__ float weight_at(u64 base, unsigned c) {
+// The lane's VEC weights, one aligned vector load (the host aligns the weights to it).
+__device__ __forceinline__ void load_weights(u64 base, unsigned c0, float* w) {
+    const Vec<weight_t, VEC> v = ldg_vec<weight_t, VEC>((const weight_t*)base + c0);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
 #if NORM_WF32
-    return __ldg((const float*)base + c);
+        w[e] = v.v[e];
 #else
-    return conv::to_float(__ldg((const bits_t*)base + c));
+        w[e] = conv::to_float(v.v[e]);
 #endif
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams p) {
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     // No early return: every lane of the warp takes part in the shuffles. The total is a multiple
-    // of LANES, so a head's lanes are all in range or all out.
+    // of LANES, so a head group's lanes are all in range or all out.
     const bool live = i < (unsigned)p.f.total;
-    const unsigned j = i % LANES, th = i / LANES;
-    const unsigned t = th / HEADS, h = th - t * HEADS;
-    const int which = h >= NORM_HQ ? 1 : 0;
-    const unsigned hh = h - (which ? NORM_HQ : 0);
+    const unsigned j = i % LANES, tg = i / LANES;
+    const unsigned t = tg / GROUPS, g = tg - t * GROUPS;
+    const int which = g * NORM_HB >= NORM_HQ ? 1 : 0;  // the group is all q or all k
+    const unsigned hh = g * NORM_HB - (which ? NORM_HQ : 0);
     const unsigned b = fast_div(t, p.f.div_seq), s = t - b * (unsigned)p.f.seq_len;
     const unsigned c0 = j * VEC;
+    const i64 in_sh = p.f.in_sh[which], out_sh = p.f.out_sh[which];
 
-    float y[VEC];
-    float ss = 0.0f;
-    if (live) {
-        const bits_t* in = (const bits_t*)p.f.in[which] + (b * p.f.in_sb[which] + s * p.f.in_ss[which] +
-                                                          hh * p.f.in_sh[which] + c0);
-        vec_t x;
-        x.raw = __ldcs((const raw_t*)in);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            y[e] = conv::to_float(x.v[e]);
-            ss = __fadd_rn(ss, __fmul_rn(y[e], y[e]));
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) y[e] = 0.0f;
-    }
-#pragma unroll
-    for (unsigned off = LANES / 2; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(FULL, ss, off));
-
-    const u64 wbase = p.weight[which];
-#if NORM_MODE == 0
-    const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, (float)NORM_D), p.eps)));
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) y[e] = __fmul_rn(__fmul_rn(y[e], r), live ? weight_at(wbase, c0 + e) : 0.0f);
-#else
-    const float r = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.0f / NORM_D), p.eps));
-#pragma unroll
-    for (int e = 0; e < VEC; ++e)
-        y[e] = round_to_dtype(__fmul_rn(live ? weight_at(wbase, c0 + e) : 0.0f, round_to_dtype(__fmul_rn(y[e], r))));
-#endif
-
+    // Every load first: the group's vectors, the weights, then the position and its table slice
+    // (once for the group's heads).
+    vec_t x[NORM_HB];
+    float w[VEC];
     const bool in_window = c0 >= NORM_RO && c0 < NORM_RO + NORM_RD;
 #if ROPE_INTERLEAVED
     const bool lo = in_window;
@@ -129,42 +112,89 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
     const bool lo = in_window && c0 < NORM_RO + HALF;
     const unsigned lane = threadIdx.x & 31u;
     const unsigned src = in_window ? (lo ? lane + PARTNER : lane - PARTNER) : lane;
-    float z[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) z[e] = __shfl_sync(FULL, y[e], src);
     const unsigned pair0 = lo ? c0 - NORM_RO : c0 - NORM_RO - HALF;
 #endif
-    if (!live) return;  // after the last shuffle
-
-    vec_t o;
-    if (in_window) {
-        float c[NPAIR], sn[NPAIR];
-        table_slice_at<NPAIR>(p.f, token_row(p.f, t, b, s), pair0, p.f.table_vec, p.f.inverse ? -1.0f : 1.0f, c, sn);
+    float c[NPAIR], sn[NPAIR];
+    if (live) {
+        const bits_t* in = (const bits_t*)p.f.in[which] + (b * p.f.in_sb[which] + s * p.f.in_ss[which] + hh * in_sh + c0);
 #pragma unroll
-        for (int jj = 0; jj < NPAIR; ++jj) {
-#if ROPE_INTERLEAVED
-            const float x0 = y[2 * jj], x1 = y[2 * jj + 1];
-#else
-            const float x0 = lo ? y[jj] : z[jj], x1 = lo ? z[jj] : y[jj];
-#endif
-#if NORM_MODE == 0
-            const float re = rot_re(x0, x1, c[jj], sn[jj]), im = rot_im(x0, x1, c[jj], sn[jj]);
-#else
-            const float cr = round_to_dtype(c[jj]), sr = round_to_dtype(sn[jj]);
-            const float re = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x0, cr)), round_to_dtype(__fmul_rn(-x1, sr))));
-            const float im = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x1, cr)), round_to_dtype(__fmul_rn(x0, sr))));
-#endif
-#if ROPE_INTERLEAVED
-            o.v[2 * jj] = conv::from_float(re);
-            o.v[2 * jj + 1] = conv::from_float(im);
-#else
-            o.v[jj] = conv::from_float(lo ? re : im);
+        for (int k = 0; k < NORM_HB; ++k) x[k].raw = __ldcs((const raw_t*)(in + k * in_sh));
+        load_weights(p.weight[which], c0, w);
+        if (in_window) {
+            table_slice_at<NPAIR>(p.f, token_row(p.f, t, b, s), pair0, p.f.table_vec, p.f.inverse ? -1.0f : 1.0f, c,
+                                  sn);
+#if NORM_MODE == 1
+#pragma unroll
+            for (int jj = 0; jj < NPAIR; ++jj) {  // the tables in the input dtype, once for the group
+                c[jj] = round_to_dtype(c[jj]);
+                sn[jj] = round_to_dtype(sn[jj]);
+            }
 #endif
         }
     } else {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) o.v[e] = conv::from_float(y[e]);
+        for (int k = 0; k < NORM_HB; ++k) x[k].raw = raw_t{};
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) w[e] = 0.0f;
     }
-    bits_t* out = (bits_t*)p.f.out[which] + (b * p.f.out_sb[which] + s * p.f.out_ss[which] + hh * p.f.out_sh[which] + c0);
-    __stcs((raw_t*)out, o.raw);
+    bits_t* out = (bits_t*)p.f.out[which] + (b * p.f.out_sb[which] + s * p.f.out_ss[which] + hh * out_sh + c0);
+
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        float y[VEC];
+        float ss = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            y[e] = conv::to_float(x[k].v[e]);
+            ss = __fadd_rn(ss, __fmul_rn(y[e], y[e]));
+        }
+#pragma unroll
+        for (unsigned off = LANES / 2; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(FULL, ss, off));
+        // rsqrtf (as torch.rsqrt): within the exact mode's bound, and a few instructions where a
+        // correctly rounded square root and division are a few dozen.
+        const float r = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.0f / NORM_D), p.eps));
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+#if NORM_MODE == 0
+            y[e] = __fmul_rn(__fmul_rn(y[e], r), w[e]);
+#else
+            y[e] = round_to_dtype(__fmul_rn(w[e], round_to_dtype(__fmul_rn(y[e], r))));
+#endif
+        }
+#if !ROPE_INTERLEAVED
+        float z[VEC];  // the partner vector's values (the other half of each pair)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) z[e] = __shfl_sync(FULL, y[e], src);
+#endif
+        vec_t o;
+        if (in_window) {
+#pragma unroll
+            for (int jj = 0; jj < NPAIR; ++jj) {
+#if ROPE_INTERLEAVED
+                const float x0 = y[2 * jj], x1 = y[2 * jj + 1];
+#else
+                const float x0 = lo ? y[jj] : z[jj], x1 = lo ? z[jj] : y[jj];
+#endif
+#if NORM_MODE == 0
+                const float re = rot_re(x0, x1, c[jj], sn[jj]), im = rot_im(x0, x1, c[jj], sn[jj]);
+#else
+                const float cr = c[jj], sr = sn[jj];
+                const float re = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x0, cr)),
+                                                          round_to_dtype(__fmul_rn(-x1, sr))));
+                const float im = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x1, cr)),
+                                                          round_to_dtype(__fmul_rn(x0, sr))));
+#endif
+#if ROPE_INTERLEAVED
+                o.v[2 * jj] = conv::from_float(re);
+                o.v[2 * jj + 1] = conv::from_float(im);
+#else
+                o.v[jj] = conv::from_float(lo ? re : im);
+#endif
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) o.v[e] = conv::from_float(y[e]);
+        }
+        if (live) __stcs((raw_t*)(out + k * out_sh), o.raw);
+    }
 }

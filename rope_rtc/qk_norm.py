@@ -32,7 +32,7 @@ from . import arrays as A
 from . import launch, rope_plan
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, signature
-from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_vector_widths
+from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_head_batch, norm_vector_widths
 from .rope_launch import fill_fixed
 from .rope_params import NormParams
 from .rope_plan import _FIXED_IO, _FIXED_TABLES, _FIXED_TABLES_AT, K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, \
@@ -100,10 +100,10 @@ def validate_qk_norm(q, k, q_weight, k_weight, cos, sin, *, eps, numerics: str, 
         for w in (qw, kw):
             if A.overlaps(out, w):
                 raise ValueError(f"{out.name} overlaps {w.name}: the weights must not share bytes with an output")
-    return req, qw, kw, norm_geometry(req, qw, numerics), eps32
+    return req, qw, kw, norm_geometry(req, (qw, kw), numerics), eps32
 
 
-def norm_geometry(req: Request, weight: A.ArrayInfo, numerics: str) -> NormGeometry:
+def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
     """The build for a validated call: the widest vector that the geometry and every address allow."""
     D = req.cq.D
     widths = norm_vector_widths(req.dtype, req.interleaved, D, req.rotary_offset, req.rotary_dim)
@@ -114,23 +114,24 @@ def norm_geometry(req: Request, weight: A.ArrayInfo, numerics: str) -> NormGeome
             "vectors; normalise separately, then call apply_rope_qk")
     views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
     size = req.q.itemsize
-    for vec in widths:
+    for vec in widths:  # q/k/outputs and the weights are read in vectors
         if not req.num_tokens or not any(
                 i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
-                for i in views):
+                for i in views) and not any(w.ptr % (vec * w.itemsize) for w in weights):
             break
     else:  # pragma: no cover - a vector of one element always fits when the geometry allows it
         raise ValueError(f"{req.q.name}/{req.k.name}/outputs: addresses or strides are not aligned to any vector "
                          "the fused QK-norm kernel reads; pass aligned arrays")
     g = NormGeometry(req.dtype, req.interleaved, req.cq.H, req.ck.H, D, req.rotary_offset, req.rotary_dim, vec,
-                     weight.dtype == "float32" and req.dtype != "float32", numerics)
+                     weights[0].dtype == "float32" and req.dtype != "float32", numerics,
+                     norm_head_batch(req.cq.H, req.ck.H))
     if norm_threads(req, g) >= 2**31:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     return g
 
 
 def norm_threads(req: Request, g: NormGeometry) -> int:
-    return req.num_tokens * (g.q_heads + g.k_heads) * g.lanes
+    return req.num_tokens * (g.q_heads + g.k_heads) // g.head_batch * g.lanes
 
 
 class _NormTemplate(_RopeTemplate):
@@ -144,7 +145,8 @@ class _NormTemplate(_RopeTemplate):
         self._weights, self._g = (qw, kw), g
         super().__init__(plan, req)
         self._weights = None  # hold no caller's array
-        self.natural = self.natural + ((Q_WEIGHT, qw.itemsize - 1), (K_WEIGHT, kw.itemsize - 1))
+        # The weights are read in vectors of the build's width.
+        self.natural = self.natural + ((Q_WEIGHT, g.vec * qw.itemsize - 1), (K_WEIGHT, g.vec * kw.itemsize - 1))
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)
@@ -248,7 +250,8 @@ class QKNormRopePlan(RopePlan):
         for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, self.rotary_offset,
                                       self.rotary_dim):
             self.fixed_kernel(NormGeometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
-                                           self.rotary_offset, self.rotary_dim, vec, f32, self.numerics))
+                                           self.rotary_offset, self.rotary_dim, vec, f32, self.numerics,
+                                           norm_head_batch(self.q_heads, self.k_heads)))
         self._ensure_core()
         return self
 

@@ -138,6 +138,7 @@ class NormGeometry:
     vec: int
     weights_f32: bool
     numerics: str
+    head_batch: int = 1  # heads per lane group (norm_head_batch)
 
     @property
     def lanes(self) -> int:
@@ -149,7 +150,15 @@ class NormGeometry:
             (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
              ("ROPE_VEC", str(self.vec)), ("NORM_HQ", str(self.q_heads)), ("NORM_HK", str(self.k_heads)),
              ("NORM_D", str(self.head_dim)), ("NORM_RO", str(self.rotary_offset)), ("NORM_RD", str(self.rotary_dim)),
-             ("NORM_WF32", str(int(self.weights_f32))), ("NORM_MODE", str(NORM_MODES[self.numerics]))))
+             ("NORM_WF32", str(int(self.weights_f32))), ("NORM_MODE", str(NORM_MODES[self.numerics])),
+             ("NORM_HB", str(self.head_batch))))
+
+
+def norm_head_batch(q_heads: int, k_heads: int) -> int:
+    """Heads one lane group of the fused QK-norm kernel handles: the largest of 4, 2, 1 dividing
+    both head counts (the position, table slice and weights are read once per group;
+    docs/performance.md)."""
+    return next(hb for hb in (4, 2, 1) if q_heads % hb == 0 and k_heads % hb == 0)
 
 
 def norm_vector_widths(dtype: str, interleaved: bool, head_dim: int, rotary_offset: int, rotary_dim: int) -> tuple:

@@ -39,6 +39,12 @@ def test_reference_against_hand_computed_values():
     np.testing.assert_allclose(out[0, 0], [-0.0, 3.2, 1.2, 0.0], atol=1e-12)
 
 
+def test_heads_per_lane_group():
+    from rope_rtc.registry import norm_head_batch
+
+    assert norm_head_batch(32, 8) == 4 and norm_head_batch(6, 2) == 2 and norm_head_batch(5, 1) == 1
+
+
 def test_a_call_launches_the_fused_build_with_its_block(gpu):
     import rope_rtc
 
@@ -46,8 +52,8 @@ def test_a_call_launches_the_fused_build_with_its_block(gpu):
     rope_rtc.apply_qk_norm_rope(**kw, eps=1e-5, offset=3)
     rec = gpu.launches[-1]
     g, p = rec["geometry"], rec["norm"]
-    assert (g.vec, g.lanes, g.numerics, g.weights_f32) == (8, 16, "exact", False)
-    assert p.total == B * S * (HQ + HK) * 16 and rec["grid"] == (-(-p.total // 256), 1, 1)
+    assert (g.vec, g.lanes, g.numerics, g.weights_f32, g.head_batch) == (8, 16, "exact", False, 2)
+    assert p.total == B * S * (HQ + HK) // 2 * 16 and rec["grid"] == (-(-p.total // 256), 1, 1)
     assert (p.weight[0], p.weight[1]) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
     assert p.eps == np.float32(1e-5) and p.offset == 3 and p.in_[0] == kw["q"].data.ptr
 
@@ -123,5 +129,5 @@ def test_the_builds_compile(arch, tmp_path, monkeypatch):
     for dtype, interleaved, numerics in (("bfloat16", False, "exact"), ("float16", True, "transformers"),
                                          ("float32", False, "transformers")):
         vec = norm_vector_widths(dtype, interleaved, D, 0, D)[0]
-        spec = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics).spec()
+        spec = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics, 4).spec()
         assert compiler.compile_source(spec.name, spec.source, spec.defines, toolchain.Target(arch, "cubin")).binary

@@ -22,6 +22,9 @@ ONNX_OP = "onnx.rotary_embedding"
 MROPE_OP = "apply_mrope_qk (MRopePlan)"
 MROPE_PLAIN = "plain RoPE, same arrays (RopePlan)"
 ONNX_APPLY = "apply_rope (same X, float32 tables)"
+QKNORM_OP = "apply_qk_norm_rope (QKNormRopePlan)"
+QKNORM_HF_NUMERICS = "apply_qk_norm_rope, numerics='transformers'"
+QKNORM_TWO_STEP = "torch rms_norm, then our RopePlan (two steps)"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
 REGIMES = ("hot", "cold", "graph", "graph_cold", "host")
@@ -58,6 +61,8 @@ ONE_CALL_POOL = 64              # distinct array sets cycled for the one-call ho
 KV_FUSED_PREFILL_PCT = 95.0     # RoPE fused with the KV-cache write, prefill, % of a copy of its bytes
 MROPE_PREFILL_PCT = 95.0        # multimodal RoPE, prefill, % of a copy of its bytes
 MROPE_DECODE_EXTRA_US = 0.1     # multimodal RoPE decode GPU time, at most plain RoPE's plus this
+QKNORM_PREFILL_PCT = 95.0       # QK-norm fused with RoPE, prefill, % of a copy of its bytes
+QKNORM_TWO_STEP_RATIO = 0.5     # ... and at most this fraction of the two-step sequence's GPU time
 WARM_FIRST_S = 0.050
 COMPILE_ONE_S = 1.0
 

@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 
 from .cases import COPY, DTYPE_SHORT, ITEMSIZE, KV_FUSED as FUSED, KV_FUSED_FP8 as FUSED_FP8, KV_TWO_STEP as TWO_STEP
-from .cases import MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX
+from .cases import MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
 from .impls import _cupy_capture
 
 KV_HEADS = (32, 8, 128)   # Hq, Hkv, D
@@ -29,6 +29,10 @@ MROPE_HEADS = (28, 4, 128)   # Qwen2-VL-7B: Hq, Hkv, D
 MROPE_SECTIONS = {False: (16, 24, 24), True: (24, 20, 20)}  # Qwen2-VL's contiguous, Qwen3-VL's interleaved
 MROPE_DECODE_T = 8
 MROPE_PREFILL_T = 16384
+QKNORM_HEADS = (32, 8, 128)  # Qwen3-8B: Hq, Hkv, D
+QKNORM_DECODE_T = 8
+QKNORM_PREFILL_T = 16384
+QKNORM_EPS = 1e-6
 
 
 def kv_bytes_moved(T: int, dtype: str, fp8: bool = False) -> int:
@@ -57,6 +61,8 @@ def run_engine_section(ctx, measure, copy_runner) -> list[dict]:
     jobs.append(("onnx", partial(_onnx_record, ctx, measure, copy_runner)))
     jobs += [(f"mrope/T={T}", partial(_mrope_record, ctx, measure, copy_runner, T, interleaved))
              for interleaved in (False, True) for T in (MROPE_DECODE_T, MROPE_PREFILL_T)]
+    jobs += [(f"qk-norm/T={T}", partial(_qk_norm_record, ctx, measure, copy_runner, T))
+             for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
     recs = []
     for name, job in jobs:  # one failing record costs only itself
         try:
@@ -135,8 +141,26 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
                                         kv_cache_dtype="fp8_e4m3", k_scale=scale, v_scale=scale)
         fns8 = [partial(fused8.execute, q, k, v, cos, sin, pos, slots, kc8, vc8, k_scale=scale, v_scale=scale)]
         moved8 = kv_bytes_moved(T, dtype, fp8=True)
+        check8 = "-"
+        try:  # on fresh copies: the entries against the NumPy reference's quantisation of RoPE's output
+            from rope_rtc.reference import fp8_quantize
+
+            q8, k8 = q.copy(), k.copy()
+            kc8c, vc8c = cp.zeros(shape, cp.uint8), cp.zeros(shape, cp.uint8)
+            fused8.execute(q8, k8, v, cos, sin, pos, slots, kc8c, vc8c, k_scale=scale, v_scale=scale)
+            k2 = k.copy()
+            rope.execute(q.copy(), k2, cos, sin, positions=pos)
+            s32 = np.float32(cp.asnumpy(scale)[0])
+            same = all(np.array_equal(cp.asnumpy(c.reshape(-1, hk, d)[slots]), fp8_quantize(cp.asnumpy(x), s32,
+                                                                                            "fp8_e4m3"))
+                       for c, x in ((kc8c, k2), (vc8c, v)))
+            check8 = ("bit-exact (= RoPE, then the NumPy reference's FP8 quantisation)" if same else
+                      "WRONG: differs from RoPE, then the NumPy reference's FP8 quantisation")
+            del q8, k8, kc8c, vc8c, k2
+        except Exception as exc:
+            check8 = f"error: {type(exc).__name__}: {exc}"[:300]
         row8 = _row(FUSED_FP8, measure(ctx, fns8, _cupy_capture(ctx, fns8) if small else None, small, 1),
-                    "entries of one byte", "not checked here (bit-exact: tests/test_gpu_kv_cache.py)")
+                    "entries of one byte", check8)
         row8["bytes_moved"] = moved8  # fewer bytes than the record's: GB/s and % of copy use these
         rows.append(row8)
 
@@ -368,3 +392,136 @@ def _torch_capture(ctx, torch, fn):
         return capture_torch(torch, [fn for _ in indices])
 
     return capture
+
+
+def qk_norm_bytes_moved(T: int) -> int:
+    """q and k read and written (bf16), one cos and one sin row per token, the positions (the
+    weights, read once, are left out)."""
+    hq, hk, d = QKNORM_HEADS
+    return T * (2 * (hq + hk) * d * 2 + d * 4 + 8)
+
+
+def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
+    """Per-head RMSNorm fused with RoPE, Qwen3-8B's heads, bf16 thd, q and k in place, random
+    positions: ours (both numerics) beside a copy, the two-step sequence (torch's rms_norm, then
+    our RopePlan on its output) and Hugging Face's Qwen3 path (Qwen3RMSNorm on each head, then
+    apply_rotary_pos_emb), eager and under torch.compile."""
+    import cupy as cp
+    import ml_dtypes
+
+    import rope_rtc
+    from rope_rtc.reference import qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference
+
+    hq, hk, d = QKNORM_HEADS
+    small = T <= 64
+    label = "decode" if small else "prefill"
+    moved = qk_norm_bytes_moved(T)
+    ident = f"engine/qk-norm-{label}/bf16/thd/T={T}"
+    rec = _record(ident, {"T": T, "dtype": "bfloat16", "Hq": hq, "Hkv": hk, "D": d, "layout": "thd",
+                          "in_place": True, "eps": QKNORM_EPS}, moved)
+    print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)
+    rng = np.random.default_rng(ctx.seed)
+    rows = 32768
+    qh = (rng.standard_normal((T, hq, d)) * 3).astype(ml_dtypes.bfloat16)
+    kh = (rng.standard_normal((T, hk, d)) * 3).astype(ml_dtypes.bfloat16)
+    wq = (1 + 0.25 * rng.standard_normal(d)).astype(ml_dtypes.bfloat16)
+    wk = (1 + 0.25 * rng.standard_normal(d)).astype(ml_dtypes.bfloat16)
+    pos_h = rng.integers(0, rows, T).astype(np.int64)
+    q, k, qw, kw, pos = (cp.asarray(a) for a in (qh, kh, wq, wk, pos_h))
+    cos, sin = rope_rtc.rope_tables(rows, d, xp=cp)
+    copy = copy_runner(cp, ctx.stream, moved, 1)
+    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
+                            f"cudaMemcpyAsync of {copy.half} bytes"))
+    del copy
+    n_check = min(T, 256)
+    host_cos, host_sin = cp.asnumpy(cos), cp.asnumpy(sin)
+    check = "-"
+    plans = {}
+    for numerics in ("exact", "transformers"):
+        plans[numerics] = rope_rtc.QKNormRopePlan(q, k, qw, kw, cos, sin, eps=QKNORM_EPS, numerics=numerics,
+                                                  positions=pos, layout="thd").compile()
+    try:
+        q1, k1 = q.copy(), k.copy()
+        plans["exact"].execute(q1, k1, qw, kw, cos, sin, positions=pos)
+        for out, host, w in ((q1, qh, wq), (k1, kh, wk)):
+            got = cp.asnumpy(out[:n_check]).astype(np.float64)
+            want = qk_norm_rope_reference(host[:n_check], w, host_cos, host_sin, pos_h[:n_check], eps=QKNORM_EPS,
+                                          interleaved=False)
+            bound = qk_norm_error_bound(qk_norm_reference(host[:n_check], w, eps=QKNORM_EPS), ml_dtypes.bfloat16,
+                                        got, interleaved=False)
+            if not (np.abs(got - want) <= bound).all():
+                raise ValueError("outside the documented bound of the float64 reference")
+        check = "ok (bound of the float64 reference)"
+        del q1, k1
+    except Exception as exc:
+        check = f"WRONG: {type(exc).__name__}: {exc}"[:200]
+    for numerics, impl, note, chk in (("exact", QKNORM_OP, "one launch, in place, FP32 and one rounding", check),
+                                      ("transformers", QKNORM_HF_NUMERICS, "one launch, in place, Qwen3RMSNorm's "
+                                       "roundings", "-")):
+        plan = plans[numerics]
+        fns = [lambda plan=plan: plan.execute(q, k, qw, kw, cos, sin, positions=pos)]
+        rec["rows"].append(_row(impl, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1), note,
+                                chk))
+    torch = ctx.peers.torch if ctx.peers is not None else None
+    if torch is not None:
+        rec["rows"] += _qk_norm_peers(ctx, measure, torch, q, k, qw, kw, cos, sin, pos, small)
+    for r in rec["rows"]:
+        us = r["timings"].get("graph" if small else "cold", {}).get("us")
+        print(f"  {r['impl']:<46} {'-' if us is None else f'{us:9.2f} µs'}  {r['check']}", flush=True)
+    return rec
+
+
+def _qk_norm_peers(ctx, measure, torch, q, k, qw, kw, cos, sin, pos, small: bool) -> list:
+    """The two-step sequence (prefill: torch's rms_norm allocates its outputs, so it is not
+    captured) and Hugging Face's Qwen3 path, eager and compiled (out of place, as the model)."""
+    import cupy as cp
+
+    import rope_rtc
+
+    from .impls import to_torch
+
+    T, hq, d = q.shape
+    tq, tk, tqw, tkw = (to_torch(torch, a, "bfloat16") for a in (q, k, qw, kw))
+    rows = []
+    if not small:
+        rope = rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd").compile()
+
+        def two_step():
+            nq = torch.nn.functional.rms_norm(tq, (d,), tqw, QKNORM_EPS)
+            nk = torch.nn.functional.rms_norm(tk, (d,), tkw, QKNORM_EPS)
+            rope.execute(cp.from_dlpack(nq.view(torch.int16)).view(q.dtype),
+                         cp.from_dlpack(nk.view(torch.int16)).view(k.dtype), cos, sin, positions=pos)
+
+        rows.append(_row(QKNORM_TWO_STEP, measure(ctx, [two_step], None, small, 1),
+                         "torch.nn.functional.rms_norm on q and on k, then RopePlan in place: three launches or more"))
+    try:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    except Exception as exc:
+        rows.append(_row("torch (Hugging Face's Qwen3 path)", {}, "", f"skip: {type(exc).__name__}"))
+        return rows
+    q_norm, k_norm = Qwen3RMSNorm(d, eps=QKNORM_EPS), Qwen3RMSNorm(d, eps=QKNORM_EPS)
+    q_norm.weight.data = tqw.clone()
+    k_norm.weight.data = tkw.clone()
+    tcos, tsin = torch.from_dlpack(cos), torch.from_dlpack(sin)
+    tpos = torch.from_dlpack(pos)
+    c = torch.cat([tcos[tpos], tcos[tpos]], dim=-1)[None].to(torch.bfloat16)  # [1, T, d], once per step
+    s = torch.cat([tsin[tpos], tsin[tpos]], dim=-1)[None].to(torch.bfloat16)
+    qv, kv = tq[None], tk[None]  # [1, T, H, d]
+
+    def hf():
+        return apply_rotary_pos_emb(q_norm(qv).transpose(1, 2), k_norm(kv).transpose(1, 2), c, s)
+
+    rows.append(_row("torch (Hugging Face's Qwen3 path)",
+                     measure(ctx, [hf], _torch_capture(ctx, torch, hf) if small else None, small, 1),
+                     "Qwen3RMSNorm on q and k heads, then apply_rotary_pos_emb, eager", "-"))
+    if ctx.peers.compiled.get("general") is not None:  # torch.compile is usable here
+        try:
+            compiled = torch.compile(hf, dynamic=False)
+            compiled()
+            rows.append(_row("torch.compile (Hugging Face's Qwen3 path)",
+                             measure(ctx, [compiled], _torch_capture(ctx, torch, compiled) if small else None, small,
+                                     1), "torch.compile(dynamic=False) of the same path", "-"))
+        except Exception as exc:
+            rows.append(_row("torch.compile (Hugging Face's Qwen3 path)", {}, "",
+                             f"skip: {type(exc).__name__}: {exc}"[:200]))
+    return rows

@@ -9,7 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, KV_FUSED, KV_FUSED_PREFILL_PCT,
+from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, KV_FUSED, KV_FUSED_FP8,
+                    KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
                     KV_TWO_STEP, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
                     ONE_CALL, ONE_CALL_HOST_US, ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
                     TAIL_ONE_CALL_HOST_US,
@@ -187,6 +188,27 @@ def _engine_targets(add, result: dict) -> None:
     _worst(add, f"RoPE + KV-cache write, prefill >= {KV_FUSED_PREFILL_PCT:.0f}% of copy",
            [(_checked(rows_by_impl(r).get(KV_FUSED), pct_of_copy(r, rows_by_impl(r).get(KV_FUSED), "cold*")),
              r["id"]) for r in prefill], KV_FUSED_PREFILL_PCT, "%", floor=True)
+    fp8 = []  # FP8 entries: % of a copy of the FP8 launch's own (fewer) bytes, at the copy's bandwidth
+    for r in prefill:
+        by = rows_by_impl(r)
+        row8, cu = by.get(KV_FUSED_FP8), timing(by.get(COPY), "cold*")
+        us8 = timing(row8, "cold*")
+        if row8 and cu and us8:
+            fp8.append((_checked(row8, 100.0 * (row8["bytes_moved"] / us8) / (r["bytes_moved"] / cu)), r["id"]))
+    _worst(add, f"RoPE + FP8 KV-cache write, prefill >= {KV_FUSED_PREFILL_PCT:.0f}% of copy", fp8,
+           KV_FUSED_PREFILL_PCT, "%", floor=True)
+    qk = [r for r in recs if r["id"].startswith("engine/qk-norm-prefill")]
+    _worst(add, f"QK-norm + RoPE, prefill >= {QKNORM_PREFILL_PCT:.0f}% of copy",
+           [(_checked(rows_by_impl(r).get(QKNORM_OP), pct_of_copy(r, rows_by_impl(r).get(QKNORM_OP), "cold*")),
+             r["id"]) for r in qk], QKNORM_PREFILL_PCT, "%", floor=True)
+    two = []
+    for r in qk:
+        by = rows_by_impl(r)
+        ours, seq = timing(by.get(QKNORM_OP), "cold*"), timing(by.get(QKNORM_TWO_STEP), "cold*")
+        if ours and seq:
+            two.append((_checked(by.get(QKNORM_OP), ours / seq) if ok(by.get(QKNORM_OP)) else float("inf"), r["id"]))
+    _worst(add, f"QK-norm + RoPE, prefill <= {QKNORM_TWO_STEP_RATIO:g}x the two-step sequence", two,
+           QKNORM_TWO_STEP_RATIO, "x", floor=False)
     ratios = []
     for r in recs:
         if r["id"].startswith("engine/kv-cache-decode"):
