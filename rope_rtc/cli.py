@@ -259,6 +259,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
               f"{model.rotary_dim}, {model.dtype}, {'interleaved' if model.interleaved else 'half-split'} pairs"
               + (f", MRoPE sections {list(model.mrope_section)}" + (" interleaved" if model.mrope_interleaved else "")
                  if model.mrope_section else "")
+              + (", per-head QK-norm" if model.qk_norm else "")
               + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())
     print(report.summary())
@@ -278,13 +279,14 @@ def _model_from_args(args: argparse.Namespace):
     from .model import from_config
 
     given = {field: getattr(args, field) for field, _ in _MODEL_FLAGS if getattr(args, field) is not None}
-    if args.model is None and not given and not args.interleaved:
+    if args.model is None and not given and not args.interleaved and not args.qk_norm:
         return None
     if args.model is None:
         missing = [flag for field, flag in _MODEL_FLAGS[:3] if field not in given]
         if missing:
             raise ValueError(f"warm without --model needs {', '.join(missing)} (or --model config.json)")
-    return from_config(args.model if args.model is not None else {}, interleaved=args.interleaved, **given)
+    return from_config(args.model if args.model is not None else {}, interleaved=args.interleaved,
+                       qk_norm=True if args.qk_norm else None, **given)
 
 
 # -- cache -----------------------------------------------------------------------------------
@@ -485,6 +487,9 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
                    help="rotated channels per head (default: head_dim x partial_rotary_factor)")
     m.add_argument("--interleaved", action="store_true",
                    help="adjacent pairs (RoFormer, GPT-J) instead of Hugging Face's half-split pairs")
+    m.add_argument("--qk-norm", dest="qk_norm", action="store_true",
+                   help="also the fused per-head RMSNorm + RoPE builds (apply_qk_norm_rope); on by default for "
+                        "Qwen3 and Gemma 3 configs")
     w.set_defaults(func=_cmd_warm, command="warm")
 
 

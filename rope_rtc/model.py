@@ -14,8 +14,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import (KernelSpec, cache_spec, cache_vector_widths, model_fixed_specs, mrope_geometries,
-                       rope_head_batches, rope_spec, rope_vector_widths)
+from .registry import (NORM_MODES, KernelSpec, NormGeometry, cache_spec, cache_vector_widths, model_fixed_specs,
+                       mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
+                       rope_vector_widths)
+
+# Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
+# head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.qk_norm).
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
+                       "gemma3", "gemma3_text")
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -35,6 +41,8 @@ class ModelRope:
     # and whether the sections interleave (T, H, W, T, ...) as Qwen3-VL's do.
     mrope_section: tuple = ()
     mrope_interleaved: bool = False
+    # Per-head RMSNorm before RoPE (Qwen3, Gemma 3): the fused QK-norm builds are warmed too.
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "q_heads", "kv_heads", "rotary_dim"):
@@ -55,7 +63,17 @@ class ModelRope:
                 for vec in rope_vector_widths(self.dtype, self.interleaved)
                 for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
             self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim) + \
-            self.cache_specs() + self.mrope_specs()
+            self.cache_specs() + self.mrope_specs() + self.qk_norm_specs()
+
+    def qk_norm_specs(self) -> list[KernelSpec]:
+        """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads
+        for weights of the model's dtype: every vector width the geometry allows, both numerics."""
+        if not self.qk_norm:
+            return []
+        return [NormGeometry(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, 0,
+                             self.rotary_dim, vec, False, numerics, norm_head_batch(self.q_heads, self.kv_heads)).spec()
+                for numerics in NORM_MODES
+                for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, 0, self.rotary_dim)]
 
     def mrope_specs(self) -> list[KernelSpec]:
         """The multimodal RoPE builds (rope_rtc.mrope) of a model with ``mrope_section``: q with k,
@@ -97,10 +115,12 @@ def _int_field(config: dict, name: str, where: str) -> int:
 
 def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, head_dim: int | None = None,
                 q_heads: int | None = None, kv_heads: int | None = None, rotary_dim: int | None = None,
-                interleaved: bool = False) -> ModelRope:
+                interleaved: bool = False, qk_norm: bool | None = None) -> ModelRope:
     """The RoPE geometry of a Hugging Face config (a dict or the path of a ``config.json``); a
     keyword given here overrides the config's field. A model whose text settings sit under
-    ``text_config`` (vision-language models) is read from there."""
+    ``text_config`` (vision-language models) is read from there. ``qk_norm``: whether the model
+    normalises each q and k head before RoPE (default: its ``model_type`` is one of
+    ``QK_NORM_MODEL_TYPES``)."""
     where = "config"
     if not isinstance(config, dict):
         path = Path(config)
@@ -113,6 +133,9 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
             raise ValueError(f"--model: {path} is not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object")
+    if qk_norm is None:  # the outer model_type (a vision-language model's text_config has its own)
+        qk_norm = config.get("model_type") in QK_NORM_MODEL_TYPES or (
+            isinstance(config.get("text_config"), dict) and config["text_config"].get("model_type") in QK_NORM_MODEL_TYPES)
     if isinstance(config.get("text_config"), dict):
         config = {**config, **config["text_config"]}
     if q_heads is None:
@@ -145,7 +168,7 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     else:
         dtype = _dtype(dtype, "dtype")
     section, style = _mrope(config, where, rotary_dim)
-    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style)
+    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm))
 
 
 def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:

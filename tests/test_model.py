@@ -191,3 +191,24 @@ def test_a_bad_mrope_section_is_named():
               "rope_scaling": {"mrope_section": [16, 24, 20]}}
     with pytest.raises(ValueError, match="rope_scaling.mrope_section .* sums to 60"):
         from_config(config)
+
+
+@pytest.mark.parametrize("config,want", [
+    ({"model_type": "qwen3"}, True), ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, True),
+    ({"model_type": "llama"}, False)])
+def test_a_qk_norm_model_warms_its_fused_builds(config, want):
+    """Qwen3 and Gemma 3 normalise each q and k head: their warm set holds the fused QK-norm
+    builds a QKNormRopePlan loads (every vector width, both numerics)."""
+    from rope_rtc.registry import NormGeometry, norm_vector_widths
+
+    base = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "torch_dtype": "bfloat16"}
+    model = from_config({**base, **config})
+    assert model.qk_norm is want
+    specs = model.qk_norm_specs()
+    if not want:
+        assert specs == [] and from_config({**base, **config}, qk_norm=True).qk_norm_specs()
+        return
+    widths = norm_vector_widths("bfloat16", False, 128, 0, 128)
+    assert len(specs) == 2 * len(widths) and all(s in model.specs() for s in specs)
+    assert NormGeometry("bfloat16", False, 32, 8, 128, 0, 128, widths[0], False, "exact", 4).spec() in specs
