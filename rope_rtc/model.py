@@ -66,13 +66,17 @@ class ModelRope:
             self.cache_specs() + self.mrope_specs() + self.qk_norm_specs()
 
     def qk_norm_specs(self) -> list[KernelSpec]:
-        """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads
-        for weights of the model's dtype: every vector width the geometry allows, both numerics."""
+        """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
+        every vector width the geometry allows, for weights of the model's dtype in both numerics
+        and for float32 weights in the exact one (Gemma 3's ``1 + weight``)."""
         if not self.qk_norm:
             return []
+        kinds = [(numerics, False) for numerics in NORM_MODES]
+        if self.dtype != "float32":
+            kinds.append(("exact", True))
         return [NormGeometry(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, 0,
-                             self.rotary_dim, vec, False, numerics, norm_head_batch(self.q_heads, self.kv_heads)).spec()
-                for numerics in NORM_MODES
+                             self.rotary_dim, vec, f32, numerics, norm_head_batch(self.q_heads, self.kv_heads)).spec()
+                for numerics, f32 in kinds
                 for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, 0, self.rotary_dim)]
 
     def mrope_specs(self) -> list[KernelSpec]:

@@ -12,6 +12,9 @@ Numerics (``numerics=``):
   round: the normalised value is cast to the input dtype before the weight (of the input dtype)
   multiplies it, and the rotation runs in the input dtype with the tables cast to it.
 
+Gemma 3 stores its norm weights as offsets from one (``Gemma3RMSNorm`` scales by ``1 + weight``
+in FP32): pass ``1 + weight`` as float32 weights with ``numerics="exact"``.
+
 The plan is the general plan's specialised-build path on the prepared-launch core
 (docs/design.md), with the two weights after the general arguments:
 
@@ -56,11 +59,13 @@ def check_norm_options(eps, numerics) -> float:
     """``eps`` as the float32 the kernel adds, after checking both options."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
         raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
-    if not math.isfinite(float(eps)) or float(eps) < 0:
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps!r}")
+    with np.errstate(over="ignore"):
+        eps32 = np.float32(eps)  # what the kernel adds: finite as a float32 too
+    if not math.isfinite(float(eps)) or float(eps) < 0 or not np.isfinite(eps32):
+        raise ValueError(f"eps: expected a finite value >= 0 (as a float32), got {eps!r}")
     if not isinstance(numerics, str) or numerics not in NUMERICS:
         raise ValueError(f"numerics: expected one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
-    return float(np.float32(eps))
+    return float(eps32)
 
 
 def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
@@ -114,12 +119,19 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
             "vectors; normalise separately, then call apply_rope_qk")
     views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
     size = req.q.itemsize
-    for vec in widths:  # q/k/outputs and the weights are read in vectors
-        if not req.num_tokens or not any(
-                i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
-                for i in views) and not any(w.ptr % (vec * w.itemsize) for w in weights):
+    for vec in widths:  # q/k/outputs and the weights are read in vectors (with or without tokens)
+        views_ok = not req.num_tokens or not any(
+            i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
+            for i in views)
+        if views_ok and not any(w.ptr % weight_alignment(vec, w.itemsize) for w in weights):
             break
-    else:  # pragma: no cover - a vector of one element always fits when the geometry allows it
+    else:
+        for w in weights:
+            need = weight_alignment(widths[-1], w.itemsize)
+            if w.ptr % need:
+                raise ValueError(f"{w.name}: address {w.ptr:#x} is not {need}-byte aligned, which the fused QK-norm "
+                                 "kernel needs to read the weights in vectors; pass an aligned array (a fresh "
+                                 "allocation is)")
         raise ValueError(f"{req.q.name}/{req.k.name}/outputs: addresses or strides are not aligned to any vector "
                          "the fused QK-norm kernel reads; pass aligned arrays")
     g = NormGeometry(req.dtype, req.interleaved, req.cq.H, req.ck.H, D, req.rotary_offset, req.rotary_dim, vec,
@@ -128,6 +140,12 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
     if norm_threads(req, g) >= 2**31:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     return g
+
+
+def weight_alignment(vec: int, itemsize: int) -> int:
+    """Bytes the weights' address must be a multiple of for a build of ``vec``-element vectors:
+    one aligned load, or 16-byte loads when the lane's weights span more (eight float32)."""
+    return min(vec * itemsize, 16)
 
 
 def norm_threads(req: Request, g: NormGeometry) -> int:
@@ -146,7 +164,8 @@ class _NormTemplate(_RopeTemplate):
         super().__init__(plan, req)
         self._weights = None  # hold no caller's array
         # The weights are read in vectors of the build's width.
-        self.natural = self.natural + ((Q_WEIGHT, g.vec * qw.itemsize - 1), (K_WEIGHT, g.vec * kw.itemsize - 1))
+        self.natural = self.natural + ((Q_WEIGHT, weight_alignment(g.vec, qw.itemsize) - 1),
+                                       (K_WEIGHT, weight_alignment(g.vec, kw.itemsize) - 1))
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)
@@ -296,8 +315,9 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
         ``layout``-shaped, float32, float16 or bfloat16 (CuPy, or any object with
         ``__cuda_array_interface__`` / ``__dlpack__``); q and k may have different head counts.
     q_weight, k_weight : device arrays ``[head_dim]``
-        The norms' weights (Hugging Face's ``q_norm.weight`` / ``k_norm.weight``): the input's
-        dtype, or float32 with ``numerics="exact"``.
+        The scale of each channel, the input's dtype or float32 (``numerics="exact"`` only):
+        Qwen3's ``q_norm.weight`` / ``k_norm.weight`` as they are. Gemma 3 scales by ``1 + weight``
+        in FP32: pass ``1 + weight`` as float32 with ``numerics="exact"``.
     cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`)
     eps : float
         Added to the mean square before the square root (``rms_norm_eps``), as float32.

@@ -104,8 +104,10 @@ def test_position_schemes_and_float32_weights(scheme):
         pos = np.broadcast_to(7 + np.arange(S), (B, S))
     q = cp.asarray(qh.reshape(B * S, HQ, d) if layout == "thd" else qh)
     k = cp.asarray(kh.reshape(B * S, HK, d) if layout == "thd" else kh)
-    got = rope_rtc.apply_qk_norm_rope(q, k, cp.asarray(qw), cp.asarray(kw), cp.asarray(cos), cp.asarray(sin),
-                                      eps=EPS, layout=layout, **kw_args)
+    # float32 weights 16 bytes into an allocation: eight per lane are read as two 16-byte loads
+    dqw, dkw = (cp.asarray(np.concatenate([np.zeros(4, np.float32), w]))[4:] for w in (qw, kw))
+    got = rope_rtc.apply_qk_norm_rope(q, k, dqw, dkw, cp.asarray(cos), cp.asarray(sin), eps=EPS, layout=layout,
+                                      **kw_args)
     for out, host, w, h in zip(got, (qh, kh), (qw, kw), (HQ, HK)):
         _check_exact(cp.asnumpy(out).reshape(B * S, h, d), host.reshape(B * S, h, d), w, cos, sin, pos.reshape(-1),
                      interleaved=False, rotary_dim=None, rotary_offset=0, dtype="bfloat16")

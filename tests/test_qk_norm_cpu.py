@@ -131,3 +131,43 @@ def test_the_builds_compile(arch, tmp_path, monkeypatch):
         vec = norm_vector_widths(dtype, interleaved, D, 0, D)[0]
         spec = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics, 4).spec()
         assert compiler.compile_source(spec.name, spec.source, spec.defines, toolchain.Target(arch, "cubin")).binary
+
+
+@pytest.mark.parametrize("tokens", [2, 0])
+def test_weights_off_every_vector_are_named_with_or_without_tokens(gpu, tokens):
+    """Weights 4 bytes off a 16-byte boundary fit no build of bf16 head dim 128 (vectors of 8 or 4):
+    a ValueError names them, also when there is nothing to launch (the template once declined the
+    call that validation had accepted, an AssertionError); weights 8 bytes off take the narrower
+    build, with or without tokens."""
+    import rope_rtc
+
+    def call(offset):
+        return _call(q=fake_cupy((tokens, S, HQ, D), BF16), k=fake_cupy((tokens, S, HK, D), BF16),
+                     q_weight=fake_cupy((D + 8,), BF16)[offset:D + offset], k_weight=fake_cupy((D,), BF16))
+
+    with pytest.raises(ValueError, match="q_weight: address .* is not 8-byte aligned"):
+        rope_rtc.apply_qk_norm_rope(**call(2))
+    with pytest.raises(ValueError, match="q_weight: address"):
+        rope_rtc.QKNormRopePlan(**call(2))
+    kw = call(4)
+    rope_rtc.apply_qk_norm_rope(**kw)
+    rope_rtc.QKNormRopePlan(**kw).execute(**kw)
+    if tokens:
+        assert gpu.launches[-1]["geometry"].vec == 4
+
+
+def test_float32_weights_need_only_16_byte_alignment(gpu):
+    """The kernel reads eight float32 weights as two 16-byte loads."""
+    import rope_rtc
+
+    w = dict(q_weight=fake_cupy((D + 4,), np.float32)[4:], k_weight=fake_cupy((D + 4,), np.float32)[4:])
+    rope_rtc.apply_qk_norm_rope(**_call(**w))
+    assert gpu.launches[-1]["geometry"].vec == 8 and gpu.launches[-1]["geometry"].weights_f32
+
+
+def test_an_eps_beyond_float32_is_refused(gpu):
+    import rope_rtc
+
+    with pytest.raises(ValueError, match=r"eps: expected a finite value >= 0 \(as a float32\), got 1e\+39"):
+        rope_rtc.apply_qk_norm_rope(**_call(), eps=1e39)  # once refused only later, as "got inf"
+    assert gpu.launches == []
