@@ -24,7 +24,6 @@ The plan is the general plan's specialised-build path on the prepared-launch cor
 
 from __future__ import annotations
 
-import ctypes
 import math
 import struct
 import threading
@@ -249,6 +248,8 @@ class QKNormRopePlan(RopePlan):
         self.weight_dtype = qw.dtype
         self._norm: dict[NormGeometry, object] = {}
 
+    _fixed_params = NormParams  # the fused build's block: FixedParams, then the weights and eps
+
     def _op(self) -> Op:
         return _NormOp(self)
 
@@ -273,15 +274,6 @@ class QKNormRopePlan(RopePlan):
                                            norm_head_batch(self.q_heads, self.k_heads)))
         self._ensure_core()
         return self
-
-    def _fixed_view(self, core: Prepared) -> NormParams:
-        """The core's block seen as the fused build's arguments (same memory)."""
-        view = self._fixed_block
-        if view is None or view[0] is not core:
-            address = ctypes.addressof(core.block)
-            view = self._fixed_block = (core, NormParams.from_address(address))
-            self._fixed_bytes = (ctypes.c_char * ctypes.sizeof(NormParams)).from_address(address)
-        return view[1]
 
     def execute(self, q, k, q_weight, k_weight, cos, sin, positions=None, q_out=None, k_out=None, stream=None, *,
                 offset=None, cu_seqlens=None):

@@ -169,13 +169,17 @@ class RopePlan:
                                                                          head_batch, self.device)
         return fns
 
+    # The specialised build's argument block (a build that extends it names its own).
+    _fixed_params = FixedParams
+
     def _fixed_view(self, core: Prepared) -> FixedParams:
         """The core's block seen as the specialised build's arguments (same memory)."""
         view = self._fixed_block
         if view is None or view[0] is not core:
             address = ctypes.addressof(core.block)
-            view = self._fixed_block = (core, FixedParams.from_address(address))
-            self._fixed_bytes = (ctypes.c_char * ctypes.sizeof(FixedParams)).from_address(address)
+            params = self._fixed_params
+            view = self._fixed_block = (core, params.from_address(address))
+            self._fixed_bytes = (ctypes.c_char * ctypes.sizeof(params)).from_address(address)
         return view[1]
 
     def _ensure_core(self) -> Prepared:
