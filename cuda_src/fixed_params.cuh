@@ -14,4 +14,5 @@ struct FixedParams {
     i64 pos_mode, index_flags, inverse, table_vec, total;
     u64 div_seq;  // fast_div packed S
     i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
+    double attention;  // the factor that multiplies cos and sin (FIX_ANGLES builds only: angles.cuh)
 };

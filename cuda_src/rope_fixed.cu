@@ -17,6 +17,8 @@
 //                     FIX_MT, FIX_MH, FIX_MW the sections (pairs per stream, summing to FIX_RD / 2).
 //                     positions is then [3, tokens] (temporal, height, width; mrope_stride elements
 //                     between streams), and pair column i takes the row of its stream's position.
+//   FIX_ANGLES        optional: 0 or absent: cos/sin tables; 1 or 2: cos and sin computed from the
+//                     inverse frequencies (float64 or float32) in the cos field (angles.cuh)
 // The kernel rotates in place or out of place with the whole head rotated; an out-of-place
 // call with a partial window (the outside copied) runs the generic kernel.
 //
@@ -27,6 +29,7 @@
 // measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
 // its partner half through a warp shuffle measured slower and is not kept.
 #include "common.cuh"
+#include "angles.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
 
@@ -53,6 +56,10 @@ static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide 
 #ifndef FIX_MROPE
 #define FIX_MROPE 0
 #endif
+#ifndef FIX_ANGLES
+#define FIX_ANGLES 0
+#endif
+static_assert(!(FIX_ANGLES && FIX_MROPE), "multimodal RoPE reads tables");
 #if FIX_MROPE
 static_assert(!ROPE_INTERLEAVED, "multimodal RoPE rotates half-split pairs");
 static_assert(FIX_MT + FIX_MH + FIX_MW == HALF, "the MRoPE sections must sum to FIX_RD / 2");
@@ -127,6 +134,10 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
             c[j] = sn[j] = __int_as_float(0x7fffffff);
         }
     }
+#elif FIX_ANGLES
+    typename AngleFreq<FIX_ANGLES>::type f[NPAIR];
+    angle_freqs<NPAIR, FIX_ANGLES>(p, pu * NPAIR, f);
+    angle_values<NPAIR, FIX_ANGLES>(p, token_row(p, t, b, s), f, p.inverse ? -1.0f : 1.0f, c, sn);
 #else
     table_slice_at<NPAIR>(p, token_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
 #endif

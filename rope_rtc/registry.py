@@ -106,10 +106,14 @@ class FixedGeometry:
     order: int  # 0: (token, head group, unit), heads denser; 1: (batch, head group, token, unit), bhsd
     # Multimodal RoPE (rope_rtc.mrope): (style, t, h, w), style 1 contiguous sections, 2 interleaved; () for none.
     mrope: tuple = ()
+    # cos/sin computed in the kernel (cuda_src/angles.cuh): 0 tables, ANGLE_MODES[inv_freq dtype] otherwise.
+    angles: int = 0
 
     def spec(self) -> KernelSpec:
         mrope = () if not self.mrope else tuple(
             (name, str(v)) for name, v in zip(("FIX_MROPE", "FIX_MT", "FIX_MH", "FIX_MW"), self.mrope))
+        if self.angles:
+            mrope += (("FIX_ANGLES", str(self.angles)),)
         return KernelSpec(
             "rope_fixed", "rope_fixed.cu", FIXED_ENTRIES,
             (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
@@ -223,6 +227,39 @@ def mrope_geometries(dtype: str, q_heads: int, k_heads: int, head_dim: int, rota
     mrope = (2 if interleaved_sections else 1,) + tuple(int(v) for v in sections)
     return [replace(g, mrope=mrope, head_batch=mrope_head_batch(q_heads, k_heads, interleaved_sections, small))
             for small in (True, False)]
+
+
+#: Builds that compute cos and sin in the kernel, by the dtype of the inverse frequencies:
+#: float64 for numerics "exact", float32 for "transformers" (cuda_src/angles.cuh).
+ANGLE_MODES = {"float64": 1, "float32": 2}
+
+
+def angle_head_batch(q_heads: int, k_heads: int, small: bool) -> int:
+    """Heads per thread of a build that computes its angles: the cos/sin of a thread's pairs
+    cost about twenty float64 operations each, shared by the thread's heads, so prefill takes up
+    to 4 heads per thread (measured above 2 and 8: docs/performance.md); small launches (decode)
+    one. Always a divisor of both head counts."""
+    want = 1 if small else 4
+    while want > 1 and (q_heads % want or k_heads % want):
+        want //= 2
+    return want
+
+
+def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int, rotary_offset: int,
+                     rotary_dim: int, inv_freq_dtype: str, tokens_denser: bool) -> list[FixedGeometry]:
+    """The builds that compute cos and sin from ``inv_freq`` for one geometry and thread order:
+    for small launches and large ones (their heads per thread differ). Empty when the window is
+    not a whole number of vectors."""
+    g = fixed_geometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, tokens_denser)
+    if g is None:
+        return []
+    mode = ANGLE_MODES[inv_freq_dtype]
+    large = replace(g, angles=mode, head_batch=angle_head_batch(q_heads, k_heads, False))
+    # Small launches are latency-bound: half the vector, so a thread evaluates half the pairs
+    # (measured faster than the table build at decode, where the full vector was slower).
+    half = g.vec // 2
+    small_vec = half if half >= (2 if interleaved else 1) and rotary_offset % half == 0 else g.vec
+    return [replace(g, angles=mode, vec=small_vec, head_batch=angle_head_batch(q_heads, k_heads, True)), large]
 
 
 def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int, head_dim: int,

@@ -24,7 +24,7 @@ from .conventions import flatten_like, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
-from .rope_plan import RopePlan, check_positions_of, split_offset
+from .rope_plan import RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 BACKENDS = ("auto", "nvrtc", "numpy")
@@ -98,7 +98,14 @@ def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray) -> np.ndarray:
     canon = np.transpose(arr, perm)
     shape = canon.shape
     flat = canon.reshape(int(np.prod(shape[:-2])), shape[-2], shape[-1])  # -1 is ambiguous when empty
-    res = rope_reference(flat, _host(req.cos), _host(req.sin), pos, interleaved=req.interleaved,
+    if req.angles:  # each token's row, as the kernel computes it (the table's entries, tables.angle_rows)
+        from .tables import angle_rows
+
+        cos, sin = angle_rows(pos, _host(req.cos), req.attention)
+        pos = np.arange(pos.size, dtype=np.int64)
+    else:
+        cos, sin = _host(req.cos), _host(req.sin)
+    res = rope_reference(flat, cos, sin, pos, interleaved=req.interleaved,
                          rotary_dim=req.rotary_dim, rotary_offset=req.rotary_offset, inverse=req.inverse)
     res = round_to_dtype(res, arr.dtype).reshape(shape)
     return np.ascontiguousarray(np.transpose(res, np.argsort(perm)))
@@ -133,7 +140,8 @@ def _thread_caches() -> tuple[dict, dict]:
         return _local.by_signature, _local.by_key
 
 
-OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse")
+# attention_scaling: None for calls with tables; the factor for calls with inv_freq (then cos holds it).
+OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse", "attention_scaling")
 
 
 def _kw(opts: tuple) -> dict:
@@ -147,13 +155,16 @@ def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -
     req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
                    cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **_kw(opts))
     key = (opts, names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
-           req.in_place, req.pos_mode, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
+           req.in_place, req.pos_mode, req.angles, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
                                                                                       req.cu_seqlens)), req.device)
     _, by_key = _thread_caches()
     plan = by_key.get(key)
     if plan is None:
+        kw = _kw(opts)
+        if opts[5] is not None:  # angles computed in the kernel: inv_freq in the cos slot
+            kw["inv_freq"], cos = cos, None
         plan = RopePlan(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **_kw(opts))
+                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **kw)
         plan._names = names
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
@@ -165,14 +176,17 @@ def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
     ``(None, None)``. Written out argument by argument, reading each array once (an output that
     is its input reuses the input's): this is most of a repeated call's host time."""
     nd = _NDARRAY
-    if type(q) is not nd or type(cos) is not nd or type(sin) is not nd:
+    if type(q) is not nd or type(cos) is not nd or (type(sin) is not nd and sin is not None):
         return None, None
     d = q.data
     sq, pq = (q.shape, q.strides, q.dtype, d.device_id), d.ptr
     d = cos.data
     sc, pc = (cos.shape, cos.strides, cos.dtype, d.device_id), d.ptr
-    d = sin.data
-    ss, ps = (sin.shape, sin.strides, sin.dtype, d.device_id), d.ptr
+    if sin is None:  # inv_freq in the cos slot
+        ss, ps = None, 0
+    else:
+        d = sin.data
+        ss, ps = (sin.shape, sin.strides, sin.dtype, d.device_id), d.ptr
     if q_out is q:
         sqo, pqo = True, pq
     elif type(q_out) is nd:
@@ -234,11 +248,12 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         by_signature = _local.by_signature
     except AttributeError:
         by_signature = _thread_caches()[0]
-    layout, interleaved, rotary_dim, rotary_offset, inverse = opts
+    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
     # Options of the types validation accepts as they are (equal values of other types, such as
     # interleaved=1 or rotary_dim=64.0, would share the key): anything else validates every call.
     plain = (type(interleaved) is bool and type(inverse) is bool and type(rotary_offset) is int
-             and (rotary_dim is None or type(rotary_dim) is int) and type(layout) is str)
+             and (rotary_dim is None or type(rotary_dim) is int) and type(layout) is str
+             and (attention is None or type(attention) is float))
     key = None if sig is None or not plain else (opts, names, sig)
     plan, call = bind_once(by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
@@ -262,8 +277,9 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
                             "device arrays")
         return _run_numpy(req)
     if not host:  # other device arrays (DLPack, __cuda_array_interface__): their CuPy views or themselves
-        view = [None if i is None else i.array for i in (req.q, req.k, req.cos, req.sin, req.positions,
-                                                            req.offsets, req.cu_seqlens, req.q_out, req.k_out)]
+        view = [None if i is None else i.array for i in (req.q, req.k, req.cos, None if req.angles else req.sin,
+                                                            req.positions, req.offsets, req.cu_seqlens, req.q_out,
+                                                            req.k_out)]
         handle = stream_handle(stream, req.device)
         for i, info in ((7, req.q), (8, req.k)):
             if view[i] is None and info is not None:
@@ -283,7 +299,8 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
     device = cupy.cuda.runtime.getDevice()
     handle = stream_handle(stream, device)
     with launch.cupy_stream(handle):  # the uploads and the kernel in one stream's order
-        staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos, req.sin,
+        staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos,
+                                                                          None if req.angles else req.sin,
                                                                           req.positions, req.offsets, req.cu_seqlens)]
     sq, sk = staged[0], staged[1]
     q_out = sq if req.q_out is not None and req.q_out.array is q else None
@@ -304,7 +321,8 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
 def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                   interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                   inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto",
-                  cos_sin_cache=None, head_dim: int | None = None):
+                  cos_sin_cache=None, head_dim: int | None = None, inv_freq=None,
+                  attention_scaling: float | None = None):
     """Rotate q and k in one launch. q and k may have different head counts (GQA/MQA).
 
     Parameters
@@ -324,6 +342,18 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         With ``layout="thd"``: q and k (and given outputs) may be flat ``[T, H * head_dim]``, as
         engines keep them; they are viewed as ``[T, H, head_dim]`` without a copy, and allocated
         outputs are returned flat.
+    inv_freq : array, optional
+        Instead of tables: the inverse frequencies ``[rotary_dim // 2]``
+        (:func:`rope_rtc.inverse_frequencies`), and the kernel computes each token's cos and sin.
+        float64 (``numerics="exact"``): the angle ``position * inv_freq`` in float64, cos and sin
+        in float64, one rounding: the ``rope_tables(numerics="exact")`` entry, or one float32 ulp
+        from it where the value lies within about 1e-16 of a rounding boundary. float32
+        (``numerics="transformers"``): torch's float32 angle ``float32(position) * inv_freq``.
+        Positions may be any of 0 .. 2**31 - 1, with no table to hold. Runs the specialised
+        kernel only: the window a whole number of its vectors, rotated in place when partial.
+    attention_scaling : float, optional
+        With ``inv_freq``: the factor that multiplies cos and sin (the second value
+        ``inverse_frequencies`` returns; 1.0 when omitted).
     positions : array of int32/int64, optional
         One absolute position per token: ``[B, S]``, or ``[T]`` for ``layout="thd"``. Overrides ``offset``.
     offset : int or int array ``[B]``
@@ -364,20 +394,20 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     """
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
-    if cos_sin_cache is None and head_dim is None:
+    if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
         if _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
             # The engine's call (CuPy arrays, a GPU seen before): straight to the plan cache.
             return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse), ("q", "k"))
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), ("q", "k"))
         return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse))
-    cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
+    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
     flat_q = q.shape if head_dim is not None and q_out is None else None
     flat_k = k.shape if head_dim is not None and k_out is None else None
     qo, ko = _apply(("q", "k"), unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
                     cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
-                    unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend,
-                    (layout, interleaved, rotary_dim, rotary_offset, inverse))
+                    unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
     return (q_out if q_out is not None else flatten_like(qo, flat_q),
             k_out if k_out is not None else flatten_like(ko, flat_k))
 
@@ -385,21 +415,45 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
 def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                inverse: bool = False, out=None, stream=None, backend: str = "auto", cos_sin_cache=None,
-               head_dim: int | None = None):
+               head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None):
     """Rotate one tensor. Same arguments as :func:`apply_rope_qk` with ``x``/``out`` for ``q``/``q_out``.
 
     ``out=x`` rotates in place. Returns the output array.
     """
-    if cos_sin_cache is None and head_dim is None:
+    if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
         if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
             return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse), ("x", "k"))[0]
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), ("x", "k"))[0]
         q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse))
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
         return q
-    cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
+    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
     flat = x.shape if head_dim is not None and out is None else None
     q, _ = _apply(("x", "k"), unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
-                  cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend,
-                  (layout, interleaved, rotary_dim, rotary_offset, inverse))
+                  cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
     return out if out is not None else flatten_like(q, flat)
+
+
+def _attention_option(inv_freq, attention_scaling):
+    """The options' last entry: None for tables; the factor (a float where it is a number, so
+    equal factors share a plan) for inv_freq."""
+    if inv_freq is None:
+        if attention_scaling is not None:
+            raise TypeError("attention_scaling: only with inv_freq (a table already holds the factor: rope_tables "
+                            "applies it)")
+        return None
+    if attention_scaling is None:
+        return 1.0
+    if isinstance(attention_scaling, (int, float, np.integer, np.floating)) and not isinstance(
+            attention_scaling, (bool, np.bool_)):
+        return float(attention_scaling)
+    return attention_scaling  # validation names the wrong type
+
+
+def _tables_or_angles(inv_freq, cos, sin, cos_sin_cache) -> tuple:
+    """The (cos slot, sin slot) of a call: the tables, or inv_freq and None."""
+    if inv_freq is not None:
+        check_no_tables(cos, sin, cos_sin_cache)
+        return inv_freq, None
+    return split_cos_sin_cache(cos_sin_cache, cos, sin)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layouts import canonical
-from .registry import FixedGeometry, fixed_geometry, rope_head_batch, rope_vector_widths
+from .registry import FixedGeometry, angle_geometries, fixed_geometry, rope_head_batch, rope_vector_widths
 from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, FixedParams, RopeParams, fast_divisor
 from .rope_request import Request
 
@@ -130,8 +130,8 @@ def fill_positions_and_tables(p, req: Request) -> None:
     """The fields every general kernel's block shares (rope.cu, rope_fixed.cu, rope_cache.cu and
     positions.cuh read them under the same names): tables, position scheme, token counts."""
     p.cos, p.sin = req.cos.ptr, req.sin.ptr
-    p.table_rows = req.cos.shape[0]
-    p.table_stride = req.cos.strides[0]
+    p.table_rows = req.table_rows
+    p.table_stride = 0 if req.angles else req.cos.strides[0]
     p.positions = req.positions.ptr if req.positions is not None else 0
     p.offsets = req.offsets.ptr if req.offsets is not None else 0
     p.cu_seqlens = req.cu_seqlens.ptr if req.cu_seqlens is not None else 0
@@ -144,6 +144,8 @@ def fill_positions_and_tables(p, req: Request) -> None:
 
 def table_vec(req: Request, npair: int) -> int:
     """1 when table rows may be read ``npair`` floats per access: every row slice aligned to that."""
+    if req.angles:
+        return 0
     rows_aligned = req.cos.shape[0] <= 1 or req.cos.strides[0] % npair == 0
     return int(rows_aligned and req.cos.ptr % (4 * npair) == 0 and req.sin.ptr % (4 * npair) == 0)
 
@@ -162,6 +164,8 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
     into its head groups and the threads fit 32-bit indices. ``layout_denser``: the plan's
     layout puts tokens closer than heads (bhsd), which fixes the thread order (a plan fixes
     its builds when it compiles them)."""
+    if req.angles:
+        return angle_build(req, layout_denser)
     if not USE_FIXED or (not req.in_place and req.rotary_dim < req.cq.D):
         return None
     g = fixed_geometry(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
@@ -171,6 +175,31 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
     if fixed_threads(req, g) >= NARROW_LIMIT:
         return None
     return g
+
+
+def angle_build(req: Request, layout_denser: bool) -> FixedGeometry:
+    """The build that computes the call's cos and sin from ``inv_freq`` (no generic kernel does):
+    NotImplementedError or ValueError saying why none fits."""
+    if not req.in_place and req.rotary_dim < req.cq.D:
+        raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; with inv_freq "
+                                  "a partial window is rotated in place only (pass out=x / q_out=q, k_out=k, or "
+                                  "rotate the whole head)")
+    builds = angle_geometries(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
+                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser)
+    if not builds:
+        raise NotImplementedError(f"rotary_dim/rotary_offset: {req.rotary_dim} at {req.rotary_offset} is not a whole "
+                                  f"number of the kernel's vectors for {req.dtype}; with inv_freq the window must "
+                                  "be (tables serve any window)")
+    small = fixed_threads(req, builds[0]) < FIXED_SMALL_THREADS  # builds[0]: the small launches' build
+    chosen = builds[0] if small else builds[1]
+    if req.num_tokens and (chosen.vec not in allowed_vectors(req) or any(
+            i.ptr % (chosen.vec * req.q.itemsize) for i in (req.q, req.k, req.q_out, req.k_out) if i is not None)):
+        names = "/".join(i.name for i in (req.q, req.k) if i is not None)
+        raise ValueError(f"{names}/outputs: addresses or strides are not aligned to {chosen.vec * req.q.itemsize} "
+                         "bytes, which the inv_freq kernel reads; pass aligned arrays (a contiguous array is)")
+    if fixed_threads(req, chosen) >= NARROW_LIMIT:
+        raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
+    return chosen
 
 
 def fixed_threads(req: Request, g: FixedGeometry) -> int:
@@ -190,6 +219,7 @@ def fill_fixed(p: FixedParams, req: Request, g: FixedGeometry) -> None:
     p.seq_len = max(req.cq.S, 1)
     p.inverse = int(req.inverse)
     p.table_vec = table_vec(req, g.vec // 2 if g.interleaved else g.vec)
+    p.attention = req.attention
     p.total = fixed_threads(req, g)
     p.div_seq = fast_divisor(p.seq_len)
 

@@ -65,6 +65,7 @@ FIXED_FIELDS = [
     ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("table_vec", _I64), ("total", _I64),
     ("div_seq", _U64),
     ("mrope_stride", _I64),  # multimodal RoPE builds only: elements between the position streams
+    ("attention", ctypes.c_double),  # angles computed in the kernel only: the factor on cos and sin
 ]
 
 

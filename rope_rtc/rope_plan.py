@@ -15,8 +15,8 @@ import numpy as np
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel
 from .prepared import Call, Op, Prepared, disjoint_pairs, pointers, signature
-from .registry import FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, fixed_geometry, rope_head_batches, rope_spec, \
-    rope_vector_widths
+from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, fixed_geometry, \
+    rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, choose_vector, fill_fixed, fill_params, fixed_build, fixed_launch_shape, \
@@ -73,11 +73,20 @@ class RopePlan:
     def __init__(self, q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
                  interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                  inverse: bool = False, q_out=None, k_out=None, device: int | None = None, cos_sin_cache=None,
-                 head_dim: int | None = None) -> None:
+                 head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None) -> None:
         self._opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                           rotary_offset=rotary_offset, inverse=inverse)
+        if inv_freq is not None:
+            # cos and sin computed in the kernel: inv_freq rides in the cos slot (rope_request.validate).
+            check_no_tables(cos, sin, cos_sin_cache)
+            cos = inv_freq
+            self._opts["attention_scaling"] = 1.0 if attention_scaling is None else attention_scaling
+        elif attention_scaling is not None:
+            raise TypeError("attention_scaling: only with inv_freq (a table already holds the factor: rope_tables "
+                            "applies it)")
         # Engine conventions (rope_rtc.conventions): a combined cos|sin table, flat [T, H * D] q/k.
-        cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+        if inv_freq is None:
+            cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
         self._flat_head_dim = head_dim
         self._converted = None  # (arguments, their shapes, their views) of the last converted call
         if head_dim is not None:
@@ -99,6 +108,7 @@ class RopePlan:
         self.k_heads = req.ck.H if req.ck is not None else 0
         self.has_k = k is not None
         self.pos_mode = req.pos_mode
+        self.angles, self.attention = req.angles, req.attention
         if device is None:
             device = req.device if req.device is not None else _current_device()
         self.device = int(device)
@@ -114,6 +124,13 @@ class RopePlan:
         """Load the kernels this plan can launch (every vector width and head batch of its dtype
         and pair style, and the build specialised on its geometry), compiling on a cache miss.
         After this, ``execute`` never compiles."""
+        if self.angles:  # the builds that compute cos and sin, for small launches and large ones
+            for g in angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
+                                      self.rotary_offset, self.rotary_dim, self.inv_freq_dtype,
+                                      self.layout == "bhsd"):
+                self.fixed_kernel(g)
+            self._ensure_core()
+            return self
         for vec in rope_vector_widths(self.dtype, self.interleaved):
             for hb in rope_head_batches(self.interleaved):
                 self.kernel(vec, hb)
@@ -138,7 +155,7 @@ class RopePlan:
             views = last[2]
         else:
             hd, layout = self._flat_head_dim, self.layout
-            c, s = split_cos_sin_cache(cache, cos, sin)
+            c, s = (cos, sin) if self.angles else split_cos_sin_cache(cache, cos, sin)
             views = (unflatten_heads(q, hd, layout, "q"), unflatten_heads(k, hd, layout, "k"), c, s,
                      unflatten_heads(q_out, hd, layout, "q_out"), unflatten_heads(k_out, hd, layout, "k_out"))
             self._converted = (given, tuple(getattr(a, "shape", None) for a in given), views)
@@ -152,6 +169,9 @@ class RopePlan:
         generic build, and a warning names the ``rope-rtc warm --model`` command that adds it."""
         if g in self._fixed:
             return self._fixed[g]
+        if g.angles:  # no generic build computes angles: a missing one raises (KernelNotCachedError)
+            fn = self._fixed[g] = load_fixed_function(g, self.device)
+            return fn
         try:
             fn = load_fixed_function(g, self.device)
         except KernelNotCachedError as exc:
@@ -193,11 +213,22 @@ class RopePlan:
     def _op(self) -> Op:
         return _RopeOp(self)
 
+    @property
+    def inv_freq_dtype(self) -> str | None:
+        """The dtype of the inverse frequencies a plan built with ``inv_freq=`` computes its angles
+        from; None for a plan that reads tables."""
+        return next((d for d, m in ANGLE_MODES.items() if m == self.angles), None)
+
     def execute(self, q, k=None, cos=None, sin=None, positions=None, q_out=None, k_out=None, stream=None, *,
-                offset=None, cu_seqlens=None, cos_sin_cache=None):
+                offset=None, cu_seqlens=None, cos_sin_cache=None, inv_freq=None):
         """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``.
 
-        A plan built with ``cos_sin_cache=`` or ``head_dim=`` takes the same conventions here."""
+        A plan built with ``cos_sin_cache=`` or ``head_dim=`` takes the same conventions here; one
+        built with ``inv_freq=`` takes ``inv_freq=`` (any array of the plan's dtype and length)
+        instead of tables."""
+        if inv_freq is not None:
+            check_no_tables(cos, sin, cos_sin_cache)
+            cos = inv_freq
         if cos_sin_cache is not None or self._flat_head_dim is not None:
             return self._execute_converted(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens,
                                            cos_sin_cache)
@@ -218,6 +249,13 @@ class RopePlan:
         if self._check_positions:
             check_positions_of(arrays, scalar, self._opts)
         return core.execute(arrays, scalar, stream)
+
+
+def check_no_tables(cos, sin, cos_sin_cache) -> None:
+    """``inv_freq=`` replaces the tables: TypeError when tables come with it."""
+    if cos is not None or sin is not None or cos_sin_cache is not None:
+        given = "/".join(n for n, v in (("cos", cos), ("sin", sin), ("cos_sin_cache", cos_sin_cache)) if v is not None)
+        raise TypeError(f"{given}: pass inv_freq (cos and sin computed in the kernel) or tables, not both")
 
 
 def split_offset(offset) -> tuple[int, object]:
@@ -259,6 +297,11 @@ class _RopeOp(Op):
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
         check_plan_arguments(plan, k, q_out, k_out)
+        if plan.angles and sin is not None:
+            raise TypeError("cos/sin: this plan computes cos and sin from inv_freq; pass inv_freq= to execute()")
+        if not plan.angles and sin is None and cos is not None:
+            raise TypeError("inv_freq: this plan reads cos/sin tables; pass cos and sin (or build a plan with "
+                            "inv_freq=)")
         req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
                        **plan._opts)
@@ -294,6 +337,10 @@ def check_request_fits_plan(plan: RopePlan, req: Request) -> None:
         problems.append(f"k heads {req.ck.H} (plan: {plan.k_heads})")
     if req.pos_mode != plan.pos_mode:
         problems.append("the position scheme (positions / offset array / cu_seqlens) differs from the plan's")
+    if req.angles != getattr(plan, "angles", 0):
+        problems.append(f"inv_freq dtype {req.cos.dtype} (plan: {plan.inv_freq_dtype})" if req.angles and plan.angles
+                        else "tables and inv_freq: the plan " + ("computes cos and sin from inv_freq; pass inv_freq="
+                                                                 if plan.angles else "reads cos/sin tables"))
     if problems:
         raise ValueError("execute: " + "; ".join(problems))
 
@@ -323,6 +370,8 @@ class _RopeTemplate:
                                        self.validated_pointers)
         self.allowed = allowed_vectors(req) if req.num_tokens else ()
         self.itemsize = req.q.itemsize
+        if req.angles:
+            self.generic = False  # only the specialised builds compute angles
         # The specialised build when the call fits it and is at hand (its vector's alignment is
         # checked per call).
         self.fixed = self._geometry(req) if req.num_tokens else None
@@ -334,9 +383,9 @@ class _RopeTemplate:
         self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)
         self.npair_div = 2 if req.interleaved else 1
         self.has_positions = req.positions is not None
-        self.offset_rows = (req.cq.S, req.cos.shape[0]) if req.pos_mode == POS_OFFSET else None
-        self.table_rows = req.cos.shape[0]
-        self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 else 0
+        self.table_rows = req.table_rows
+        self.offset_rows = (req.cq.S, self.table_rows) if req.pos_mode == POS_OFFSET else None
+        self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 and not req.angles else 0
         self._prefixes: dict[int, tuple] = {}
 
     pointers = staticmethod(pointers)

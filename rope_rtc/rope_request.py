@@ -19,7 +19,12 @@ import numpy as np
 from . import arrays as A
 from .descriptors import TensorDesc
 from .layouts import Canonical, canonical, check_layout
+from .registry import ANGLE_MODES
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
+
+#: Positions an ``inv_freq`` call accepts: 0 .. 2**31 - 1 (the kernel's 32-bit conversions; also
+#: the longest table rope_tables builds).
+ANGLE_POSITIONS = 2**31
 
 @dataclass
 class Request:
@@ -43,10 +48,20 @@ class Request:
     rotary_offset: int
     inverse: bool
     device: int | None
+    # cos and sin computed in the kernel: 0 (tables), else registry.ANGLE_MODES[inv_freq dtype];
+    # ``cos`` and ``sin`` then both describe inv_freq.
+    angles: int = 0
+    attention: float = 1.0
 
     @property
     def dtype(self) -> str:
         return self.q.dtype
+
+    @property
+    def table_rows(self) -> int:
+        """Positions the call may use: the table's rows, or ANGLE_POSITIONS for angles computed
+        in the kernel."""
+        return ANGLE_POSITIONS if self.angles else self.cos.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -70,9 +85,10 @@ class Request:
 
     def infos(self) -> tuple:
         """Every argument's info (None where absent), in the plans' argument order: q, k, cos, sin,
-        positions, q_out, k_out, cu_seqlens, offset array."""
-        return (self.q, self.k, self.cos, self.sin, self.positions, self.q_out, self.k_out, self.cu_seqlens,
-                self.offsets)
+        positions, q_out, k_out, cu_seqlens, offset array (inv_freq in cos's place, sin None, for
+        angles computed in the kernel)."""
+        return (self.q, self.k, self.cos, None if self.angles else self.sin, self.positions, self.q_out, self.k_out,
+                self.cu_seqlens, self.offsets)
 
     def without_arrays(self) -> "Request":
         """The same request holding no caller's array (what a template keeps)."""
@@ -157,6 +173,32 @@ def check_tables(cos, sin, rdim: int, rotary_dim_given: bool, D: int, allow_host
     return ci, si
 
 
+def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool) -> tuple[A.ArrayInfo, int, float]:
+    """``(info, angle mode, attention factor)`` of a call that computes cos and sin from
+    ``inv_freq`` (passed in the cos slot; ``sin`` must be absent)."""
+    if sin is not None:
+        raise TypeError("sin: pass inv_freq instead of cos and sin, not with them")
+    if inv_freq is None:
+        raise TypeError("inv_freq: expected a 1-d float64 or float32 array [rotary_dim // 2] "
+                        "(rope_rtc.inverse_frequencies gives one)")
+    fi = A.describe(inv_freq, "inv_freq", allow_host=allow_host)
+    A.check_dtype(fi, tuple(ANGLE_MODES), " (float64 for numerics 'exact', float32 for 'transformers': "
+                  "rope_rtc.inverse_frequencies gives either)")
+    A.check_ndim(fi, (1,), "a 1-d array [rotary_dim // 2]")
+    if fi.shape[0] != rdim // 2:
+        raise ValueError(f"inv_freq: has {fi.shape[0]} entries but rotary_dim {rdim} needs {rdim // 2} (one per pair)")
+    A.check_contiguous(fi)
+    if fi.device is not None:  # loaded as aligned scalars
+        A.check_aligned(fi, fi.itemsize)
+    if isinstance(attention_scaling, (bool, np.bool_)) or not isinstance(attention_scaling, (int, float, np.integer,
+                                                                                           np.floating)):
+        raise TypeError(f"attention_scaling: expected a float, got {type(attention_scaling).__name__}")
+    att = float(attention_scaling)
+    if not (0 < att <= float(np.finfo(np.float32).max)):  # also false for NaN
+        raise ValueError(f"attention_scaling: expected a finite positive factor (within float32's range), got {att}")
+    return fi, ANGLE_MODES[fi.dtype], att
+
+
 def _index_array(x, name: str, ndim_meaning: tuple[tuple[int, ...], str], allow_host: bool) -> A.ArrayInfo:
     info = A.describe(x, name, allow_host=allow_host)
     A.check_dtype(info, A.INDEX_DTYPES)
@@ -235,8 +277,11 @@ def _check_kinds(everything: list[A.ArrayInfo], allow_desc: bool) -> int | None:
 
 def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout="bshd", interleaved=False,
              rotary_dim=None, rotary_offset=0, inverse=False, q_out=None, k_out=None, allow_host=True,
-             names=("q", "k"), allow_desc=False) -> Request:
-    """Every check of the general API, before anything is launched or written."""
+             names=("q", "k"), allow_desc=False, attention_scaling=None) -> Request:
+    """Every check of the general API, before anything is launched or written.
+
+    ``attention_scaling`` not None: cos and sin are computed in the kernel, ``cos`` holds the
+    inverse frequencies and ``sin`` is None (the public functions' ``inv_freq=``)."""
     check_options(layout, interleaved, inverse)
     qn, kn = names
     qi, cq = _tensor(q, qn, layout, allow_host)
@@ -249,16 +294,21 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
             raise ValueError(f"{kn}: shape {ki.shape} does not match {qn}'s {qi.shape} outside the head axis "
                              f"(only head counts may differ, for GQA/MQA)")
     rdim, roff = check_window(cq.D, rotary_dim, rotary_offset, qn)
-    ci, si = check_tables(cos, sin, rdim, rotary_dim is not None, cq.D, allow_host)
-    pi, oi, cui, off = check_positions(positions, offset, cu_seqlens, layout, cq, ci.shape[0], allow_host)
+    if attention_scaling is None:
+        ci, si = check_tables(cos, sin, rdim, rotary_dim is not None, cq.D, allow_host)
+        angles, att, rows = 0, 1.0, ci.shape[0]
+    else:
+        ci, angles, att = check_inv_freq(cos, sin, rdim, attention_scaling, allow_host)
+        si, rows = ci, ANGLE_POSITIONS
+    pi, oi, cui, off = check_positions(positions, offset, cu_seqlens, layout, cq, rows, allow_host)
     qo, ko = _outputs(q_out, k_out, qi, ki, qn, kn, k is not None, allow_host)
 
-    inputs = [x for x in (qi, ki, ci, si, pi, oi, cui) if x is not None]
+    inputs = [x for x in (qi, ki, ci, si if si is not ci else None, pi, oi, cui) if x is not None]
     outs = [(o, own) for o, own in ((qo, qi), (ko, ki)) if o is not None]
     A.check_outputs(outs, inputs)
     device = _check_kinds(inputs + [o for o, _ in outs], allow_desc)
     req = Request(qi, ki, qo, ko, ci, si, pi, oi, cui, off, cq, ck, layout, bool(interleaved), rdim, roff,
-                  bool(inverse), device)
+                  bool(inverse), device, angles, att)
     if device is None and not allow_desc:
         check_position_values(req, *(None if x is None else np.asarray(x.array) for x in (pi, oi, cui)))
     return req
@@ -268,7 +318,7 @@ def check_position_values(req: Request, positions: np.ndarray | None, offsets: n
                           cu_seqlens: np.ndarray | None) -> None:
     """Every position the call would read lies inside the table; ``cu_seqlens`` is ``[0, ..., T]``
     and non-decreasing. The arrays are host copies of the request's index arrays."""
-    rows, S = req.cos.shape[0], req.cq.S
+    rows, S = req.table_rows, req.cq.S
     if cu_seqlens is not None:
         cu = cu_seqlens.astype(np.int64)
         if cu[0] != 0:

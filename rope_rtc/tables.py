@@ -609,20 +609,31 @@ def rope_tables(
     inv_freq, attention = _frequencies(dim, base, scaling, rows, numerics)
     if not callable(getattr(xp, "asarray", None)):
         raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
-    ft = inv_freq.dtype.type
     cos = np.empty((rows, inv_freq.size), dtype=np.float32)
     sin = np.empty_like(cos)
     for start in range(0, rows, _ROWS_PER_CHUNK):
         stop = min(start + _ROWS_PER_CHUNK, rows)
-        # float32(p) * inv_freq in float32 for "transformers"; exact products in float64.
-        angles = np.multiply.outer(np.arange(start, stop).astype(ft), inv_freq)
-        for out, fn in ((cos, np.cos), (sin, np.sin)):
-            values = fn(angles.astype(np.float64))
-            if ft is np.float64:
-                out[start:stop] = values * attention  # one rounding, at the assignment
-            else:
-                out[start:stop] = values.astype(np.float32) * np.float32(attention)
+        cos[start:stop], sin[start:stop] = angle_rows(np.arange(start, stop), inv_freq, attention)
     return xp.asarray(cos), xp.asarray(sin)
+
+
+def angle_rows(positions: np.ndarray, inv_freq: np.ndarray, attention: float) -> tuple[np.ndarray, np.ndarray]:
+    """The table rows of ``positions`` (float32 ``[len(positions), inv_freq.size]`` each): what
+    :func:`rope_tables` holds at those rows, and what the kernel computes from ``inv_freq``
+    (``apply_rope(..., inv_freq=)``; cuda_src/angles.cuh). ``inv_freq``'s dtype selects the
+    numerics: float64 "exact" (the product ``position * inv_freq`` rounded once in float64, cos/sin
+    in float64 times the factor, one rounding to float32), float32 "transformers" (``float32(p) *
+    inv_freq`` rounded to float32, cos/sin rounded to float32, times ``float32(attention)``)."""
+    ft = np.dtype(inv_freq.dtype).type
+    angles = np.multiply.outer(np.asarray(positions).astype(ft), inv_freq)
+    out = []
+    for fn in (np.cos, np.sin):
+        values = fn(angles.astype(np.float64))
+        if ft is np.float64:
+            out.append((values * attention).astype(np.float32))  # one rounding
+        else:
+            out.append(values.astype(np.float32) * np.float32(attention))
+    return out[0], out[1]
 
 
 def cos_sin_cache(

@@ -699,3 +699,72 @@ def test_engine_rows_with_their_own_bytes_failed_checks_and_failed_records():
     res["engine"][0]["rows"][1]["check"] = "WRONG: differs from the two-step sequence"
     t = {x["target"]: x for x in report.evaluate_targets(res)}
     assert t["RoPE + KV-cache write, prefill >= 95% of copy"]["status"] == "MISS"
+
+
+def test_fp8_row_is_judged_against_a_copy_of_its_own_bytes():
+    # The FP8 launch moves fewer bytes than the record's copy; the target compares it with a
+    # same-size copy of those bytes when the run measured one, and the table shows that %.
+    res = synthetic_result(True)
+    recs = _engine_records(110.0, 1.8)
+    prefill = recs[0]
+    moved8 = 380_000_000
+    fp8 = {"impl": bcases.KV_FUSED_FP8, "layout": "-", "check": "bit-exact", "note": "",
+           "timings": _timings(100.0), "bytes_moved": moved8}
+    prefill["rows"].append(fp8)
+    res["engine"] = recs
+    name = "RoPE + FP8 KV-cache write, prefill >= 95% of copy"
+    # Against the record's copy (445 MB in 107 µs), 380 MB in 100 µs is 91.4%: a MISS.
+    assert {x["target"]: x for x in report.evaluate_targets(res)}[name]["status"] == "MISS"
+    # A copy of the FP8 bytes that took 96 µs makes the same launch 96.0% of its copy.
+    prefill["rows"].append({"impl": bcases.COPY_FP8, "layout": "-", "check": "-", "note": "",
+                            "timings": _timings(96.0), "bytes_moved": moved8})
+    t = {x["target"]: x for x in report.evaluate_targets(res)}[name]
+    assert t["status"] == "PASS", t
+    md = report.render_markdown(res)
+    assert f"| {bcases.KV_FUSED_FP8} | 380.00 | 100.00 | 3800 (96.0%)" in md
+
+
+def test_engine_jobs_are_chosen_by_cases(monkeypatch):
+    from rope_rtc.benchmark import engine
+
+    ran = []
+    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_qk_norm_record", "_angles_record"):
+        monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append((_n, a[3:])) or {"id": _n, "rows": []})
+
+    class Ctx:
+        def free(self):
+            pass
+
+    engine.run_engine_section(Ctx(), None, None, ["engine/angles", "engine/kv-cache-prefill/bf16/half"])
+    assert ran == [("_kv_record", ("prefill", 16384, "bfloat16", False)), ("_angles_record", (8,)),
+                   ("_angles_record", (16384,))]
+    ran.clear()
+    engine.run_engine_section(Ctx(), None, None, ["engine"])
+    assert len(ran) == 13
+
+
+def test_angle_targets():
+    def rec(ident, rows, moved=100_000_000):
+        return {"id": ident, "group": "engine", "params": {}, "bytes_moved": moved, "rows": [
+            {"impl": impl, "layout": "-", "check": "bit-exact", "note": "", "timings": t, **extra}
+            for impl, t, extra in rows]}
+
+    def result(ours_prefill, ours_decode):
+        res = synthetic_result(True)
+        res["engine"] = [
+            rec("engine/angles-prefill/bf16/thd/T=16384", [
+                (bcases.COPY, _timings(100.0), {}), (bcases.ANGLES_OP, _timings(ours_prefill), {}),
+                # the table launch moves 10% more bytes in 110 µs: 100% of the copy's rate
+                (bcases.ANGLES_TABLE, _timings(110.0), {"bytes_moved": 110_000_000})]),
+            rec("engine/angles-decode/bf16/thd/T=8", [
+                (bcases.COPY, _timings(1.2, small=True, graph=1.1), {}),
+                (bcases.ANGLES_OP, _timings(3.0, small=True, graph=ours_decode), {}),
+                (bcases.ANGLES_TABLE, _timings(3.0, small=True, graph=1.7), {})])]
+        return {x["target"]: x for x in report.evaluate_targets(res)}
+
+    prefill, decode = "inv_freq prefill within 1 point of the tables", "inv_freq decode GPU time <= the tables"
+    t = result(100.5, 1.7)
+    assert t[prefill]["status"] == "PASS" and t[decode]["status"] == "PASS"
+    t = result(102.0, 1.8)  # 98.0% against the tables' 100%; decode slower
+    assert t[prefill]["status"] == "MISS" and t[prefill]["gap"] == "1.0 points short"
+    assert t[decode]["status"] == "MISS"

@@ -17,6 +17,7 @@ ENGINE = "rope_rtc cos_sin_cache"  # decode in the engines' convention: flat q/k
 COPY = "copy"
 KV_FUSED = "rope_and_cache (RopeCachePlan)"        # engine section: the fused RoPE + KV-cache write
 KV_FUSED_FP8 = "rope_and_cache, FP8 e4m3 entries"
+COPY_FP8 = "copy of the FP8 launch's bytes"  # the FP8 row's same-size copy (it moves fewer bytes)
 KV_TWO_STEP = "RopePlan, then a CuPy scatter per cache"
 ONNX_OP = "onnx.rotary_embedding"
 MROPE_OP = "apply_mrope_qk (MRopePlan)"
@@ -25,6 +26,8 @@ ONNX_APPLY = "apply_rope (same X, float32 tables)"
 QKNORM_OP = "apply_qk_norm_rope (QKNormRopePlan)"
 QKNORM_HF_NUMERICS = "apply_qk_norm_rope, numerics='transformers'"
 QKNORM_TWO_STEP = "torch rms_norm, then our RopePlan (two steps)"
+ANGLES_OP = "RopePlan, inv_freq (angles in the kernel)"
+ANGLES_TABLE = "RopePlan, cos/sin tables"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
 REGIMES = ("hot", "cold", "graph", "graph_cold", "host")
@@ -63,6 +66,7 @@ MROPE_PREFILL_PCT = 95.0        # multimodal RoPE, prefill, % of a copy of its b
 MROPE_DECODE_EXTRA_US = 0.1     # multimodal RoPE decode GPU time, at most plain RoPE's plus this
 QKNORM_PREFILL_PCT = 95.0       # QK-norm fused with RoPE, prefill, % of a copy of its bytes
 QKNORM_TWO_STEP_RATIO = 0.5     # ... and at most this fraction of the two-step sequence's GPU time
+ANGLES_PREFILL_POINTS = 1.0     # inv_freq (angles in the kernel), prefill: within this many points of the table kernel
 WARM_FIRST_S = 0.050
 COMPILE_ONE_S = 1.0
 

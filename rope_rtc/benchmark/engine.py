@@ -16,8 +16,8 @@ from functools import partial
 
 import numpy as np
 
-from .cases import COPY, DTYPE_SHORT, ITEMSIZE, KV_FUSED as FUSED, KV_FUSED_FP8 as FUSED_FP8, KV_TWO_STEP as TWO_STEP
-from .cases import MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
+from .cases import COPY, COPY_FP8, DTYPE_SHORT, ITEMSIZE, KV_FUSED as FUSED, KV_FUSED_FP8 as FUSED_FP8, KV_TWO_STEP as TWO_STEP
+from .cases import ANGLES_OP, ANGLES_TABLE, MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
 from .impls import _cupy_capture
 
 KV_HEADS = (32, 8, 128)   # Hq, Hkv, D
@@ -32,6 +32,10 @@ MROPE_PREFILL_T = 16384
 QKNORM_HEADS = (32, 8, 128)  # Qwen3-8B: Hq, Hkv, D
 QKNORM_DECODE_T = 8
 QKNORM_PREFILL_T = 16384
+ANGLES_HEADS = (32, 8, 128)  # Llama-3-8B: Hq, Hkv, D
+ANGLES_DECODE_T = 8          # B=8 sequences, one token each, positions anywhere below ANGLES_ROWS
+ANGLES_PREFILL_T = 16384     # one sequence, positions 0 .. T-1
+ANGLES_ROWS = 131072
 QKNORM_EPS = 1e-6
 
 
@@ -50,10 +54,11 @@ def _slots(rng, T: int, blocks: int) -> np.ndarray:
     return (order[:, None] * KV_BLOCK + np.arange(KV_BLOCK)).reshape(-1)[:T].astype(np.int64)
 
 
-def run_engine_section(ctx, measure, copy_runner) -> list[dict]:
+def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = None) -> list[dict]:
     """Every engine record (``measure``/``copy_runner``: the runner's, passed in to keep imports
-    one way)."""
-    jobs = [(f"kv-cache-{label}", partial(_kv_record, ctx, measure, copy_runner, label, T, dtype, interleaved))
+    one way); ``tokens``: ``--cases``, where ``engine`` runs them all and ``engine/<job>...`` the
+    jobs whose name it starts (``engine/angles``, ``engine/kv-cache-prefill/bf16``)."""
+    jobs = [(f"kv-cache-{label}/{DTYPE_SHORT[dtype]}/{'inter' if interleaved else 'half'}", partial(_kv_record, ctx, measure, copy_runner, label, T, dtype, interleaved))
             for label, T, dtype, interleaved in (("decode", KV_DECODE_T, "bfloat16", False),
                                                  ("prefill", KV_PREFILL_T, "bfloat16", False),
                                                  ("prefill", KV_PREFILL_T, "bfloat16", True),
@@ -63,6 +68,10 @@ def run_engine_section(ctx, measure, copy_runner) -> list[dict]:
              for interleaved in (False, True) for T in (MROPE_DECODE_T, MROPE_PREFILL_T)]
     jobs += [(f"qk-norm/T={T}", partial(_qk_norm_record, ctx, measure, copy_runner, T))
              for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
+    jobs += [(f"angles/T={T}", partial(_angles_record, ctx, measure, copy_runner, T))
+             for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
+    if tokens is not None and "engine" not in tokens:
+        jobs = [(n, j) for n, j in jobs if any(t.startswith("engine/") and f"engine/{n}".startswith(t) for t in tokens)]
     recs = []
     for name, job in jobs:  # one failing record costs only itself
         try:
@@ -141,6 +150,12 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
                                         kv_cache_dtype="fp8_e4m3", k_scale=scale, v_scale=scale)
         fns8 = [partial(fused8.execute, q, k, v, cos, sin, pos, slots, kc8, vc8, k_scale=scale, v_scale=scale)]
         moved8 = kv_bytes_moved(T, dtype, fp8=True)
+        if not small:  # the FP8 row's own same-size copy: a copy's rate depends on its size
+            copy8 = copy_runner(cp, ctx.stream, moved8, 1)
+            row = _row(COPY_FP8, measure(ctx, copy8.fns, None, False, 1), f"cudaMemcpyAsync of {copy8.half} bytes")
+            row["bytes_moved"] = moved8
+            rows.append(row)
+            del copy8
         check8 = "-"
         try:  # on fresh copies: the entries against the NumPy reference's quantisation of RoPE's output
             from rope_rtc.reference import fp8_quantize
@@ -525,3 +540,67 @@ def _qk_norm_peers(ctx, measure, torch, q, k, qw, kw, cos, sin, pos, small: bool
             rows.append(_row("torch.compile (Hugging Face's Qwen3 path)", {}, "",
                              f"skip: {type(exc).__name__}: {exc}"[:200]))
     return rows
+
+
+def angles_bytes_moved(T: int, table: bool) -> int:
+    """q and k read and written (bf16), each token's position; with tables, each token's cos and
+    sin row (float32, rotary_dim / 2 each)."""
+    hq, hk, d = ANGLES_HEADS
+    return T * (2 * (hq + hk) * d * 2 + 8 + (d // 2 * 4 * 2 if table else 0))
+
+
+def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
+    """cos and sin computed in the kernel from float64 inv_freq (numerics "exact") against the
+    same plan reading the exact table: Llama-3-8B's heads and rope scaling, bf16 thd, q and k in
+    place. The record's bytes are the inv_freq launch's (no table); the table row moves its rows
+    too. Checked: the two outputs bit for bit."""
+    import cupy as cp
+    import ml_dtypes
+
+    import rope_rtc
+
+    hq, hk, d = ANGLES_HEADS
+    small = T <= 64
+    label = "decode" if small else "prefill"
+    moved = angles_bytes_moved(T, table=False)
+    ident = f"engine/angles-{label}/bf16/thd/T={T}"
+    rec = _record(ident, {"T": T, "dtype": "bfloat16", "Hq": hq, "Hkv": hk, "D": d, "layout": "thd",
+                          "in_place": True, "rope_type": "llama3", "inv_freq": "float64"}, moved)
+    print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)
+    rng = np.random.default_rng(ctx.seed)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    f, att = rope_rtc.inverse_frequencies(d, base=5e5, scaling=scaling)
+    cos, sin = rope_rtc.rope_tables(ANGLES_ROWS, d, base=5e5, scaling=scaling, xp=cp)
+    inv = cp.asarray(f)
+    q = cp.asarray(rng.standard_normal((T, hq, d)).astype(ml_dtypes.bfloat16))
+    k = cp.asarray(rng.standard_normal((T, hk, d)).astype(ml_dtypes.bfloat16))
+    pos = cp.asarray(rng.integers(0, ANGLES_ROWS, T) if small else np.arange(T)).astype(cp.int64)
+    rows = rec["rows"]
+    copy = copy_runner(cp, ctx.stream, moved, 1)
+    rows.append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
+                     f"cudaMemcpyAsync of {copy.half} bytes"))
+    del copy
+    table = rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd").compile()
+    angles = rope_rtc.RopePlan(q, k, inv_freq=inv, attention_scaling=att, positions=pos, layout="thd").compile()
+    try:  # on fresh copies (the timed calls rotate q and k in place)
+        q1, k1, q2, k2 = q.copy(), k.copy(), q.copy(), k.copy()
+        angles.execute(q1, k1, positions=pos, inv_freq=inv)
+        table.execute(q2, k2, cos, sin, positions=pos)
+        same = all(bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))) for a, b in ((q1, q2), (k1, k2)))
+        check = "bit-exact (= the exact table's call)" if same else "WRONG: differs from the exact table's call"
+        del q1, k1, q2, k2
+    except Exception as exc:
+        check = f"error: {type(exc).__name__}: {exc}"[:300]
+    fns = [lambda: angles.execute(q, k, positions=pos, inv_freq=inv)]
+    rows.append(_row(ANGLES_OP, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+                     "float64 inv_freq, in place", check))
+    fns = [lambda: table.execute(q, k, cos, sin, positions=pos)]
+    row = _row(ANGLES_TABLE, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+               f"exact table of {ANGLES_ROWS} rows, in place", "-")
+    row["bytes_moved"] = angles_bytes_moved(T, table=True)
+    rows.append(row)
+    for r in rows:
+        us = r["timings"].get("graph" if small else "cold", {}).get("us")
+        print(f"  {r['impl']:<46} {'-' if us is None else f'{us:9.2f} µs'}  {r['check']}", flush=True)
+    return rec

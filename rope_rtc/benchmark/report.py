@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from .cases import (BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_KERNEL, DECODE_GPU_US, KV_FUSED, KV_FUSED_FP8,
+from .cases import (ANGLES_OP, ANGLES_PREFILL_POINTS, ANGLES_TABLE, BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_FP8, COPY_KERNEL, DECODE_GPU_US, KV_FUSED, KV_FUSED_FP8,
                     KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
                     KV_TWO_STEP, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
                     ONE_CALL, ONE_CALL_HOST_US, ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
@@ -158,13 +158,17 @@ def engine_table(result: dict) -> list[list[str]]:
     for rec in result.get("engine", []):
         if rec.get("error"):
             rows.append([rec["id"].removeprefix("engine/"), "-", "-", "-", "-", rec["error"][:120], ""])
-        copy_gbps = gbps(rec, rows_by_impl(rec).get(COPY), "cold*")
+        by = rows_by_impl(rec)
+        copy_gbps = gbps(rec, by.get(COPY), "cold*")
+        copy8 = by.get(COPY_FP8)  # the FP8 row's own same-size copy, where measured
+        copy8_gbps = copy8["bytes_moved"] / timing(copy8, "cold*") / 1e3 if copy8 and timing(copy8, "cold*") else None
         for r in rec["rows"]:
             us = timing(r, "cold*")
             moved = r.get("bytes_moved", rec["bytes_moved"])  # a row may move fewer bytes (FP8 entries)
             g = moved / us / 1e3 if us else None
-            cell = "-" if g is None else (f"{g:.0f}" if r["impl"] == COPY or not copy_gbps
-                                          else f"{g:.0f} ({100 * g / copy_gbps:.1f}%)")
+            base = copy8_gbps if r["impl"] == KV_FUSED_FP8 and copy8_gbps else copy_gbps
+            cell = "-" if g is None else (f"{g:.0f}" if r["impl"] in (COPY, COPY_FP8) or not base
+                                          else f"{g:.0f} ({100 * g / base:.1f}%)")
             rows.append([rec["id"].removeprefix("engine/"), r["impl"], f"{moved / 1e6:.2f}",
                          "-" if us is None else f"{us:.2f}", cell, r.get("check", "-"), r.get("note", "")])
     return rows
@@ -188,13 +192,17 @@ def _engine_targets(add, result: dict) -> None:
     _worst(add, f"RoPE + KV-cache write, prefill >= {KV_FUSED_PREFILL_PCT:.0f}% of copy",
            [(_checked(rows_by_impl(r).get(KV_FUSED), pct_of_copy(r, rows_by_impl(r).get(KV_FUSED), "cold*")),
              r["id"]) for r in prefill], KV_FUSED_PREFILL_PCT, "%", floor=True)
-    fp8 = []  # FP8 entries: % of a copy of the FP8 launch's own (fewer) bytes, at the copy's bandwidth
+    fp8 = []  # FP8 entries: % of a same-size copy of the FP8 launch's own (fewer) bytes
     for r in prefill:
         by = rows_by_impl(r)
-        row8, cu = by.get(KV_FUSED_FP8), timing(by.get(COPY), "cold*")
+        row8 = by.get(KV_FUSED_FP8)
+        # Runs without the FP8 copy row: the record's copy, at its bandwidth.
+        copy8 = by.get(COPY_FP8) or by.get(COPY)
+        cu = timing(copy8, "cold*")
         us8 = timing(row8, "cold*")
         if row8 and cu and us8:
-            fp8.append((_checked(row8, 100.0 * (row8["bytes_moved"] / us8) / (r["bytes_moved"] / cu)), r["id"]))
+            copy_moved = copy8.get("bytes_moved", r["bytes_moved"])
+            fp8.append((_checked(row8, 100.0 * (row8["bytes_moved"] / us8) / (copy_moved / cu)), r["id"]))
     _worst(add, f"RoPE + FP8 KV-cache write, prefill >= {KV_FUSED_PREFILL_PCT:.0f}% of copy", fp8,
            KV_FUSED_PREFILL_PCT, "%", floor=True)
     qk = [r for r in recs if r["id"].startswith("engine/qk-norm-prefill")]
@@ -233,6 +241,36 @@ def _engine_targets(add, result: dict) -> None:
                 extra.append((float("inf") if _checked(by.get(MROPE_OP), 1.0) == 0.0 else ours - plain, r["id"]))
     _worst(add, f"MRoPE decode <= plain RoPE + {MROPE_DECODE_EXTRA_US} µs", extra,
            MROPE_DECODE_EXTRA_US, " µs", floor=False)
+    _angle_targets(add, [r for r in recs if r["id"].startswith("engine/angles-")])
+
+
+def _row_pct(rec: dict, row: dict | None) -> float | None:
+    """% of the record's copy for a row moving its own bytes (``bytes_moved``), at the copy's rate."""
+    copy, us = rows_by_impl(rec).get(COPY), timing(row, "cold*")
+    cu = timing(copy, "cold*")
+    if not (row and us and cu):
+        return None
+    return 100.0 * (row.get("bytes_moved", rec["bytes_moved"]) / us) / (rec["bytes_moved"] / cu)
+
+
+def _angle_targets(add, recs: list) -> None:
+    """Angles computed in the kernel: prefill within ANGLES_PREFILL_POINTS of the table kernel's %
+    of copy (each of its own bytes); decode GPU time at most the table kernel's."""
+    gaps, ratios = [], []
+    for r in recs:
+        by = rows_by_impl(r)
+        ours, table = by.get(ANGLES_OP), by.get(ANGLES_TABLE)
+        if r["id"].startswith("engine/angles-prefill"):
+            a, b = _row_pct(r, ours), _row_pct(r, table)
+            if a is not None and b is not None:
+                gaps.append((-float("inf") if _checked(ours, 1.0) == 0.0 else a - b, r["id"]))
+        else:
+            a, b = timing(ours, "graph"), timing(table, "graph")
+            if a and b:
+                ratios.append((float("inf") if _checked(ours, 1.0) == 0.0 else a / b, r["id"]))
+    _worst(add, f"inv_freq prefill within {ANGLES_PREFILL_POINTS:g} point of the tables", gaps,
+           -ANGLES_PREFILL_POINTS, " points", floor=True)
+    _worst(add, "inv_freq decode GPU time <= the tables", ratios, 1.0, "x", floor=False)
 
 
 def coldstart_table(result: dict) -> list[list[str]]:
@@ -277,7 +315,7 @@ def _host_points(result: dict, cases: list, host_row: str) -> list:
 
 
 def evaluate_targets(result: dict) -> list[dict]:
-    """Each of the product's performance targets: PASS / MISS (with the gap) / N/A (not measured in this run)."""
+    """Each of the product's performance targets: PASS / MISS (with the gap) / N/A ("not run": not measured in this run)."""
     cases = result.get("cases", [])
     out: list[dict] = []
 
@@ -401,7 +439,7 @@ def _worst(add, name, pts, bound, unit, *, floor: bool) -> None:
     """PASS/MISS on the worst point: the smallest against a floor, or the largest against a ceiling."""
     pts = [(v, w) for v, w in pts if v is not None]
     if not pts:
-        add(name, "N/A", "not measured in this run")
+        add(name, "N/A", "not run")
         return
     v, where = min(pts) if floor else max(pts)
     passed = v >= bound * (1 - 1e-12) if floor else v <= bound * (1 + 1e-12)

@@ -614,11 +614,11 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
-        if selected("engine", "engine", tokens):
+        if tokens is None or any(t == "engine" or t.startswith("engine/") for t in tokens):
             from .engine import run_engine_section
 
             try:
-                result["engine"] = run_engine_section(ctx, measure, CopyRunner)
+                result["engine"] = run_engine_section(ctx, measure, CopyRunner, tokens)
             except Exception as exc:
                 result["skips"].append(f"engine section failed: {type(exc).__name__}: {exc}"[:400])
                 print(result["skips"][-1], flush=True)
