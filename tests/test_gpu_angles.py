@@ -112,7 +112,8 @@ def test_transformers_numerics_is_the_transformers_table(cp):
     c, s = kernel_tables(cp, f, att, pos, interleaved=True)
     for got, want in ((c, cos[pos]), (s, sin[pos])):
         d = ulps(got, want)
-        assert int(d.max()) <= 1
+        # One ulp before the float32 factor (about 1.14 here), which can widen it to two.
+        assert int(d.max()) <= 2
         assert np.count_nonzero(d) <= 1e-5 * d.size
 
 
