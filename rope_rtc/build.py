@@ -89,11 +89,13 @@ def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = N
     if s.no_compile:
         where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
         if spec.family in ("rope_fixed", "rope_cache"):  # specialised on a model's geometry
+            angles = dict(spec.defines).get("FIX_ANGLES")
+            flag = "" if angles is None else " --inv-freq " + {"1": "float64", "2": "float32"}[angles]
             raise KernelNotCachedError(
                 f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
                 f"compiling it; it is specialised on one model's head counts and head dim: fill the cache on a "
-                f"build machine with: rope-rtc warm --arch {target.name} --model config.json{where} (or the same "
-                f"fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)"
+                f"build machine with: rope-rtc warm --arch {target.name} --model config.json{flag}{where} (or the "
+                f"same fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)"
             )
         if spec.family == "rope":
             hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"

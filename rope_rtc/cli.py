@@ -260,6 +260,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
               + (f", MRoPE sections {list(model.mrope_section)}" + (" interleaved" if model.mrope_interleaved else "")
                  if model.mrope_section else "")
               + (", per-head QK-norm" if model.qk_norm else "")
+              + (f", cos/sin from {' and '.join(model.inv_freq)} inv_freq" if model.inv_freq else "")
               + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())
     print(report.summary())
@@ -279,14 +280,14 @@ def _model_from_args(args: argparse.Namespace):
     from .model import from_config
 
     given = {field: getattr(args, field) for field, _ in _MODEL_FLAGS if getattr(args, field) is not None}
-    if args.model is None and not given and not args.interleaved and not args.qk_norm:
+    if args.model is None and not given and not args.interleaved and not args.qk_norm and not args.inv_freq:
         return None
     if args.model is None:
         missing = [flag for field, flag in _MODEL_FLAGS[:3] if field not in given]
         if missing:
             raise ValueError(f"warm without --model needs {', '.join(missing)} (or --model config.json)")
     return from_config(args.model if args.model is not None else {}, interleaved=args.interleaved,
-                       qk_norm=True if args.qk_norm else None, **given)
+                       qk_norm=True if args.qk_norm else None, inv_freq=tuple(args.inv_freq or ()), **given)
 
 
 # -- cache -----------------------------------------------------------------------------------
@@ -490,6 +491,9 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     m.add_argument("--qk-norm", dest="qk_norm", action="store_true",
                    help="also the fused per-head RMSNorm + RoPE builds (apply_qk_norm_rope); on by default for "
                         "Qwen3 and Gemma 3 configs")
+    m.add_argument("--inv-freq", dest="inv_freq", action="append", choices=("float64", "float32"),
+                   help="also the builds that compute cos and sin from inv_freq of this dtype (apply_rope(..., "
+                        "inv_freq=); float64: numerics 'exact', float32: 'transformers'); repeatable")
     w.set_defaults(func=_cmd_warm, command="warm")
 
 

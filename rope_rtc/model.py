@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import (NORM_MODES, KernelSpec, NormGeometry, cache_spec, cache_vector_widths, model_fixed_specs,
-                       mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
+from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, cache_spec,
+                       cache_vector_widths, model_fixed_specs, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
                        rope_vector_widths)
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
@@ -43,6 +43,8 @@ class ModelRope:
     mrope_interleaved: bool = False
     # Per-head RMSNorm before RoPE (Qwen3, Gemma 3): the fused QK-norm builds are warmed too.
     qk_norm: bool = False
+    # inv_freq dtypes ("float64", "float32") whose builds (cos/sin computed in the kernel) to warm.
+    inv_freq: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("head_dim", "q_heads", "kv_heads", "rotary_dim"):
@@ -53,6 +55,9 @@ class ModelRope:
             raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
+        for d in self.inv_freq:
+            if d not in ANGLE_MODES:
+                raise ValueError(f"inv_freq: {d!r} is not one of {', '.join(ANGLE_MODES)}")
 
     def specs(self) -> list[KernelSpec]:
         """Every build a plan for this model can launch: the generic builds of its dtype and pair
@@ -63,7 +68,17 @@ class ModelRope:
                 for vec in rope_vector_widths(self.dtype, self.interleaved)
                 for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
             self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim) + \
-            self.cache_specs() + self.mrope_specs() + self.qk_norm_specs()
+            self.cache_specs() + self.mrope_specs() + self.qk_norm_specs() + self.angle_specs()
+
+    def angle_specs(self) -> list[KernelSpec]:
+        """The builds that compute cos and sin from ``inv_freq`` (``apply_rope(..., inv_freq=)``)
+        for each dtype in ``inv_freq``: q with k, q alone and k alone, both thread orders, small
+        and large launches."""
+        return [g.spec() for dt in self.inv_freq
+                for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
+                for denser in (False, True)
+                for g in angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0, self.rotary_dim,
+                                          dt, denser)]
 
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
@@ -119,12 +134,13 @@ def _int_field(config: dict, name: str, where: str) -> int:
 
 def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, head_dim: int | None = None,
                 q_heads: int | None = None, kv_heads: int | None = None, rotary_dim: int | None = None,
-                interleaved: bool = False, qk_norm: bool | None = None) -> ModelRope:
+                interleaved: bool = False, qk_norm: bool | None = None, inv_freq: tuple = ()) -> ModelRope:
     """The RoPE geometry of a Hugging Face config (a dict or the path of a ``config.json``); a
     keyword given here overrides the config's field. A model whose text settings sit under
     ``text_config`` (vision-language models) is read from there. ``qk_norm``: whether the model
     normalises each q and k head before RoPE (default: its ``model_type`` is one of
-    ``QK_NORM_MODEL_TYPES``)."""
+    ``QK_NORM_MODEL_TYPES``). ``inv_freq``: the dtypes (``"float64"``, ``"float32"``) of
+    inverse frequencies the model's calls pass instead of tables, whose builds to warm too."""
     where = "config"
     if not isinstance(config, dict):
         path = Path(config)
@@ -172,7 +188,8 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     else:
         dtype = _dtype(dtype, "dtype")
     section, style = _mrope(config, where, rotary_dim)
-    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm))
+    return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm),
+                     tuple(dict.fromkeys(inv_freq)))
 
 
 def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:

@@ -212,3 +212,32 @@ def test_a_qk_norm_model_warms_its_fused_builds(config, want):
     widths = norm_vector_widths("bfloat16", False, 128, 0, 128)
     assert len(specs) == 3 * len(widths) and all(s in model.specs() for s in specs)  # float32 weights: exact
     assert NormGeometry("bfloat16", False, 32, 8, 128, 0, 128, widths[0], False, "exact", 4).spec() in specs
+
+
+def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch, capsys):
+    """``--inv-freq``: the builds that compute cos and sin in the kernel, for q with k, q alone and
+    k alone, both thread orders, decode and prefill; a missing one under ROPE_RTC_NO_COMPILE
+    names the flag; what is listed compiles and is then found by a plan's build choice."""
+    from rope_rtc.build import get_binary
+    from rope_rtc.registry import angle_geometries
+    from rope_rtc.toolchain import target_for
+
+    base = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}
+    assert from_config(base).angle_specs() == []
+    model = from_config(base, inv_freq=("float64", "float64"))
+    specs = model.angle_specs()
+    assert model.inv_freq == ("float64",) and len(specs) == 12 and all(s in model.specs() for s in specs)
+    assert {s for s in specs} >= {g.spec() for g in angle_geometries("bfloat16", False, 32, 8, 128, 0, 128,
+                                                                       "float64", False)}
+    with pytest.raises(ValueError, match="inv_freq: 'float16'"):
+        from_config(base, inv_freq=("float16",))
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelNotCachedError, match=r"--model config\.json --inv-freq float32"):
+        get_binary(from_config(base, inv_freq=("float32",)).angle_specs()[0], target_for(90))
+    monkeypatch.delenv("ROPE_RTC_NO_COMPILE")
+    assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
+                     "--kv-heads", "8", "--inv-freq", "float32", "--kernels", "rope_fixed",
+                     "--cache-dir", str(tmp_path / "c"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "cos/sin from float32 inv_freq" in out
