@@ -303,8 +303,11 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
                                                                           None if req.angles else req.sin,
                                                                           req.positions, req.offsets, req.cu_seqlens)]
     sq, sk = staged[0], staged[1]
-    q_out = sq if req.q_out is not None and req.q_out.array is q else None
-    k_out = sk if req.k_out is not None and req.k is not None and req.k_out.array is k else None
+    if req.angles:  # the staged copies are private: rotate them in place (inv_freq's partial windows need it)
+        q_out, k_out = sq, sk
+    else:
+        q_out = sq if req.q_out is not None and req.q_out.array is q else None
+        k_out = sk if req.k_out is not None and req.k is not None and req.k_out.array is k else None
     qd, kd = _run_device(sq, sk, staged[2], staged[3], staged[4], req.offset if staged[5] is None else staged[5],
                          staged[6], q_out, k_out, handle, opts, names, device)
     cupy.cuda.runtime.streamSynchronize(handle)  # the stream the kernel ran on, not the current one

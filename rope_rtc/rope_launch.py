@@ -180,16 +180,7 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
 def angle_build(req: Request, layout_denser: bool) -> FixedGeometry:
     """The build that computes the call's cos and sin from ``inv_freq`` (no generic kernel does):
     NotImplementedError or ValueError saying why none fits."""
-    if not req.in_place and req.rotary_dim < req.cq.D:
-        raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; with inv_freq "
-                                  "a partial window is rotated in place only (pass out=x / q_out=q, k_out=k, or "
-                                  "rotate the whole head)")
-    builds = angle_geometries(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
-                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser)
-    if not builds:
-        raise NotImplementedError(f"rotary_dim/rotary_offset: {req.rotary_dim} at {req.rotary_offset} is not a whole "
-                                  f"number of the kernel's vectors for {req.dtype}; with inv_freq the window must "
-                                  "be (tables serve any window)")
+    builds = angle_builds(req, layout_denser)
     small = fixed_threads(req, builds[0]) < FIXED_SMALL_THREADS  # builds[0]: the small launches' build
     chosen = builds[0] if small else builds[1]
     if req.num_tokens and (chosen.vec not in allowed_vectors(req) or any(
@@ -200,6 +191,22 @@ def angle_build(req: Request, layout_denser: bool) -> FixedGeometry:
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     return chosen
+
+
+def angle_builds(req: Request, layout_denser: bool) -> list[FixedGeometry]:
+    """The (small, large) builds that compute cos and sin for the request's geometry (arrays
+    aside); NotImplementedError when none can serve it."""
+    if not req.in_place and req.rotary_dim < req.cq.D:
+        raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; with inv_freq "
+                                  "a partial window is rotated in place only (pass out=x / q_out=q, k_out=k, or "
+                                  "rotate the whole head)")
+    builds = angle_geometries(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
+                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser)
+    if not builds:
+        raise NotImplementedError(f"rotary_dim/rotary_offset: {req.rotary_dim} at {req.rotary_offset} is not a whole "
+                                  f"number of the kernel's vectors for {req.dtype}; with inv_freq the window must "
+                                  "be (tables serve any window)")
+    return builds
 
 
 def fixed_threads(req: Request, g: FixedGeometry) -> int:

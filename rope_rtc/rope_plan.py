@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from dataclasses import replace
 import warnings
 from operator import is_
 
@@ -19,8 +20,8 @@ from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, a
     rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
-from .rope_launch import allowed_vectors, choose_vector, fill_fixed, fill_params, fixed_build, fixed_launch_shape, \
-    index_space, launch_shape
+from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
+    fixed_launch_shape, index_space, launch_shape
 from .rope_params import POS_OFFSET, FixedParams, RopeParams
 from .rope_request import Request, check_device_positions, validate
 
@@ -109,6 +110,8 @@ class RopePlan:
         self.has_k = k is not None
         self.pos_mode = req.pos_mode
         self.angles, self.attention = req.angles, req.attention
+        if req.angles:  # what no build serves is refused now, not at the first execute
+            angle_builds(replace(req, q_out=req.q, k_out=req.k) if self.in_place else req, layout == "bhsd")
         if device is None:
             device = req.device if req.device is not None else _current_device()
         self.device = int(device)
@@ -228,7 +231,12 @@ class RopePlan:
         instead of tables."""
         if inv_freq is not None:
             check_no_tables(cos, sin, cos_sin_cache)
+            if not self.angles:
+                raise TypeError("inv_freq: this plan reads cos/sin tables; pass cos and sin (or build a plan with "
+                                "inv_freq=)")
             cos = inv_freq
+        elif self.angles and cos_sin_cache is not None:
+            raise TypeError("cos_sin_cache: this plan computes cos and sin from inv_freq; pass inv_freq=")
         if cos_sin_cache is not None or self._flat_head_dim is not None:
             return self._execute_converted(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens,
                                            cos_sin_cache)
@@ -299,9 +307,6 @@ class _RopeOp(Op):
         check_plan_arguments(plan, k, q_out, k_out)
         if plan.angles and sin is not None:
             raise TypeError("cos/sin: this plan computes cos and sin from inv_freq; pass inv_freq= to execute()")
-        if not plan.angles and sin is None and cos is not None:
-            raise TypeError("inv_freq: this plan reads cos/sin tables; pass cos and sin (or build a plan with "
-                            "inv_freq=)")
         req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
                        **plan._opts)

@@ -25,6 +25,9 @@ from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 #: Positions an ``inv_freq`` call accepts: 0 .. 2**31 - 1 (the kernel's 32-bit conversions; also
 #: the longest table rope_tables builds).
 ANGLE_POSITIONS = 2**31
+#: The largest inverse frequency the kernel's argument reduction serves at every such position
+#: (|position * inv_freq * 2 / pi| below 2^51: cuda_src/angles.cuh).
+MAX_INV_FREQ = 2.0**20
 
 @dataclass
 class Request:
@@ -190,6 +193,13 @@ def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool
     A.check_contiguous(fi)
     if fi.device is not None:  # loaded as aligned scalars
         A.check_aligned(fi, fi.itemsize)
+    else:  # host values are checked (device ones are not read back: the kernel's range is documented)
+        values = np.asarray(fi.array, dtype=np.float64)
+        bad = ~(np.abs(values) <= MAX_INV_FREQ)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"inv_freq: entry {i} is {values[i]}; inverse frequencies must be finite and at most "
+                             f"{MAX_INV_FREQ:g} in magnitude (rope_rtc.inverse_frequencies gives values up to 1)")
     if isinstance(attention_scaling, (bool, np.bool_)) or not isinstance(attention_scaling, (int, float, np.integer,
                                                                                            np.floating)):
         raise TypeError(f"attention_scaling: expected a float, got {type(attention_scaling).__name__}")

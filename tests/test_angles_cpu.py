@@ -198,3 +198,39 @@ def test_alignment_is_checked_for_the_build_the_call_runs(gpu):
     with pytest.raises(ValueError, match="not aligned to 8 bytes"):
         apply_rope(large, inv_freq=f, out=large)
     assert len(gpu.launches) == n
+
+
+def test_a_table_plan_missing_sin_names_sin(gpu):
+    # Regression: the inv_freq check named inv_freq for a table plan's call that forgot sin.
+    cos, sin = fake_cupy((8, 64), np.float32), fake_cupy((8, 64), np.float32)
+    q, k = fake_cupy((3, 32, 128), BF16), fake_cupy((3, 8, 128), BF16)
+    plan = RopePlan(q, k, cos, sin, layout="thd")
+    with pytest.raises(TypeError, match="^sin: "):
+        plan.execute(q, k, cos)
+    with pytest.raises(TypeError, match="inv_freq: this plan reads cos/sin tables"):
+        plan.execute(q, k, inv_freq=fake_cupy((64,), np.float64))
+
+
+def test_an_inv_freq_plan_no_build_serves_is_refused_when_built(gpu):
+    f = fake_cupy((32,), np.float64)
+    q, k = fake_cupy((3, 4, 128), BF16), fake_cupy((3, 2, 128), BF16)
+    qo, ko = fake_cupy((3, 4, 128), BF16), fake_cupy((3, 2, 128), BF16)
+    with pytest.raises(NotImplementedError, match="out of place"):
+        RopePlan(q, k, inv_freq=f, rotary_dim=64, q_out=qo, k_out=ko, layout="thd")
+    with pytest.raises(NotImplementedError, match="whole number"):
+        RopePlan(q, k, inv_freq=fake_cupy((3,), np.float64), rotary_dim=6, layout="thd")
+    plan = RopePlan(q, k, inv_freq=f, rotary_dim=64, layout="thd")  # in place: served
+    plan.execute(q, k, inv_freq=f)
+    assert gpu.launches[-1]["geometry"].angles
+    with pytest.raises(TypeError, match="cos_sin_cache: this plan computes cos and sin from inv_freq"):
+        plan.execute(q, k, cos_sin_cache=fake_cupy((8, 64), np.float32))
+
+
+def test_host_inv_freq_values_are_checked():
+    f, _ = inverse_frequencies(16)
+    x = np.random.default_rng(5).standard_normal((1, 2, 1, 16)).astype(np.float32)
+    for bad in (np.nan, np.inf, 2.0**21):
+        g = f.copy()
+        g[3] = bad
+        with pytest.raises(ValueError, match="inv_freq: entry 3"):
+            apply_rope(x, inv_freq=g, backend="numpy")

@@ -768,3 +768,18 @@ def test_angle_targets():
     t = result(102.0, 1.8)  # 98.0% against the tables' 100%; decode slower
     assert t[prefill]["status"] == "MISS" and t[prefill]["gap"] == "1.0 points short"
     assert t[decode]["status"] == "MISS"
+
+
+def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
+    from rope_rtc.benchmark import engine
+
+    ran = []
+    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_qk_norm_record", "_angles_record"):
+        monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append(_n) or {"id": _n, "rows": []})
+
+    class Ctx:
+        def free(self):
+            pass
+
+    engine.run_engine_section(Ctx(), None, None, ["eng*"])
+    assert len(ran) == 13

@@ -233,3 +233,36 @@ def test_plan_rebinds_inv_freq_and_replays_under_capture(cp):
     stream.synchronize()
     assert np.array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(results[1][0])))
     assert np.array_equal(bits(cp.asnumpy(ko)), bits(cp.asnumpy(results[1][1])))
+
+
+def test_numpy_arrays_and_torch_tensors_take_the_same_path(cp):
+    """NumPy in and out (staged through the GPU), and PyTorch tensors through DLPack, with
+    inv_freq: the same bits as CuPy arrays."""
+    import rope_rtc
+
+    f, att = rope_rtc.inverse_frequencies(64, base=1e4, scaling=SCALINGS["yarn"])
+    x = host_random((2, 9, 4, 64), np.float32, 11)
+    want = cp.asnumpy(rope_rtc.apply_rope(cp.asarray(x), inv_freq=cp.asarray(f), attention_scaling=att, offset=3))
+    got = rope_rtc.apply_rope(x, inv_freq=f, attention_scaling=att, offset=3)
+    assert isinstance(got, np.ndarray) and np.array_equal(bits(got), bits(want))
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(x).cuda()
+    out = torch.empty_like(t)
+    rope_rtc.apply_rope(t, inv_freq=torch.from_numpy(f).cuda(), attention_scaling=att, offset=3, out=out)
+    assert np.array_equal(bits(out.cpu().numpy()), bits(want))
+
+
+def test_numpy_in_with_a_partial_window_is_served_on_the_gpu_too(cp):
+    # The staged copies are private: a partial window out of place (the caller's view) is rotated
+    # in place on the GPU, as the NumPy backend computes it.
+    import rope_rtc
+
+    f, _ = rope_rtc.inverse_frequencies(32)
+    x = host_random((2, 5, 3, 64), np.float32, 12)
+    want = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, backend="numpy")
+    got = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2)
+    y = np.full_like(x, np.nan)
+    rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, out=y)
+    for a in (got, y):
+        assert np.array_equal(a[..., 32:], x[..., 32:])
+        assert np.allclose(a, want, rtol=0, atol=1e-6 * np.abs(x).max())

@@ -18,6 +18,7 @@ import numpy as np
 
 from .cases import COPY, COPY_FP8, DTYPE_SHORT, ITEMSIZE, KV_FUSED as FUSED, KV_FUSED_FP8 as FUSED_FP8, KV_TWO_STEP as TWO_STEP
 from .cases import ANGLES_OP, ANGLES_TABLE, MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
+from .cases import selected
 from .impls import _cupy_capture
 
 KV_HEADS = (32, 8, 128)   # Hq, Hkv, D
@@ -70,7 +71,7 @@ def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = Non
              for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
     jobs += [(f"angles/T={T}", partial(_angles_record, ctx, measure, copy_runner, T))
              for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
-    if tokens is not None and "engine" not in tokens:
+    if not selected("engine", "engine", tokens):  # only engine/<job> tokens: those jobs
         jobs = [(n, j) for n, j in jobs if any(t.startswith("engine/") and f"engine/{n}".startswith(t) for t in tokens)]
     recs = []
     for name, job in jobs:  # one failing record costs only itself

@@ -614,7 +614,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
-        if tokens is None or any(t == "engine" or t.startswith("engine/") for t in tokens):
+        if selected("engine", "engine", tokens) or any(t.startswith("engine/") for t in tokens or ()):
             from .engine import run_engine_section
 
             try:
