@@ -349,8 +349,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         Instead of tables: the inverse frequencies ``[rotary_dim // 2]``
         (:func:`rope_rtc.inverse_frequencies`), and the kernel computes each token's cos and sin.
         float64 (``numerics="exact"``): the angle ``position * inv_freq`` in float64, cos and sin
-        in float64, one rounding: the ``rope_tables(numerics="exact")`` entry, or one float32 ulp
-        from it where the value lies within about 1e-16 of a rounding boundary. float32
+        in float64, one rounding: within one float32 ulp of the ``rope_tables(numerics="exact")``
+        entry (equal to it at every position to 2^20, as measured). float32
         (``numerics="transformers"``): torch's float32 angle ``float32(position) * inv_freq``.
         Positions may be any of 0 .. 2**31 - 1, with no table to hold. Runs the specialised
         kernel only: the window a whole number of its vectors, rotated in place when partial.

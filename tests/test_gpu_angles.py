@@ -1,5 +1,5 @@
 """cos and sin computed in the kernel from inv_freq (cuda_src/angles.cuh) on the GPU: every
-position 0 .. 2^20 against the exact table (within one ulp, equal but for a few per million),
+position 0 .. 2^20 against the exact table (within one ulp; equal, as measured),
 both numerics and every rope_type against table calls, NaN-poisoned outputs, plans rebinding
 inv_freq, graph capture."""
 
@@ -53,7 +53,7 @@ EPS = {2: {"bfloat16": 2.0**-7, "float16": 2.0**-10}, 4: {"float32": 2.0**-23}}
 
 def assert_same_but_boundaries(got, want, x):
     """Equal bit for bit, except where an entry of the kernel's cos/sin is one ulp from the exact
-    table's (a value within about 1e-16 of a float32 rounding boundary, a few per million): there
+    table's (a value within about 1e-16 of a float32 rounding boundary; none measured): there
     the output moves by at most that ulp times the input, plus a rounding of the output (``x``:
     the input, whose largest channel of each head bounds it)."""
     d = ulps(got, want)
@@ -98,7 +98,9 @@ def test_every_position_to_2_20_within_one_ulp_of_the_exact_table(cp, scaling):
     for got, want in ((c, cos), (s, sin)):
         d = ulps(got, want)
         assert int(d.max()) <= 1, (scaling, np.argwhere(d > 1)[:5])
-        assert np.count_nonzero(d) <= 1e-5 * d.size  # one ulp only where a value sits on a rounding boundary
+        # One ulp only where a value sits within about 1e-16 of a rounding boundary (measured: none);
+        # the series to x^11 / x^12 left about 4 per million, which this catches.
+        assert np.count_nonzero(d) <= 1e-6 * d.size
 
 
 def test_transformers_numerics_is_the_transformers_table(cp):
