@@ -23,7 +23,7 @@ from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
 from .rope_params import POS_OFFSET, FixedParams, RopeParams
-from .rope_request import Request, check_device_positions, validate
+from .rope_request import Request, check_device_positions, position_range, validate
 
 # Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
 # offset array. The scalar is the int offset.
@@ -235,9 +235,9 @@ class RopePlan:
                 raise TypeError("inv_freq: this plan reads cos/sin tables; pass cos and sin (or build a plan with "
                                 "inv_freq=)")
             cos = inv_freq
-        elif self.angles and cos_sin_cache is not None:
-            raise TypeError("cos_sin_cache: this plan computes cos and sin from inv_freq; pass inv_freq=")
         if cos_sin_cache is not None or self._flat_head_dim is not None:
+            if self.angles and cos_sin_cache is not None:
+                raise TypeError("cos_sin_cache: this plan computes cos and sin from inv_freq; pass inv_freq=")
             return self._execute_converted(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens,
                                            cos_sin_cache)
         return self._execute(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens)
@@ -411,11 +411,11 @@ class _RopeTemplate:
         if self.has_positions and offset:
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
         if offset < 0 or offset > self.table_rows:
-            raise ValueError(f"offset: {offset} is not a position of the table's {self.table_rows} rows")
+            raise ValueError(f"offset: {offset} is not a position of {position_range(self.table_rows)}")
         if self.offset_rows is not None:
             S, rows = self.offset_rows
             if offset + S > rows:
-                raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside the table's {rows} rows")
+                raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside {position_range(rows)}")
 
     def write_scalar(self, block: RopeParams, offset: int, call: Call) -> None:
         if call.prefix is not None and call.prefix is self._fixed_prefix:

@@ -219,6 +219,14 @@ def _index_array(x, name: str, ndim_meaning: tuple[tuple[int, ...], str], allow_
     return info
 
 
+def position_range(rows: int) -> str:
+    """What the positions of a call must lie in, for error messages: a table's rows, or the range
+    of angles computed in the kernel."""
+    if rows == ANGLE_POSITIONS:
+        return f"the positions inv_freq serves (0..{rows - 1})"
+    return f"the table's {rows} rows"
+
+
 def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, rows: int, allow_host: bool):
     """``(positions, offset array, cu_seqlens, scalar offset)`` of one call."""
     pi = oi = cui = None
@@ -241,9 +249,9 @@ def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, r
     elif _is_int(offset):
         off = int(offset)
         if cui is None and (off < 0 or off + cq.S > rows):
-            raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside the table's {rows} rows")
+            raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside {position_range(rows)}")
         if off < 0 or off > rows:
-            raise ValueError(f"offset: {off} is not a position of the table's {rows} rows")
+            raise ValueError(f"offset: {off} is not a position of {position_range(rows)}")
     elif offset is None:
         off = 0
     elif isinstance(offset, (float, np.floating)) or isinstance(offset, (bool, np.bool_)):
@@ -352,8 +360,8 @@ def check_position_values(req: Request, positions: np.ndarray | None, offsets: n
         bad = (p < 0) | (p >= rows)
         if bad.any():
             i = int(np.argmax(bad.reshape(-1)))
-            raise ValueError(f"positions: entry {i} is {int(p.reshape(-1)[i])}, outside the table's {rows} rows "
-                             f"(0..{rows - 1})")
+            where = f"the table's {rows} rows (0..{rows - 1})" if rows != ANGLE_POSITIONS else position_range(rows)
+            raise ValueError(f"positions: entry {i} is {int(p.reshape(-1)[i])}, outside {where}")
 
 
 def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str) -> None:
@@ -366,7 +374,7 @@ def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str)
         b = int(np.argmax(past))
         first, last = int(starts[b]), int(starts[b]) + int(lengths[b]) - 1  # Python ints: no int64 wrap
         raise ValueError(f"{name}: sequence {b} reads positions {first}..{last}, "
-                         f"outside the table's {rows} rows")
+                         f"outside {position_range(rows)}")
 
 
 def check_device_positions(req: Request) -> None:

@@ -66,7 +66,7 @@ def test_positions_past_any_table_are_accepted_up_to_2_31():
     c, s = angle_rows(np.array([ANGLE_POSITIONS - 1, 2**20]), f, 1.0)
     x0, x1 = x[0, :, 0, :8].astype(np.float64), x[0, :, 0, 8:].astype(np.float64)
     assert np.allclose(out[0, :, 0, :8], x0 * c - x1 * s, atol=1e-6)
-    with pytest.raises(ValueError, match="positions: entry 1 is 2147483648"):
+    with pytest.raises(ValueError, match=r"positions: entry 1 is 2147483648, outside the positions inv_freq serves \(0..2147483647\)"):
         apply_rope(x, inv_freq=f, positions=np.array([[0, ANGLE_POSITIONS]]), backend="numpy")
     with pytest.raises(ValueError, match="offset"):
         apply_rope(x, inv_freq=f, offset=-1, backend="numpy")
