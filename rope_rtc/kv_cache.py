@@ -281,6 +281,7 @@ class _CacheTemplate:
         self.disjoint = disjoint_pairs(extents, (Q_OUT, K_OUT, K_CACHE, V_CACHE),
                                        {Q_OUT: Q if in_place[0] else None, K_OUT: K if in_place[1] else None}, vp)
         vec_bytes = creq.vec * r.q.itemsize
+        self.align = vec_bytes  # the build's access width (prepared.narrower)
         cache_bytes = creq.vec * creq.k_cache.itemsize
         self.masks = tuple((i, vec_bytes - 1) for i in _VECTOR_ARGS) + tuple(
             (i, cache_bytes - 1) for i in (K_CACHE, V_CACHE)) + tuple(

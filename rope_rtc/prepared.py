@@ -29,6 +29,8 @@ from .launch import RECENT_SETS, Launcher, remember
 
 # Signatures a core keeps templates for: engines use a few shapes (prefill lengths, decode).
 TEMPLATES = 64
+# Templates one signature keeps (prepared.with_template): a wide one and narrower ones beside it.
+TEMPLATES_PER_SIGNATURE = 4
 # Signatures (and plans) one thread keeps for the one-call functions.
 ONE_CALL_SIGNATURES = 64
 
@@ -176,10 +178,14 @@ class Prepared:
         return last.result
 
     def bind(self, arrays: tuple, scalar: int) -> Call:
-        """Check and write ``arrays`` into the block, remembering nothing about them."""
+        """Check and write ``arrays`` into the block, remembering nothing about them.
+
+        A signature keeps the templates validated for it, widest first: a call off the first one's
+        alignment adds a narrower template beside it rather than replacing it, so one misaligned
+        call never moves later aligned ones to a narrower build (``with_template``)."""
         sig = self.op.signature(arrays)
-        tmpl = self.templates.get(sig) if sig is not None else None
-        if tmpl is not None:
+        tmpls = self.templates.get(sig, ()) if sig is not None else ()
+        for tmpl in tmpls:
             call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
             if call is not None:
                 return call
@@ -188,7 +194,7 @@ class Prepared:
         if call is None:  # pragma: no cover - a template must accept the call it validated
             raise AssertionError("rope_rtc: a validated call was declined by its own template")
         if sig is not None:
-            remember(self.templates, sig, tmpl, TEMPLATES)
+            remember(self.templates, sig, with_template(tmpls, tmpl), TEMPLATES)
         return call
 
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
@@ -213,6 +219,21 @@ class Prepared:
         return call
 
 
+def narrower(new, old) -> bool:
+    """Whether template ``new`` needs less alignment than ``old`` (``align``: the bytes of its
+    build's widest access; 0 where a template has no such choice): it was validated for arrays
+    off ``old``'s alignment, and ``old`` stays the better one for the aligned calls to come."""
+    return getattr(new, "align", 0) < getattr(old, "align", 0)
+
+
+def with_template(tmpls: tuple, tmpl) -> tuple:
+    """A signature's templates once ``tmpl`` is validated for it: beside the wider ones when it is
+    narrower (they keep serving aligned calls), else in place of them."""
+    if tmpls and narrower(tmpl, tmpls[0]):
+        return tmpls[:TEMPLATES_PER_SIGNATURE - 1] + (tmpl,)
+    return (tmpl,)
+
+
 def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *plan_args):
     """The one-call functions' path: ``(plan, call)`` for ``arrays``, bound without remembering
     them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
@@ -233,6 +254,8 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
     # no longer its input's view, say) may belong to another plan.
     plan = plan_for(*plan_args)
     call = plan._core.bind(arrays, scalar)
-    if key is not None:
+    # A call the remembered template declined for its alignment alone (the same plan served it with
+    # a narrower one) leaves the entry as it was: aligned calls keep the wider build.
+    if key is not None and (hit is None or hit[0] is not plan or not narrower(call.template, hit[1])):
         remember(cache, key, (plan, call.template), ONE_CALL_SIGNATURES)
     return plan, call

@@ -383,6 +383,8 @@ class _RopeTemplate:
         if self.fixed is not None and plan.fixed_kernel(self.fixed) is None:
             self.fixed = None
         self.fixed_align = self.fixed.vec * self.itemsize if self.fixed is not None else 0
+        # The widest access of the builds this template serves (prepared.narrower).
+        self.align = self.fixed_align or max(self.allowed, default=0) * self.itemsize
         self._fixed_prefix = None
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
         self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)

@@ -327,3 +327,25 @@ def test_a_bool_offset_is_refused_after_an_int_one_of_the_same_signature():
             with pytest.raises(TypeError, match="offset"):
                 call()
         assert len(gpu.launches) == n
+
+
+def test_one_misaligned_call_does_not_pin_later_calls_to_narrower_vectors():
+    # Regression: the misaligned call's narrower template replaced the signature's one, so every
+    # later aligned call of that signature ran the narrow build too (one-call and plan paths).
+    from rope_rtc import RopeCachePlan
+
+    with FakeGPU() as gpu:
+        rope_and_cache(**_call())
+        wide = gpu.launches[-1]["request"].vec
+        rope_and_cache(**_call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=2)))
+        assert gpu.launches[-1]["request"].vec == 1 < wide
+        rope_and_cache(**_call())
+        assert gpu.launches[-1]["request"].vec == wide
+        kw = _call()
+        plan = RopeCachePlan(**kw)
+        plan.execute(**kw)
+        assert gpu.launches[-1]["request"].vec == wide
+        plan.execute(**_call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=2)))
+        assert gpu.launches[-1]["request"].vec == 1
+        plan.execute(**_call())  # new aligned arrays of the same signature
+        assert gpu.launches[-1]["request"].vec == wide

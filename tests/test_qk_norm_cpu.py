@@ -171,3 +171,16 @@ def test_an_eps_beyond_float32_is_refused(gpu):
     with pytest.raises(ValueError, match=r"eps: expected a finite value >= 0 \(as a float32\), got 1e\+39"):
         rope_rtc.apply_qk_norm_rope(**_call(), eps=1e39)  # once refused only later, as "got inf"
     assert gpu.launches == []
+
+
+def test_one_misaligned_call_does_not_pin_later_calls_to_a_narrower_build(gpu):
+    # Regression: the misaligned call's narrower template replaced the signature's one.
+    from rope_rtc import apply_qk_norm_rope
+
+    apply_qk_norm_rope(**_call(), eps=1e-6, q_out=None)
+    wide = gpu.launches[-1]["geometry"].vec
+    q = fake_cupy((B, S, HQ, D), BF16, byte_offset=8)
+    apply_qk_norm_rope(**_call(q=q), eps=1e-6)
+    assert gpu.launches[-1]["geometry"].vec < wide
+    apply_qk_norm_rope(**_call(), eps=1e-6)
+    assert gpu.launches[-1]["geometry"].vec == wide
