@@ -601,7 +601,49 @@ def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
                f"exact table of {ANGLES_ROWS} rows, in place", "-")
     row["bytes_moved"] = angles_bytes_moved(T, table=True)
     rows.append(row)
+    torch = ctx.peers.torch if ctx.peers is not None else None
+    if torch is not None:
+        rows += _angles_peers(ctx, measure, torch, q, k, f, att, pos, small)
     for r in rows:
         us = r["timings"].get("graph" if small else "cold", {}).get("us")
         print(f"  {r['impl']:<46} {'-' if us is None else f'{us:9.2f} µs'}  {r['check']}", flush=True)
     return rec
+
+
+def _angles_peers(ctx, measure, torch, q, k, inv_freq, attention: float, pos, small: bool) -> list:
+    """What transformers runs per forward when it computes cos and sin on the fly: its rotary
+    embedding's arithmetic (float32 ``inv_freq @ position_ids``, ``cat``, cos/sin times the
+    attention factor, cast to bf16), then its ``apply_rotary_pos_emb``; eager and compiled, out of
+    place as the model runs it. The peer that computes angles on the fly and runs on the image."""
+    name, label = "torch (transformers' rotary embedding + apply_rotary_pos_emb)", "torch.compile of the same"
+    try:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        from .impls import to_torch
+
+        tq, tk = (to_torch(torch, a, "bfloat16") for a in (q, k))
+        qv, kv = tq[None].transpose(1, 2), tk[None].transpose(1, 2)  # [1, H, T, D]
+        tinv = torch.tensor(np.asarray(inv_freq, np.float32), device=tq.device)
+        tpos = torch.from_dlpack(pos)[None]  # [1, T]
+
+        def hf():
+            freqs = (tinv[None, :, None] @ tpos[:, None, :].float()).transpose(1, 2)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            c = (emb.cos() * attention).to(torch.bfloat16)
+            s = (emb.sin() * attention).to(torch.bfloat16)
+            return apply_rotary_pos_emb(qv, kv, c, s)
+
+        hf()
+        rows = [_row(name, measure(ctx, [hf], _torch_capture(ctx, torch, hf) if small else None, small, 1),
+                     "float32 angles per call, eager", "-")]
+    except Exception as exc:
+        return [_row(name, {}, "", f"skip: {type(exc).__name__}: {exc}"[:200])]
+    if ctx.peers.compiled.get("general") is not None:  # torch.compile is usable here
+        try:
+            compiled = torch.compile(hf, dynamic=False)
+            compiled()
+            rows.append(_row(label, measure(ctx, [compiled], _torch_capture(ctx, torch, compiled) if small else None,
+                                            small, 1), "torch.compile(dynamic=False)", "-"))
+        except Exception as exc:
+            rows.append(_row(label, {}, "", f"skip: {type(exc).__name__}: {exc}"[:200]))
+    return rows
