@@ -97,10 +97,54 @@ __device__ __forceinline__ int mrope_stream(unsigned i) {
 }
 #endif
 
+// Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to three rows,
+// so the block first gathers each of its tokens' merged row (every pair column from its own
+// stream's row) into shared memory, one value per thread, and each thread then reads its slice
+// from there. One table read per value per block instead of one per head group (docs/performance.md).
+#ifndef MROPE_SHARED
+#define MROPE_SHARED (FIX_MROPE == 2 && FIX_ORDER == 0)
+#endif
+#if MROPE_SHARED
+constexpr unsigned TOKEN_THREADS = GROUPS * CHUNKS;
+// Tokens one block can touch: its threads may start and end inside a token.
+constexpr unsigned MERGED_TOKENS = (MAX_BLOCK + TOKEN_THREADS - 1) / TOKEN_THREADS + 1;
+
+// Fill merged[slot][0 cos | 1 sin][column] for the tokens of this block (sign applied to sin; NaN
+// for a position outside the table). Every thread of the block takes part.
+__device__ __forceinline__ void gather_merged(const FixedParams& p, float (*merged)[2][HALF]) {
+    const bool wide = p.index_flags & IDX_POSITIONS_I64;
+    const float sign = p.inverse ? -1.0f : 1.0f;
+    const unsigned first = blockIdx.x * blockDim.x;
+    const unsigned last = min(first + blockDim.x, (unsigned)p.total) - 1;
+    const unsigned t0 = first / TOKEN_THREADS, n = last / TOKEN_THREADS - t0 + 1;
+    for (unsigned v = threadIdx.x; v < n * HALF; v += blockDim.x) {
+        const unsigned slot = v / HALF, col = v - slot * HALF;
+        const i64 r = mrope_row(p, t0 + slot, mrope_stream(col), wide);
+        float c = __int_as_float(0x7fffffff), sn = c;
+        if (r >= 0) {
+            c = __ldg((const float*)p.cos + r * p.table_stride + col);
+            sn = sign * __ldg((const float*)p.sin + r * p.table_stride + col);
+        }
+        merged[slot][0][col] = c;
+        merged[slot][1][col] = sn;
+    }
+}
+#endif
+
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn) {
-#if FIX_MROPE
+#if MROPE_SHARED
+    __shared__ __align__(16) float merged[MERGED_TOKENS][2][HALF];
+    gather_merged(p, merged);
+    __syncthreads();
+    const unsigned slot = t - (blockIdx.x * blockDim.x) / TOKEN_THREADS;
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        c[j] = merged[slot][0][pu * NPAIR + j];
+        sn[j] = merged[slot][1][pu * NPAIR + j];
+    }
+#elif FIX_MROPE
     const bool wide = p.index_flags & IDX_POSITIONS_I64;
     const float sign = p.inverse ? -1.0f : 1.0f;
     const unsigned i0 = pu * NPAIR;
@@ -144,8 +188,15 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
 }
 
 extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedParams p) {
+#if MROPE_SHARED
+    // Every thread reaches the block's barrier (table_slice): threads past the end shadow the
+    // last thread's loads and return before storing.
+    const bool live = blockIdx.x * blockDim.x + threadIdx.x < (unsigned)p.total;
+    const unsigned i = live ? blockIdx.x * blockDim.x + threadIdx.x : (unsigned)p.total - 1;
+#else
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned)p.total) return;
+#endif
 #if FIX_ORDER == 1
     const unsigned r = i / CHUNKS, u = i - r * CHUNKS;
     const unsigned bg = fast_div(r, p.div_seq), s = r - bg * (unsigned)p.seq_len;
@@ -168,6 +219,9 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) x[k] = load_stream(in + k * in_sh);
     table_slice(p, t, b, s, u, c, sn);
+#if MROPE_SHARED
+    if (!live) return;
+#endif
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) {
         vec_t o;
@@ -187,6 +241,9 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
         hi[k] = load_stream(in + k * in_sh + HALF);
     }
     table_slice(p, t, b, s, u, c, sn);
+#if MROPE_SHARED
+    if (!live) return;
+#endif
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) {
         vec_t olo, ohi;

@@ -206,12 +206,18 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
                          order)
 
 
-def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool) -> int:
+def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool,
+                     gathered: bool = False) -> int:
     """Heads per thread of a multimodal RoPE build: sharing a thread's table slice across heads
-    pays on prefill (2 heads for contiguous sections, 4 for interleaved ones, whose pairs read up
-    to three rows each), one head (two for interleaved sections) on small launches such as decode
-    (docs/performance.md); always a divisor of both head counts."""
-    want = (2 if interleaved_sections else 1) if small else (4 if interleaved_sections else 2)
+    pays on prefill (2 heads for contiguous sections, 4 for interleaved ones read per thread,
+    whose pairs read up to three rows each), one head (two for interleaved sections) on small
+    launches such as decode. ``gathered``: interleaved sections whose block gathers its tokens'
+    merged rows in shared memory first (token-major order, cuda_src/rope_fixed.cu): two heads on
+    every launch. Measured (docs/performance.md); always a divisor of both head counts."""
+    if gathered:
+        want = 2
+    else:
+        want = (2 if interleaved_sections else 1) if small else (4 if interleaved_sections else 2)
     while want > 1 and (q_heads % want or k_heads % want):
         want //= 2
     return want
@@ -225,7 +231,9 @@ def mrope_geometries(dtype: str, q_heads: int, k_heads: int, head_dim: int, rota
     if g is None:
         return []
     mrope = (2 if interleaved_sections else 1,) + tuple(int(v) for v in sections)
-    return [replace(g, mrope=mrope, head_batch=mrope_head_batch(q_heads, k_heads, interleaved_sections, small))
+    gathered = interleaved_sections and g.order == 0  # MROPE_SHARED in cuda_src/rope_fixed.cu
+    return [replace(g, mrope=mrope, head_batch=mrope_head_batch(q_heads, k_heads, interleaved_sections, small,
+                                                                gathered))
             for small in (True, False)]
 
 

@@ -180,7 +180,7 @@ def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interlea
     g = fixed_geometry("bfloat16", False, 28, 4, 128, 0, 128, False)
     for small in (True, False):
         want = dataclasses.replace(g, mrope=(2 if interleaved else 1,) + section,
-                                   head_batch=mrope_head_batch(28, 4, interleaved, small)).spec()
+                                   head_batch=mrope_head_batch(28, 4, interleaved, small, gathered=interleaved)).spec()
         assert want.name in {s.name for s in specs}
 
 

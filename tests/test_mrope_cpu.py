@@ -147,6 +147,16 @@ def test_heads_per_thread(gpu, interleaved, tokens, want):
     assert gpu.launches[-1]["geometry"].head_batch == want
     assert registry.mrope_head_batch(28, 4, True, False) == 4 and registry.mrope_head_batch(28, 4, False, False) == 2
     assert registry.mrope_head_batch(3, 1, True, False) == 1
+    # interleaved sections gathered in shared memory (token-major order): two heads, decode and prefill
+    assert registry.mrope_head_batch(28, 4, True, False, gathered=True) == 2
+    assert registry.mrope_head_batch(28, 4, True, True, gathered=True) == 2
+
+
+def test_interleaved_sections_in_token_major_order_gather_in_shared_memory():
+    g = registry.mrope_geometries("bfloat16", 28, 4, 128, 128, (24, 20, 20), True, tokens_denser=False)
+    assert {x.order for x in g} == {0} and {x.head_batch for x in g} == {2}
+    g = registry.mrope_geometries("bfloat16", 28, 4, 128, 128, (24, 20, 20), True, tokens_denser=True)
+    assert {x.order for x in g} == {1} and sorted(x.head_batch for x in g) == [2, 4]
 
 
 def test_a_numpy_section_is_accepted(gpu):
