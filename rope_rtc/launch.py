@@ -252,6 +252,17 @@ class Launcher:
             argv = self._pack(prefix, handle)
         self._plain(argv, prefix, handle)
 
+    def launch(self, prefix: tuple, handle: int) -> None:
+        """One ``cuLaunchKernel`` of ``prefix`` on the raw stream ``handle``, without graph replay:
+        the one-call functions' launch (their argument block is new on every call)."""
+        if self._check_device and self._get_device() != self.device:
+            self(prefix, handle)
+            return
+        argv = self._argv
+        if prefix is not self._prefix or handle != self._handle:
+            argv = self._pack(prefix, handle)
+        self._plain(argv, prefix, handle)
+
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
         try:
             self._launch(*argv)
@@ -348,16 +359,29 @@ def cupy_stream(handle: int):
     return cupy.cuda.Stream.from_external(_StreamHandle(handle))
 
 
-def allocate(shape: tuple, dtype, device: int, stream: int):
+def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = False):
     """A new C-contiguous CuPy array on ``device``, allocated in the order of raw stream ``stream``
     (CuPy's pool reuses memory in the order of the stream it was allocated on). For the outputs
-    the one-call functions allocate."""
+    the one-call functions allocate. ``current``: ``stream`` is the current stream of ``device``
+    (the caller passed no stream); with one visible device that is the common case, and CuPy's
+    own defaults already say it."""
     import cupy
 
+    if current and _single_device():
+        return cupy.empty(shape, dtype)
     if cupy.cuda.runtime.getDevice() == device and stream == cupy.cuda.get_current_stream().ptr:
-        return cupy.empty(shape, dtype)  # the common case, without switching device or stream
+        return cupy.empty(shape, dtype)  # the current device and stream, without switching either
     with cupy.cuda.Device(device):
         if stream == cupy.cuda.get_current_stream().ptr:
             return cupy.empty(shape, dtype)
         with cupy_stream(stream):
             return cupy.empty(shape, dtype)
+
+
+_SINGLE_DEVICE: list = []  # [whether this process sees exactly one device], once asked
+
+
+def _single_device() -> bool:
+    if not _SINGLE_DEVICE:
+        _SINGLE_DEVICE.append(_visible_devices() == 1)
+    return _SINGLE_DEVICE[0]

@@ -155,6 +155,7 @@ class Prepared:
         self.block = block = args.values
         self._block_address = ctypes.addressof(block)
         self._block_size = ctypes.sizeof(block)
+        self.block_bytes = (ctypes.c_char * self._block_size).from_address(self._block_address)  # for struct.pack_into
         self.device = device
         self.launcher = self._new_launcher(args.address, device)
         self.templates: dict = {}

@@ -33,12 +33,11 @@ import numpy as np
 from . import arrays as A
 from . import launch, rope_plan
 from .launch import launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, signature
+from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature
 from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_head_batch, norm_vector_widths
 from .rope_launch import fill_fixed
 from .rope_params import NormParams
-from .rope_plan import _FIXED_IO, _FIXED_TABLES, _FIXED_TABLES_AT, K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, \
-    check_positions_of, split_offset
+from .rope_plan import K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 NUMERICS = tuple(NORM_MODES)
@@ -180,26 +179,16 @@ class _NormTemplate(_RopeTemplate):
         p.total = norm_threads(self.req, self._g)
         p.eps = self.plan.eps
 
-    def _bind_fixed(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call:
-        plan = self.plan
-        p = plan._fixed_view(core)
-        g = self._g
-        if core.filled is not self or core.filled_vec != "fixed":
-            self._fill_fixed(p)
-            core.filled, core.filled_vec = self, "fixed"
-        q, k, c, s, pos, qo, ko, cu, offs, qw, kw = ptrs
-        block = plan._fixed_bytes
-        _FIXED_IO.pack_into(block, 0, q, k, qo, ko)
-        _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, pos, offs, cu, offset)
-        _WEIGHTS.pack_into(block, _WEIGHTS_AT, qw, kw)
-        npair = g.vec // self.npair_div
-        p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
-        pre = self._fixed_prefix
-        if pre is None:
-            total = norm_threads(self.req, g)
-            pre = self._fixed_prefix = launch_prefix(plan.fixed_kernel(g), (max(1, -(-total // BLOCK_THREADS)), 1, 1),
-                                                     (BLOCK_THREADS, 1, 1))
-        return Call(arrays, offset, self, pre, (arrays[Q_OUT], arrays[K_OUT]))
+    def _write_fixed(self, core: Prepared, ptrs: tuple, offset: int) -> tuple:
+        """The general build's block, then the weights' addresses after it."""
+        pre = super()._write_fixed(core, ptrs, offset)
+        _WEIGHTS.pack_into(self.plan._fixed_bytes, _WEIGHTS_AT, ptrs[Q_WEIGHT], ptrs[K_WEIGHT])
+        return pre
+
+    def _launch_fixed(self) -> tuple:
+        total = norm_threads(self.req, self._g)
+        return launch_prefix(self.plan.fixed_kernel(self._g), (max(1, -(-total // BLOCK_THREADS)), 1, 1),
+                             (BLOCK_THREADS, 1, 1))
 
 
 class _NormOp(Op):

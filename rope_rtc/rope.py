@@ -34,6 +34,10 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 _numpy_fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 _NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
+# The arrays the one-call signature reads (_signature_and_pointers): cupy.ndarray, whose
+# _c_contiguous flag lets it skip the strides of C-contiguous arrays; None (every call validated
+# in full) for a CuPy without that flag.
+_SIGNED: type | None = None
 
 
 def _resolve_backend(backend: str) -> str:
@@ -62,8 +66,9 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _gpu_seen() -> None:
-    global _gpu_present, _NDARRAY
+    global _gpu_present, _NDARRAY, _SIGNED
     _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
+    _SIGNED = _NDARRAY if hasattr(_NDARRAY, "_c_contiguous") else None
     _gpu_present = True
 
 
@@ -173,25 +178,33 @@ def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -
 
 def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets) -> tuple:
     """``(signature, pointers)`` of a call's arguments when all are CuPy arrays (or None), else
-    ``(None, None)``. Written out argument by argument, reading each array once (an output that
-    is its input reuses the input's): this is most of a repeated call's host time."""
-    nd = _NDARRAY
+    ``(None, None)``: each argument's (shape, dtype, device), with its strides between the shape
+    and the dtype when it is not C-contiguous (a C-contiguous array's strides follow from its
+    shape and dtype, except on axes of length 1, which no address or extent depends on); None when
+    absent, True for an output that is its input; and the data pointers (0 when absent). Written
+    out argument by argument, reading each array once: this is most of a repeated call's host time."""
+    nd = _SIGNED
     if type(q) is not nd or type(cos) is not nd or (type(sin) is not nd and sin is not None):
         return None, None
     d = q.data
-    sq, pq = (q.shape, q.strides, q.dtype, d.device_id), d.ptr
+    sq = (q.shape, q.dtype, d.device_id) if q._c_contiguous else (q.shape, q.strides, q.dtype, d.device_id)
+    pq = d.ptr
     d = cos.data
-    sc, pc = (cos.shape, cos.strides, cos.dtype, d.device_id), d.ptr
+    sc = (cos.shape, cos.dtype, d.device_id) if cos._c_contiguous else (cos.shape, cos.strides, cos.dtype, d.device_id)
+    pc = d.ptr
     if sin is None:  # inv_freq in the cos slot
         ss, ps = None, 0
     else:
         d = sin.data
-        ss, ps = (sin.shape, sin.strides, sin.dtype, d.device_id), d.ptr
+        a = sin
+        ss = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+        ps = d.ptr
     if q_out is q:
         sqo, pqo = True, pq
     elif type(q_out) is nd:
-        d = q_out.data
-        sqo, pqo = (q_out.shape, q_out.strides, q_out.dtype, d.device_id), d.ptr
+        a, d = q_out, q_out.data
+        sqo = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+        pqo = d.ptr
     else:
         return None, None
     sk = sko = None
@@ -200,26 +213,36 @@ def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
         if type(k) is not nd:
             return None, None
         d = k.data
-        sk, pk = (k.shape, k.strides, k.dtype, d.device_id), d.ptr
+        sk = (k.shape, k.dtype, d.device_id) if k._c_contiguous else (k.shape, k.strides, k.dtype, d.device_id)
+        pk = d.ptr
         if k_out is k:
             sko, pko = True, pk
         elif type(k_out) is nd:
-            d = k_out.data
-            sko, pko = (k_out.shape, k_out.strides, k_out.dtype, d.device_id), d.ptr
+            a, d = k_out, k_out.data
+            sko = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+            pko = d.ptr
         else:
             return None, None
-    optional = []
-    for a in (positions, cu_seqlens, offsets):
-        if a is None:
-            optional.append(None)
-            optional.append(0)
-        elif type(a) is nd:
-            d = a.data
-            optional.append((a.shape, a.strides, a.dtype, d.device_id))
-            optional.append(d.ptr)
-        else:
+    spos = scu = soff = None
+    ppos = pcu = poff = 0
+    if positions is not None:
+        if type(positions) is not nd:
             return None, None
-    spos, ppos, scu, pcu, soff, poff = optional
+        a, d = positions, positions.data
+        spos = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+        ppos = d.ptr
+    if cu_seqlens is not None:
+        if type(cu_seqlens) is not nd:
+            return None, None
+        a, d = cu_seqlens, cu_seqlens.data
+        scu = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+        pcu = d.ptr
+    if offsets is not None:
+        if type(offsets) is not nd:
+            return None, None
+        a, d = offsets, offsets.data
+        soff = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
+        poff = d.ptr
     return ((sq, sk, sc, ss, spos, sqo, sko, scu, soff),
             (pq, pk, pc, ps, ppos, pqo, pko, pcu, poff))
 
@@ -229,32 +252,51 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     """One launch through the thread's plan for this signature; outputs allocated when omitted.
     ``device``: q's device when q is not a CuPy array.
 
-    The repeat path (a signature seen before): the signature, one lookup, the template's address
-    checks and the block's addresses, one launch. Nothing is remembered about the arrays."""
+    The repeat path (a signature seen before, at its template's specialised build): the
+    signature, one lookup, the template's address checks and the block's addresses, one launch;
+    no Call, nothing remembered about the arrays. Anything else goes through ``bind_once``."""
     if type(offset) is int:
         scalar, offsets = offset, None
+    elif type(offset) is _NDARRAY:
+        scalar, offsets = 0, offset
     else:
         scalar, offsets = split_offset(offset)
     if device is None:
         device = q.data.device_id
     handle = stream_handle(stream, device)
     if q_out is None:
-        q_out = launch.allocate(q.shape, q.dtype, device, handle)
+        q_out = launch.allocate(q.shape, q.dtype, device, handle, stream is None)
     if k is not None and k_out is None:
-        k_out = launch.allocate(k.shape, k.dtype, device, handle)
-    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
+        k_out = launch.allocate(k.shape, k.dtype, device, handle, stream is None)
     sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     try:
         by_signature = _local.by_signature
     except AttributeError:
         by_signature = _thread_caches()[0]
-    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
-    # Options of the types validation accepts as they are (equal values of other types, such as
-    # interleaved=1 or rotary_dim=64.0, would share the key): anything else validates every call.
-    plain = (type(interleaved) is bool and type(inverse) is bool and type(rotary_offset) is int
-             and (rotary_dim is None or type(rotary_dim) is int) and type(layout) is str
-             and (attention is None or type(attention) is float))
-    key = None if sig is None or not plain else (opts, names, sig)
+    key = None if sig is None else (opts, names, sig)
+    try:
+        hit = by_signature.get(key)
+    except TypeError:  # an unhashable option: full validation names it
+        hit = key = None
+    if hit is not None:
+        layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
+        # Options of the types validation accepts as they are: equal values of other types (such
+        # as interleaved=1 or rotary_dim=64.0) share the key, and take full validation every call.
+        if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+                and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+                and type(layout) is str and (attention is None or type(attention) is float)):
+            hit = key = None
+    if hit is not None:
+        plan, tmpl = hit
+        if tmpl.fixed_align:
+            prefix = tmpl.fixed_prefix_for(plan._core, ptrs, scalar)
+            if prefix is not None:
+                if plan._check_positions:
+                    check_positions_of((q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar,
+                                       _kw(opts))
+                plan._core.launcher.launch(prefix, handle)
+                return q_out, k_out
+    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     plan, call = bind_once(by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
         check_positions_of(arrays, scalar, _kw(opts))

@@ -42,6 +42,8 @@ def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int
 _FIXED_IO = struct.Struct("<4Q")
 _FIXED_TABLES = struct.Struct("<5Qq")
 _FIXED_TABLES_AT = FixedParams.cos.offset
+_FIXED_FLAG = struct.Struct("<q")
+_FIXED_TABLE_VEC_AT = FixedParams.table_vec.offset
 assert FixedParams.out.offset == 16 and FixedParams.offset.offset == _FIXED_TABLES_AT + 40
 
 
@@ -394,6 +396,10 @@ class _RopeTemplate:
         self.offset_rows = (req.cq.S, self.table_rows) if req.pos_mode == POS_OFFSET else None
         self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 and not req.angles else 0
         self._prefixes: dict[int, tuple] = {}
+        # The specialised build reads table rows NPAIR floats per access when both tables' addresses
+        # allow it (-1: the row stride never does).
+        npair = self.fixed.vec // self.npair_div if self.fixed is not None else 1
+        self._table_mask = 4 * npair - 1 if self.rows_stride % npair == 0 else -1
 
     pointers = staticmethod(pointers)
 
@@ -425,27 +431,44 @@ class _RopeTemplate:
         else:
             block.offset = offset
 
-    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
-        """Address checks, then the block; None sends the call through full validation."""
+    def addresses_ok(self, ptrs: tuple, offset: int) -> bool:
+        """The checks that depend on addresses and the scalar offset: whether this template may
+        bind them (False sends the call through full validation, which decides)."""
         for o, own in self.same_view:
             if ptrs[o] != ptrs[own]:
-                return None  # validated in place, now a separate output: not this template's call
+                return False  # validated in place, now a separate output: not this template's call
         for o, j, lo, hi, validated in self.disjoint:  # no output meets another argument (by extents)
             d = ptrs[j] - ptrs[o]
             if lo < d < hi and d != validated:
-                return None  # extents meet at an offset not validated: full validation decides
+                return False  # extents meet at an offset not validated: full validation decides
         if offset and self.has_positions or offset < 0 or offset > self.table_rows:
-            return None
+            return False
         if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:
-            return None
+            return False
         for i, mask in self.natural:
             if ptrs[i] & mask:
-                return None  # a table or index array off its natural alignment
+                return False  # a table or index array off its natural alignment
+        return True
+
+    def fixed_prefix_for(self, core: Prepared, ptrs: tuple, offset: int):
+        """The one-call functions' path (rope.py): the address checks and the specialised build's
+        block, returning its launch prefix; None when the call is not this template's at that
+        build (``bind`` then decides). Builds no Call: nothing is remembered."""
+        if not self.addresses_ok(ptrs, offset):
+            return None
+        if (ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]) % self.fixed_align:
+            return None
+        return self._write_fixed(core, ptrs, offset)
+
+    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
+        """Address checks, then the block; None sends the call through full validation."""
+        if not self.addresses_ok(ptrs, offset):
+            return None
         if not self.allowed:  # nothing to launch
             return Call(arrays, offset, self, None, (arrays[Q_OUT], arrays[K_OUT]))
         combined = ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]
         if self.fixed_align and combined % self.fixed_align == 0:
-            return self._bind_fixed(core, arrays, offset, ptrs)
+            return Call(arrays, offset, self, self._write_fixed(core, ptrs, offset), (arrays[Q_OUT], arrays[K_OUT]))
         if not self.generic:
             return None  # full validation says why the specialised build cannot take the call
         for vec in self.allowed:
@@ -464,25 +487,28 @@ class _RopeTemplate:
         p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
         return Call(arrays, offset, self, self._prefixes.get(vec) or self.prefix(vec), (arrays[Q_OUT], arrays[K_OUT]))
 
-    def _bind_fixed(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call:
-        """The block of the specialised build (it shares the block's memory: a FixedParams is
-        smaller than a RopeParams)."""
-        p = self.plan._fixed_view(core)
-        g = self.fixed
+    def _write_fixed(self, core: Prepared, ptrs: tuple, offset: int) -> tuple:
+        """Write the specialised build's block (it shares the block's memory: a FixedParams is
+        smaller than a RopeParams); returns its launch prefix."""
+        plan = self.plan
         if core.filled is not self or core.filled_vec != "fixed":
-            self._fill_fixed(p)
+            self._fill_fixed(plan._fixed_view(core))
             core.filled, core.filled_vec = self, "fixed"
-        q, k, c, s, pos, qo, ko, cu, offs = ptrs
-        # Two packed writes instead of ten field assignments (the one-call path's host time).
-        block = self.plan._fixed_bytes
+        q, k, c, s, pos, qo, ko, cu, offs = ptrs[:9]
+        # Three packed writes instead of eleven field assignments (the one-call path's host time).
+        block = plan._fixed_bytes
         _FIXED_IO.pack_into(block, 0, q, k, qo, ko)
         _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, pos, offs, cu, offset)
-        npair = g.vec // self.npair_div
-        p.table_vec = self.rows_stride % npair == 0 and c % (4 * npair) == 0 and s % (4 * npair) == 0
+        mask = self._table_mask
+        _FIXED_FLAG.pack_into(block, _FIXED_TABLE_VEC_AT, mask >= 0 and not (c | s) & mask)
         pre = self._fixed_prefix
         if pre is None:
-            pre = self._fixed_prefix = launch_prefix(self.plan.fixed_kernel(g), *fixed_launch_shape(self.req, g))
-        return Call(arrays, offset, self, pre, (arrays[Q_OUT], arrays[K_OUT]))
+            pre = self._fixed_prefix = self._launch_fixed()
+        return pre
+
+    def _launch_fixed(self) -> tuple:
+        """The specialised build's launch prefix."""
+        return launch_prefix(self.plan.fixed_kernel(self.fixed), *fixed_launch_shape(self.req, self.fixed))
 
     def prefix(self, vec: int) -> tuple:
         pre = self._prefixes.get(vec)

@@ -9,6 +9,7 @@ with a fixed FP32 multiply/FMA order (bit-exact); the prefix is copied unchanged
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 
 import numpy as np
@@ -18,7 +19,7 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, pointers, signature
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -33,6 +34,8 @@ BACKENDS = ("nvrtc", "numpy")
 ARG_FIELDS = [("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
               ("sin", ctypes.c_uint64), ("n", ctypes.c_int64)]
 NAMES = ("x", "cosine", "sine", "out")
+_ARGS = struct.Struct("<4Qq")  # ARG_FIELDS packed in one write (the one-call path's host time)
+assert _ARGS.size == sum(ctypes.sizeof(t) for _, t in ARG_FIELDS)  # five 8-byte fields, no padding
 
 
 def load_tail_function(heads: int, dim: int, device: int):
@@ -216,17 +219,23 @@ class _TailTemplate:
     def write_scalar(self, block, scalar: int, call=None) -> None:
         """The tail kernel takes no scalar."""
 
-    def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
+    def write(self, core: Prepared, ptrs: tuple) -> bool:
+        """The address checks (alignment; the output disjoint from every input), then the block;
+        False sends the call through full validation."""
         x, c, s, o = ptrs
         nx, nc, ns, no = self.nbytes
         if nx and (x | o) % A.ALIGN_BYTES or nc and (c | s) % A.ALIGN_BYTES:
-            return None
+            return False
         if no:
             for p, n in ((x, nx), (c, nc), (s, ns)):
                 if n and p < o + no and o < p + n:
-                    return None
-        v = core.block
-        v.x, v.out, v.cos, v.sin, v.n = x, o, c, s, self.n_vec
+                    return False
+        _ARGS.pack_into(core.block_bytes, 0, x, o, c, s, self.n_vec)
+        return True
+
+    def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
+        if not self.write(core, ptrs):
+            return None
         return Call(arrays, 0, self, self.prefix, TupleDict(out=arrays[3]))
 
 
@@ -280,10 +289,26 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         driver.require_gpu()
         by_signature, by_key = _local.by_signature, _local.by_key = {}, {}
     handle = stream_handle(stream, device)
-    out = launch.allocate(shape, dtype, device, handle)
+    out = launch.allocate(shape, dtype, device, handle, stream is None)
+    nd = cupy_ndarray()
+    if type(x) is nd and type(cosine) is nd and type(sine) is nd:
+        # The repeat path: the output is always this function's own C-contiguous allocation of
+        # x's shape and dtype, so the inputs' signature fixes the template.
+        dc, ds = cosine.data, sine.data
+        key = ((shape, x.strides, dtype, device), (cosine.shape, cosine.strides, cosine.dtype, dc.device_id),
+               (sine.shape, sine.strides, sine.dtype, ds.device_id))
+        hit = by_signature.get(key)
+        if hit is not None:
+            plan, tmpl = hit
+            core = plan._core
+            if tmpl.write(core, (x.data.ptr, dc.ptr, ds.ptr, out.data.ptr)):
+                if tmpl.prefix is not None:
+                    core.launcher.launch(tmpl.prefix, handle)
+                return TupleDict(out=out)
+    else:
+        key = None
     arrays = (x, cosine, sine, out)
-    sig = signature(arrays)
-    plan, call = bind_once(by_signature, sig, arrays, 0, None, _plan_for, by_key, arrays, shape, device)
+    plan, call = bind_once(by_signature, key, arrays, 0, None, _plan_for, by_key, arrays, shape, device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return call.result

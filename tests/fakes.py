@@ -313,7 +313,7 @@ class FakeGPU:
 
             return tail_spec(heads, dim).entries[0]
 
-        def allocate(shape, dtype, device, stream):
+        def allocate(shape, dtype, device, stream, current=False):
             return fake_cupy(tuple(shape), np.dtype(dtype), device=device)
 
         def stream_handle(stream, device=None):
@@ -353,6 +353,7 @@ class FakeGPU:
 
         self._patch(rope, "_gpu_present", True)
         self._patch(rope, "_NDARRAY", cupy.ndarray)
+        self._patch(rope, "_SIGNED", cupy.ndarray)
         self._patch(driver, "require_gpu", lambda: None)
         self._patch(rope, "_local", threading.local())
         self._patch(tail, "_local", threading.local())
@@ -409,6 +410,10 @@ class _RecordingLauncher:
             record["geometry"] = fn[1]
             record["vec"] = fn[1].vec
         self.gpu.launches.append(record)
+
+    def launch(self, prefix, handle) -> None:
+        """The one-call functions' launch (no token), recorded the same way."""
+        self(prefix, handle)
 
     def forget(self) -> None:
         """No graphs to drop."""

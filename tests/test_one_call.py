@@ -259,3 +259,91 @@ def test_a_plan_notices_k_reshaped_in_place(gpu):
     k.shape = (2, 8, 2, 128)  # CuPy reshapes in place
     with pytest.raises(ValueError, match="k: shape"):
         plan.execute(q, k, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------------
+# the repeat path at the specialised build, and the signature it reads
+
+def test_repeat_path_at_the_specialised_build_binds_without_a_call_record(table, monkeypatch):
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k, offs = decode_arrays()
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fn"][0] == "rope_fixed"
+        counts: dict = {}
+        _counted(monkeypatch, env, "settings", counts)
+        _counted(monkeypatch, rope_request, "validate", counts)
+        _counted(monkeypatch, rope, "validate", counts)
+        _counted(monkeypatch, rope_plan._RopeTemplate, "bind", counts)  # the path that builds a Call
+        _counted(monkeypatch, prepared, "Call", counts)
+        sets = [decode_arrays() for _ in range(64)]
+        for i in range(130):
+            q, k, offs = sets[i % len(sets)]
+            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k) == (q, k)
+            p = gpu.launches[-1]["fixed"]
+            assert (p.in_[0], p.in_[1], p.out[0], p.out[1], p.offsets, p.cos, p.sin) == (
+                q.data.ptr, k.data.ptr, q.data.ptr, k.data.ptr, offs.data.ptr, cos.data.ptr, sin.data.ptr)
+            assert p.table_vec == 1 and p.offset == 0
+        assert counts == {} and len(gpu.launches) == 131
+        # A table off the vector alignment of its rows is read a float at a time.
+        wide = fake_cupy((ROWS, D // 2 + 1), np.float32)
+        apply_rope_qk(q, k, wide[:, 1:], wide[:, :-1], offset=offs, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].table_vec == 0
+
+
+def test_a_strided_view_of_a_contiguous_arrays_shape_gets_its_own_template(table):
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k, offs = decode_arrays()
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].in_sh[0] == D
+        wide = fake_cupy((B, S, HQ, 2 * D), BF16)
+        qv = wide[..., :D]  # q's shape and dtype, not C-contiguous
+        apply_rope_qk(qv, k, cos, sin, offset=offs, q_out=qv, k_out=k)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.in_sh[0], p.in_sb[0]) == (qv.data.ptr, 2 * D, HQ * 2 * D)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].in_sh[0] == D
+        # Arrays that differ only in the stride of an axis of length 1 are both C-contiguous: one
+        # template serves them (no address depends on that stride).
+        q1 = fake_cupy((B, HQ, D), BF16)[:, None]
+        assert q1.shape == q.shape and q1.strides != q.strides and q1._c_contiguous
+        templates = len(rope._local.by_signature)
+        apply_rope_qk(q1, k, cos, sin, offset=offs, q_out=q1, k_out=k)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.out[0], p.in_sb[0], p.in_sh[0]) == (q1.data.ptr, q1.data.ptr, HQ * D, D)
+        assert len(rope._local.by_signature) == templates
+
+
+def test_cupy_arrays_carry_the_contiguity_flag_the_one_call_signature_reads():
+    import cupy
+
+    assert isinstance(fake_cupy((2, 3), np.float32)._c_contiguous, bool)
+    assert hasattr(cupy.ndarray, "_c_contiguous")
+    assert fake_cupy((4, 6), np.float32)[:, :3]._c_contiguous is False
+
+
+def test_tail_rope_repeat_path_binds_new_arrays_without_full_validation(monkeypatch):
+    from rope_rtc import tail
+
+    with FakeGPU() as gpu:
+        x = fake_cupy((4, 64, 512), BF16)
+        c, s = fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+        tail_rope(x, c, s)
+        counts: dict = {}
+        _counted(monkeypatch, tail._TailOp, "validate", counts)
+        _counted(monkeypatch, tail._TailTemplate, "bind", counts)
+        for _ in range(5):
+            x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+            out, = tail_rope(x, c, s)
+            (plan,) = tail._local.by_key.values()
+            v = plan._core.block
+            assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr,
+                                                       4 * 64 * 512 // 8)
+        assert counts == {} and len(gpu.launches) == 6
+        # New arrays the template cannot take go through full validation, which names the problem.
+        n = len(gpu.launches)
+        odd = fake_cupy((4 * 32 + 1,), np.float32)[1:].reshape(4, 32)
+        with pytest.raises(ValueError, match="cosine"):
+            tail_rope(x, odd, s)
+        assert len(gpu.launches) == n and counts.get("validate") == 1
