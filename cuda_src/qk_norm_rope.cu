@@ -26,11 +26,16 @@
 //         the table values rounded to the input dtype (apply_rotary_pos_emb in that dtype)
 // Channels outside the window are y, rounded.
 //
-// Work split: LANES = NORM_D / ROPE_VEC consecutive threads per (token, group of NORM_HB heads),
-// each holding one vector of each of the group's heads; a group's lanes lie in one warp (LANES
-// divides 32). The weights, the position and the table slice are read once for the group. A
-// half-split pair's partner vector is HALF / ROPE_VEC lanes away and comes through a warp
-// shuffle.
+// Work split: LANES consecutive threads per (token, group of NORM_HB heads); a group's lanes lie
+// in one warp (LANES divides 32). The weights, the position and the table slice are read once
+// for the group.
+// - Half-split pairs over the whole head (NORM_SPLIT: NORM_RO == 0, NORM_RD == NORM_D, the
+//   Qwen3 / Gemma 3 / OLMo 2 case): LANES = NORM_D / (2 ROPE_VEC); each lane holds the vector at
+//   channel c of each head and its partner at c + NORM_D / 2, so both halves of its pairs are in
+//   its own registers. A lane adds each vector's squares in channel order, then the two sums:
+//   the same order, and so the same bits, as the one-vector-per-lane layout below.
+// - Otherwise LANES = NORM_D / ROPE_VEC, one vector of each head per lane. A half-split pair's
+//   partner vector is HALF / ROPE_VEC lanes away and comes through a warp shuffle.
 #include "common.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
@@ -42,7 +47,8 @@
 #endif
 
 constexpr int VEC = ROPE_VEC;
-constexpr unsigned LANES = NORM_D / VEC;
+#define NORM_SPLIT (!ROPE_INTERLEAVED && NORM_RO == 0 && NORM_RD == NORM_D)
+constexpr unsigned LANES = NORM_SPLIT ? NORM_D / (2 * VEC) : NORM_D / VEC;
 constexpr unsigned HEADS = NORM_HQ + NORM_HK;
 constexpr unsigned GROUPS = HEADS / NORM_HB;  // head groups per token: all q or all k
 constexpr int HALF = NORM_RD / 2;
@@ -50,7 +56,8 @@ constexpr unsigned PARTNER = HALF / VEC;  // lanes between the two vectors of ha
 constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr unsigned FULL = 0xffffffffu;
 
-static_assert(NORM_D % VEC == 0 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "a head must be 1-32 lanes (a power of two)");
+static_assert(NORM_D % ((NORM_SPLIT ? 2 : 1) * VEC) == 0 && LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0,
+              "a head must be 1-32 lanes (a power of two)");
 static_assert(NORM_HQ % NORM_HB == 0 && NORM_HK % NORM_HB == 0, "NORM_HB must divide both head counts");
 static_assert(NORM_RO % VEC == 0 && NORM_RO + NORM_RD <= NORM_D, "the window must start on a vector, inside the head");
 static_assert(ROPE_INTERLEAVED ? (NORM_RD % VEC == 0 && VEC % 2 == 0) : HALF % VEC == 0, "the window must be whole vectors");
@@ -87,6 +94,108 @@ __device__ __forceinline__ void load_weights(u64 base, unsigned c0, float* w) {
     }
 }
 
+// A head's scale 1 / sqrt(mean square + eps) from one lane's sum of squares: the lanes' sums
+// combined by a butterfly over the group's lanes (every lane gets the same sum). rsqrtf, as
+// torch.rsqrt: within the exact mode's bound, and a few instructions where a correctly rounded
+// square root and division are a few dozen.
+__device__ __forceinline__ float head_scale(float ss, float eps) {
+#pragma unroll
+    for (unsigned off = LANES / 2; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(FULL, ss, off));
+    return rsqrtf(__fadd_rn(__fmul_rn(ss, 1.0f / NORM_D), eps));
+}
+
+// A normalised, weighted value: exact, or rounded where transformers' Qwen3RMSNorm rounds.
+__device__ __forceinline__ float normalised(float y, float r, float w) {
+#if NORM_MODE == 0
+    return __fmul_rn(__fmul_rn(y, r), w);
+#else
+    return round_to_dtype(__fmul_rn(w, round_to_dtype(__fmul_rn(y, r))));
+#endif
+}
+
+// The rotation of (x0, x1): one rounding at the end (exact), or apply_rotary_pos_emb's in the
+// input dtype (transformers).
+__device__ __forceinline__ void rotated(float x0, float x1, float c, float s, float& re, float& im) {
+#if NORM_MODE == 0
+    re = rot_re(x0, x1, c, s);
+    im = rot_im(x0, x1, c, s);
+#else
+    re = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x0, c)), round_to_dtype(__fmul_rn(-x1, s))));
+    im = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x1, c)), round_to_dtype(__fmul_rn(x0, s))));
+#endif
+}
+
+#if NORM_SPLIT
+extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams p) {
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    // No early return: every lane of the warp takes part in the shuffles. The total is a multiple
+    // of LANES, so a head group's lanes are all in range or all out.
+    const bool live = i < (unsigned)p.f.total;
+    const unsigned j = i % LANES, tg = i / LANES;
+    const unsigned t = tg / GROUPS, g = tg - t * GROUPS;
+    const int which = g * NORM_HB >= NORM_HQ ? 1 : 0;  // the group is all q or all k
+    const unsigned hh = g * NORM_HB - (which ? NORM_HQ : 0);
+    const unsigned b = fast_div(t, p.f.div_seq), s = t - b * (unsigned)p.f.seq_len;
+    const unsigned c0 = j * VEC;  // the lane's low channels; its high ones are HALF further
+    const i64 in_sh = p.f.in_sh[which], out_sh = p.f.out_sh[which];
+
+    // Every load first: the group's vectors, the weights, then the position and its table slice.
+    vec_t lo[NORM_HB], hi[NORM_HB];
+    float wl[VEC], wh[VEC], c[VEC], sn[VEC];
+    if (live) {
+        const bits_t* in = (const bits_t*)p.f.in[which] + (b * p.f.in_sb[which] + s * p.f.in_ss[which] + hh * in_sh + c0);
+#pragma unroll
+        for (int k = 0; k < NORM_HB; ++k) {
+            lo[k].raw = __ldcs((const raw_t*)(in + k * in_sh));
+            hi[k].raw = __ldcs((const raw_t*)(in + k * in_sh + HALF));
+        }
+        load_weights(p.weight[which], c0, wl);
+        load_weights(p.weight[which], c0 + HALF, wh);
+        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.inverse ? -1.0f : 1.0f, c, sn);
+#if NORM_MODE == 1
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
+            c[e] = round_to_dtype(c[e]);
+            sn[e] = round_to_dtype(sn[e]);
+        }
+#endif
+    } else {
+#pragma unroll
+        for (int k = 0; k < NORM_HB; ++k) lo[k].raw = hi[k].raw = raw_t{};
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) wl[e] = wh[e] = c[e] = sn[e] = 0.0f;
+    }
+    bits_t* out = (bits_t*)p.f.out[which] + (b * p.f.out_sb[which] + s * p.f.out_ss[which] + hh * out_sh + c0);
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        float y0[VEC], y1[VEC];
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            y0[e] = conv::to_float(lo[k].v[e]);
+            s0 = __fadd_rn(s0, __fmul_rn(y0[e], y0[e]));
+            y1[e] = conv::to_float(hi[k].v[e]);
+            s1 = __fadd_rn(s1, __fmul_rn(y1[e], y1[e]));
+        }
+        // The two vectors' sums, then the butterfly: the order of the one-vector-per-lane layout,
+        // whose first butterfly step adds exactly these two (HALF / VEC lanes apart), so both
+        // layouts give the same bits.
+        const float r = head_scale(__fadd_rn(s0, s1), p.eps);
+        vec_t olo, ohi;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            float re, im;
+            rotated(normalised(y0[e], r, wl[e]), normalised(y1[e], r, wh[e]), c[e], sn[e], re, im);
+            olo.v[e] = conv::from_float(re);
+            ohi.v[e] = conv::from_float(im);
+        }
+        if (live) {
+            __stcs((raw_t*)(out + k * out_sh), olo.raw);
+            __stcs((raw_t*)(out + k * out_sh + HALF), ohi.raw);
+        }
+    }
+}
+#else
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams p) {
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     // No early return: every lane of the warp takes part in the shuffles. The total is a multiple
@@ -148,19 +257,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
             y[e] = conv::to_float(x[k].v[e]);
             ss = __fadd_rn(ss, __fmul_rn(y[e], y[e]));
         }
+        const float r = head_scale(ss, p.eps);
 #pragma unroll
-        for (unsigned off = LANES / 2; off > 0; off >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(FULL, ss, off));
-        // rsqrtf (as torch.rsqrt): within the exact mode's bound, and a few instructions where a
-        // correctly rounded square root and division are a few dozen.
-        const float r = rsqrtf(__fadd_rn(__fmul_rn(ss, 1.0f / NORM_D), p.eps));
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-#if NORM_MODE == 0
-            y[e] = __fmul_rn(__fmul_rn(y[e], r), w[e]);
-#else
-            y[e] = round_to_dtype(__fmul_rn(w[e], round_to_dtype(__fmul_rn(y[e], r))));
-#endif
-        }
+        for (int e = 0; e < VEC; ++e) y[e] = normalised(y[e], r, w[e]);
 #if !ROPE_INTERLEAVED
         float z[VEC];  // the partner vector's values (the other half of each pair)
 #pragma unroll
@@ -175,15 +274,8 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
 #else
                 const float x0 = lo ? y[jj] : z[jj], x1 = lo ? z[jj] : y[jj];
 #endif
-#if NORM_MODE == 0
-                const float re = rot_re(x0, x1, c[jj], sn[jj]), im = rot_im(x0, x1, c[jj], sn[jj]);
-#else
-                const float cr = c[jj], sr = sn[jj];
-                const float re = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x0, cr)),
-                                                          round_to_dtype(__fmul_rn(-x1, sr))));
-                const float im = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x1, cr)),
-                                                          round_to_dtype(__fmul_rn(x0, sr))));
-#endif
+                float re, im;
+                rotated(x0, x1, c[jj], sn[jj], re, im);
 #if ROPE_INTERLEAVED
                 o.v[2 * jj] = conv::from_float(re);
                 o.v[2 * jj + 1] = conv::from_float(im);
@@ -198,3 +290,4 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
         if (live) __stcs((raw_t*)(out + k * out_sh), o.raw);
     }
 }
+#endif

@@ -145,8 +145,14 @@ class NormGeometry:
     head_batch: int = 1  # heads per lane group (norm_head_batch)
 
     @property
+    def split(self) -> bool:
+        """Half-split pairs over the whole head: a lane holds both halves of its pairs
+        (NORM_SPLIT in cuda_src/qk_norm_rope.cu)."""
+        return norm_split(self.interleaved, self.head_dim, self.rotary_offset, self.rotary_dim)
+
+    @property
     def lanes(self) -> int:
-        return self.head_dim // self.vec
+        return self.head_dim // self.vec // (2 if self.split else 1)
 
     def spec(self) -> KernelSpec:
         return KernelSpec(
@@ -165,14 +171,21 @@ def norm_head_batch(q_heads: int, k_heads: int) -> int:
     return next(hb for hb in (4, 2, 1) if q_heads % hb == 0 and k_heads % hb == 0)
 
 
+def norm_split(interleaved: bool, head_dim: int, rotary_offset: int, rotary_dim: int) -> bool:
+    """Whether the fused QK-norm kernel gives each lane both halves of its pairs: half-split pairs
+    over the whole head (two vectors per lane and head, no partner exchange between lanes)."""
+    return not interleaved and rotary_offset == 0 and rotary_dim == head_dim
+
+
 def norm_vector_widths(dtype: str, interleaved: bool, head_dim: int, rotary_offset: int, rotary_dim: int) -> tuple:
     """Vector widths (elements) the fused QK-norm kernel can use for a geometry, widest first:
     a head must be a power-of-two number of lanes, at most a warp, and the window whole vectors
     (pairs inside a vector for interleaved pairs)."""
+    per_lane = 2 if norm_split(interleaved, head_dim, rotary_offset, rotary_dim) else 1
     out = []
     for vec in rope_vector_widths(dtype, interleaved):
-        lanes, span = head_dim // vec, rotary_dim if interleaved else rotary_dim // 2
-        if (head_dim % vec or lanes > 32 or lanes & (lanes - 1) or rotary_offset % vec or span % vec
+        lanes, span = head_dim // (vec * per_lane), rotary_dim if interleaved else rotary_dim // 2
+        if (head_dim % (vec * per_lane) or lanes > 32 or lanes & (lanes - 1) or rotary_offset % vec or span % vec
                 or (interleaved and vec % 2)):
             continue
         out.append(vec)

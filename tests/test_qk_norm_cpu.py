@@ -52,8 +52,9 @@ def test_a_call_launches_the_fused_build_with_its_block(gpu):
     rope_rtc.apply_qk_norm_rope(**kw, eps=1e-5, offset=3)
     rec = gpu.launches[-1]
     g, p = rec["geometry"], rec["norm"]
-    assert (g.vec, g.lanes, g.numerics, g.weights_f32, g.head_batch) == (8, 16, "exact", False, 2)
-    assert p.total == B * S * (HQ + HK) // 2 * 16 and rec["grid"] == (-(-p.total // 256), 1, 1)
+    # half-split pairs over the whole head: a lane holds a vector of each half (D / 16 lanes a head)
+    assert (g.vec, g.lanes, g.numerics, g.weights_f32, g.head_batch) == (8, 8, "exact", False, 2) and g.split
+    assert p.total == B * S * (HQ + HK) // 2 * 8 and rec["grid"] == (-(-p.total // 256), 1, 1)
     assert (p.weight[0], p.weight[1]) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
     assert p.eps == np.float32(1e-5) and p.offset == 3 and p.in_[0] == kw["q"].data.ptr
 
@@ -119,6 +120,22 @@ def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkey
         exact.execute(**_call(**f32))
 
 
+def test_lanes_per_head_by_pair_style_and_window():
+    from rope_rtc.registry import NormGeometry, norm_vector_widths
+
+    def lanes(dtype, interleaved, rotary_offset, rotary_dim, d=D):
+        vec = norm_vector_widths(dtype, interleaved, d, rotary_offset, rotary_dim)[0]
+        return NormGeometry(dtype, interleaved, 4, 2, d, rotary_offset, rotary_dim, vec, False, "exact").lanes
+
+    assert lanes("bfloat16", False, 0, D) == D // 16  # both halves of a pair in one lane
+    assert lanes("bfloat16", True, 0, D) == D // 8
+    assert lanes("bfloat16", False, 0, D // 2) == D // 8  # a partial window: one vector a lane, partners shuffled
+    # float32 head dim 256 with half-split pairs fits a warp (32 lanes of two 16-byte vectors);
+    # interleaved pairs would need 64 lanes
+    assert lanes("float32", False, 0, 256, d=256) == 32
+    assert norm_vector_widths("float32", True, 256, 0, 256) == ()
+
+
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_the_builds_compile(arch, tmp_path, monkeypatch):
     from rope_rtc import compiler, toolchain
@@ -135,25 +152,26 @@ def test_the_builds_compile(arch, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [2, 0])
 def test_weights_off_every_vector_are_named_with_or_without_tokens(gpu, tokens):
-    """Weights 4 bytes off a 16-byte boundary fit no build of bf16 head dim 128 (vectors of 8 or 4):
-    a ValueError names them, also when there is nothing to launch (the template once declined the
-    call that validation had accepted, an AssertionError); weights 8 bytes off take the narrower
-    build, with or without tokens."""
+    """Weights 2 bytes off a 16-byte boundary fit no build of bf16 head dim 128 (vectors of 8, 4
+    or 2 elements, a lane holding one of each half): a ValueError names them, also when there is
+    nothing to launch (the template once declined the call that validation had accepted, an
+    AssertionError); weights 4 and 8 bytes off take the narrower builds, with or without tokens."""
     import rope_rtc
 
     def call(offset):
         return _call(q=fake_cupy((tokens, S, HQ, D), BF16), k=fake_cupy((tokens, S, HK, D), BF16),
                      q_weight=fake_cupy((D + 8,), BF16)[offset:D + offset], k_weight=fake_cupy((D,), BF16))
 
-    with pytest.raises(ValueError, match="q_weight: address .* is not 8-byte aligned"):
-        rope_rtc.apply_qk_norm_rope(**call(2))
+    with pytest.raises(ValueError, match="q_weight: address .* is not 4-byte aligned"):
+        rope_rtc.apply_qk_norm_rope(**call(1))
     with pytest.raises(ValueError, match="q_weight: address"):
-        rope_rtc.QKNormRopePlan(**call(2))
-    kw = call(4)
-    rope_rtc.apply_qk_norm_rope(**kw)
-    rope_rtc.QKNormRopePlan(**kw).execute(**kw)
-    if tokens:
-        assert gpu.launches[-1]["geometry"].vec == 4
+        rope_rtc.QKNormRopePlan(**call(1))
+    for offset, vec in ((2, 2), (4, 4)):
+        kw = call(offset)
+        rope_rtc.apply_qk_norm_rope(**kw)
+        rope_rtc.QKNormRopePlan(**kw).execute(**kw)
+        if tokens:
+            assert gpu.launches[-1]["geometry"].vec == vec
 
 
 def test_float32_weights_need_only_16_byte_alignment(gpu):
