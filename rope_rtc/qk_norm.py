@@ -267,18 +267,7 @@ class QKNormRopePlan(RopePlan):
     def execute(self, q, k, q_weight, k_weight, cos, sin, positions=None, q_out=None, k_out=None, stream=None, *,
                 offset=None, cu_seqlens=None):
         """Validate (cheaply when the arrays repeat) and launch. Returns ``(q_out, k_out)``."""
-        core = self._core or self.compile()._core
-        if offset is None:
-            scalar, offsets = 0, None
-        else:
-            scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
-        if self.in_place:
-            q_out = q if q_out is None else q_out
-            k_out = k if k_out is None else k_out
-        arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight)
-        if self._check_positions:
-            check_positions_of(arrays[:9], scalar, self._opts)
-        return core.execute(arrays, scalar, stream)
+        return self._execute(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, (q_weight, k_weight))
 
 
 _local = threading.local()

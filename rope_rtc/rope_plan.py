@@ -244,7 +244,9 @@ class RopePlan:
                                            cos_sin_cache)
         return self._execute(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens)
 
-    def _execute(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens):
+    def _execute(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, extra: tuple = ()):
+        """The launch of ``execute``; ``extra``: arguments a plan that extends this one appends
+        after the general ones (QK-norm's weights)."""
         core = self._core or self.compile()._core
         if offset is None:
             scalar, offsets = 0, None
@@ -255,7 +257,7 @@ class RopePlan:
                 q_out = q
             if k_out is None:
                 k_out = k
-        arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
+        arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets) + extra
         if self._check_positions:
             check_positions_of(arrays, scalar, self._opts)
         return core.execute(arrays, scalar, stream)
@@ -494,11 +496,11 @@ class _RopeTemplate:
         if core.filled is not self or core.filled_vec != "fixed":
             self._fill_fixed(plan._fixed_view(core))
             core.filled, core.filled_vec = self, "fixed"
-        q, k, c, s, pos, qo, ko, cu, offs = ptrs[:9]
+        c, s = ptrs[COS], ptrs[SIN]
         # Three packed writes instead of eleven field assignments (the one-call path's host time).
         block = plan._fixed_bytes
-        _FIXED_IO.pack_into(block, 0, q, k, qo, ko)
-        _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, pos, offs, cu, offset)
+        _FIXED_IO.pack_into(block, 0, ptrs[Q], ptrs[K], ptrs[Q_OUT], ptrs[K_OUT])
+        _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, ptrs[POSITIONS], ptrs[OFFSETS], ptrs[CU_SEQLENS], offset)
         mask = self._table_mask
         _FIXED_FLAG.pack_into(block, _FIXED_TABLE_VEC_AT, mask >= 0 and not (c | s) & mask)
         pre = self._fixed_prefix
