@@ -20,29 +20,43 @@ __device__ __forceinline__ i64 load_index(u64 base, i64 i, bool wide) {
     return wide ? ((const i64*)base)[i] : (i64)((const int*)base)[i];
 }
 
-// The table row for token t = (b, s); -1 when it falls outside the table (the caller writes NaN
-// rather than reading out of bounds: device-side positions are never read back to the host).
-template <typename P>
-__device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
+// The table row for token t = (b, s) under position scheme MODE (POS_*); -1 when it falls
+// outside the table (the caller writes NaN rather than reading out of bounds: device-side
+// positions are never read back to the host). A kernel that fixes the scheme at compile time
+// calls this directly (rope_fixed.cu: FIX_POS); the others go through token_row.
+template <int MODE, typename P>
+__device__ __forceinline__ i64 token_row_in(const P& p, i64 t, i64 b, i64 s) {
     i64 pos;
-    switch ((int)p.pos_mode) {
-        case POS_OFFSET: pos = p.offset + s; break;
-        case POS_OFFSETS: pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s; break;
-        case POS_POSITIONS: pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64); break;
-        default: {
-            const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
-            // Last sequence whose start is <= t (cu_seqlens is non-decreasing).
-            i64 lo = 0, hi = p.num_seqs;
-            if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
-            while (hi - lo > 1) {
-                const i64 mid = (lo + hi) >> 1;
-                if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
-            }
-            const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
-            pos = t - load_index(p.cu_seqlens, lo, wide) + base;
+    if constexpr (MODE == POS_OFFSET) {
+        pos = p.offset + s;
+    } else if constexpr (MODE == POS_OFFSETS) {
+        pos = load_index(p.offsets, b, p.index_flags & IDX_OFFSETS_I64) + s;
+    } else if constexpr (MODE == POS_POSITIONS) {
+        pos = load_index(p.positions, t, p.index_flags & IDX_POSITIONS_I64);
+    } else {
+        const bool wide = p.index_flags & IDX_CU_SEQLENS_I64;
+        // Last sequence whose start is <= t (cu_seqlens is non-decreasing).
+        i64 lo = 0, hi = p.num_seqs;
+        if (t < load_index(p.cu_seqlens, 0, wide) || t >= load_index(p.cu_seqlens, hi, wide)) return -1;
+        while (hi - lo > 1) {
+            const i64 mid = (lo + hi) >> 1;
+            if (load_index(p.cu_seqlens, mid, wide) <= t) lo = mid; else hi = mid;
         }
+        const i64 base = p.offsets ? load_index(p.offsets, lo, p.index_flags & IDX_OFFSETS_I64) : p.offset;
+        pos = t - load_index(p.cu_seqlens, lo, wide) + base;
     }
     return (pos >= 0 && pos < p.table_rows) ? pos : -1;
+}
+
+// token_row_in with the scheme read from the argument block.
+template <typename P>
+__device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
+    switch ((int)p.pos_mode) {
+        case POS_OFFSET: return token_row_in<POS_OFFSET>(p, t, b, s);
+        case POS_OFFSETS: return token_row_in<POS_OFFSETS>(p, t, b, s);
+        case POS_POSITIONS: return token_row_in<POS_POSITIONS>(p, t, b, s);
+        default: return token_row_in<POS_CU_SEQLENS>(p, t, b, s);
+    }
 }
 
 // The cos/sin values of NPAIR pairs from column `at` of table row `row` (NaN when row < 0), sin

@@ -19,6 +19,9 @@
 //                     between streams), and pair column i takes the row of its stream's position.
 //   FIX_ANGLES        optional: 0 or absent: cos/sin tables; 1 or 2: cos and sin computed from the
 //                     inverse frequencies (float64 or float32) in the cos field (angles.cuh)
+//   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
+//                     absent or -1: read from the block (the multimodal builds, which read their
+//                     own position streams)
 // The kernel rotates in place or out of place with the whole head rotated; an out-of-place
 // call with a partial window (the outside copied) runs the generic kernel.
 //
@@ -58,6 +61,9 @@ static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide 
 #endif
 #ifndef FIX_ANGLES
 #define FIX_ANGLES 0
+#endif
+#ifndef FIX_POS
+#define FIX_POS -1
 #endif
 static_assert(!(FIX_ANGLES && FIX_MROPE), "multimodal RoPE reads tables");
 #if FIX_MROPE
@@ -131,6 +137,18 @@ __device__ __forceinline__ void gather_merged(const FixedParams& p, float (*merg
 }
 #endif
 
+// Token t's table row (-1 outside the table). With the scheme fixed at compile time the compiler
+// issues the index load (positions[t], offsets[b]) first, ahead of the q/k address arithmetic; a
+// scheme read from the block kept it behind the branches of every scheme, 0.16-0.18 µs later at
+// decode (docs/performance.md).
+__device__ __forceinline__ i64 fixed_row(const FixedParams& p, unsigned t, unsigned b, unsigned s) {
+#if FIX_POS >= 0
+    return token_row_in<FIX_POS>(p, t, b, s);
+#else
+    return token_row(p, t, b, s);
+#endif
+}
+
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn) {
@@ -181,9 +199,9 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
 #elif FIX_ANGLES
     typename AngleFreq<FIX_ANGLES>::type f[NPAIR];
     angle_freqs<NPAIR, FIX_ANGLES>(p, pu * NPAIR, f);
-    angle_values<NPAIR, FIX_ANGLES>(p, token_row(p, t, b, s), f, p.inverse ? -1.0f : 1.0f, c, sn);
+    angle_values<NPAIR, FIX_ANGLES>(p, fixed_row(p, t, b, s), f, p.inverse ? -1.0f : 1.0f, c, sn);
 #else
-    table_slice_at<NPAIR>(p, token_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
+    table_slice_at<NPAIR>(p, fixed_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
 #endif
 }
 

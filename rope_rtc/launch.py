@@ -158,19 +158,25 @@ class _LaunchFailed(Exception):
 
 
 class _GraphExec:
-    """One instantiated one-kernel-node CUDA graph; destroyed with the object."""
+    """One instantiated one-kernel-node CUDA graph; destroyed with the object. ``node`` and
+    ``params``: its kernel node and the node parameters it was made with (the argument block's
+    address), for ``cuGraphExecKernelNodeSetParams``."""
 
-    __slots__ = ("handle", "handle_int", "token")
+    __slots__ = ("handle", "handle_int", "token", "graph", "node", "params")
 
-    def __init__(self, handle, token) -> None:
+    def __init__(self, handle, token, graph, node, params) -> None:
         self.handle = handle
         self.handle_int = int(handle)
-        self.token = token  # the plan's argument-set tuple: held, so its identity stays unique
+        self.token = token  # the plan's argument-set tuple, or the launch prefix: held, so its identity stays unique
+        # The graph it was instantiated from is kept: node updates name its node.
+        self.graph, self.node, self.params = graph, node, params
 
     def __del__(self) -> None:
         try:
             with driver.relaxed_capture():
-                driver.check(driver._drv().cuGraphExecDestroy(self.handle), "cuGraphExecDestroy")
+                drv = driver._drv()
+                driver.check(drv.cuGraphExecDestroy(self.handle), "cuGraphExecDestroy")
+                driver.check(drv.cuGraphDestroy(self.graph), "cuGraphDestroy")
         except Exception:  # at interpreter exit the driver may already be gone
             pass
 
@@ -194,7 +200,7 @@ class Launcher:
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
                  "device", "_check_device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch",
-                 "_graphs", "_seen",
+                 "_graphs", "_seen", "_set_node", "_updated", "_last_updated",
                  "replay", "_last_token", "_last_graph")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
@@ -219,6 +225,9 @@ class Launcher:
         self._graphs: dict[int, _GraphExec] = {}  # id(token) -> its graph
         self._seen: dict[int, object] = {}        # id(token) -> token, launched plainly once
         self._last_token = self._last_graph = None  # the set replayed last, and its graph
+        self._set_node = driver._drv().cuGraphExecKernelNodeSetParams
+        self._updated: dict[int, _GraphExec] = {}  # id(prefix) -> its graph, whose node takes each new block
+        self._last_updated = None
         self.replay = not settings().no_graph_replay
 
     def __call__(self, prefix: tuple, stream=None, token=None) -> None:
@@ -253,11 +262,36 @@ class Launcher:
         self._plain(argv, prefix, handle)
 
     def launch(self, prefix: tuple, handle: int) -> None:
-        """One ``cuLaunchKernel`` of ``prefix`` on the raw stream ``handle``, without graph replay:
-        the one-call functions' launch (their argument block is new on every call)."""
+        """One launch of ``prefix`` with the argument block's current values on the raw stream
+        ``handle``: the one-call functions' launch (their block is new on every call).
+
+        With graph replay on, through one one-node graph per prefix: its node takes the block's
+        values (``cuGraphExecKernelNodeSetParams``, which copies them) and the graph is launched.
+        The two calls cost the host about a microsecond less than one ``cuLaunchKernel``
+        (docs/performance.md). A capturing stream gets ``cuLaunchKernel``, which the capture
+        records."""
         if self._check_device and self._get_device() != self.device:
             self(prefix, handle)
             return
+        if self.replay:
+            graph = self._last_updated
+            if graph is None or graph.token is not prefix:
+                graph = self._updated.get(id(prefix))
+            try:
+                idle = not self._capturing(handle)
+            except Exception:  # the legacy stream while another stream captures; an invalidated capture
+                idle = False
+            if idle:
+                if graph is None:
+                    graph = self._instantiate_or_stop(prefix, prefix, self._updated)
+                if graph is not None:
+                    self._last_updated = graph
+                    status = self._set_node(graph.handle, graph.node, graph.params)[0]
+                    if status:
+                        driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, "
+                                                f"block={prefix[4:7]})")
+                    self._graph_launch(graph.handle_int, handle)
+                    return
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
             argv = self._pack(prefix, handle)
@@ -284,16 +318,17 @@ class Launcher:
         self._argv = (int(prefix[0]), *prefix[1:], handle, self.args_address, 0)
         return self._argv
 
-    def _instantiate_or_stop(self, prefix: tuple, token) -> "_GraphExec | None":
-        """A graph for ``token``; if the driver cannot make one (out of resources, say), this
-        launcher stops replaying and launches plainly, so the call still succeeds."""
+    def _instantiate_or_stop(self, prefix: tuple, token, graphs: dict | None = None) -> "_GraphExec | None":
+        """A graph for ``token``, remembered in ``graphs`` (default: the replayed sets'); if the
+        driver cannot make one (out of resources, say), this launcher stops replaying and
+        launches plainly, so the call still succeeds."""
         try:
             exe = self._instantiate(prefix, token)
         except CudaError as exc:
             self.replay = False
             warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning, stacklevel=4)
             return None
-        remember(self._graphs, id(token), exe)
+        remember(self._graphs if graphs is None else graphs, id(token), exe)
         return exe
 
     def _instantiate(self, prefix: tuple, token) -> _GraphExec:
@@ -309,17 +344,19 @@ class Launcher:
         with driver.relaxed_capture():  # legal while another stream of this thread is capturing
             graph = driver.check(drv.cuGraphCreate(0), "cuGraphCreate")
             try:
-                driver.check(drv.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
+                node = driver.check(drv.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
                 handle = driver.check(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-            finally:
+            except BaseException:
                 drv.cuGraphDestroy(graph)
-        return _GraphExec(handle, token)
+                raise
+        return _GraphExec(handle, token, graph, node, params)
 
     def forget(self) -> None:
         """Drop every graph and remembered token (and with them the arrays the tokens hold)."""
         self._graphs.clear()
         self._seen.clear()
-        self._last_token = self._last_graph = None
+        self._updated.clear()
+        self._last_token = self._last_graph = self._last_updated = None
 
 
 def _visible_devices() -> int:

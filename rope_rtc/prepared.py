@@ -108,6 +108,26 @@ def meets_unvalidated(pairs: tuple, ptrs: tuple) -> bool:
     return False
 
 
+def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
+    """``ok(ptrs) -> bool``: a template's address checks on a call's pointers, as one expression.
+
+    True when every written argument validated as its input's view still is (``same_view``:
+    ``(o, own)`` pairs), no pair of :func:`disjoint_pairs` meets at an offset full validation
+    did not accept, every table and index array is on its natural alignment (``natural``:
+    ``(argument, mask)``) and, with ``align``, the arguments ``aligned`` are on ``align`` bytes.
+    The checks are written out as straight-line Python from the template's integers, as
+    ``dataclasses`` writes its methods: a loop over these tuples was a tenth of a one-call
+    function's host time (docs/design.md)."""
+    terms = [f"p[{o}] == p[{own}]" for o, own in same_view]
+    terms += [f"not ({int(lo)} < (d := p[{j}] - p[{o}]) < {int(hi)} and d != {int(v)})" for o, j, lo, hi, v in pairs]
+    terms += [f"not p[{i}] & {int(mask)}" for i, mask in natural]
+    if align and aligned:
+        terms.append(f"not ({' | '.join(f'p[{i}]' for i in aligned)}) % {int(align)}")
+    namespace: dict = {}
+    exec(f"def ok(p):\n    return {' and '.join(terms) or 'True'}\n", namespace)  # noqa: S102 - integers only
+    return namespace["ok"]
+
+
 class Call:
     """One bound call: its arguments (held, so their identities stay theirs while remembered),
     the scalar argument, the template that bound it, the launch prefix (None: nothing to

@@ -164,6 +164,7 @@ class _NormTemplate(_RopeTemplate):
         # The weights are read in vectors of the build's width.
         self.natural = self.natural + ((Q_WEIGHT, weight_alignment(g.vec, qw.itemsize) - 1),
                                        (K_WEIGHT, weight_alignment(g.vec, kw.itemsize) - 1))
+        self.prepare_checks()
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .rope_params import POS_CU_SEQLENS, POS_MODES
+
 # dtype name -> code of ROPE_DTYPE in cuda_src/common.cuh
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -108,12 +110,16 @@ class FixedGeometry:
     mrope: tuple = ()
     # cos/sin computed in the kernel (cuda_src/angles.cuh): 0 tables, ANGLE_MODES[inv_freq dtype] otherwise.
     angles: int = 0
+    # The position scheme (rope_params.POS_MODES), compile-time (FIX_POS); -1: read from the block.
+    pos_mode: int = -1
 
     def spec(self) -> KernelSpec:
         mrope = () if not self.mrope else tuple(
             (name, str(v)) for name, v in zip(("FIX_MROPE", "FIX_MT", "FIX_MH", "FIX_MW"), self.mrope))
         if self.angles:
             mrope += (("FIX_ANGLES", str(self.angles)),)
+        if self.pos_mode >= 0:
+            mrope += (("FIX_POS", str(self.pos_mode)),)
         return KernelSpec(
             "rope_fixed", "rope_fixed.cu", FIXED_ENTRIES,
             (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
@@ -202,9 +208,11 @@ def fixed_vector_bytes(dtype: str, interleaved: bool) -> int:
 
 
 def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int,
-                   rotary_offset: int, rotary_dim: int, tokens_denser: bool) -> FixedGeometry | None:
-    """The specialised build for a model's geometry and thread order, or None when the window
-    is not a whole number of the build's vectors (the generic kernel serves it)."""
+                   rotary_offset: int, rotary_dim: int, tokens_denser: bool, pos_mode: int = -1) -> FixedGeometry | None:
+    """The specialised build for a model's geometry, thread order and position scheme
+    (``pos_mode``: a ``rope_params.POS_MODES`` code, -1 for a build that reads it from the block),
+    or None when the window is not a whole number of the build's vectors (the generic kernel
+    serves it)."""
     if dtype not in DTYPE_CODES:
         raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
     vec = fixed_vector_bytes(dtype, interleaved) // ITEMSIZE[dtype]
@@ -216,7 +224,7 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
     # it walks a token's heads (docs/performance.md).
     hb = 2 if order == 1 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
     return FixedGeometry(dtype, bool(interleaved), q_heads, k_heads, head_dim, rotary_offset, rotary_dim, vec, hb,
-                         order)
+                         order, pos_mode=pos_mode)
 
 
 def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool,
@@ -267,11 +275,12 @@ def angle_head_batch(q_heads: int, k_heads: int, small: bool) -> int:
 
 
 def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int, rotary_offset: int,
-                     rotary_dim: int, inv_freq_dtype: str, tokens_denser: bool) -> list[FixedGeometry]:
-    """The builds that compute cos and sin from ``inv_freq`` for one geometry and thread order:
-    for small launches and large ones (their heads per thread differ). Empty when the window is
-    not a whole number of vectors."""
-    g = fixed_geometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, tokens_denser)
+                     rotary_dim: int, inv_freq_dtype: str, tokens_denser: bool, pos_mode: int = -1) -> list[FixedGeometry]:
+    """The builds that compute cos and sin from ``inv_freq`` for one geometry, thread order and
+    position scheme: for small launches and large ones (their heads per thread differ). Empty when
+    the window is not a whole number of vectors."""
+    g = fixed_geometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, tokens_denser,
+                       pos_mode)
     if g is None:
         return []
     mode = ANGLE_MODES[inv_freq_dtype]
@@ -283,16 +292,23 @@ def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, 
     return [replace(g, angles=mode, vec=small_vec, head_batch=angle_head_batch(q_heads, k_heads, True)), large]
 
 
+def model_pos_modes(tokens_denser: bool) -> tuple[int, ...]:
+    """The position schemes a thread order serves: cu_seqlens (packed ``thd`` tokens) only the
+    token-major one."""
+    return tuple(m for m in POS_MODES if not (tokens_denser and m == POS_CU_SEQLENS))
+
+
 def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int, head_dim: int,
                       rotary_dim: int, rotary_offset: int = 0) -> list[KernelSpec]:
     """Every specialised build a model's calls use: q with k, q alone and k alone, in both thread
-    orders (bshd/thd/sbhd and bhsd)."""
+    orders (bshd/thd/sbhd and bhsd), for each position scheme."""
     out = []
     for hq, hk in ((q_heads, kv_heads), (q_heads, 0), (kv_heads, 0)):
         for denser in (False, True):
-            g = fixed_geometry(dtype, interleaved, hq, hk, head_dim, rotary_offset, rotary_dim, denser)
-            if g is not None and g.spec() not in out:
-                out.append(g.spec())
+            for mode in model_pos_modes(denser):
+                g = fixed_geometry(dtype, interleaved, hq, hk, head_dim, rotary_offset, rotary_dim, denser, mode)
+                if g is not None and g.spec() not in out:
+                    out.append(g.spec())
     return out
 
 

@@ -169,7 +169,7 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
     if not USE_FIXED or (not req.in_place and req.rotary_dim < req.cq.D):
         return None
     g = fixed_geometry(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
-                       req.rotary_offset, req.rotary_dim, layout_denser)
+                       req.rotary_offset, req.rotary_dim, layout_denser, req.pos_mode)
     if g is None or g.vec not in allowed_vectors(req):
         return None
     if fixed_threads(req, g) >= NARROW_LIMIT:
@@ -201,7 +201,7 @@ def angle_builds(req: Request, layout_denser: bool) -> list[FixedGeometry]:
                                   "a partial window is rotated in place only (pass out=x / q_out=q, k_out=k, or "
                                   "rotate the whole head)")
     builds = angle_geometries(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
-                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser)
+                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser, req.pos_mode)
     if not builds:
         raise NotImplementedError(f"rotary_dim/rotary_offset: {req.rotary_dim} at {req.rotary_offset} is not a whole "
                                   f"number of the kernel's vectors for {req.dtype}; with inv_freq the window must "

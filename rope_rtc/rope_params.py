@@ -32,6 +32,7 @@ class RopeParams(ctypes.Structure):
 
 # pos_mode codes (rope.cu: POS_*)
 POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS = 0, 1, 2, 3
+POS_MODES = (POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS)
 # index_flags bits (rope.cu: IDX_*)
 IDX_POSITIONS_I64, IDX_OFFSETS_I64, IDX_CU_SEQLENS_I64 = 1, 2, 4
 

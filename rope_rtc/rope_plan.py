@@ -15,7 +15,7 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel
-from .prepared import Call, Op, Prepared, disjoint_pairs, pointers, signature
+from .prepared import Call, Op, Prepared, address_predicate, disjoint_pairs, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, fixed_geometry, \
     rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
@@ -132,7 +132,7 @@ class RopePlan:
         if self.angles:  # the builds that compute cos and sin, for small launches and large ones
             for g in angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
                                       self.rotary_offset, self.rotary_dim, self.inv_freq_dtype,
-                                      self.layout == "bhsd"):
+                                      self.layout == "bhsd", self.pos_mode):
                 self.fixed_kernel(g)
             self._ensure_core()
             return self
@@ -140,7 +140,7 @@ class RopePlan:
             for hb in rope_head_batches(self.interleaved):
                 self.kernel(vec, hb)
         g = fixed_geometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
-                           self.rotary_offset, self.rotary_dim, self.layout == "bhsd")
+                           self.rotary_offset, self.rotary_dim, self.layout == "bhsd", self.pos_mode)
         if g is not None:
             self.fixed_kernel(g)
         self._ensure_core()
@@ -402,6 +402,15 @@ class _RopeTemplate:
         # allow it (-1: the row stride never does).
         npair = self.fixed.vec // self.npair_div if self.fixed is not None else 1
         self._table_mask = 4 * npair - 1 if self.rows_stride % npair == 0 else -1
+        self.prepare_checks()
+
+    def prepare_checks(self) -> None:
+        """The address checks as predicates on a call's pointers (prepared.address_predicate):
+        ``_addresses`` for any build, ``_fixed_addresses`` with the specialised build's vector
+        alignment of q, k and the outputs too. A subclass that adds checks calls it again."""
+        self._addresses = address_predicate(self.same_view, self.disjoint, self.natural)
+        self._fixed_addresses = address_predicate(self.same_view, self.disjoint, self.natural,
+                                                  (Q, K, Q_OUT, K_OUT), self.fixed_align) if self.fixed_align else None
 
     pointers = staticmethod(pointers)
 
@@ -435,30 +444,22 @@ class _RopeTemplate:
 
     def addresses_ok(self, ptrs: tuple, offset: int) -> bool:
         """The checks that depend on addresses and the scalar offset: whether this template may
-        bind them (False sends the call through full validation, which decides)."""
-        for o, own in self.same_view:
-            if ptrs[o] != ptrs[own]:
-                return False  # validated in place, now a separate output: not this template's call
-        for o, j, lo, hi, validated in self.disjoint:  # no output meets another argument (by extents)
-            d = ptrs[j] - ptrs[o]
-            if lo < d < hi and d != validated:
-                return False  # extents meet at an offset not validated: full validation decides
+        bind them (False sends the call through full validation, which decides). Outputs
+        validated in place must still be their inputs' views, no output may meet another
+        argument at an offset not validated, tables and index arrays must be on their natural
+        alignment (prepare_checks), and the offset must be one the template allows."""
+        return self._addresses(ptrs) and self.offset_ok(offset)
+
+    def offset_ok(self, offset: int) -> bool:
         if offset and self.has_positions or offset < 0 or offset > self.table_rows:
             return False
-        if self.offset_rows is not None and offset + self.offset_rows[0] > self.offset_rows[1]:
-            return False
-        for i, mask in self.natural:
-            if ptrs[i] & mask:
-                return False  # a table or index array off its natural alignment
-        return True
+        return self.offset_rows is None or offset + self.offset_rows[0] <= self.offset_rows[1]
 
     def fixed_prefix_for(self, core: Prepared, ptrs: tuple, offset: int):
         """The one-call functions' path (rope.py): the address checks and the specialised build's
         block, returning its launch prefix; None when the call is not this template's at that
         build (``bind`` then decides). Builds no Call: nothing is remembered."""
-        if not self.addresses_ok(ptrs, offset):
-            return None
-        if (ptrs[Q] | ptrs[K] | ptrs[Q_OUT] | ptrs[K_OUT]) % self.fixed_align:
+        if not self._fixed_addresses(ptrs) or not self.offset_ok(offset):
             return None
         return self._write_fixed(core, ptrs, offset)
 

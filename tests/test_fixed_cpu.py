@@ -38,13 +38,32 @@ def test_geometry_rules():
         fixed_geometry("int8", False, 32, 8, 128, 0, 128, False)
 
 
-def test_model_specs_cover_q_with_k_q_alone_k_alone_and_both_orders():
+def test_model_specs_cover_q_with_k_q_alone_k_alone_both_orders_and_each_position_scheme():
     specs = model_fixed_specs("bfloat16", False, 32, 8, 128, 128)
-    heads = {(dict(s.defines)["FIX_HQ"], dict(s.defines)["FIX_HK"], dict(s.defines)["FIX_ORDER"]) for s in specs}
-    assert heads == {(h, k, o) for h, k in (("32", "8"), ("32", "0"), ("8", "0")) for o in ("0", "1")}
+    keys = {tuple(dict(s.defines)[d] for d in ("FIX_HQ", "FIX_HK", "FIX_ORDER", "FIX_POS")) for s in specs}
+    # cu_seqlens (scheme 3) is packed thd tokens: the token-major order only.
+    assert keys == {(h, k, o, m) for h, k in (("32", "8"), ("32", "0"), ("8", "0")) for o in ("0", "1")
+                    for m in ("0", "1", "2", "3") if not (o == "1" and m == "3")}
+    assert len(specs) == len(keys)
     # Every default specialisation is in the registry's enumeration (what `rope-rtc warm` builds).
     names = {s.name for s in registry.all_specs()}
     assert {s.name for s in specs} <= names
+
+
+@pytest.mark.parametrize("scheme,mode", [("offset", 0), ("offsets", 1), ("positions", 2), ("cu_seqlens", 3)])
+def test_the_build_fixes_the_calls_position_scheme(gpu, scheme, mode):
+    """The specialised build is compiled for the call's position scheme (FIX_POS): the kernel
+    reads no scheme from its block."""
+    cos, sin = _table(64, 64)
+    q, k = fake_cupy((10, 32, 128), BF16), fake_cupy((10, 8, 128), BF16)
+    kw = {"offset": {"offset": 3}, "offsets": {"offset": fake_cupy((1,), np.int32)},
+          "positions": {"positions": fake_cupy((10,), np.int64)},
+          "cu_seqlens": {"cu_seqlens": fake_cupy((3,), np.int32)}}[scheme]
+    apply_rope_qk(q, k, cos, sin, layout="thd", q_out=q, k_out=k, **kw)
+    rec = gpu.launches[-1]
+    assert rec["fn"][0] == "rope_fixed" and rec["geometry"].pos_mode == mode
+    assert dict(rec["geometry"].spec().defines)["FIX_POS"] == str(mode)
+    assert rec["fixed"].pos_mode == mode  # the block still says it (the generic build's field)
 
 
 def test_an_aligned_call_runs_the_specialised_build_with_its_block(gpu):

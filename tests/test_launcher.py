@@ -38,6 +38,7 @@ def rig(monkeypatch):
     class Exec:
         def __init__(self, token):
             self.token, self.handle_int = token, id(token)
+            self.handle, self.node, self.params = ("exec", id(token)), "node", "params"
 
     def instantiate(self, prefix, token):
         made.append(id(token))
@@ -45,6 +46,7 @@ def rig(monkeypatch):
 
     monkeypatch.setattr(L.Launcher, "_instantiate", instantiate)
     launcher._graph_launch = lambda handle, stream_ptr: calls.append(("graph", handle, stream_ptr))
+    launcher._set_node = lambda handle, node, params: calls.append(("set", handle[1], node, params)) or (0,)
     launcher.replay = True
     return launcher, stream, calls, made
 
@@ -185,3 +187,52 @@ def test_the_current_device_is_asked_only_when_it_can_differ(monkeypatch, visibl
     launcher._launch = lambda *argv: None
     launcher(PREFIX, None)
     assert bool(asked) is asks
+
+
+# --- launch(): the one-call functions' launch, a new argument block every call ------------------
+
+
+def test_one_call_launches_update_one_graph_per_prefix(rig):
+    """Each launch writes the block's values into the prefix's graph node, then launches the
+    graph; the graph is made once per prefix, on the first launch, and remembered (bounded)."""
+    launcher, stream, calls, made = rig
+    for _ in range(3):
+        launcher.launch(PREFIX, 7)
+    assert made == [id(PREFIX)]
+    assert calls == [("set", id(PREFIX), "node", "params"), ("graph", id(PREFIX), 7)] * 3
+    other = (0xBEE, 2, 1, 1, 128, 1, 1, 0)
+    launcher.launch(other, 9)
+    launcher.launch(PREFIX, 9)
+    assert made == [id(PREFIX), id(other)] and calls[-1] == ("graph", id(PREFIX), 9)
+    prefixes = [(0xC00 + i, 1, 1, 1, 32, 1, 1, 0) for i in range(L.RECENT_SETS + 3)]
+    for p in prefixes:
+        launcher.launch(p, 7)
+    assert len(launcher._updated) == L.RECENT_SETS
+    launcher.forget()
+    assert not launcher._updated and launcher._last_updated is None
+
+
+def test_one_call_launches_into_a_capturing_stream_are_kernel_launches(rig):
+    launcher, stream, calls, made = rig
+    stream.capturing = True
+    launcher.launch(PREFIX, 7)
+    stream.capturing, stream.fail = False, True  # the query itself fails: no graph either
+    launcher.launch(PREFIX, 7)
+    assert calls == [("plain", 7), ("plain", 7)] and made == []
+
+
+def test_one_call_launches_without_replay_are_kernel_launches(rig):
+    launcher, stream, calls, made = rig
+    launcher.replay = False
+    launcher.launch(PREFIX, 7)
+    assert calls == [("plain", 7)] and made == []
+
+
+def test_a_failed_node_update_raises_the_cuda_error_by_name(rig):
+    from cuda.bindings import driver as drv
+
+    launcher, stream, calls, made = rig
+    launcher._set_node = lambda handle, node, params: (drv.CUresult.CUDA_ERROR_INVALID_VALUE,)
+    with pytest.raises(CudaError, match=r"cuGraphExecKernelNodeSetParams\(grid=\(1, 1, 1\).*CUDA_ERROR_INVALID_VALUE"):
+        launcher.launch(PREFIX, 7)
+    assert not any(c[0] == "graph" for c in calls)  # nothing launched with a block it did not take

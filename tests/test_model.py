@@ -68,15 +68,22 @@ def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
     for interleaved in (False, True):
         model = from_config(LLAMA3_8B, interleaved=interleaved)
         every = []
-        shapes = {"bshd": ((8, 1, 32, 128), (8, 1, 8, 128)), "bhsd": ((8, 32, 1, 128), (8, 8, 1, 128))}
+        shapes = {"bshd": ((8, 1, 32, 128), (8, 1, 8, 128)), "bhsd": ((8, 32, 1, 128), (8, 8, 1, 128)),
+                  "thd": ((8, 32, 128), (8, 8, 128))}
+        index = TensorDesc("int32", (8,), device=0)
+        # Each position scheme (the specialised build fixes it): an offset, per-sequence offsets,
+        # positions, and (packed tokens) cu_seqlens.
+        schemes = {"bshd": ({}, {"offset": index}, {"positions": TensorDesc("int32", (8, 1), device=0)}),
+                   "bhsd": ({}, {"offset": index}, {"positions": TensorDesc("int32", (8, 1), device=0)}), "thd": ({"cu_seqlens": TensorDesc("int32", (3,), device=0)},)}
         for layout, (qs, ks) in shapes.items():
             for q, k in ((qs, ks), (qs, None), (ks, None)):
-                loaded.clear()
-                RopePlan(TensorDesc(bf16, q, device=0), k and TensorDesc(bf16, k, device=0), cos, cos,
-                         interleaved=interleaved, layout=layout).compile()
-                assert {s.name for s in loaded} <= {s.name for s in model.specs()}
-                assert sum(s.family == "rope_fixed" for s in loaded) == 1  # its own specialisation
-                every += loaded
+                for scheme in schemes[layout]:
+                    loaded.clear()
+                    RopePlan(TensorDesc(bf16, q, device=0), k and TensorDesc(bf16, k, device=0), cos, cos,
+                             interleaved=interleaved, layout=layout, **scheme).compile()
+                    assert {s.name for s in loaded} <= {s.name for s in model.specs()}
+                    assert sum(s.family == "rope_fixed" for s in loaded) == 1  # its own specialisation
+                    every += loaded
         # Together the plans load every kernel the model warms but the fused cache-write builds
         # (loaded by rope_and_cache's plans).
         assert {s.name for s in every} == {s.name for s in model.specs() if s.family != "rope_cache"}
@@ -91,7 +98,7 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
-    assert "warmed 34 kernels for sm_90, sm_80" in out
+    assert "warmed 64 kernels for sm_90, sm_80" in out
     from rope_rtc.cache import open_store
     from rope_rtc.cache.location import versioned_cache_dir
 
@@ -101,8 +108,9 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     # The same fields as flags, without a config file.
     assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
                      "--cache-dir", str(root), "--no-progress"]) == 0
-    # (32, 32) shares its q-alone builds with (32, 8): two new specialisations, three cache builds.
-    assert "compiled 5, already cached 10" in capsys.readouterr().out
+    # (32, 32) shares its q-alone builds with (32, 8): new are its q-with-k specialisations (four
+    # position schemes token-major, three for bhsd) and three cache builds.
+    assert "compiled 10, already cached 15" in capsys.readouterr().out
     assert cli.main(["warm", "--arch", "sm_90", "--heads", "32", "--cache-dir", str(root), "--no-progress"]) != 0
     assert "needs --dtype, --head-dim (or --model config.json)" in capsys.readouterr().err
 
@@ -226,9 +234,11 @@ def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch,
     assert from_config(base).angle_specs() == []
     model = from_config(base, inv_freq=("float64", "float64"))
     specs = model.angle_specs()
-    assert model.inv_freq == ("float64",) and len(specs) == 12 and all(s in model.specs() for s in specs)
-    assert {s for s in specs} >= {g.spec() for g in angle_geometries("bfloat16", False, 32, 8, 128, 0, 128,
-                                                                       "float64", False)}
+    # 3 head combinations x (4 position schemes token-major + 3 for bhsd) x small and large launches
+    assert model.inv_freq == ("float64",) and len(specs) == 42 and all(s in model.specs() for s in specs)
+    for mode in range(4):
+        assert {s for s in specs} >= {g.spec() for g in angle_geometries("bfloat16", False, 32, 8, 128, 0, 128,
+                                                                           "float64", False, mode)}
     with pytest.raises(ValueError, match="inv_freq: 'float16'"):
         from_config(base, inv_freq=("float16",))
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
