@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, cache_spec,
-                       cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
+                       cache_vector_widths, model_fixed_specs, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
                        rope_vector_widths)
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
@@ -72,14 +72,13 @@ class ModelRope:
 
     def angle_specs(self) -> list[KernelSpec]:
         """The builds that compute cos and sin from ``inv_freq`` (``apply_rope(..., inv_freq=)``)
-        for each dtype in ``inv_freq``: q with k, q alone and k alone, both thread orders, each
-        position scheme, small and large launches."""
+        for each dtype in ``inv_freq``: q with k, q alone and k alone, both thread orders, small
+        and large launches."""
         return [g.spec() for dt in self.inv_freq
                 for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
                 for denser in (False, True)
-                for mode in model_pos_modes(denser)
                 for g in angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0, self.rotary_dim,
-                                          dt, denser, mode)]
+                                          dt, denser)]
 
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:

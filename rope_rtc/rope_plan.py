@@ -132,7 +132,7 @@ class RopePlan:
         if self.angles:  # the builds that compute cos and sin, for small launches and large ones
             for g in angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
                                       self.rotary_offset, self.rotary_dim, self.inv_freq_dtype,
-                                      self.layout == "bhsd", self.pos_mode):
+                                      self.layout == "bhsd"):
                 self.fixed_kernel(g)
             self._ensure_core()
             return self

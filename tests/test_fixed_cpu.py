@@ -36,6 +36,10 @@ def test_geometry_rules():
     assert fixed_geometry("bfloat16", False, 32, 8, 128, 2, 64, False) is None  # window start off a vector
     with pytest.raises(ValueError, match="dtype"):
         fixed_geometry("int8", False, 32, 8, 128, 0, 128, False)
+    # The position scheme is compile-time, but for bf16 interleaved pairs in bhsd order (measured).
+    assert fixed_geometry("float16", True, 32, 8, 128, 0, 128, True, 2).pos_mode == 2
+    assert fixed_geometry("bfloat16", True, 32, 8, 128, 0, 128, False, 2).pos_mode == 2
+    assert fixed_geometry("bfloat16", True, 32, 8, 128, 0, 128, True, 2).pos_mode == -1
 
 
 def test_model_specs_cover_q_with_k_q_alone_k_alone_both_orders_and_each_position_scheme():
