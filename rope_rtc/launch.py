@@ -118,6 +118,17 @@ def stream_handle(stream, device: int | None = None) -> int:
 # engines cycle through a few buffers (per layer, per double-buffered step).
 RECENT_SETS = 16
 
+# Launcher.launch takes a graph node for launches of at most this many threads (decode-sized:
+# the host's cost is the call's cost); larger ones, whose GPU time hides the host's, take
+# cuLaunchKernel, which measured a point or more faster on the GPU back to back at 67 MB, where
+# the node update cost up to 3 points (docs/performance.md).
+GRAPH_NODE_THREADS = 1 << 16
+
+
+def launch_threads(prefix: tuple) -> int:
+    """Threads of a launch prefix ``(function, gx, gy, gz, bx, by, bz, shared_bytes)``."""
+    return prefix[1] * prefix[2] * prefix[3] * prefix[4] * prefix[5] * prefix[6]
+
 
 def remember(cache: dict, key, value, limit: int = RECENT_SETS) -> None:
     """Store ``key`` in a bounded cache, dropping the oldest entry when it is full."""
@@ -265,11 +276,12 @@ class Launcher:
         """One launch of ``prefix`` with the argument block's current values on the raw stream
         ``handle``: the one-call functions' launch (their block is new on every call).
 
-        With graph replay on, through one one-node graph per prefix: its node takes the block's
-        values (``cuGraphExecKernelNodeSetParams``, which copies them) and the graph is launched.
-        The two calls cost the host about a microsecond less than one ``cuLaunchKernel``
-        (docs/performance.md). A capturing stream gets ``cuLaunchKernel``, which the capture
-        records."""
+        With graph replay on, a launch of at most ``GRAPH_NODE_THREADS`` threads goes through one
+        one-node graph per prefix: its node takes the block's values
+        (``cuGraphExecKernelNodeSetParams``, which copies them) and the graph is launched. The two
+        calls cost the host about a microsecond less than one ``cuLaunchKernel``
+        (docs/performance.md). A capturing stream, and a larger launch, get ``cuLaunchKernel``
+        (which a capture records)."""
         if self._check_device and self._get_device() != self.device:
             self(prefix, handle)
             return
@@ -277,21 +289,22 @@ class Launcher:
             graph = self._last_updated
             if graph is None or graph.token is not prefix:
                 graph = self._updated.get(id(prefix))
-            try:
-                idle = not self._capturing(handle)
-            except Exception:  # the legacy stream while another stream captures; an invalidated capture
-                idle = False
-            if idle:
-                if graph is None:
-                    graph = self._instantiate_or_stop(prefix, prefix, self._updated)
-                if graph is not None:
-                    self._last_updated = graph
-                    status = self._set_node(graph.handle, graph.node, graph.params)[0]
-                    if status:
-                        driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, "
-                                                f"block={prefix[4:7]})")
-                    self._graph_launch(graph.handle_int, handle)
-                    return
+            if graph is not None or launch_threads(prefix) <= GRAPH_NODE_THREADS:
+                try:
+                    idle = not self._capturing(handle)
+                except Exception:  # the legacy stream while another stream captures; an invalidated capture
+                    idle = False
+                if idle:
+                    if graph is None:
+                        graph = self._instantiate_or_stop(prefix, prefix, self._updated)
+                    if graph is not None:
+                        self._last_updated = graph
+                        status = self._set_node(graph.handle, graph.node, graph.params)[0]
+                        if status:
+                            driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, "
+                                                    f"block={prefix[4:7]})")
+                        self._graph_launch(graph.handle_int, handle)
+                        return
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
             argv = self._pack(prefix, handle)

@@ -236,3 +236,16 @@ def test_a_failed_node_update_raises_the_cuda_error_by_name(rig):
     with pytest.raises(CudaError, match=r"cuGraphExecKernelNodeSetParams\(grid=\(1, 1, 1\).*CUDA_ERROR_INVALID_VALUE"):
         launcher.launch(PREFIX, 7)
     assert not any(c[0] == "graph" for c in calls)  # nothing launched with a block it did not take
+
+
+def test_one_call_launches_of_many_threads_are_kernel_launches(rig):
+    """A launch whose GPU time hides the host's (more than GRAPH_NODE_THREADS threads) takes
+    cuLaunchKernel: no graph is made for it."""
+    launcher, stream, calls, made = rig
+    big = (0xF00, L.GRAPH_NODE_THREADS // 256 + 1, 1, 1, 256, 1, 1, 0)
+    edge = (0xF00, L.GRAPH_NODE_THREADS // 256, 1, 1, 256, 1, 1, 0)
+    launcher.launch(big, 7)
+    launcher.launch(big, 7)
+    assert calls == [("plain", 7), ("plain", 7)] and made == []
+    launcher.launch(edge, 7)
+    assert made == [id(edge)] and calls[-1] == ("graph", id(edge), 7)
