@@ -120,8 +120,8 @@ RECENT_SETS = 16
 
 # Launcher.launch takes a graph node for launches of at most this many threads (decode-sized:
 # the host's cost is the call's cost); larger ones, whose GPU time hides the host's, take
-# cuLaunchKernel, which measured a point or more faster on the GPU back to back at 67 MB, where
-# the node update cost up to 3 points (docs/performance.md).
+# cuLaunchKernel: with every launch through the node, one-call prefill at 67 MB fell 1-3 points
+# behind the plan, where with cuLaunchKernel it had been level or ahead (docs/performance.md).
 GRAPH_NODE_THREADS = 1 << 16
 
 
