@@ -1,14 +1,15 @@
-"""Sweep the specialised kernel's build knobs (heads per thread, vector width, block size) against
-the generic kernel and a same-size copy, on the prefill, blog and decode cases. Prints one line
-per (case, build): time, % of the copy, registers, and whether the output equals the generic
-kernel's bit for bit.
+"""Sweep the specialised kernel's build knobs (heads per thread, vector width, block size, and the
+position scheme fixed at compile time or read from the block) against the plan's own launch and
+a same-size copy, on the prefill, blog and decode cases. Prints one line per (case, build):
+time, % of the copy, registers, and whether the output equals the plan's bit for bit.
 
     PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
 
 Cases: ``prefill-<bf16|fp16|fp32>-<half|inter>-<bshd|bhsd>-<S>`` (B=4, H=32+32, D=128, in place),
 ``blog`` (FP32 interleaved bhsd [4,32,4096,128]) and ``decode-<T>`` (bf16 thd, Hq=32, Hkv=8,
-positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4"`` runs one build
-(for ncu); ``FIXED_REPS`` sets the repetitions.
+positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4,pos=-1"`` runs one
+build (for ncu; pos -1 reads the scheme from the block, else the case's scheme code is compiled
+in); ``FIXED_REPS`` sets the repetitions.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def main(cases):
         k[...] = k0
         gen()
         ref_q, ref_k = q.copy(), k.copy()
-        print(f"{case}: copy {tc:.2f} us ({nbytes / tc / 1e3:.0f} GB/s); generic {tg:.2f} us ({100 * tc / tg:.1f}%)",
+        print(f"{case}: copy {tc:.2f} us ({nbytes / tc / 1e3:.0f} GB/s); the plan {tg:.2f} us ({100 * tc / tg:.1f}%)",
               flush=True)
         B = q.shape[0] if lay != "thd" else 1
         S = q.shape[1] if lay == "bshd" else (q.shape[2] if lay == "bhsd" else q.shape[0])
@@ -91,14 +92,18 @@ def main(cases):
         only = os.environ.get("FIXED_ONLY")
         vecs = (vec, vec // 2)
         order = 1 if tokens_denser else 0
-        for hb, block, vec in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs):
+        mode = 2 if pos is not None else 0  # rope_params.POS_POSITIONS / POS_OFFSET
+        for hb, block, vec, fixed_pos in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs,
+                                                           (-1, mode)):
                 chunks = (128 if inter else 64) // vec
-                if only and only != f"hb={hb},block={block},vec={vec}":
+                if only and only != f"hb={hb},block={block},vec={vec},pos={fixed_pos}":
                     continue
                 if True:
                     defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
                                ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", "128"),
                                ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
+                    if fixed_pos >= 0:
+                        defines += (("FIX_POS", str(fixed_pos)),)
                     spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
                     fn = load_kernel(spec, dev).functions["rope_fixed"]
                     arg = StructArg(FixedParams)
@@ -117,7 +122,7 @@ def main(cases):
                         p.in_sh[w] = p.out_sh[w] = sh
                     p.cos, p.sin = cos.data.ptr, sin.data.ptr
                     p.positions = pos.data.ptr if pos is not None else 0
-                    p.pos_mode = 2 if pos is not None else 0
+                    p.pos_mode = mode
                     p.num_tokens = B * S
                     p.seq_len = S
                     p.num_seqs = B
@@ -143,7 +148,8 @@ def main(cases):
                               for a, b in ((q, ref_q), (k, ref_k)))
                     t = graph_us(run) if decode else event_us(run, reps)
                     regs = fn_regs(fn)
-                    print(f"  hb={hb} block={block} vec={vec} order={order}: {t:.2f} us ({100 * tc / t:.1f}% of copy) "
+                    print(f"  hb={hb} block={block} vec={vec} order={order} pos={fixed_pos}: {t:.2f} us "
+                          f"({100 * tc / t:.1f}% of copy) "
                           f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)
 
 
