@@ -93,8 +93,9 @@ FIXED_ENTRIES = ("rope_fixed",)
 @dataclass(frozen=True)
 class FixedGeometry:
     """What a specialised build of the general kernel fixes: the model's geometry (dtype, pair
-    style, q and k head counts, head dim, rotary window) and the launch shape chosen for it
-    (vector width, heads per thread, thread order). ``k_heads == 0``: a launch without k."""
+    style, q and k head counts, head dim, rotary window), the launch shape chosen for it
+    (vector width, heads per thread, thread order) and, where it measured faster, the call's
+    position scheme. ``k_heads == 0``: a launch without k."""
 
     dtype: str
     interleaved: bool
