@@ -6,12 +6,15 @@
 #include "common.cuh"
 
 struct FixedParams {
+    // What a call binds first, in one run (the host writes these 11 fields with one pack).
     u64 in[2], out[2];
+    u64 cos, sin, positions, offsets, cu_seqlens;
+    i64 offset, table_vec;
+    // What the plan fixes.
     i64 in_sb[2], in_ss[2], in_sh[2];
     i64 out_sb[2], out_ss[2], out_sh[2];
-    u64 cos, sin, positions, offsets, cu_seqlens;
-    i64 offset, num_tokens, seq_len, num_seqs, table_rows, table_stride;
-    i64 pos_mode, index_flags, inverse, table_vec, total;
+    i64 num_tokens, seq_len, num_seqs, table_rows, table_stride;
+    i64 pos_mode, index_flags, inverse, total;
     u64 div_seq;  // fast_div packed S
     i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
     double attention;  // the factor that multiplies cos and sin (FIX_ANGLES builds only: angles.cuh)

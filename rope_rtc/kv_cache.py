@@ -28,7 +28,7 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, disjoint_pairs, meets_unvalidated, pointers,
+from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicate, disjoint_pairs, pointers,
                        signature)
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
@@ -286,6 +286,7 @@ class _CacheTemplate:
         self.masks = tuple((i, vec_bytes - 1) for i in _VECTOR_ARGS) + tuple(
             (i, cache_bytes - 1) for i in (K_CACHE, V_CACHE)) + tuple(
             (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
+        self._addresses = address_predicate(self.same_view, self.disjoint, self.masks)
         self.has_positions = r.positions is not None
         self.offset_tokens = r.num_tokens if r.pos_mode == POS_OFFSET else None
         self.table_rows = r.cos.shape[0]
@@ -319,15 +320,10 @@ class _CacheTemplate:
 
     def bind(self, core: Prepared, arrays: tuple, scalar: int, ptrs: tuple) -> Call | None:
         """Address checks, then the block's addresses; None sends the call through full validation."""
-        for o, own in self.same_view:
-            if ptrs[o] != ptrs[own]:
-                return None  # validated in place, now a separate output
-        if meets_unvalidated(self.disjoint, ptrs):
-            return None  # extents meet at an offset not validated: full validation decides
-        for i, mask in self.masks:
-            if ptrs[i] & mask:
-                return None  # narrower vectors (a new template) or a real misalignment
-        if not self._offset_ok(scalar):
+        # An output validated in place that is now separate, extents that meet at an offset not
+        # validated, an address off its alignment (narrower vectors: a new template; or a real
+        # misalignment), an offset off the table: full validation decides.
+        if not self._addresses(ptrs) or not self._offset_ok(scalar):
             return None
         p = core.block
         if core.filled is not self:

@@ -417,7 +417,7 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     own defaults already say it."""
     import cupy
 
-    if current and _single_device():
+    if current and single_device():
         return cupy.empty(shape, dtype)
     if cupy.cuda.runtime.getDevice() == device and stream == cupy.cuda.get_current_stream().ptr:
         return cupy.empty(shape, dtype)  # the current device and stream, without switching either
@@ -431,7 +431,8 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
 _SINGLE_DEVICE: list = []  # [whether this process sees exactly one device], once asked
 
 
-def _single_device() -> bool:
+def single_device() -> bool:
+    """Whether this process sees exactly one CUDA device (asked once)."""
     if not _SINGLE_DEVICE:
         _SINGLE_DEVICE.append(_visible_devices() == 1)
     return _SINGLE_DEVICE[0]

@@ -99,33 +99,51 @@ def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers
     return tuple(pairs)
 
 
-def meets_unvalidated(pairs: tuple, ptrs: tuple) -> bool:
-    """Whether any pair of :func:`disjoint_pairs` meets at an offset full validation did not accept."""
-    for o, j, lo, hi, validated in pairs:
-        d = ptrs[j] - ptrs[o]
-        if lo < d < hi and d != validated:
-            return True
-    return False
-
-
-def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
-    """``ok(ptrs) -> bool``: a template's address checks on a call's pointers, as one expression.
+def address_terms(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0,
+                  ref=lambda i: f"p[{i}]") -> list[str]:
+    """A template's address checks on a call's pointers ``p``, as Python expressions that all
+    hold when the call may be bound.
 
     True when every written argument validated as its input's view still is (``same_view``:
     ``(o, own)`` pairs), no pair of :func:`disjoint_pairs` meets at an offset full validation
     did not accept, every table and index array is on its natural alignment (``natural``:
     ``(argument, mask)``) and, with ``align``, the arguments ``aligned`` are on ``align`` bytes.
-    The checks are written out as straight-line Python from the template's integers, as
-    ``dataclasses`` writes its methods: a loop over these tuples was a tenth of a one-call
-    function's host time (docs/design.md)."""
-    terms = [f"p[{o}] == p[{own}]" for o, own in same_view]
-    terms += [f"not ({int(lo)} < (d := p[{j}] - p[{o}]) < {int(hi)} and d != {int(v)})" for o, j, lo, hi, v in pairs]
-    terms += [f"not p[{i}] & {int(mask)}" for i, mask in natural]
+    A pair validated apart (its offset outside the extents' meeting range) needs no exception.
+    ``ref(i)``: how the expressions name argument ``i``'s pointer."""
+    terms = [f"{ref(o)} == {ref(own)}" for o, own in same_view]
+    for o, j, lo, hi, v in pairs:
+        lo, hi, v = int(lo), int(hi), int(v)
+        terms.append(f"not {lo} < {ref(j)} - {ref(o)} < {hi}" if not lo < v < hi else
+                     f"not ({lo} < (d := {ref(j)} - {ref(o)}) < {hi} and d != {v})")
+    # Alignment: one mask per group of arguments (alignments are powers of two), in one term.
+    groups: dict[int, list[int]] = {}
+    for i, mask in natural:
+        groups.setdefault(int(mask), []).append(i)
     if align and aligned:
-        terms.append(f"not ({' | '.join(f'p[{i}]' for i in aligned)}) % {int(align)}")
-    namespace: dict = {}
-    exec(f"def ok(p):\n    return {' and '.join(terms) or 'True'}\n", namespace)  # noqa: S102 - integers only
-    return namespace["ok"]
+        if align & (align - 1):
+            raise ValueError(f"align: {align} is not a power of two")
+        groups.setdefault(int(align) - 1, []).extend(aligned)
+    masked = [f"({' | '.join(ref(i) for i in dict.fromkeys(args))}) & {mask}"
+              for mask, args in groups.items() if mask]
+    if masked:
+        terms.append(f"not ({' | '.join(masked)})")
+    return terms
+
+
+def generated(name: str, params: str, body: str, namespace: dict | None = None):
+    """A function compiled from ``body`` (statements, indented by four spaces) over integers and
+    the names in ``namespace``: checks written out as straight-line Python once per template, as
+    ``dataclasses`` writes its methods. A loop over the same tuples was a tenth of a one-call
+    function's host time (docs/design.md)."""
+    namespace = dict(namespace or {})
+    exec(f"def {name}({params}):\n{body}", namespace)  # noqa: S102 - integers and the given names only
+    return namespace[name]
+
+
+def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
+    """``ok(ptrs) -> bool``: :func:`address_terms` as one expression."""
+    terms = address_terms(same_view, pairs, natural, aligned, align)
+    return generated("ok", "p", f"    return {' and '.join(terms) or 'True'}\n")
 
 
 class Call:

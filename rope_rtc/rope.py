@@ -135,6 +135,11 @@ def _run_numpy(req: Request):
 _local = threading.local()
 
 
+# A thread's last repeat path before its first: ``(one_call, names, *options, plan)`` that matches
+# no call (no call's names are a bare object()).
+_NO_LAST = (None, object(), None, None, None, None, None, None, None)
+
+
 def _thread_caches() -> tuple[dict, dict]:
     """This thread's (signature -> plan, plan key -> plan): a plan's block is written on every
     call, so plans are never shared between threads."""
@@ -268,36 +273,50 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         q_out = launch.allocate(q.shape, q.dtype, device, handle, stream is None)
     if k is not None and k_out is None:
         k_out = launch.allocate(k.shape, k.dtype, device, handle, stream is None)
-    sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
+    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
     try:
-        by_signature = _local.by_signature
+        last = _local.last
     except AttributeError:
-        by_signature = _thread_caches()[0]
+        _thread_caches()
+        last = _local.last = _NO_LAST
+    # The thread's last repeat path: an engine calls with one signature layer after layer. Its
+    # options are checked by identity (an option identical to one that passed the type checks
+    # below has its type), its signature and addresses by the template's generated function.
+    one_call, lnames, l0, l1, l2, l3, l4, l5, plan = last
+    if (names is lnames and layout is l0 and interleaved is l1 and rotary_dim is l2 and rotary_offset is l3
+            and inverse is l4 and attention is l5):
+        prefix = one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
+        if prefix is not None:
+            plan._core.launcher.launch(prefix, handle)
+            return q_out, k_out
+    sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     key = None if sig is None else (opts, names, sig)
     try:
-        hit = by_signature.get(key)
+        hit = _local.by_signature.get(key)
     except TypeError:  # an unhashable option: full validation names it
         hit = key = None
-    if hit is not None:
-        layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
-        # Options of the types validation accepts as they are: equal values of other types (such
-        # as interleaved=1 or rotary_dim=64.0) share the key, and take full validation every call.
-        if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
-                and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
-                and type(layout) is str and (attention is None or type(attention) is float)):
-            hit = key = None
+    # Options of the types validation accepts as they are: equal values of other types (such as
+    # interleaved=1 or rotary_dim=64.0) share the key, and take full validation every call.
+    if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+            and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+            and type(layout) is str and (attention is None or type(attention) is float)):
+        hit = key = None
     if hit is not None:
         plan, tmpl = hit
-        if tmpl.fixed_align:
-            prefix = tmpl.fixed_prefix_for(plan._core, ptrs, scalar)
+        one_call = tmpl.one_call(sig)
+        if one_call is not None:
+            prefix = one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
             if prefix is not None:
                 if plan._check_positions:
                     check_positions_of((q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar,
                                        _kw(opts))
+                else:  # the next call of this signature starts at its generated path
+                    _local.last = (one_call, names, layout, interleaved, rotary_dim, rotary_offset, inverse,
+                                   attention, plan)
                 plan._core.launcher.launch(prefix, handle)
                 return q_out, k_out
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
-    plan, call = bind_once(by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
+    plan, call = bind_once(_local.by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
     if plan._check_positions:
         check_positions_of(arrays, scalar, _kw(opts))
     if call.prefix is not None:

@@ -57,13 +57,15 @@ def fast_div(n: int, packed: int) -> int:
 # The host mirror of ``struct FixedParams`` in cuda_src/fixed_params.cuh ([0] is q, [1] is k).
 _PAIR = _I64 * 2
 FIXED_FIELDS = [
+    # What a call binds, in one run (rope_plan.FIXED_CALL packs them at once).
     ("in_", _U64 * 2), ("out", _U64 * 2),
+    ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
+    ("offset", _I64), ("table_vec", _I64),
     ("in_sb", _PAIR), ("in_ss", _PAIR), ("in_sh", _PAIR),
     ("out_sb", _PAIR), ("out_ss", _PAIR), ("out_sh", _PAIR),
-    ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
-    ("offset", _I64), ("num_tokens", _I64), ("seq_len", _I64), ("num_seqs", _I64),
+    ("num_tokens", _I64), ("seq_len", _I64), ("num_seqs", _I64),
     ("table_rows", _I64), ("table_stride", _I64),
-    ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("table_vec", _I64), ("total", _I64),
+    ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("total", _I64),
     ("div_seq", _U64),
     ("mrope_stride", _I64),  # multimodal RoPE builds only: elements between the position streams
     ("attention", ctypes.c_double),  # angles computed in the kernel only: the factor on cos and sin

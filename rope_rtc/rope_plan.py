@@ -14,8 +14,9 @@ from operator import is_
 import numpy as np
 
 from . import arrays as A
-from .launch import StructArg, launch_prefix, load_kernel
-from .prepared import Call, Op, Prepared, address_predicate, disjoint_pairs, pointers, signature
+from .launch import StructArg, launch_prefix, load_kernel, remember, single_device
+from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, cupy_ndarray, \
+    disjoint_pairs, generated, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, fixed_geometry, \
     rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
@@ -37,14 +38,15 @@ def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int
     return tuple(k.functions[e] for e in ROPE_ENTRIES)
 
 
-# FixedParams' address fields in memory order: in[q], in[k], out[q], out[k]; then cos, sin,
-# positions, offsets, cu_seqlens and the int offset (rope_params.FIXED_FIELDS).
-_FIXED_IO = struct.Struct("<4Q")
-_FIXED_TABLES = struct.Struct("<5Qq")
-_FIXED_TABLES_AT = FixedParams.cos.offset
-_FIXED_FLAG = struct.Struct("<q")
-_FIXED_TABLE_VEC_AT = FixedParams.table_vec.offset
-assert FixedParams.out.offset == 16 and FixedParams.offset.offset == _FIXED_TABLES_AT + 40
+# What a call binds into FixedParams, in memory order (rope_params.FIXED_FIELDS): in[q], in[k],
+# out[q], out[k], cos, sin, positions, offsets, cu_seqlens, the int offset and table_vec. One
+# pack writes them all (the one-call path's host time).
+FIXED_CALL = struct.Struct("<9Q2q")
+assert (FixedParams.out.offset, FixedParams.cos.offset, FixedParams.offset.offset,
+        FixedParams.table_vec.offset) == (16, 32, 72, 80)
+
+
+_NO_FUNCTION = object()
 
 
 def load_fixed_function(g: FixedGeometry, device: int):
@@ -390,6 +392,7 @@ class _RopeTemplate:
         # The widest access of the builds this template serves (prepared.narrower).
         self.align = self.fixed_align or max(self.allowed, default=0) * self.itemsize
         self._fixed_prefix = None
+        self._one_calls: dict = {}  # signature -> its generated repeat path (one_call)
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
         self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)
         self.npair_div = 2 if req.interleaved else 1
@@ -405,12 +408,10 @@ class _RopeTemplate:
         self.prepare_checks()
 
     def prepare_checks(self) -> None:
-        """The address checks as predicates on a call's pointers (prepared.address_predicate):
-        ``_addresses`` for any build, ``_fixed_addresses`` with the specialised build's vector
-        alignment of q, k and the outputs too. A subclass that adds checks calls it again."""
+        """The address checks as a predicate on a call's pointers (prepared.address_predicate). A
+        subclass that adds checks calls it again. (The one-call path writes the same checks into
+        its generated function: one_call.)"""
         self._addresses = address_predicate(self.same_view, self.disjoint, self.natural)
-        self._fixed_addresses = address_predicate(self.same_view, self.disjoint, self.natural,
-                                                  (Q, K, Q_OUT, K_OUT), self.fixed_align) if self.fixed_align else None
 
     pointers = staticmethod(pointers)
 
@@ -455,13 +456,85 @@ class _RopeTemplate:
             return False
         return self.offset_rows is None or offset + self.offset_rows[0] <= self.offset_rows[1]
 
-    def fixed_prefix_for(self, core: Prepared, ptrs: tuple, offset: int):
-        """The one-call functions' path (rope.py): the address checks and the specialised build's
-        block, returning its launch prefix; None when the call is not this template's at that
-        build (``bind`` then decides). Builds no Call: nothing is remembered."""
-        if not self._fixed_addresses(ptrs) or not self.offset_ok(offset):
+    def one_call(self, sig: tuple):
+        """The one-call functions' repeat path for calls of signature ``sig`` (rope.py), or None
+        when this template has none (no specialised build; a subclass that writes more than its
+        block). ``fn(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, offset)``
+        returns the launch prefix after writing the block, or None when the call's arrays are not
+        of ``sig`` or its addresses or offset are not this template's (the caller then takes the
+        signature's dictionary and full validation). Builds no Call: nothing is remembered.
+        Generated once per signature (:meth:`_one_call_function`)."""
+        fn = self._one_calls.get(sig, _NO_FUNCTION)
+        if fn is _NO_FUNCTION:
+            fn = self._one_call_function(sig)
+            remember(self._one_calls, sig, fn, TEMPLATES_PER_SIGNATURE)
+        return fn
+
+    def _one_call_function(self, sig: tuple):
+        """The specialised build's bind with the signature's checks in front, written out as one
+        function over the arguments: each array's type, contiguity, shape, strides, dtype (and
+        device, on a machine with several), absent arguments and in-place outputs as ``sig``
+        says; then the address checks, the offset's range, the block's refill when another
+        template wrote it last, and one pack of the call's fields. What the dictionary, the
+        signature's tuples and the pointer tuple cost a repeated call, it does not."""
+        if not self.fixed_align or type(self)._write_fixed is not _RopeTemplate._write_fixed:
             return None
-        return self._write_fixed(core, ptrs, offset)
+        core = self.plan._ensure_core()
+        names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets")
+        inputs = {Q_OUT: Q, K_OUT: K}
+        several = not single_device()
+        namespace: dict = {"nd": cupy_ndarray()}
+        conds, reads = [], []
+        for i, (name, entry) in enumerate(zip(names, sig)):
+            if entry is None:
+                conds.append(f"{name} is None")
+                reads.append(f"    p{i} = 0\n")
+            elif entry is True:
+                conds.append(f"{name} is {names[inputs[i]]}")
+                reads.append(f"    p{i} = p{inputs[i]}\n")
+            else:
+                shape, strides, dtype, device = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
+                namespace[f"dt{i}"] = dtype
+                conds.append(f"type({name}) is nd")
+                conds.append(f"{name}._c_contiguous" if strides is None else
+                             f"not {name}._c_contiguous and {name}.strides == {tuple(map(int, strides))!r}")
+                conds.append(f"{name}.shape == {tuple(map(int, shape))!r} and {name}.dtype is dt{i}")
+                reads.append(f"    d = {name}.data\n" + (f"    if d.device_id != {int(device)}:\n        return None\n"
+                                                           if several else "") + f"    p{i} = d.ptr\n")
+        same_view = tuple(pair for pair in self.same_view if sig[pair[0]] is not True)
+        terms = address_terms(same_view, self.disjoint, self.natural, (Q, K, Q_OUT, K_OUT), self.fixed_align,
+                              ref=lambda i: f"p{i}")
+        if self.has_positions:
+            terms.append("offset == 0")
+        else:
+            S = 0 if self.offset_rows is None else self.offset_rows[0]
+            terms.append(f"0 <= offset <= {int(self.table_rows - S)}")
+        mask = self._table_mask
+        flag = f"not (p{COS} | p{SIN}) & {int(mask)}" if mask >= 0 else "0"
+        self.plan._fixed_view(core)  # the block's bytes
+        if self._fixed_prefix is None:
+            self._fixed_prefix = self._launch_fixed()
+        # Inputs before the outputs that name them.
+        order = [i for i in range(len(names)) if sig[i] is not True] + [i for i in range(len(names)) if sig[i] is True]
+        body = (f"    if not ({' and '.join(conds)}):\n"
+                "        return None\n"
+                + "".join(reads[i] for i in order) +
+                f"    if not ({' and '.join(terms)}):\n"
+                "        return None\n"
+                "    if core.filled is not tmpl or core.filled_vec != 'fixed':\n"
+                "        tmpl.refill_fixed(core)\n"
+                f"    pack(block, 0, p{Q}, p{K}, p{Q_OUT}, p{K_OUT}, p{COS}, p{SIN}, p{POSITIONS}, p{OFFSETS}, "
+                f"p{CU_SEQLENS}, offset, {flag})\n"
+                "    return prefix\n")
+        namespace.update(core=core, tmpl=self, pack=FIXED_CALL.pack_into, block=self.plan._fixed_bytes,
+                         prefix=self._fixed_prefix)
+        return generated("one_call", ", ".join(names) + ", offset", body, namespace)
+
+    def refill_fixed(self, core: Prepared) -> None:
+        """Write what the plan fixes into the specialised build's block (another template, or the
+        generic build, wrote it last)."""
+        self._fill_fixed(self.plan._fixed_view(core))
+        core.filled, core.filled_vec = self, "fixed"
 
     def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple) -> Call | None:
         """Address checks, then the block; None sends the call through full validation."""
@@ -495,15 +568,11 @@ class _RopeTemplate:
         smaller than a RopeParams); returns its launch prefix."""
         plan = self.plan
         if core.filled is not self or core.filled_vec != "fixed":
-            self._fill_fixed(plan._fixed_view(core))
-            core.filled, core.filled_vec = self, "fixed"
+            self.refill_fixed(core)
         c, s = ptrs[COS], ptrs[SIN]
-        # Three packed writes instead of eleven field assignments (the one-call path's host time).
-        block = plan._fixed_bytes
-        _FIXED_IO.pack_into(block, 0, ptrs[Q], ptrs[K], ptrs[Q_OUT], ptrs[K_OUT])
-        _FIXED_TABLES.pack_into(block, _FIXED_TABLES_AT, c, s, ptrs[POSITIONS], ptrs[OFFSETS], ptrs[CU_SEQLENS], offset)
         mask = self._table_mask
-        _FIXED_FLAG.pack_into(block, _FIXED_TABLE_VEC_AT, mask >= 0 and not (c | s) & mask)
+        FIXED_CALL.pack_into(plan._fixed_bytes, 0, ptrs[Q], ptrs[K], ptrs[Q_OUT], ptrs[K_OUT], c, s,
+                             ptrs[POSITIONS], ptrs[OFFSETS], ptrs[CU_SEQLENS], offset, mask >= 0 and not (c | s) & mask)
         pre = self._fixed_prefix
         if pre is None:
             pre = self._fixed_prefix = self._launch_fixed()

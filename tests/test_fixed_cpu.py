@@ -212,3 +212,29 @@ def test_a_missing_specialised_build_under_no_compile_falls_back_with_a_warning(
     with pytest.warns(RuntimeWarning, match="generic build"):
         apply_rope(x, cos, sin, out=x)  # the one-call path too (its own plan warns once)
     assert [r["fn"][0] for r in gpu.launches] == ["rope_apply", "rope_apply"]
+
+
+def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_order():
+    """rope_params.FIXED_FIELDS mirrors cuda_src/fixed_params.cuh field for field: the one-call
+    path packs the first eleven by offset (rope_plan.FIXED_CALL)."""
+    import ctypes
+    import re
+
+    from rope_rtc.rope_params import FIXED_FIELDS
+    from rope_rtc.sources import source_dir
+
+    text = (source_dir() / "fixed_params.cuh").read_text()
+    body = re.search(r"struct FixedParams \{(.*?)\};", text, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    device = []
+    for decl in body.split(";"):
+        decl = decl.strip()
+        if not decl:
+            continue
+        ctype, names = decl.split(None, 1)
+        for name in names.split(","):
+            name = name.strip()
+            count = int(re.search(r"\[(\d+)\]", name).group(1)) if "[" in name else 1
+            device.append((re.sub(r"\[.*", "", name), {"u64": 8, "i64": 8, "double": 8}[ctype] * count))
+    host = [(name.rstrip("_"), ctypes.sizeof(t)) for name, t in FIXED_FIELDS]
+    assert host == device

@@ -347,3 +347,121 @@ def test_tail_rope_repeat_path_binds_new_arrays_without_full_validation(monkeypa
         with pytest.raises(ValueError, match="cosine"):
             tail_rope(x, odd, s)
         assert len(gpu.launches) == n and counts.get("validate") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the thread's last repeat path (a template's generated one_call for the signature)
+
+def test_a_repeated_signature_skips_the_signature_tuples_and_the_dictionary(table, monkeypatch):
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k, offs = decode_arrays()
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)  # makes the thread's record
+        counts: dict = {}
+        _counted(monkeypatch, rope, "_signature_and_pointers", counts)
+        _counted(monkeypatch, rope_request, "validate", counts)
+        sets = [decode_arrays() for _ in range(8)]
+        for i in range(20):
+            q, k, offs = sets[i % len(sets)]
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+            p = gpu.launches[-1]["fixed"]
+            assert (p.in_[0], p.in_[1], p.out[0], p.out[1], p.offsets) == (
+                q.data.ptr, k.data.ptr, q.data.ptr, k.data.ptr, offs.data.ptr)
+        assert counts == {}
+
+
+def test_the_last_repeat_path_still_checks_every_argument(table):
+    """Each way a call can differ from the thread's last one (shape, dtype, contiguity, an
+    absent or extra argument, in place or not, addresses, offset) is noticed: the call gets the
+    plan its signature needs, a narrower build, or the error full validation gives."""
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        def record():
+            q, k, offs = decode_arrays()
+            for _ in range(2):
+                apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+            assert gpu.launches[-1]["fn"][0] == "rope_fixed"
+            return offs
+
+        offs = record()
+        # Another token count: its own geometry.
+        q5, k5 = fake_cupy((B, 5, HQ, D), BF16), fake_cupy((B, 5, HK, D), BF16)
+        apply_rope_qk(q5, k5, cos, sin, offset=offs, q_out=q5, k_out=k5)
+        assert gpu.launches[-1]["fixed"].seq_len == 5
+        offs = record()
+        # Another dtype of the same shape.
+        qf, kf = fake_cupy((B, S, HQ, D), np.float16), fake_cupy((B, S, HK, D), np.float16)
+        apply_rope_qk(qf, kf, cos, sin, offset=offs, q_out=qf, k_out=kf)
+        assert gpu.launches[-1]["fn"][1].dtype == "float16"
+        offs = record()
+        # Out of place: outputs written, inputs untouched.
+        q, k, _ = decode_arrays()
+        qo, ko = fake_cupy(q.shape, BF16), fake_cupy(k.shape, BF16)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.out[0], p.in_[1], p.out[1]) == (q.data.ptr, qo.data.ptr, k.data.ptr, ko.data.ptr)
+        offs = record()
+        # An int offset instead of the array: positions offset + s, checked against the table.
+        q, k, _ = decode_arrays()
+        apply_rope_qk(q, k, cos, sin, offset=7, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].offset == 7 and gpu.launches[-1]["fixed"].offsets == 0
+        for _ in range(2):
+            apply_rope_qk(q, k, cos, sin, offset=9, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].offset == 9
+        n = len(gpu.launches)
+        with pytest.raises(ValueError, match="offset"):
+            apply_rope_qk(q, k, cos, sin, offset=ROWS, q_out=q, k_out=k)
+        with pytest.raises(ValueError, match="offset"):
+            apply_rope_qk(q, k, cos, sin, offset=-1, q_out=q, k_out=k)
+        assert len(gpu.launches) == n
+        offs = record()
+        n = len(gpu.launches)
+        # Overlap of an output with another argument of the same signature.
+        base = fake_cupy((B, S, HQ + HK, D), BF16)
+        qv, kv = base[:, :, :HQ], base[:, :, HQ - HK + 1:HQ + 1]
+        with pytest.raises(ValueError, match="overlaps"):
+            apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv)
+        q, k, _ = decode_arrays()
+        with pytest.raises(ValueError, match="overlaps"):
+            apply_rope_qk(q, k, cos, sin, offset=k.reshape(-1)[:2 * B].view(np.int32), q_out=q, k_out=k)
+        assert len(gpu.launches) == n
+        offs = record()
+        # An address off the specialised build's vector: the generic build at a narrower vector.
+        q_odd = fake_cupy((B, S, HQ, D), BF16, byte_offset=2)
+        apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k)
+        assert gpu.launches[-1]["fn"][0] != "rope_fixed" and gpu.launches[-1]["vec"] == 1
+        offs = record()
+        # A strided view of q's shape.
+        wide = fake_cupy((B, S, HQ, 2 * D), BF16)
+        qs = wide[..., :D]
+        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k)
+        assert gpu.launches[-1]["fixed"].in_sh[0] == 2 * D
+        offs = record()
+        # positions instead of offsets.
+        pos = fake_cupy((B, S), np.int32)
+        apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k)
+        assert gpu.launches[-1]["fixed"].positions == pos.data.ptr
+        offs = record()
+        # q_out a separate array where the record has q rotated in place, and the reverse.
+        q, k, _ = decode_arrays()
+        qo = fake_cupy(q.shape, BF16)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=k)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.out[0], p.out[1]) == (q.data.ptr, qo.data.ptr, k.data.ptr)
+
+
+@pytest.mark.parametrize("option,value", [("interleaved", 1), ("inverse", 0), ("rotary_offset", False),
+                                          ("rotary_dim", 128.0)])
+def test_options_of_the_wrong_type_are_refused_after_the_last_repeat_path_too(table, option, value):
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k, offs = decode_arrays()
+        good = dict(interleaved=False, inverse=False, rotary_offset=0, rotary_dim=128)
+        for _ in range(3):
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, **good)
+        assert gpu.launches[-1]["fn"][0] == "rope_fixed"
+        n = len(gpu.launches)
+        with pytest.raises((TypeError, ValueError), match=option):
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, **{**good, option: value})
+        assert len(gpu.launches) == n
