@@ -68,6 +68,13 @@ class TupleDict(Mapping):
     def __init__(self, **items) -> None:
         object.__setattr__(self, "_items", dict(items))
 
+    @classmethod
+    def of_out(cls, out) -> "TupleDict":
+        """``TupleDict(out=out)`` without the keyword machinery (a one-call function's result)."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "_items", {"out": out})
+        return self
+
     def __getitem__(self, key):
         if isinstance(key, int):
             return tuple(self._items.values())[key]

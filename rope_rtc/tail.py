@@ -19,7 +19,7 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, pointers
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, generated, pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -238,6 +238,47 @@ class _TailTemplate:
             return None
         return Call(arrays, 0, self, self.prefix, TupleDict(out=arrays[3]))
 
+    def one_call(self, key: tuple, core: Prepared):
+        """``tail_rope``'s repeat path for inputs of signature ``key`` (its ``(shape, strides,
+        dtype, device)`` of x, cosine and sine), generated once: ``fn(x, cosine, sine, out)``
+        checks that the inputs are of the signature, the alignment and that the output (the
+        function's own allocation, of x's shape) is disjoint from every input, writes the block
+        and returns the launch prefix; None sends the call to the dictionary and full
+        validation. None when the template launches nothing."""
+        fn = getattr(self, "_one_call", None)
+        if fn is None or self._one_call_key != key:
+            fn = self._one_call = self._one_call_function(key, core) if self.prefix is not None else None
+            self._one_call_key = key
+        return fn
+
+    def _one_call_function(self, key: tuple, core: Prepared):
+        names = ("x", "cosine", "sine")
+        several = not launch.single_device()
+        namespace: dict = {"nd": cupy_ndarray(), "pack": _ARGS.pack_into, "block": core.block_bytes,
+                           "prefix": self.prefix}
+        conds, reads = [], []
+        for i, (name, (shape, strides, dtype, device)) in enumerate(zip(names, key)):
+            namespace[f"dt{i}"] = dtype
+            conds.append(f"type({name}) is nd and {name}._c_contiguous and {name}.shape == {tuple(map(int, shape))!r} "
+                         f"and {name}.dtype is dt{i}")
+            reads.append(f"    d = {name}.data\n" + (f"    if d.device_id != {int(device)}:\n        return None\n"
+                                                       if several else "") + f"    p{i} = d.ptr\n")
+        nx, nc, ns, no = self.nbytes
+        align = A.ALIGN_BYTES - 1
+        terms = [f"not (p0 | po) & {align}"] if nx else []
+        if nc:
+            terms.append(f"not (p1 | p2) & {align}")
+        if no:
+            terms += [f"(p{i} >= po + {no} or po >= p{i} + {n})" for i, n in enumerate((nx, nc, ns)) if n]
+        body = (f"    if not ({' and '.join(conds)}):\n"
+                "        return None\n" + "".join(reads) +
+                "    po = out.data.ptr\n"
+                f"    if not ({' and '.join(terms) or 'True'}):\n"
+                "        return None\n"
+                f"    pack(block, 0, p0, po, p1, p2, {int(self.n_vec)})\n"
+                "    return prefix\n")
+        return generated("one_call", "x, cosine, sine, out", body, namespace)
+
 
 def _current_device() -> int:
     import cupy
@@ -246,7 +287,9 @@ def _current_device() -> int:
 
 
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
+# ``_local.last``: ``(one_call, plan)`` of the thread's last repeat path.
 _local = threading.local()
+_NO_LAST = (lambda x, cosine, sine, out: None, None)
 
 
 def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
@@ -273,7 +316,8 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         out = np.empty_like(np.asarray(x))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
         return plan.execute(x, cosine, sine, out)
-    if type(x) is cupy_ndarray():
+    nd = cupy_ndarray()
+    if type(x) is nd:
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
     else:
         xi = A.describe(x, "x", allow_host=False)
@@ -282,15 +326,21 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
                             "backend='numpy'")
         device, shape, dtype = xi.device, xi.shape, A.numpy_dtype(xi.dtype)
     try:
-        by_signature, by_key = _local.by_signature, _local.by_key
+        one_call, plan = _local.last
     except AttributeError:  # this thread's first call
         from . import driver
 
         driver.require_gpu()
-        by_signature, by_key = _local.by_signature, _local.by_key = {}, {}
+        _local.by_signature, _local.by_key, _local.last = {}, {}, _NO_LAST
+        one_call, plan = _NO_LAST
     handle = stream_handle(stream, device)
     out = launch.allocate(shape, dtype, device, handle, stream is None)
-    nd = cupy_ndarray()
+    # The thread's last repeat path: the generated checks of its signature, alignment and overlap.
+    prefix = one_call(x, cosine, sine, out)
+    if prefix is not None:
+        plan._core.launcher.launch(prefix, handle)
+        return TupleDict.of_out(out)
+    by_signature = _local.by_signature
     if type(x) is nd and type(cosine) is nd and type(sine) is nd:
         # The repeat path: the output is always this function's own C-contiguous allocation of
         # x's shape and dtype, so the inputs' signature fixes the template.
@@ -301,14 +351,21 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
         if hit is not None:
             plan, tmpl = hit
             core = plan._core
+            one_call = tmpl.one_call(key, core)
+            if one_call is not None:
+                prefix = one_call(x, cosine, sine, out)
+                if prefix is not None:
+                    _local.last = (one_call, plan)
+                    core.launcher.launch(prefix, handle)
+                    return TupleDict.of_out(out)
             if tmpl.write(core, (x.data.ptr, dc.ptr, ds.ptr, out.data.ptr)):
                 if tmpl.prefix is not None:
                     core.launcher.launch(tmpl.prefix, handle)
-                return TupleDict(out=out)
+                return TupleDict.of_out(out)
     else:
         key = None
     arrays = (x, cosine, sine, out)
-    plan, call = bind_once(by_signature, key, arrays, 0, None, _plan_for, by_key, arrays, shape, device)
+    plan, call = bind_once(by_signature, key, arrays, 0, None, _plan_for, _local.by_key, arrays, shape, device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return call.result

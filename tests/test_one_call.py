@@ -465,3 +465,41 @@ def test_options_of_the_wrong_type_are_refused_after_the_last_repeat_path_too(ta
         with pytest.raises((TypeError, ValueError), match=option):
             apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, **{**good, option: value})
         assert len(gpu.launches) == n
+
+
+def test_tail_rope_last_repeat_path_checks_the_signature_and_alignment(monkeypatch):
+    from rope_rtc import tail
+
+    with FakeGPU() as gpu:
+        c, s = fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+        x = fake_cupy((4, 64, 512), BF16)
+        tail_rope(x, c, s)
+        tail_rope(x, c, s)  # makes the thread's record
+        counts: dict = {}
+        _counted(monkeypatch, tail._TailTemplate, "write", counts)
+        _counted(monkeypatch, tail._TailOp, "validate", counts)
+        for _ in range(5):
+            x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+            out, = tail_rope(x, c, s)
+            v = next(iter(tail._local.by_key.values()))._core.block
+            assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr,
+                                                       4 * 64 * 512 // 8)
+        assert counts == {}
+        # Another token count: its own template and launch size.
+        x8, c8, s8 = fake_cupy((8, 64, 512), BF16), fake_cupy((8, 32), np.float32), fake_cupy((8, 32), np.float32)
+        tail_rope(x8, c8, s8)
+        assert gpu.launches[-1]["fn"] is not None and next(iter(tail._local.by_key.values()))._core.block.n == 8 * 64 * 64
+        # Off the 16-byte alignment, of the record's signature: full validation names it.
+        x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+        tail_rope(x, c, s)
+        tail_rope(x, c, s)
+        n = len(gpu.launches)
+        odd = fake_cupy((4, 64, 512), BF16, byte_offset=2)
+        with pytest.raises(ValueError, match="x"):
+            tail_rope(odd, c, s)
+        assert len(gpu.launches) == n
+        # A non-contiguous view of the record's shape.
+        wide = fake_cupy((4, 64, 1024), BF16)
+        with pytest.raises(ValueError, match="x"):
+            tail_rope(wide[..., :512], c, s)
+        assert len(gpu.launches) == n
