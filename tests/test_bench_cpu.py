@@ -311,12 +311,14 @@ def test_summary_has_every_section_and_fits_the_device_tail():
 def test_targets_pass_miss_and_na():
     res = synthetic_result(True)
     t = {x["target"]: x for x in report.evaluate_targets(res)}
-    assert t["prefill >= 98% of copy, 256 MiB+ moved"]["status"] == "PASS"
+    assert t["prefill >= 97% of copy, 32 MiB+ moved"]["status"] == "PASS"
+    assert t["blog's configuration: time <= 1.01x the blog's fused kernel"]["status"] == "PASS"
+    assert t["decode GPU time under graph replay <= 1.2x the copy node"]["status"] == "PASS"
     assert t["never slower than the fastest peer (within 1%)"]["status"] == "PASS"
-    assert t["decode GPU time under graph replay <= 1.5 µs"]["status"] == "PASS"
+    assert t["decode GPU time under graph replay <= 1.4 µs"]["status"] == "PASS"
     assert t["RopePlan.execute host time <= 5.0 µs"]["status"] == "PASS"
     assert t["tail >= 97% of copy, cold L2, every shape measured cold"]["status"] == "PASS"
-    assert t["warm cache: first result in a fresh process <= 50 ms beyond imports"]["status"] == "PASS"
+    assert t["warm cache: first result <= 50 ms beyond imports"]["status"] == "PASS"
     assert t["cold compile of one kernel <= 1 s"]["status"] == "PASS"
     # make two of them miss, and remove the data of another
     tail = next(c for c in res["cases"] if c["group"] == "tail")
@@ -353,7 +355,7 @@ def test_tail_shapes_too_small_for_a_cold_l2_are_reported_not_judged():
                           "timings": {"graph_cold": {"us": copy_us / 0.96}}})
     t = {x["target"]: x for x in report.evaluate_targets(res)}
     assert t["tail >= 97% of copy, cold L2, every shape measured cold"]["status"] == "PASS"
-    info = t["tail on 1 shapes too small for a cold L2 (latency-bound), % of copy"]
+    info = t["tail, 1 shapes too small for a cold L2, % of copy"]
     assert info["status"] == "INFO" and info["where"] == small["id"]
     assert info["measured"] == "worst 85.0%; copy kernel worst 96.0%"
     # a cold-measured shape below 97% still misses
@@ -783,3 +785,20 @@ def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
 
     engine.run_engine_section(Ctx(), None, None, ["eng*"])
     assert len(ran) == 13
+
+
+def test_the_kernel_issue_targets_miss_when_decode_or_the_blog_kernel_falls_behind():
+    res = synthetic_result(True)
+    dec = next(c for c in res["cases"] if c["group"] == "decode")
+    by = figures.rows_by_impl(dec)
+    by[bcases.OURS]["timings"]["graph"]["us"] = 1.3 * figures.timing(by[bcases.COPY], "graph")
+    blog = next(c for c in res["cases"] if c["group"] == "blog")
+    bb = figures.rows_by_impl(blog)
+    for regime in ("cold", "graph_cold"):
+        if regime in bb[bcases.OURS]["timings"]:
+            bb[bcases.OURS]["timings"][regime]["us"] = 1.05 * bb["fused"]["timings"][regime]["us"]
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    miss = t["decode GPU time under graph replay <= 1.2x the copy node"]
+    assert miss["status"] == "MISS" and miss["where"] == dec["id"] and miss["measured"] == "worst 1.30x"
+    miss = t["blog's configuration: time <= 1.01x the blog's fused kernel"]
+    assert miss["status"] == "MISS" and miss["where"] == blog["id"] and miss["measured"] == "worst 1.05x"
