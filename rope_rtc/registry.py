@@ -221,9 +221,12 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
     if rotary_dim <= 0 or rotary_dim % 2 or span % vec or rotary_offset % vec or q_heads <= 0 or k_heads < 0:
         return None
     order = 1 if tokens_denser else 0
-    # Two heads per thread where a warp walks one head's rows (bhsd): measured faster; one where
-    # it walks a token's heads (docs/performance.md).
-    hb = 2 if order == 1 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
+    # One head per thread, but two for 16-bit half-split pairs where a warp walks one head's rows
+    # (bhsd). Measured in bhsd at S=4096 and 16384: one head is 0.7-2.4 points faster for FP32 and
+    # for interleaved pairs (2.4 for bf16 at S=16384), two are level with it for 16-bit half-split
+    # pairs (docs/performance.md).
+    hb = 2 if (order == 1 and ITEMSIZE[dtype] == 2 and not interleaved and q_heads % 2 == 0
+               and k_heads % 2 == 0) else 1
     # The position scheme is compile-time (the index load issues first: decode 0.16-0.2 µs faster,
     # half-split prefill 1-3 points), but for bf16 interleaved pairs in bhsd order, which measured
     # 5 points slower with it where fp16 gained 0.7 (docs/performance.md): they read it from the block.
