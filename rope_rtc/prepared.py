@@ -140,6 +140,25 @@ def generated(name: str, params: str, body: str, namespace: dict | None = None):
     return namespace[name]
 
 
+def array_checks(name: str, ref: str, entry: tuple, several: bool, namespace: dict) -> tuple[str, str]:
+    """``(condition, statements)`` that a generated repeat path (``generated``) runs on the CuPy
+    array argument ``name`` of signature entry ``entry``, ``(shape, strides, dtype, device)``
+    (strides None: C-contiguous): the condition holds when the argument is a CuPy array of that
+    shape, layout and dtype (the dtype by identity: an equal dtype of another identity takes the
+    signature's dictionary instead); the statements set ``ref`` to its data pointer, returning
+    None from a device other than ``device`` (only where the process sees ``several``)."""
+    shape, strides, dtype, device = entry
+    namespace[f"{ref}_dtype"] = dtype
+    layout = (f"{name}._c_contiguous" if strides is None else
+              f"not {name}._c_contiguous and {name}.strides == {tuple(map(int, strides))!r}")
+    condition = (f"type({name}) is nd and {layout} and {name}.shape == {tuple(map(int, shape))!r} "
+                 f"and {name}.dtype is {ref}_dtype")
+    statements = f"    d = {name}.data\n"
+    if several:
+        statements += f"    if d.device_id != {int(device)}:\n        return None\n"
+    return condition, statements + f"    {ref} = d.ptr\n"
+
+
 def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
     """``ok(ptrs) -> bool``: :func:`address_terms` as one expression."""
     terms = address_terms(same_view, pairs, natural, aligned, align)

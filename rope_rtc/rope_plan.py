@@ -15,8 +15,8 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel, remember, single_device
-from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, cupy_ndarray, \
-    disjoint_pairs, generated, pointers, signature
+from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, array_checks, \
+    cupy_ndarray, disjoint_pairs, generated, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, fixed_geometry, \
     rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
@@ -492,15 +492,11 @@ class _RopeTemplate:
             elif entry is True:
                 conds.append(f"{name} is {names[inputs[i]]}")
                 reads.append(f"    p{i} = p{inputs[i]}\n")
-            else:
-                shape, strides, dtype, device = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
-                namespace[f"dt{i}"] = dtype
-                conds.append(f"type({name}) is nd")
-                conds.append(f"{name}._c_contiguous" if strides is None else
-                             f"not {name}._c_contiguous and {name}.strides == {tuple(map(int, strides))!r}")
-                conds.append(f"{name}.shape == {tuple(map(int, shape))!r} and {name}.dtype is dt{i}")
-                reads.append(f"    d = {name}.data\n" + (f"    if d.device_id != {int(device)}:\n        return None\n"
-                                                           if several else "") + f"    p{i} = d.ptr\n")
+            else:  # (shape, dtype, device), or (shape, strides, dtype, device) when not C-contiguous
+                full = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
+                cond, read = array_checks(name, f"p{i}", full, several, namespace)
+                conds.append(cond)
+                reads.append(read)
         same_view = tuple(pair for pair in self.same_view if sig[pair[0]] is not True)
         terms = address_terms(same_view, self.disjoint, self.natural, (Q, K, Q_OUT, K_OUT), self.fixed_align,
                               ref=lambda i: f"p{i}")

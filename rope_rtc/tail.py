@@ -19,7 +19,8 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, generated, pointers
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, cupy_ndarray, generated, \
+    pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -257,12 +258,11 @@ class _TailTemplate:
         namespace: dict = {"nd": cupy_ndarray(), "pack": _ARGS.pack_into, "block": core.block_bytes,
                            "prefix": self.prefix}
         conds, reads = [], []
-        for i, (name, (shape, strides, dtype, device)) in enumerate(zip(names, key)):
-            namespace[f"dt{i}"] = dtype
-            conds.append(f"type({name}) is nd and {name}._c_contiguous and {name}.shape == {tuple(map(int, shape))!r} "
-                         f"and {name}.dtype is dt{i}")
-            reads.append(f"    d = {name}.data\n" + (f"    if d.device_id != {int(device)}:\n        return None\n"
-                                                       if several else "") + f"    p{i} = d.ptr\n")
+        for i, (name, (shape, _, dtype, device)) in enumerate(zip(names, key)):
+            # Validated contiguous (the contract): C-contiguous arrays of the shape are the signature's.
+            cond, read = array_checks(name, f"p{i}", (shape, None, dtype, device), several, namespace)
+            conds.append(cond)
+            reads.append(read)
         nx, nc, ns, no = self.nbytes
         align = A.ALIGN_BYTES - 1
         terms = [f"not (p0 | po) & {align}"] if nx else []

@@ -437,6 +437,17 @@ def test_the_last_repeat_path_still_checks_every_argument(table):
         qs = wide[..., :D]
         apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k)
         assert gpu.launches[-1]["fixed"].in_sh[0] == 2 * D
+        # ... and its own generated path: another strided view of that layout binds through it,
+        # while a C-contiguous q of the shape is not taken for it.
+        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k)
+        qs2 = fake_cupy((B, S, HQ, 2 * D), BF16)[..., D:]
+        apply_rope_qk(qs2, k, cos, sin, offset=offs, q_out=qs2, k_out=k)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.out[0], p.in_sh[0]) == (qs2.data.ptr, qs2.data.ptr, 2 * D)
+        qc = fake_cupy((B, S, HQ, D), BF16)
+        apply_rope_qk(qc, k, cos, sin, offset=offs, q_out=qc, k_out=k)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.in_[0], p.in_sh[0]) == (qc.data.ptr, D)
         offs = record()
         # positions instead of offsets.
         pos = fake_cupy((B, S), np.int32)
