@@ -19,8 +19,8 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, cupy_ndarray, generated, \
-    pointers
+from .prepared import ONE_CALL_SIGNATURES, TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, array_checks, bind_once, \
+    cupy_ndarray, generated, pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -206,6 +206,7 @@ class _TailTemplate:
         self.nbytes = tuple(i.size * i.itemsize for i in infos)
         self.n_vec = infos[0].size // VECTOR_ELEMS
         self.prefix = None
+        self._one_calls: dict = {}  # tail_rope's signature -> its generated repeat path (one_call)
         if self.n_vec and plan.backend == "nvrtc":
             grid = -(-self.n_vec // BLOCK)  # one 16-byte vector per thread
             if grid > GRID_LIMIT:
@@ -246,10 +247,10 @@ class _TailTemplate:
         function's own allocation, of x's shape) is disjoint from every input, writes the block
         and returns the launch prefix; None sends the call to the dictionary and full
         validation. None when the template launches nothing."""
-        fn = getattr(self, "_one_call", None)
-        if fn is None or self._one_call_key != key:
-            fn = self._one_call = self._one_call_function(key, core) if self.prefix is not None else None
-            self._one_call_key = key
+        fn = self._one_calls.get(key, _NO_FUNCTION)
+        if fn is _NO_FUNCTION:
+            fn = self._one_call_function(key, core) if self.prefix is not None else None
+            remember(self._one_calls, key, fn, TEMPLATES_PER_SIGNATURE)
         return fn
 
     def _one_call_function(self, key: tuple, core: Prepared):
@@ -290,6 +291,7 @@ def _current_device() -> int:
 # ``_local.last``: ``(one_call, plan)`` of the thread's last repeat path.
 _local = threading.local()
 _NO_LAST = (lambda x, cosine, sine, out: None, None)
+_NO_FUNCTION = object()
 
 
 def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
