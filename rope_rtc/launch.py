@@ -9,6 +9,7 @@ graph capture, which records the copied values).
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import warnings
 
@@ -415,17 +416,37 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     the one-call functions allocate. ``current``: ``stream`` is the current stream of ``device``
     (the caller passed no stream); with one visible device that is the common case, and CuPy's
     own defaults already say it."""
+    if current and single_device():
+        return empty(shape, dtype)
     import cupy
 
-    if current and single_device():
-        return cupy.empty(shape, dtype)
     if cupy.cuda.runtime.getDevice() == device and stream == cupy.cuda.get_current_stream().ptr:
-        return cupy.empty(shape, dtype)  # the current device and stream, without switching either
+        return empty(shape, dtype)  # the current device and stream, without switching either
     with cupy.cuda.Device(device):
         if stream == cupy.cuda.get_current_stream().ptr:
-            return cupy.empty(shape, dtype)
+            return empty(shape, dtype)
         with cupy_stream(stream):
-            return cupy.empty(shape, dtype)
+            return empty(shape, dtype)
+
+
+_EMPTY: list = []  # (cupy.ndarray, cupy.cuda.get_allocator, cupy.empty), once CuPy is imported
+
+
+def empty(shape: tuple, dtype):
+    """``cupy.empty(shape, dtype)`` on the current device and stream, from the current allocator
+    (``cupy.cuda.get_allocator()``: the default pool, or what the caller set with
+    ``cupy.cuda.set_allocator`` / ``using_allocator``), without ``cupy.empty``'s Python layer:
+    the allocator's memory wrapped as a C-contiguous array. About 0.9 µs less per output on the
+    H200 host (docs/performance.md); an empty shape takes ``cupy.empty`` itself."""
+    if not _EMPTY:
+        import cupy
+
+        _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty))
+    nd, get_allocator, cupy_empty = _EMPTY[0]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not nbytes:
+        return cupy_empty(shape, dtype)
+    return nd(shape, dtype, get_allocator()(nbytes))
 
 
 _SINGLE_DEVICE: list = []  # [whether this process sees exactly one device], once asked

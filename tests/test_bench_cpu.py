@@ -802,3 +802,75 @@ def test_the_kernel_issue_targets_miss_when_decode_or_the_blog_kernel_falls_behi
     assert miss["status"] == "MISS" and miss["where"] == dec["id"] and miss["measured"] == "worst 1.30x"
     miss = t["blog's configuration: time <= 1.01x the blog's fused kernel"]
     assert miss["status"] == "MISS" and miss["where"] == blog["id"] and miss["measured"] == "worst 1.05x"
+
+
+# --------------------------------------------------------------------------------------------- graph capture
+
+
+class _Output:
+    """A peer's result: a new object per call, as a torch or CuPy output is."""
+
+
+class _FakeCapture:
+    """What capture_torch and capture_cupy use of torch and of a CuPy stream, with a pool that
+    hands a freed block to the next allocation as a graph's private pool does."""
+
+    def __init__(self):
+        self.cuda = self  # torch.cuda
+        self.ended = 0
+
+    # torch.cuda
+    def CUDAGraph(self):  # noqa: N802 - torch's name
+        return self
+
+    def graph(self, g):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def replay(self):
+        pass
+
+    # a CuPy stream
+    def begin_capture(self):
+        pass
+
+    def end_capture(self):
+        self.ended += 1
+        return self
+
+    def launch(self, stream):
+        pass
+
+
+@pytest.mark.parametrize("which", ["torch", "cupy"])
+def test_capture_keeps_a_result_per_buffer_set(which):
+    """The last result of each distinct call (one per buffer set) outlives the capture: dropped,
+    a peer's output went back to the graph's pool and the next captured call wrote the same
+    block, so a "cold" graph of a peer wrote one buffer (that stayed in L2) where ours write a
+    buffer per set. One callable repeated (the hot graph) keeps one result, as ours write one set."""
+    import gc
+    import weakref
+    from functools import partial
+
+    made = []
+
+    def call(i):
+        out = _Output()
+        made.append((i, weakref.ref(out)))
+        return out
+
+    capture = timing.capture_torch if which == "torch" else timing.capture_cupy
+    sets = [partial(call, i) for i in range(8)]
+    launch, keep = capture(_FakeCapture(), sets)
+    gc.collect()
+    assert len(made) == 8
+    assert all(ref() is not None for _, ref in made), "a captured call's output was dropped"
+    del keep
+    gc.collect()
+    assert all(ref() is None for _, ref in made)
+
+    made.clear()
+    launch, keep = capture(_FakeCapture(), [sets[0]] * 6)
+    gc.collect()
+    assert [ref() is not None for _, ref in made] == [False] * 5 + [True]

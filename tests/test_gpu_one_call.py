@@ -97,6 +97,48 @@ def test_one_call_matches_a_plan_bit_for_bit_with_new_arrays_each_call(cp):
         assert np.array_equal(bits(cp.asnumpy(q2)), bits(cp.asnumpy(pq)))
 
 
+def test_allocated_outputs_come_from_the_current_allocator(cp):
+    """The outputs the one-call functions allocate come from CuPy's current allocator (here one
+    that counts and fills its memory with NaN bits), one allocation of the output's bytes each,
+    as C-contiguous arrays of the input's shape and dtype, every element written."""
+    import rope_rtc
+    from rope_rtc.reference import tail_rope_reference
+
+    pool = cp.get_default_memory_pool()
+    sizes: list[int] = []
+
+    def poisoned(nbytes):
+        mem = pool.malloc(nbytes)
+        cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, nbytes, cp.cuda.get_current_stream().ptr)
+        sizes.append(nbytes)
+        return mem
+
+    cos_h, sin_h = host_tables(ROWS, D // 2, 2)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    q = cp.asarray(host_random((B, 1, HQ, D), BF16, seed=3))
+    k = cp.asarray(host_random((B, 1, HK, D), BF16, seed=4))
+    starts = cp.asarray(np.arange(B, dtype=np.int32) * 100)
+    want_q, want_k = (cp.full_like(a, np.nan) for a in (q, k))
+    rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=want_q, k_out=want_k).compile().execute(
+        q, k, cos, sin, offset=starts, q_out=want_q, k_out=want_k)
+    x = cp.asarray(host_random((4, 8, 512), BF16, seed=5))
+    ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
+    c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    for _ in range(3):  # the first call and the repeat path
+        sizes.clear()
+        with cp.cuda.using_allocator(poisoned):
+            qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+            xo = rope_rtc.apply_rope(q, cos, sin, offset=starts)
+            to = rope_rtc.tail_rope(x, c, s)["out"]
+        assert sizes == [q.nbytes, k.nbytes, q.nbytes, x.nbytes]
+        for got, want in ((qo, want_q), (ko, want_k), (xo, want_q)):
+            assert got.flags.c_contiguous and got.shape == want.shape and got.dtype == want.dtype
+            assert np.array_equal(bits(cp.asnumpy(got)), bits(cp.asnumpy(want)))
+        assert to.flags.c_contiguous and to.shape == x.shape
+        assert np.array_equal(bits(cp.asnumpy(to)),
+                              bits(tail_rope_reference(cp.asnumpy(x), cp.asnumpy(c), cp.asnumpy(s))))
+
+
 def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
     import rope_rtc
 

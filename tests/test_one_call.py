@@ -514,3 +514,34 @@ def test_tail_rope_last_repeat_path_checks_the_signature_and_alignment(monkeypat
         with pytest.raises(ValueError, match="x"):
             tail_rope(wide[..., :512], c, s)
         assert len(gpu.launches) == n
+
+
+def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
+    """``launch.empty`` asks CuPy's current allocator (looked up on every call, so a
+    ``using_allocator`` block is honoured) for exactly the output's bytes and wraps that memory as
+    an array of the shape and dtype; an empty shape goes through ``cupy.empty``."""
+    from rope_rtc import launch
+
+    asked, made = [], []
+
+    class Array:
+        def __init__(self, shape, dtype, memptr=None):
+            self.shape, self.dtype, self.memptr = shape, dtype, memptr
+
+    def allocator(nbytes):
+        asked.append(nbytes)
+        return f"memory of {nbytes}"
+
+    def cupy_empty(shape, dtype):
+        made.append(shape)
+        return Array(shape, dtype)
+
+    current = [allocator]
+    monkeypatch.setattr(launch, "_EMPTY", [(Array, lambda: current[0], cupy_empty)])
+    a = launch.empty((8, 1, 32, 128), BF16)
+    assert (a.shape, a.dtype, a.memptr) == ((8, 1, 32, 128), BF16, "memory of 65536")
+    current[0] = lambda n: asked.append(-n) or "other"
+    assert launch.empty((3, 5), np.dtype(np.float32)).memptr == "other"
+    assert asked == [65536, -60] and not made
+    z = launch.empty((0, 4), np.dtype(np.float32))
+    assert made == [(0, 4)] and z.memptr is None and asked == [65536, -60]

@@ -155,25 +155,38 @@ class Clock:
 
 
 def capture_cupy(stream, seq: list):
-    """A CUDA graph of ``seq`` captured on ``stream`` (CuPy stream capture); returns its launcher."""
+    """A CUDA graph of ``seq`` captured on ``stream`` (CuPy stream capture); returns its launcher
+    and what must outlive it: the graph and the results (see :func:`capture_torch`)."""
     stream.begin_capture()
     try:
-        for f in seq:
-            f()
+        results = _results_per_callable(seq)
     except BaseException:
         with contextlib.suppress(Exception):
             stream.end_capture()
         raise
     graph = stream.end_capture()
-    return partial(graph.launch, stream), graph
+    return partial(graph.launch, stream), (graph, results)
 
 
 def capture_torch(torch, seq: list):
-    """A CUDA graph of ``seq`` captured with ``torch.cuda.graph`` (torch's allocator knows of it)."""
+    """A CUDA graph of ``seq`` captured with ``torch.cuda.graph`` (torch's allocator knows of it);
+    returns its launcher and what must outlive it: the graph and the results.
+
+    The last result of each distinct callable in ``seq`` (one per buffer set) is kept, so that a
+    peer writes as many output buffers as ours do: one per set in a "cold" graph, one set in a
+    hot one. A result dropped during capture goes back to the graph's pool and the next call
+    gets the same block: every call of a cold graph wrote one buffer that stayed in L2."""
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for f in seq:
-            f()
-    return g.replay, g
+        results = _results_per_callable(seq)
+    return g.replay, (g, results)
+
+
+def _results_per_callable(seq: list) -> dict:
+    """Call each of ``seq`` in order; the last result of each distinct callable, by identity."""
+    results = {}
+    for f in seq:
+        results[id(f)] = (f, f())
+    return results
 
 
