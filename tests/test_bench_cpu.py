@@ -399,6 +399,7 @@ def test_merge_json_replaces_the_later_runs_cases_and_says_so(tmp_path, monkeypa
     later = synthetic_result(True)
     later["created"] = "2026-11-30T13:00:00Z"
     later["cases"] = [dict(c) for c in later["cases"] if c["id"] == "blog/S=4096"]
+    later["host"] = later["engine"] = []  # a run of that case only
     later["cases"][0]["rows"] = [dict(r) for r in later["cases"][0]["rows"]]
     for r in later["cases"][0]["rows"]:
         if r["impl"] == bcases.OURS:
@@ -416,6 +417,16 @@ def test_merge_json_replaces_the_later_runs_cases_and_says_so(tmp_path, monkeypa
                    "--no-plot"]) == 0
     md = (docs / "benchmarks.md").read_text()
     assert "2026-11-30T13:00:00Z" in md and "blog/S=4096" in md.split("## Targets", 1)[0]
+
+
+def test_merge_json_replaces_host_tables_too():
+    base = synthetic_result(True)
+    base["host"] = [{"id": "host/a", "rows": ["old a"]}, {"id": "host/b", "rows": ["old b"]}]
+    later = {"created": "later", "cases": [], "host": [{"id": "host/b", "rows": ["new b"]},
+                                                       {"id": "host/c", "rows": ["new c"]}]}
+    merged = report.merge_results(base, later)
+    assert [h["rows"] for h in merged["host"]] == [["old a"], ["new b"], ["new c"]]
+    assert merged["cases"] == base["cases"] and merged["merged"][-1]["cases"] == ["host/b", "host/c"]
 
 
 def test_targets_only(tmp_path, capsys):
@@ -604,6 +615,48 @@ def test_host_timing_falls_back_to_an_idle_gpu_when_a_burst_outlasts_the_hold():
 def test_host_timing_without_a_hold():
     clock = timing.Clock(None, _Stream([]), quick=True)
     assert clock.host([lambda: None])["held"] is False
+
+
+def test_host_rows_take_their_samples_in_turns():
+    """Every row's samples spread over the same stretch of time: after each row's warm-up and
+    first sample, one sample of each row per round, so the rows' ratios compare calls and not
+    a fast stretch of the host against a slow one."""
+    log: list = []
+    clock = timing.Clock(None, _Stream(log), quick=True)
+    clock.HOLD_MARGIN_US = 20_000.0
+    clock.hold = lambda us: log.append(("hold", us))
+    res = clock.host_rows([[lambda: log.append("a")], [lambda: log.append("b")], [lambda: log.append("c")]])
+    assert [r["held"] for r in res] == [True] * 3
+    assert all(r["reps"] == clock.reps == len(r["samples_us"]) for r in res)
+    bursts = []  # the row of each held burst, in order
+    for i, e in enumerate(log):
+        if isinstance(e, tuple):
+            burst = log[i + 1:i + 1 + clock.HOST_BURST]
+            assert len(set(burst)) == 1, "a burst mixed rows"
+            bursts.append(burst[0])
+    per_sample = [res[k]["calls"] // clock.HOST_BURST for k in range(3)]
+    first = "a" * per_sample[0] + "b" * per_sample[1] + "c" * per_sample[2]
+    assert "".join(bursts) == first * clock.reps
+
+
+def test_host_rows_record_a_failing_row_and_measure_the_others():
+    log: list = []
+    clock = timing.Clock(None, _Stream(log), quick=True)
+    calls = [0]
+
+    def flaky():
+        calls[0] += 1
+        if calls[0] > 300:
+            raise RuntimeError("the launch failed")
+
+    def broken():
+        raise ValueError("bad argument")
+
+    res = clock.host_rows([[lambda: None], [flaky], [broken], [lambda: None]])
+    assert isinstance(res[1], RuntimeError) and isinstance(res[2], ValueError)
+    assert res[0]["reps"] == res[3]["reps"] == clock.reps and res[0]["held"] is False
+    with pytest.raises(ValueError, match="bad argument"):
+        clock.host([broken])
 
 
 def _engine_records(fused_prefill_us: float, fused_decode_us: float) -> list:

@@ -33,8 +33,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--docs-dir", metavar="DIR", help="where --write-docs writes (default: the checkout's docs/)")
     p.add_argument("--from-json", metavar="PATH", help="re-render a saved run (tables, targets, plot, docs); needs no GPU")
     p.add_argument("--merge-json", metavar="PATH",
-                   help="with --from-json: replace that run's cases by the same cases of a later run (each case "
-                        "keeps its own copy ceiling and peers); the docs list what was replaced")
+                   help="with --from-json: replace that run's cases, host-cost tables and engine records by the "
+                        "same ones of a later run (each keeps its own copy ceiling and peers); the docs list "
+                        "what was replaced")
     p.add_argument("--targets", action="store_true", help="print only the target summary (PASS/MISS) at the end")
     p.add_argument("--list", action="store_true", help="list the selected cases and exit")
     p.add_argument("--compile-budget", type=float, metavar="S",

@@ -583,11 +583,14 @@ METHOD_MD = """\
 - **Regimes**: *hot* = CUDA events around back-to-back calls on the same buffers; *cold* =
   rotating among buffer sets totalling more than 4x the L2 (the same as hot when one set
   already does; marked * where the 4096-set cap leaves it partial); *graph* / *graph cold* =
-  GPU time per call under CUDA-graph replay of captured calls; *host* = wall time per call of
-  Python loops of 100 calls, each issued behind a GPU kernel that outlasts it (`bench_spin`, on
-  a stream synchronised first, untimed), so that no call waits for the GPU; calls that
-  synchronise with the GPU cannot be timed that way and are timed from an idle stream. Figures are medians of repeated samples
-  after a warm-up, on random data (never zeros).
+  GPU time per call under CUDA-graph replay of captured calls (a peer's output of each buffer
+  set kept alive with the graph, so that it writes a buffer per set as ours do); *host* = wall
+  time per call of Python loops of 100 calls, each issued behind a GPU kernel that outlasts it
+  (`bench_spin`, on a stream synchronised first, untimed), so that no call waits for the GPU;
+  calls that synchronise with the GPU cannot be timed that way and are timed from an idle
+  stream. The rows of a host-cost table take their samples in turns, so each row's median
+  covers the same stretch of time. Figures are medians of repeated samples after a warm-up, on
+  random data (never zeros).
 - **Copy kernel** (tail cases): a one-thread-per-16-bytes copy kernel over the copy's buffers.
   At small sizes launch and memory latency, not bandwidth, set every kernel's time, and this
   column shows how close the simplest kernel comes to the memcpy there.
@@ -603,16 +606,22 @@ METHOD_MD = """\
 
 
 def merge_results(base: dict, later: dict) -> dict:
-    """``base`` with each case that ``later`` measured replaced by ``later``'s record of it (which
-    holds its own copy ceiling and peers, measured beside it). The replacement is recorded in
-    ``merged`` so the rendered page says which rows come from which run."""
-    new = {c["id"]: c for c in later.get("cases", [])}
-    replaced = [c["id"] for c in base.get("cases", []) if c["id"] in new]
-    added = [i for i in new if i not in replaced]
+    """``base`` with each record that ``later`` measured replaced by ``later``'s record of it: a
+    case (which holds its own copy ceiling and peers, measured beside it), a host-cost table or
+    an engine record (each with its own references). The replacement is recorded in ``merged``
+    so the rendered page says which rows come from which run."""
     out = dict(base)
-    out["cases"] = [new.get(c["id"], c) for c in base.get("cases", [])] + [new[i] for i in added]
+    ids: list[str] = []
+    for section in ("cases", "host", "engine"):
+        new = {c["id"]: c for c in later.get(section) or []}
+        if not new:
+            continue
+        replaced = [c["id"] for c in base.get(section) or [] if c["id"] in new]
+        added = [i for i in new if i not in replaced]
+        out[section] = [new.get(c["id"], c) for c in base.get(section) or []] + [new[i] for i in added]
+        ids += replaced + added
     out["merged"] = list(base.get("merged", [])) + [{
-        "created": later.get("created"), "command": later.get("command"), "cases": replaced + added,
+        "created": later.get("created"), "command": later.get("command"), "cases": ids,
         "gpu": later.get("env", {}).get("gpu")}]
     return out
 

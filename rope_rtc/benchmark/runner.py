@@ -372,15 +372,17 @@ def _host_record(ctx, ident: str, case: Case, items: list) -> dict:
     rec = {"id": ident, "group": "host", "params": case.params(), "bytes_moved": case.bytes_moved(),
            "footprint": case.footprint(), "sets": {}, "cold_exact": False, "small": True, "rows": []}
     print(f"\n[{ident}]", flush=True)
-    for name, fns in items:
+    # The rows' samples in turns (Clock.host_rows): their ratios compare calls, not stretches of time.
+    results = ctx.clock.host_rows([fns for _, fns in items])
+    for (name, _), res in zip(items, results):
         row = {"impl": name, "layout": case.layout, "check": "-", "note": "", "timings": {}}
-        try:
-            row["timings"]["host"] = ctx.clock.host(fns)
-            print(f"  {name:<66} {row['timings']['host']['us']:8.2f} µs/call", flush=True)
-        except Exception as exc:
-            row["check"] = f"error: {type(exc).__name__}: {exc}"[:300]
+        if isinstance(res, BaseException):
+            row["check"] = f"error: {type(res).__name__}: {res}"[:300]
             print(f"  {name:<66} {row['check']}", flush=True)
             _recover(ctx)
+        else:
+            row["timings"]["host"] = res
+            print(f"  {name:<66} {res['us']:8.2f} µs/call", flush=True)
         rec["rows"].append(row)
     return rec
 

@@ -103,40 +103,82 @@ class Clock:
     hold = None  # ``hold(us)``: keep the stream's GPU busy for ``us`` µs (runner.GpuHold); None: no hold
 
     def host(self, fns: list) -> dict:
-        """Host time per call: the wall time of bursts of calls, per call.
+        """Host time per call of one row (:meth:`host_rows`); raises what a call raised."""
+        res = self.host_rows([fns])[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def host_rows(self, rows: list[list]) -> list:
+        """Host time per call of each row (a list of callables, taken round-robin): the wall time
+        of bursts of calls, per call; per row a result dict, or the exception one of its calls
+        raised (the row is dropped from then on).
 
         Before each burst the stream is synchronised (untimed) and, when ``hold`` is set, a GPU
         kernel that outlasts the burst is enqueued: the calls queue behind it, so none of them
         waits for the GPU. Without it a call whose GPU work outlasts its host work (a graph launch
         on a slow GPU clock, say) makes later calls of the burst wait, and the figure would be GPU
         time. A burst that lasts as long as the hold waited for it (a call that synchronises):
-        such calls are measured from an idle GPU instead (``held`` False in the result). The
-        sample is the sum over the bursts / calls."""
-        rot = Rotation(fns)
-        sync = self.stream.synchronize
-        with _no_gc():
-            self._warm(rot)
-            seq = rot.take(20)
-            sync()
-            t0 = time.perf_counter()
-            for f in seq:
-                f()
-            est = (time.perf_counter() - t0) / 20
-            sync()
-            calls = max(self.HOST_BURST, -(-self._calls(est) // self.HOST_BURST) * self.HOST_BURST)
-            hold_us = self.HOST_BURST * est * 1e6 * self.HOLD_FACTOR + self.HOLD_MARGIN_US
-            samples = self._host_samples(rot, calls, hold_us) if self.hold is not None else None
-            held = samples is not None
-            if samples is None:
-                samples = self._host_samples(rot, calls, None)
-            sync()
-        return {**self._stats(samples, calls, self.reps, 1, len(fns)), "held": held}
+        such calls are measured from an idle GPU instead (``held`` False in the result).
 
-    def _host_samples(self, rot: Rotation, calls: int, hold_us: float | None) -> list[float] | None:
+        The rows' samples are taken in turns, one sample of each row per round, so that every
+        row's median covers the same stretch of time: on a shared host the time per call of the
+        same code moved by up to 2x from one stretch of ~0.1 s to the next, and rows measured one
+        after the other compared stretches, not calls."""
+        rots = [Rotation(fns) for fns in rows]
+        sync = self.stream.synchronize
+        plans: list = []  # per row: [calls, hold µs or None], or the exception
+        samples: list[list[float]] = [[] for _ in rows]
+        with _no_gc():
+            for rot, got in zip(rots, samples):
+                try:
+                    self._warm(rot)
+                    seq = rot.take(20)
+                    sync()
+                    t0 = time.perf_counter()
+                    for f in seq:
+                        f()
+                    est = (time.perf_counter() - t0) / 20
+                    sync()
+                    calls = max(self.HOST_BURST, -(-self._calls(est) // self.HOST_BURST) * self.HOST_BURST)
+                    hold_us = self.HOST_BURST * est * 1e6 * self.HOLD_FACTOR + self.HOLD_MARGIN_US
+                    plan = [calls, hold_us if self.hold is not None else None]
+                    self._one_sample(rot, plan, got)  # the first sample says whether holding works
+                    plans.append(plan)
+                except Exception as exc:  # noqa: BLE001 - recorded per row
+                    plans.append(exc)
+                    sync_quietly(self.stream)
+            for _ in range(self.reps - 1):
+                for i, rot in enumerate(rots):
+                    if isinstance(plans[i], BaseException):
+                        continue
+                    try:
+                        self._one_sample(rot, plans[i], samples[i])
+                    except Exception as exc:  # noqa: BLE001 - recorded per row
+                        plans[i] = exc
+                        sync_quietly(self.stream)
+            sync()
+        return [plan if isinstance(plan, BaseException) else
+                {**self._stats(got, plan[0], len(got), 1, len(fns)), "held": plan[1] is not None}
+                for plan, got, fns in zip(plans, samples, rows)]
+
+    def _one_sample(self, rot: Rotation, plan: list, samples: list) -> None:
+        """Append one sample (seconds per call over ``plan[0]`` calls) to ``samples``. A held burst
+        that lasted as long as the hold: the row is measured from an idle GPU from now on, its
+        held samples dropped."""
+        calls, hold_us = plan
+        got = self._host_samples(rot, calls, hold_us, 1)
+        if got is None:
+            plan[1] = None
+            samples.clear()
+            got = self._host_samples(rot, calls, None, 1)
+        samples += got
+
+    def _host_samples(self, rot: Rotation, calls: int, hold_us: float | None, reps: int) -> list[float] | None:
         """Seconds per call of each rep; None when a burst lasted as long as the GPU was held."""
         sync, burst = self.stream.synchronize, self.HOST_BURST
         samples = []
-        for _ in range(self.reps):
+        for _ in range(reps):
             total = 0.0
             for _ in range(calls // burst):
                 seq = rot.take(burst)
@@ -152,6 +194,12 @@ class Clock:
                 total += dt
             samples.append(total / calls)
         return samples
+
+
+def sync_quietly(stream) -> None:
+    """Synchronise ``stream`` after a failed call, ignoring what that raises."""
+    with contextlib.suppress(Exception):
+        stream.synchronize()
 
 
 def capture_cupy(stream, seq: list):
