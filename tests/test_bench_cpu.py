@@ -659,6 +659,67 @@ def test_host_rows_record_a_failing_row_and_measure_the_others():
         clock.host([broken])
 
 
+def _host_run(values: dict) -> list[dict]:
+    """One process's host-cost records: {(record id, impl): µs or None (an error)}."""
+    recs: dict = {}
+    for (rid, impl), us in values.items():
+        row = {"impl": impl, "layout": "thd", "check": "-", "note": "", "timings": {}}
+        if us is None:
+            row["check"] = "error: RuntimeError: failed"
+        else:
+            row["timings"]["host"] = {"us": us, "min_us": us, "samples_us": [us], "held": True}
+        recs.setdefault(rid, {"id": rid, "group": "host", "rows": []})["rows"].append(row)
+    return list(recs.values())
+
+
+def test_host_processes_combine_to_the_median_process_per_row():
+    a, b = "host/one-call", "host/tail"
+    runs = [_host_run({(a, "execute"): 3.5, (a, "one call"): 7.0, (b, "tail"): None}),
+            _host_run({(a, "execute"): 6.4, (a, "one call"): 13.0, (b, "tail"): 9.0}),
+            _host_run({(a, "execute"): 3.1, (a, "one call"): 7.2, (b, "tail"): 16.0})]
+    out = runner.combine_host_runs(runs)
+    assert [r["id"] for r in out] == [a, b] and out[0]["processes"] == 3
+    got = {(rec["id"], row["impl"]): row["timings"].get("host") for rec in out for row in rec["rows"]}
+    assert got[(a, "execute")]["us"] == 3.5 and got[(a, "execute")]["processes_us"] == [3.1, 3.5, 6.4]
+    assert got[(a, "one call")]["us"] == 7.2
+    assert got[(b, "tail")]["us"] == 9.0 and got[(b, "tail")]["processes_us"] == [9.0, 16.0]
+    only_errors = runner.combine_host_runs([_host_run({(b, "tail"): None})])
+    assert only_errors[0]["rows"][0]["check"].startswith("error") and not only_errors[0]["rows"][0]["timings"]
+    assert runner.combine_host_runs([]) == []
+    table = report.host_table({"host": out})
+    assert table[0][-1] == "each process" and table[1][2:] == ["3.50", "3.10, 3.50, 6.40"]
+
+
+def test_host_section_runs_in_fresh_processes(monkeypatch):
+    """Without the child switch the section runs ``--cases host`` in HOST_PROCESSES processes with
+    the switch set and the checkout on the path; a process that fails is listed and skipped."""
+    import argparse
+    import subprocess
+
+    seen = []
+
+    def fake_run(cmd, env, capture_output, text, timeout):
+        seen.append((cmd, env))
+        i = len(seen)
+        if i == 2:
+            return subprocess.CompletedProcess(cmd, 1, "", "CUDA_ERROR_OUT_OF_MEMORY")
+        path = cmd[cmd.index("--json") + 1]
+        report.write_json({"host": _host_run({("host/x", "execute"): float(i)})}, __import__("pathlib").Path(path))
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(runner.subprocess, "run", fake_run)
+    skips: list = []
+    args = argparse.Namespace(device=0, seed=7, quick=True)
+    out = runner.run_host_processes(args, skips, n=3)
+    assert len(seen) == 3
+    for cmd, env in seen:
+        assert env[runner.HOST_CHILD_ENV] == "1"
+        assert cmd[cmd.index("--cases") + 1] == "host" and "--quick" in cmd and cmd[cmd.index("--seed") + 1] == "7"
+        assert str(__import__("pathlib").Path(runner.__file__).resolve().parents[2]) in env["PYTHONPATH"]
+    assert len(skips) == 1 and "host process 2 failed" in skips[0] and "OUT_OF_MEMORY" in skips[0]
+    assert out[0]["rows"][0]["timings"]["host"]["processes_us"] == [1.0, 3.0]
+
+
 def _engine_records(fused_prefill_us: float, fused_decode_us: float) -> list:
     def row(impl, t, check="bit-exact (= the two-step sequence)"):
         return {"impl": impl, "layout": "-", "check": check, "note": "", "timings": t}

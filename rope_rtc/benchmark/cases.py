@@ -63,6 +63,7 @@ ONE_CALL_PLAN_RATIO = 2.0       # ... and at most this many times RopePlan.execu
 TAIL_ONE_CALL_HOST_US = 10.0    # tail_rope, output allocation included
 ONE_CALL_PREFILL_POINTS = 1.0   # one-call prefill within this many points of the plan's % of copy
 ONE_CALL_POOL = 64              # distinct array sets cycled for the one-call host rows
+HOST_PROCESSES = 3              # fresh processes that each measure the host-cost section (median per row)
 KV_FUSED_PREFILL_PCT = 95.0     # RoPE fused with the KV-cache write, prefill, % of a copy of its bytes
 MROPE_PREFILL_PCT = 95.0        # multimodal RoPE, prefill, % of a copy of its bytes
 MROPE_DECODE_EXTRA_US = 0.1     # multimodal RoPE decode GPU time, at most plain RoPE's plus this

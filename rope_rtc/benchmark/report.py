@@ -143,11 +143,16 @@ def _cell_reference(case_rec: dict, row: dict | None, regime: str = "cold*") -> 
 
 
 def host_table(result: dict) -> list[list[str]]:
-    rows = [["shape", "call", "host µs/call"]]
+    """The host-cost rows: the median process's µs per call, and each process's where several
+    measured it (runner.run_host_processes)."""
+    several = any(rec.get("processes", 1) > 1 for rec in result.get("host", []))
+    rows = [["shape", "call", "host µs/call"] + (["each process"] if several else [])]
     for rec in result.get("host", []):
         for r in rec["rows"]:
             us = timing(r, "host")
-            rows.append([rec["id"].removeprefix("host/"), r["impl"], "-" if us is None else f"{us:.2f}"])
+            each = (r["timings"].get("host") or {}).get("processes_us", [])
+            rows.append([rec["id"].removeprefix("host/"), r["impl"], "-" if us is None else f"{us:.2f}"]
+                        + ([", ".join(f"{u:.2f}" for u in each) or "-"] if several else []))
     return rows
 
 
@@ -629,8 +634,8 @@ def merge_results(base: dict, later: dict) -> dict:
 def _merged_note(result: dict) -> list[str]:
     lines = []
     for m in result.get("merged", []):
-        lines += [f"Rows of these cases come from a later run, **{m.get('created')}** on {m.get('gpu')} "
-                  f"(`{m.get('command')}`), each with its own copy ceiling and peers: "
+        lines += [f"Rows of these records come from a later run, **{m.get('created')}** on {m.get('gpu')} "
+                  f"(`{m.get('command')}`), each measured beside its own references (copy, peers): "
                   f"{', '.join(m.get('cases', []))}.", ""]
     return lines
 
@@ -679,7 +684,9 @@ def render_markdown(result: dict | None) -> str:
         "GPU µs under graph replay and host µs for small shapes; the copy kernel is the naive one-thread-per-16-bytes "
         "reference. * partial cold footprint.", "",
         markdown_table(tail_table(result)), "",
-        "## Host cost", "", markdown_table(host_table(result)), "",
+        "## Host cost", "", "Host µs per call, Python loops of 100 calls queued behind a GPU kernel, the rows "
+        "of each table sampled in turns; measured in several fresh processes (median process, each process "
+        "beside it) where the column says so.", "", markdown_table(host_table(result)), "",
         "## Engine interfaces", "",
         "RoPE fused with the paged KV-cache write (`RopeCachePlan`; Hq=32, Hkv=8, D=128, `nhd` cache, blocks "
         "of 16 tokens in a random order, random positions, q and k in place) beside the two-step sequence and "
