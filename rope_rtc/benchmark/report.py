@@ -594,7 +594,8 @@ METHOD_MD = """\
   (`bench_spin`, on a stream synchronised first, untimed), so that no call waits for the GPU;
   calls that synchronise with the GPU cannot be timed that way and are timed from an idle
   stream. The rows of a host-cost table take their samples in turns, so each row's median
-  covers the same stretch of time. Figures are medians of repeated samples after a warm-up, on
+  covers the same stretch of time, and the host-cost section runs in three fresh processes, each
+  row reporting the median process (host speed differed by up to 1.8x between processes). Figures are medians of repeated samples after a warm-up, on
   random data (never zeros).
 - **Copy kernel** (tail cases): a one-thread-per-16-bytes copy kernel over the copy's buffers.
   At small sizes launch and memory latency, not bandwidth, set every kernel's time, and this

@@ -23,8 +23,8 @@ import numpy as np
 
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
-from .cases import (BIG_COPY_MOVED, HOST_PROCESSES, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
-                    GRAPH_HOT_CALLS, ONE_CALL_POOL, SCHEMA,
+from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
+                    GRAPH_HOT_CALLS, HOST_PROCESSES, ONE_CALL_POOL, SCHEMA,
                     SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
 from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
 from .report import ROW_HEADER, format_row, write_json
@@ -451,7 +451,7 @@ def combine_host_runs(runs: list[list[dict]]) -> list[dict]:
                 rows.append(row)
                 continue
             found.sort(key=lambda f: f[0])
-            us, chosen = found[(len(found) - 1) // 2]
+            chosen = found[(len(found) - 1) // 2][1]
             rows.append(dict(chosen, timings=dict(chosen["timings"], host=dict(
                 chosen["timings"]["host"], processes_us=[round(f[0], 4) for f in found]))))
         out.append(dict(rec, rows=rows, processes=len(runs)))
