@@ -10,6 +10,7 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
 - :func:`apply_qk_norm_rope`, :class:`QKNormRopePlan` — per-head RMSNorm fused with RoPE (Qwen3, Gemma 3)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
+- :func:`release_outputs` — drop the small outputs this thread keeps for recycling
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _EXPORTS = {
     "tail_rope": "tail",
     "TensorDesc": "descriptors",
     "TupleDict": "descriptors",
+    "release_outputs": "launch",
     "RopeRtcError": "errors",
     "NoDeviceError": "errors",
     "UnsupportedLayoutError": "errors",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import threading
 import warnings
 
@@ -411,11 +412,95 @@ def cupy_stream(handle: int):
 
 
 def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = False):
-    """A new C-contiguous CuPy array on ``device``, allocated in the order of raw stream ``stream``
-    (CuPy's pool reuses memory in the order of the stream it was allocated on). For the outputs
-    the one-call functions allocate. ``current``: ``stream`` is the current stream of ``device``
-    (the caller passed no stream); with one visible device that is the common case, and CuPy's
-    own defaults already say it."""
+    """A C-contiguous CuPy array on ``device`` for an output that a one-call function allocates,
+    in the order of raw stream ``stream`` (CuPy's pool reuses memory in the order of the stream it
+    was allocated on). ``current``: ``stream`` is the current stream of ``device`` (the caller
+    passed no stream); with one visible device that is the common case, and CuPy's own defaults
+    already say it.
+
+    Small outputs are recycled: the thread keeps the last outputs of each (shape, dtype, device,
+    stream, allocator), and an output the caller no longer references anywhere (only this cache
+    holds it) is handed out again instead of a new one. That is the reuse CuPy's pool would make of
+    the same memory once the array is freed (in the order of the same stream), without the pool's
+    allocation, array construction and free: about 3 µs of host time per output on the H200 host
+    (docs/performance.md). :func:`release_outputs` drops the calling thread's."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > RECYCLE_BYTES or not nbytes or not _FREE_REFS:
+        return _new_array(shape, dtype, device, stream, current)
+    if not _EMPTY:
+        _import_empty()
+    key = (shape, dtype, device, stream, _EMPTY[0][1]())
+    try:
+        kept = _recycled.by_key
+    except AttributeError:
+        kept = _recycled.by_key = {}
+    slot = kept.get(key)
+    if slot is not None:
+        arr = _idle(slot, _FREE_REFS)
+        # The caller may have reshaped it in place (``a.shape = ...``) before letting it go.
+        if arr is not None and arr.shape == shape and arr._c_contiguous and arr.dtype == dtype:
+            return arr
+    arr = _new_array(shape, dtype, device, stream, current)
+    if slot is None:
+        remember(kept, key, [arr], RECYCLE_KEYS)
+    else:
+        if len(slot) >= RECYCLE_PER_KEY:
+            del slot[0]
+        slot.append(arr)
+    return arr
+
+
+# Outputs of at most this many bytes are recycled (``allocate``): the sizes whose GPU time is
+# shorter than the host time an allocation costs. Each thread keeps at most RECYCLE_PER_KEY
+# outputs for each of RECYCLE_KEYS signatures: 16 MiB at most.
+RECYCLE_BYTES = 1 << 20
+RECYCLE_KEYS = 8
+RECYCLE_PER_KEY = 2  # q_out and k_out of one call can share a key
+_recycled = threading.local()
+
+
+def release_outputs() -> None:
+    """Drop the outputs the calling thread keeps for recycling (see :func:`allocate`), so that
+    their memory goes back to CuPy's pool once nothing else references them."""
+    _recycled.__dict__.clear()
+
+
+def _idle(slot: list, free_refs: int):
+    """The first array of ``slot`` that nothing but ``slot`` references, or None.
+
+    ``free_refs`` is what ``sys.getrefcount`` reports here for such an array, measured once on
+    this interpreter through this same function (``_calibrate``)."""
+    for arr in slot:
+        if _getrefcount(arr) <= free_refs:
+            return arr
+    return None
+
+
+def _calibrate() -> int:
+    """``_idle``'s reference count of an array that only its slot holds; 0 (no recycling) where
+    reference counts do not say that (a free-threaded build), or where an array that the caller
+    still holds would pass for free."""
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    if is_gil_enabled is not None and not is_gil_enabled():
+        return 0
+
+    class Probe:
+        pass
+
+    slot = [Probe()]
+    free = next((n for n in range(1, 8) if _idle(slot, n) is not None), 0)
+    held = slot[0]
+    if free and _idle(slot, free) is not None:
+        return 0
+    del held
+    return free
+
+
+_getrefcount = sys.getrefcount
+_FREE_REFS = _calibrate()
+
+
+def _new_array(shape: tuple, dtype, device: int, stream: int, current: bool):
     if current and single_device():
         return empty(shape, dtype)
     import cupy
@@ -432,6 +517,12 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
 _EMPTY: list = []  # (cupy.ndarray, cupy.cuda.get_allocator, cupy.empty), once CuPy is imported
 
 
+def _import_empty() -> None:
+    import cupy
+
+    _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty))
+
+
 def empty(shape: tuple, dtype):
     """``cupy.empty(shape, dtype)`` on the current device and stream, from the current allocator
     (``cupy.cuda.get_allocator()``: the default pool, or what the caller set with
@@ -440,9 +531,7 @@ def empty(shape: tuple, dtype):
     loop on the H200 host, about 0.5 µs with work queued (docs/performance.md); an empty shape
     takes ``cupy.empty`` itself."""
     if not _EMPTY:
-        import cupy
-
-        _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty))
+        _import_empty()
     nd, get_allocator, cupy_empty = _EMPTY[0]
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:

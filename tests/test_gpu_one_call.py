@@ -139,6 +139,63 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
                               bits(tail_rope_reference(cp.asnumpy(x), cp.asnumpy(c), cp.asnumpy(s))))
 
 
+def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
+    """An output the caller let go of comes back from the next call of its signature (the same
+    memory, poisoned with NaN bits in between): every element is written again, bit-equal to a
+    plan's result. An output the caller still holds is never handed out, and its contents stay."""
+    import rope_rtc
+    from rope_rtc.reference import tail_rope_reference
+
+    cos_h, sin_h = host_tables(ROWS, D // 2, 2)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    qs = [cp.asarray(host_random((B, 1, HQ, D), BF16, seed=20 + i)) for i in range(2)]
+    ks = [cp.asarray(host_random((B, 1, HK, D), BF16, seed=30 + i)) for i in range(2)]
+    starts = cp.asarray(np.arange(B, dtype=np.int32) * 100)
+    want = []
+    for q, k in zip(qs, ks):
+        wq, wk = (cp.full_like(a, np.nan) for a in (q, k))
+        rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=wq, k_out=wk).compile().execute(
+            q, k, cos, sin, offset=starts, q_out=wq, k_out=wk)
+        want.append((bits(cp.asnumpy(wq)), bits(cp.asnumpy(wk))))
+    x = [cp.asarray(host_random((4, 8, 512), BF16, seed=40 + i)) for i in range(2)]
+    ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
+    c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    want_tail = [bits(tail_rope_reference(cp.asnumpy(xi), cp.asnumpy(c), cp.asnumpy(s))) for xi in x]
+    stream = cp.cuda.get_current_stream()
+
+    def poison(*arrays):
+        for a in arrays:
+            cp.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, stream.ptr)
+
+    for i in (0, 1, 0):
+        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts)
+        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts)
+        to = rope_rtc.tail_rope(x[i], c, s)["out"]
+        ptrs = [a.data.ptr for a in (qo, ko, xo, to)]
+        poison(qo, ko, xo, to)
+        del qo, ko, xo, to
+        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts)
+        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts)
+        to = rope_rtc.tail_rope(x[i], c, s)["out"]
+        assert sorted(a.data.ptr for a in (qo, ko, xo)) == sorted(ptrs[:3]) and to.data.ptr == ptrs[3], \
+            "the outputs were not recycled"
+        for got, w in ((qo, want[i][0]), (ko, want[i][1]), (xo, want[i][0]), (to, want_tail[i])):
+            assert got.flags.c_contiguous and np.array_equal(bits(cp.asnumpy(got)), w)
+        # Held: the next calls get other memory and leave these alone.
+        held = [(a, a.data.ptr, bits(cp.asnumpy(a))) for a in (qo, ko, xo, to)]
+        j = 1 - i
+        qn, kn = rope_rtc.apply_rope_qk(qs[j], ks[j], cos, sin, offset=starts)
+        xn = rope_rtc.apply_rope(qs[j], cos, sin, offset=starts)
+        tn = rope_rtc.tail_rope(x[j], c, s)["out"]
+        assert not {a.data.ptr for a in (qn, kn, xn, tn)} & {p for _, p, _ in held}
+        for got, w in ((qn, want[j][0]), (kn, want[j][1]), (xn, want[j][0]), (tn, want_tail[j])):
+            assert np.array_equal(bits(cp.asnumpy(got)), w)
+        for a, _, before in held:
+            assert np.array_equal(bits(cp.asnumpy(a)), before)
+        del qo, ko, xo, to, qn, kn, xn, tn, held
+    rope_rtc.release_outputs()
+
+
 def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
     import rope_rtc
 

@@ -5,7 +5,9 @@ that remain on new arrays of a signature seen before."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -545,3 +547,108 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     assert asked == [65536, -60] and not made
     z = launch.empty((0, 4), np.dtype(np.float32))
     assert made == [(0, 4)] and z.memptr is None and asked == [65536, -60]
+
+
+class _Out:
+    """A stand-in for an allocated output: what ``launch.allocate`` looks at."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype, self._c_contiguous = shape, dtype, True
+
+
+@pytest.fixture
+def recycling(monkeypatch):
+    """``launch.allocate`` over a counted (weakly referenced) stand-in allocation, with an allocator to switch and an
+    empty recycling cache."""
+    from rope_rtc import launch
+
+    made = []
+    allocator = [lambda n: None]
+
+    def new_array(shape, dtype, device, stream, current):
+        out = _Out(shape, dtype)
+        made.append(weakref.ref(out))  # counted, not held
+        return out
+
+    monkeypatch.setattr(launch, "_new_array", new_array)
+    monkeypatch.setattr(launch, "_EMPTY", [(None, lambda: allocator[0], None)])
+    monkeypatch.setattr(launch, "_recycled", threading.local())
+    return launch, made, allocator
+
+
+def test_an_output_nothing_references_is_handed_out_again(recycling):
+    """A small output the caller has let go of comes back from the next call of its signature
+    without a new allocation; one the caller (or a view, a list, anything) still references
+    never does, so a live result is never overwritten."""
+    launch, made, _ = recycling
+    shape, dt = (8, 1, 32, 128), BF16
+    a = launch.allocate(shape, dt, 0, 7)
+    first = id(a)
+    del a
+    b = launch.allocate(shape, dt, 0, 7)
+    assert id(b) == first and len(made) == 1
+    c = launch.allocate(shape, dt, 0, 7)  # b is held: a new one
+    assert c is not b and len(made) == 2
+    holder = [b, c]
+    del b, c
+    d = launch.allocate(shape, dt, 0, 7)  # both held by the list
+    assert all(d is not x for x in holder) and len(made) == 3
+    del holder, d
+    # Two outputs of one call with the same key (q_out and k_out of equal shapes) both come back.
+    e, f = launch.allocate(shape, dt, 0, 7), launch.allocate(shape, dt, 0, 7)
+    assert e is not f and len(made) == 3
+
+
+def test_recycling_keys_on_stream_device_allocator_and_shape(recycling):
+    """An output is only reused in the order of the stream, on the device and from the allocator
+    it was made with, at its shape and dtype; an output reshaped in place by the caller is not."""
+    launch, made, allocator = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    a = launch.allocate(shape, dt, 0, 7)
+    ident = id(a)
+    a.shape = (64, 4)  # the caller reshaped it in place, then let it go
+    del a
+    for args in (((4, 64), dt, 0, 8), ((4, 64), dt, 1, 7), ((4, 64), np.dtype(np.float16), 0, 7), (shape, dt, 0, 7)):
+        out = launch.allocate(*args)
+        assert id(out) != ident
+        del out
+    n = len(made)
+    allocator[0] = lambda nbytes: None  # another allocator (a using_allocator block)
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n + 1
+    del out
+    assert launch.allocate(shape, dt, 0, 7) is made[-1]()
+
+
+def test_large_outputs_are_not_kept_and_release_drops_the_rest(recycling):
+    """Outputs above ``RECYCLE_BYTES`` are never kept (their GPU time hides an allocation);
+    ``release_outputs`` lets go of the small ones."""
+    launch, made, _ = recycling
+    big = (launch.RECYCLE_BYTES // 4 + 1,)
+    a = launch.allocate(big, np.dtype(np.float32), 0, 7)
+    del a
+    launch.allocate(big, np.dtype(np.float32), 0, 7)
+    assert len(made) == 2
+    a = launch.allocate((16,), np.dtype(np.float32), 0, 7)
+    del a
+    import rope_rtc
+
+    rope_rtc.release_outputs()
+    launch.allocate((16,), np.dtype(np.float32), 0, 7)
+    assert len(made) == 4
+
+
+def test_recycling_calibrates_its_reference_count(monkeypatch):
+    """The free reference count is measured on this interpreter through the function that uses
+    it; a free-threaded build (whose reference counts are approximate) gets no recycling."""
+    from rope_rtc import launch
+
+    free = launch._calibrate()
+    assert free > 0
+    slot = [_Out((1,), BF16)]
+    assert launch._idle(slot, free) is slot[0]
+    held = slot[0]
+    assert launch._idle(slot, free) is None
+    del held
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    assert launch._calibrate() == 0
