@@ -124,12 +124,16 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
     x = cp.asarray(host_random((4, 8, 512), BF16, seed=5))
     ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
     c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    kept = []  # every result stays referenced, so none is recycled (the test below covers that)
     for _ in range(3):  # the first call and the repeat path
         sizes.clear()
         with cp.cuda.using_allocator(poisoned):
             qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+            kept += [qo, ko]
             xo = rope_rtc.apply_rope(q, cos, sin, offset=starts)
+            kept.append(xo)
             to = rope_rtc.tail_rope(x, c, s)["out"]
+            kept.append(to)
         assert sizes == [q.nbytes, k.nbytes, q.nbytes, x.nbytes]
         for got, want in ((qo, want_q), (ko, want_k), (xo, want_q)):
             assert got.flags.c_contiguous and got.shape == want.shape and got.dtype == want.dtype
