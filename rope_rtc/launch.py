@@ -13,6 +13,7 @@ import math
 import sys
 import threading
 import warnings
+import weakref
 
 from . import driver
 from .build import Binary, get_binary
@@ -419,27 +420,32 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     already say it.
 
     Small outputs are recycled: the thread keeps the last outputs of each (shape, dtype, device,
-    stream, allocator), and an output the caller no longer references anywhere (only this cache
-    holds it) is handed out again instead of a new one. That is the reuse CuPy's pool would make of
-    the same memory once the array is freed (in the order of the same stream), without the pool's
-    allocation, array construction and free: about 3 µs of host time per output on the H200 host
+    stream, allocator), and an output whose array, memory pointer and memory nothing but this
+    cache references (no view, no alias made from its pointer, no weak reference) is handed out
+    again instead of a new one. That is the reuse CuPy's pool would make of the same memory once
+    it is freed (in the order of the same stream), without the pool's allocation, array
+    construction and free: about 3 µs of host time per output on the H200 host
     (docs/performance.md). :func:`release_outputs` drops the calling thread's."""
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > RECYCLE_BYTES or not nbytes or not _FREE_REFS:
+    if nbytes > RECYCLE_BYTES or not nbytes or _FREE is None:
         return _new_array(shape, dtype, device, stream, current)
     if not _EMPTY:
         _import_empty()
-    key = (shape, dtype, device, stream, _EMPTY[0][1]())
+    # The allocator by identity: the key must not keep a caller's allocator (and its pool) alive.
+    key = (shape, dtype, device, stream, id(_EMPTY[0][1]()))
     try:
         kept = _recycled.by_key
     except AttributeError:
         kept = _recycled.by_key = {}
     slot = kept.get(key)
     if slot is not None:
-        arr = _idle(slot, _FREE_REFS)
-        # The caller may have reshaped it in place (``a.shape = ...``) before letting it go.
-        if arr is not None and arr.shape == shape and arr._c_contiguous and arr.dtype == dtype:
-            return arr
+        arr = _idle(slot, _FREE)
+        while arr is not None:
+            # The caller may have reshaped it in place (``a.shape = ...``) before letting it go.
+            if arr.shape == shape and arr._c_contiguous and arr.dtype == dtype:
+                return arr
+            slot.remove(arr)
+            arr = _idle(slot, _FREE)
     arr = _new_array(shape, dtype, device, stream, current)
     if slot is None:
         remember(kept, key, [arr], RECYCLE_KEYS)
@@ -452,10 +458,12 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
 
 # Outputs of at most this many bytes are recycled (``allocate``): the sizes whose GPU time is
 # shorter than the host time an allocation costs. Each thread keeps at most RECYCLE_PER_KEY
-# outputs for each of RECYCLE_KEYS signatures: 16 MiB at most.
+# outputs for each of RECYCLE_KEYS signatures: 32 MiB at most.
 RECYCLE_BYTES = 1 << 20
 RECYCLE_KEYS = 8
-RECYCLE_PER_KEY = 2  # q_out and k_out of one call can share a key
+# A loop that rebinds its results (``q, k = apply_rope_qk(...)``) still holds the last call's
+# outputs when it makes the next call; q_out and k_out of equal shapes share a key: four.
+RECYCLE_PER_KEY = 4
 _recycled = threading.local()
 
 
@@ -465,39 +473,59 @@ def release_outputs() -> None:
     _recycled.__dict__.clear()
 
 
-def _idle(slot: list, free_refs: int):
+def _idle(slot: list, free: tuple | None):
     """The first array of ``slot`` that nothing but ``slot`` references, or None.
 
-    ``free_refs`` is what ``sys.getrefcount`` reports here for such an array, measured once on
-    this interpreter through this same function (``_calibrate``)."""
+    ``free`` is what :func:`_counts` reports here for such an array (measured once on this
+    interpreter through this same function: ``_calibrate``); None returns the first array's
+    counts instead."""
     for arr in slot:
-        if _getrefcount(arr) <= free_refs:
+        counts = _counts(arr)
+        if free is None:
+            return counts
+        if counts == free:
             return arr
     return None
 
 
-def _calibrate() -> int:
-    """``_idle``'s reference count of an array that only its slot holds; 0 (no recycling) where
-    reference counts do not say that (a free-threaded build), or where an array that the caller
-    still holds would pass for free."""
-    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
-    if is_gil_enabled is not None and not is_gil_enabled():
-        return 0
+def _counts(arr) -> tuple:
+    """The reference counts of an array, its memory pointer and its memory, and its weak
+    references. What keeps an output's memory in use is any of them: a view holds the array, an
+    alias built on ``a.data`` (``as_strided``) the pointer, a pointer offset from it the memory."""
+    data = arr.data
+    mem = data.mem
+    return _getrefcount(arr), _getrefcount(data), _getrefcount(mem), _getweakrefcount(arr)
+
+
+def _calibrate() -> tuple | None:
+    """``_idle``'s counts of an array that only its slot holds, or None (no recycling) where
+    reference counts cannot say that: a free-threaded build, or an interpreter on which an array,
+    pointer or memory that something else still holds would pass for free."""
+    import sysconfig
+
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
 
     class Probe:
         pass
 
-    slot = [Probe()]
-    free = next((n for n in range(1, 8) if _idle(slot, n) is not None), 0)
-    held = slot[0]
-    if free and _idle(slot, free) is not None:
-        return 0
-    del held
-    return free
+    def probe():
+        arr, arr.data, arr.data.mem = Probe(), Probe(), Probe()
+        return arr
+
+    slot = [probe()]
+    free = _idle(slot, None)
+    for hold in (lambda a: a, lambda a: a.data, lambda a: a.data.mem, weakref.ref):
+        held = hold(slot[0])
+        if _idle(slot, free) is not None:
+            return None
+        del held
+    return free if _idle(slot, free) is slot[0] else None
 
 
 _getrefcount = sys.getrefcount
-_FREE_REFS = _calibrate()
+_getweakrefcount = weakref.getweakrefcount
+_FREE = _calibrate()
 
 
 def _new_array(shape: tuple, dtype, device: int, stream: int, current: bool):

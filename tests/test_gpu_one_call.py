@@ -144,9 +144,12 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
 
 
 def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
-    """An output the caller let go of comes back from the next call of its signature (the same
-    memory, poisoned with NaN bits in between): every element is written again, bit-equal to a
-    plan's result. An output the caller still holds is never handed out, and its contents stay."""
+    """An output the caller let go of comes back from the next call of its signature without an
+    allocation (the same memory, poisoned with NaN bits in between): every element is written
+    again, bit-equal to a plan's result. An output the caller still holds, or whose memory an
+    alias built on its pointer reaches (``as_strided``), is never handed out, and its contents stay."""
+    from cupy.lib.stride_tricks import as_strided
+
     import rope_rtc
     from rope_rtc.reference import tail_rope_reference
 
@@ -166,37 +169,56 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
     c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
     want_tail = [bits(tail_rope_reference(cp.asnumpy(xi), cp.asnumpy(c), cp.asnumpy(s))) for xi in x]
     stream = cp.cuda.get_current_stream()
+    pool = cp.get_default_memory_pool()
+    sizes: list[int] = []
+
+    def counting(nbytes):
+        sizes.append(nbytes)
+        return pool.malloc(nbytes)
 
     def poison(*arrays):
         for a in arrays:
             cp.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, stream.ptr)
 
-    for i in (0, 1, 0):
+    def calls(i):
         qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts)
-        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts)
-        to = rope_rtc.tail_rope(x[i], c, s)["out"]
-        ptrs = [a.data.ptr for a in (qo, ko, xo, to)]
-        poison(qo, ko, xo, to)
-        del qo, ko, xo, to
-        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts)
-        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts)
-        to = rope_rtc.tail_rope(x[i], c, s)["out"]
-        assert sorted(a.data.ptr for a in (qo, ko, xo)) == sorted(ptrs[:3]) and to.data.ptr == ptrs[3], \
-            "the outputs were not recycled"
-        for got, w in ((qo, want[i][0]), (ko, want[i][1]), (xo, want[i][0]), (to, want_tail[i])):
+        return qo, ko, rope_rtc.apply_rope(qs[i], cos, sin, offset=starts), rope_rtc.tail_rope(x[i], c, s)["out"]
+
+    def check(outs, i):
+        for got, w in zip(outs, (want[i][0], want[i][1], want[i][0], want_tail[i])):
             assert got.flags.c_contiguous and np.array_equal(bits(cp.asnumpy(got)), w)
-        # Held: the next calls get other memory and leave these alone.
-        held = [(a, a.data.ptr, bits(cp.asnumpy(a))) for a in (qo, ko, xo, to)]
-        j = 1 - i
-        qn, kn = rope_rtc.apply_rope_qk(qs[j], ks[j], cos, sin, offset=starts)
-        xn = rope_rtc.apply_rope(qs[j], cos, sin, offset=starts)
-        tn = rope_rtc.tail_rope(x[j], c, s)["out"]
-        assert not {a.data.ptr for a in (qn, kn, xn, tn)} & {p for _, p, _ in held}
-        for got, w in ((qn, want[j][0]), (kn, want[j][1]), (xn, want[j][0]), (tn, want_tail[j])):
-            assert np.array_equal(bits(cp.asnumpy(got)), w)
-        for a, _, before in held:
-            assert np.array_equal(bits(cp.asnumpy(a)), before)
-        del qo, ko, xo, to, qn, kn, xn, tn, held
+
+    with cp.cuda.using_allocator(counting):
+        for i in (0, 1, 0):
+            rope_rtc.release_outputs()
+            outs = calls(i)
+            ptrs = sorted(a.data.ptr for a in outs)
+            poison(*outs)
+            del outs
+            sizes.clear()
+            outs = calls(i)
+            assert sizes == [] and sorted(a.data.ptr for a in outs) == ptrs, "the outputs were not recycled"
+            check(outs, i)
+            # Held: the next calls allocate and leave these alone.
+            held = [(a.data.ptr, bits(cp.asnumpy(a))) for a in outs]
+            j = 1 - i
+            sizes.clear()
+            new = calls(j)
+            assert sizes == [qs[j].nbytes, ks[j].nbytes, qs[j].nbytes, x[j].nbytes]
+            assert not {a.data.ptr for a in new} & {p for p, _ in held}
+            check(new, j)
+            for a, (_, before) in zip(outs, held):
+                assert np.array_equal(bits(cp.asnumpy(a)), before)
+            del outs, new, held
+        # An alias on the output's pointer keeps its memory: not recycled.
+        rope_rtc.release_outputs()
+        xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts)
+        alias = as_strided(xo)
+        del xo
+        sizes.clear()
+        xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts)
+        assert sizes == [qs[1].nbytes] and xn.data.ptr != alias.data.ptr
+        assert np.array_equal(bits(cp.asnumpy(alias)), want[0][0])
     rope_rtc.release_outputs()
 
 

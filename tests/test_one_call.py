@@ -5,7 +5,6 @@ that remain on new arrays of a signature seen before."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import weakref
 
@@ -549,25 +548,18 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     assert made == [(0, 4)] and z.memptr is None and asked == [65536, -60]
 
 
-class _Out:
-    """A stand-in for an allocated output: what ``launch.allocate`` looks at."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype, self._c_contiguous = shape, dtype, True
-
-
 @pytest.fixture
 def recycling(monkeypatch):
-    """``launch.allocate`` over a counted (weakly referenced) stand-in allocation, with an allocator to switch and an
-    empty recycling cache."""
+    """``launch.allocate`` over real CuPy arrays on fake memory (counted as they are made), with an
+    allocator to switch and an empty recycling cache."""
     from rope_rtc import launch
 
     made = []
     allocator = [lambda n: None]
 
     def new_array(shape, dtype, device, stream, current):
-        out = _Out(shape, dtype)
-        made.append(weakref.ref(out))  # counted, not held
+        out = fake_cupy(shape, dtype, device=device)
+        made.append(id(out))  # counted, not held
         return out
 
     monkeypatch.setattr(launch, "_new_array", new_array)
@@ -578,46 +570,97 @@ def recycling(monkeypatch):
 
 def test_an_output_nothing_references_is_handed_out_again(recycling):
     """A small output the caller has let go of comes back from the next call of its signature
-    without a new allocation; one the caller (or a view, a list, anything) still references
-    never does, so a live result is never overwritten."""
+    without a new allocation. One whose memory anything still reaches never does, so a live
+    result is never overwritten: the array held, a view of it, an alias built on its pointer
+    (``as_strided``), the pointer itself, a pointer into its memory, a weak reference."""
+    from cupy.lib.stride_tricks import as_strided
+
     launch, made, _ = recycling
-    shape, dt = (8, 1, 32, 128), BF16
+    shape, dt = (8, 1, 32, 128), np.dtype(BF16)
     a = launch.allocate(shape, dt, 0, 7)
     first = id(a)
     del a
     b = launch.allocate(shape, dt, 0, 7)
     assert id(b) == first and len(made) == 1
-    c = launch.allocate(shape, dt, 0, 7)  # b is held: a new one
-    assert c is not b and len(made) == 2
-    holder = [b, c]
-    del b, c
-    d = launch.allocate(shape, dt, 0, 7)  # both held by the list
-    assert all(d is not x for x in holder) and len(made) == 3
-    del holder, d
-    # Two outputs of one call with the same key (q_out and k_out of equal shapes) both come back.
-    e, f = launch.allocate(shape, dt, 0, 7), launch.allocate(shape, dt, 0, 7)
-    assert e is not f and len(made) == 3
+    del b
+    holds = [lambda x: x, lambda x: x[0], lambda x: x.reshape(-1), as_strided, lambda x: x.data,
+             lambda x: x.data + 16, weakref.ref, lambda x: [x]]
+    for hold in holds:
+        launch.release_outputs()
+        b = launch.allocate(shape, dt, 0, 7)
+        kept = hold(b)
+        del b
+        n = len(made)
+        c = launch.allocate(shape, dt, 0, 7)
+        assert len(made) == n + 1, f"reused an output still reached through {hold}"
+        del kept, c
+        d = launch.allocate(shape, dt, 0, 7)  # let go: recycled
+        assert len(made) == n + 1
+        del d
+
+
+def test_a_loop_that_rebinds_its_results_recycles_them(recycling):
+    """``q, k = apply_rope_qk(...)`` in a loop holds the last call's two outputs while it makes
+    the next call: with q and k of one shape (one key) the outputs still come back, four arrays in
+    all."""
+    launch, made, _ = recycling
+    shape, dt = (4, 8, 128), np.dtype(np.float16)
+    q = k = None
+    for _ in range(10):
+        new_q = launch.allocate(shape, dt, 0, 7)
+        new_k = launch.allocate(shape, dt, 0, 7)
+        assert new_q is not new_k and new_q is not q and new_q is not k and new_k is not q and new_k is not k
+        q, k = new_q, new_k
+        del new_q, new_k
+    assert len(made) == 4
 
 
 def test_recycling_keys_on_stream_device_allocator_and_shape(recycling):
     """An output is only reused in the order of the stream, on the device and from the allocator
-    it was made with, at its shape and dtype; an output reshaped in place by the caller is not."""
+    it was made with, at its shape and dtype; an output reshaped in place by the caller is not
+    (and leaves the cache)."""
     launch, made, allocator = recycling
     shape, dt = (4, 64), np.dtype(np.float32)
     a = launch.allocate(shape, dt, 0, 7)
-    ident = id(a)
     a.shape = (64, 4)  # the caller reshaped it in place, then let it go
     del a
     for args in (((4, 64), dt, 0, 8), ((4, 64), dt, 1, 7), ((4, 64), np.dtype(np.float16), 0, 7), (shape, dt, 0, 7)):
+        n = len(made)
         out = launch.allocate(*args)
-        assert id(out) != ident
+        assert len(made) == n + 1 and out.shape == args[0]
         del out
+    assert len(launch._recycled.by_key[(shape, dt, 0, 7, id(allocator[0]))]) == 1  # the reshaped one left
     n = len(made)
     allocator[0] = lambda nbytes: None  # another allocator (a using_allocator block)
     out = launch.allocate(shape, dt, 0, 7)
     assert len(made) == n + 1
     del out
-    assert launch.allocate(shape, dt, 0, 7) is made[-1]()
+    assert id(launch.allocate(shape, dt, 0, 7)) == made[-1]
+
+
+def test_the_cache_keeps_no_allocator_alive(recycling):
+    """The cache names an allocator by identity: a pool the caller set for a while and then
+    dropped is freed (its cached blocks with it), and an unhashable allocator is no error."""
+    launch, made, allocator = recycling
+
+    class Pool:
+        __hash__ = None  # unhashable
+
+        def __eq__(self, other):
+            return self is other
+
+        def __call__(self, nbytes):
+            return None
+
+    allocator[0] = Pool()
+    gone = weakref.ref(allocator[0])
+    out = launch.allocate((16,), np.dtype(np.float32), 0, 7)
+    allocator[0] = lambda nbytes: None
+    del out
+    import gc
+
+    gc.collect()
+    assert gone() is None
 
 
 def test_large_outputs_are_not_kept_and_release_drops_the_rest(recycling):
@@ -638,17 +681,24 @@ def test_large_outputs_are_not_kept_and_release_drops_the_rest(recycling):
     assert len(made) == 4
 
 
-def test_recycling_calibrates_its_reference_count(monkeypatch):
-    """The free reference count is measured on this interpreter through the function that uses
-    it; a free-threaded build (whose reference counts are approximate) gets no recycling."""
+def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
+    """The free counts are measured on this interpreter through the function that uses them, and
+    checked against an array, pointer, memory and weak reference held; a free-threaded build
+    (whose reference counts are not exact) recycles nothing."""
+    import sysconfig
+
     from rope_rtc import launch
 
     free = launch._calibrate()
-    assert free > 0
-    slot = [_Out((1,), BF16)]
+    assert free is not None and launch._FREE == free
+    out = fake_cupy((4, 4), np.float32)
+    slot = [out]
+    del out
     assert launch._idle(slot, free) is slot[0]
-    held = slot[0]
-    assert launch._idle(slot, free) is None
-    del held
-    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
-    assert launch._calibrate() == 0
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name))
+    assert launch._calibrate() is None
+    # An interpreter whose counts did not change when something holds the array: no recycling.
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "_getrefcount", lambda obj: 1)
+    assert launch._calibrate() is None
