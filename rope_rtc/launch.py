@@ -439,13 +439,15 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
         kept = _recycled.by_key = {}
     slot = kept.get(key)
     if slot is not None:
-        arr = _idle(slot, _FREE)
-        while arr is not None:
-            # The caller may have reshaped it in place (``a.shape = ...``) before letting it go.
+        i = _idle(slot, _FREE)
+        while i >= 0:
+            arr = slot[i]
+            # The caller may have reshaped it in place (``a.shape = ...``) before letting it go:
+            # dropped by position (``list.remove`` would compare arrays with ``==``, elementwise).
             if arr.shape == shape and arr._c_contiguous and arr.dtype == dtype:
                 return arr
-            slot.remove(arr)
-            arr = _idle(slot, _FREE)
+            del slot[i], arr
+            i = _idle(slot, _FREE)
     arr = _new_array(shape, dtype, device, stream, current)
     if slot is None:
         remember(kept, key, [arr], RECYCLE_KEYS)
@@ -474,18 +476,19 @@ def release_outputs() -> None:
 
 
 def _idle(slot: list, free: tuple | None):
-    """The first array of ``slot`` that nothing but ``slot`` references, or None.
+    """The position in ``slot`` of the first array that nothing but ``slot`` references, or -1.
 
     ``free`` is what :func:`_counts` reports here for such an array (measured once on this
     interpreter through this same function: ``_calibrate``); None returns the first array's
     counts instead."""
-    for arr in slot:
+    for i in range(len(slot)):
+        arr = slot[i]
         counts = _counts(arr)
         if free is None:
             return counts
         if counts == free:
-            return arr
-    return None
+            return i
+    return -1
 
 
 def _counts(arr) -> tuple:
@@ -517,10 +520,10 @@ def _calibrate() -> tuple | None:
     free = _idle(slot, None)
     for hold in (lambda a: a, lambda a: a.data, lambda a: a.data.mem, weakref.ref):
         held = hold(slot[0])
-        if _idle(slot, free) is not None:
+        if _idle(slot, free) >= 0:
             return None
         del held
-    return free if _idle(slot, free) is slot[0] else None
+    return free if _idle(slot, free) == 0 else None
 
 
 _getrefcount = sys.getrefcount

@@ -694,7 +694,7 @@ def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
     out = fake_cupy((4, 4), np.float32)
     slot = [out]
     del out
-    assert launch._idle(slot, free) is slot[0]
+    assert launch._idle(slot, free) == 0
     real = sysconfig.get_config_var
     monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name))
     assert launch._calibrate() is None
@@ -702,3 +702,17 @@ def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(launch, "_getrefcount", lambda obj: 1)
     assert launch._calibrate() is None
+
+
+def test_an_output_reshaped_in_place_leaves_the_cache_without_comparing_arrays(recycling):
+    """An idle output the caller reshaped in place is dropped from the cache by identity: arrays
+    are never compared with ``==`` (elementwise for CuPy, and a launch)."""
+    launch, made, _ = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    held = launch.allocate(shape, dt, 0, 7)
+    b = launch.allocate(shape, dt, 0, 7)
+    b.shape = (64, 4)
+    del b
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == 3 and out is not held and out.shape == shape
+    assert [a.shape for a in launch._recycled.by_key[(shape, dt, 0, 7, id(recycling[2][0]))]] == [shape, shape]
