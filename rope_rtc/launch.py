@@ -419,20 +419,25 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     passed no stream); with one visible device that is the common case, and CuPy's own defaults
     already say it.
 
-    Small outputs are recycled: the thread keeps the last outputs of each (shape, dtype, device,
-    stream, allocator), and an output whose array, memory pointer and memory nothing but this
-    cache references (no view, no alias made from its pointer, no weak reference) is handed out
-    again instead of a new one. That is the reuse CuPy's pool would make of the same memory once
-    it is freed (in the order of the same stream), without the pool's allocation, array
-    construction and free: about 3 µs of host time per output on the H200 host
-    (docs/performance.md). :func:`release_outputs` drops the calling thread's."""
+    Small outputs from CuPy's default memory pool are recycled: the thread keeps the last outputs
+    of each (shape, dtype, device, stream), and an output whose array, memory pointer and memory
+    nothing but this cache references (no view, no alias made from its pointer, no weak
+    reference) is handed out again instead of a new one. That is the reuse the pool would make of
+    the same memory once it is freed (in the order of the same stream), without the pool's
+    allocation, array construction and free: about 3 µs of host time per output on the H200 host
+    (docs/performance.md). The default pool lives as long as the process, so a kept output's
+    memory stays valid; under any other allocator (``set_allocator``, ``using_allocator``: a pool
+    of the caller's that may be freed, or plain ``cudaMalloc``) nothing is kept.
+    :func:`release_outputs` drops the calling thread's."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > RECYCLE_BYTES or not nbytes or _FREE is None:
         return _new_array(shape, dtype, device, stream, current)
     if not _EMPTY:
         _import_empty()
-    # The allocator by identity: the key must not keep a caller's allocator (and its pool) alive.
-    key = (shape, dtype, device, stream, id(_EMPTY[0][1]()))
+    _, get_allocator, _, default_pool = _EMPTY[0]
+    if getattr(get_allocator(), "__self__", None) is not default_pool:
+        return _new_array(shape, dtype, device, stream, current)
+    key = (shape, dtype, device, stream)
     try:
         kept = _recycled.by_key
     except AttributeError:
@@ -545,13 +550,14 @@ def _new_array(shape: tuple, dtype, device: int, stream: int, current: bool):
             return empty(shape, dtype)
 
 
-_EMPTY: list = []  # (cupy.ndarray, cupy.cuda.get_allocator, cupy.empty), once CuPy is imported
+# (cupy.ndarray, cupy.cuda.get_allocator, cupy.empty, CuPy's default memory pool), once CuPy is imported
+_EMPTY: list = []
 
 
 def _import_empty() -> None:
     import cupy
 
-    _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty))
+    _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty, cupy.get_default_memory_pool()))
 
 
 def empty(shape: tuple, dtype):
@@ -563,7 +569,7 @@ def empty(shape: tuple, dtype):
     takes ``cupy.empty`` itself."""
     if not _EMPTY:
         _import_empty()
-    nd, get_allocator, cupy_empty = _EMPTY[0]
+    nd, get_allocator, cupy_empty, _ = _EMPTY[0]
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
         return cupy_empty(shape, dtype)

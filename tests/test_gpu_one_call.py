@@ -124,16 +124,12 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
     x = cp.asarray(host_random((4, 8, 512), BF16, seed=5))
     ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
     c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
-    kept = []  # every result stays referenced, so none is recycled (the test below covers that)
-    for _ in range(3):  # the first call and the repeat path
+    for _ in range(3):  # the first call and the repeat path (a caller's allocator: nothing is recycled)
         sizes.clear()
         with cp.cuda.using_allocator(poisoned):
             qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
-            kept += [qo, ko]
             xo = rope_rtc.apply_rope(q, cos, sin, offset=starts)
-            kept.append(xo)
             to = rope_rtc.tail_rope(x, c, s)["out"]
-            kept.append(to)
         assert sizes == [q.nbytes, k.nbytes, q.nbytes, x.nbytes]
         for got, want in ((qo, want_q), (ko, want_k), (xo, want_q)):
             assert got.flags.c_contiguous and got.shape == want.shape and got.dtype == want.dtype
@@ -143,14 +139,16 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
                               bits(tail_rope_reference(cp.asnumpy(x), cp.asnumpy(c), cp.asnumpy(s))))
 
 
-def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
-    """An output the caller let go of comes back from the next call of its signature without an
-    allocation (the same memory, poisoned with NaN bits in between): every element is written
-    again, bit-equal to a plan's result. An output the caller still holds, or whose memory an
-    alias built on its pointer reaches (``as_strided``), is never handed out, and its contents stay."""
+def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, monkeypatch):
+    """From CuPy's default pool, an output the caller let go of comes back from the next call of
+    its signature without an allocation (the same memory, poisoned with NaN bits in between): every
+    element is written again, bit-equal to a plan's result. An output the caller still holds, or
+    whose memory an alias built on its pointer reaches (``as_strided``), is never handed out, and
+    its contents stay."""
     from cupy.lib.stride_tricks import as_strided
 
     import rope_rtc
+    from rope_rtc import launch
     from rope_rtc.reference import tail_rope_reference
 
     cos_h, sin_h = host_tables(ROWS, D // 2, 2)
@@ -169,12 +167,15 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
     c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
     want_tail = [bits(tail_rope_reference(cp.asnumpy(xi), cp.asnumpy(c), cp.asnumpy(s))) for xi in x]
     stream = cp.cuda.get_current_stream()
-    pool = cp.get_default_memory_pool()
-    sizes: list[int] = []
+    sizes: list[int] = []  # the outputs allocated (not recycled), by bytes
+    new_array = launch._new_array
 
-    def counting(nbytes):
-        sizes.append(nbytes)
-        return pool.malloc(nbytes)
+    def counting(shape, dtype, device, handle, current):
+        out = new_array(shape, dtype, device, handle, current)
+        sizes.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(launch, "_new_array", counting)
 
     def poison(*arrays):
         for a in arrays:
@@ -188,37 +189,36 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp):
         for got, w in zip(outs, (want[i][0], want[i][1], want[i][0], want_tail[i])):
             assert got.flags.c_contiguous and np.array_equal(bits(cp.asnumpy(got)), w)
 
-    with cp.cuda.using_allocator(counting):
-        for i in (0, 1, 0):
-            rope_rtc.release_outputs()
-            outs = calls(i)
-            ptrs = sorted(a.data.ptr for a in outs)
-            poison(*outs)
-            del outs
-            sizes.clear()
-            outs = calls(i)
-            assert sizes == [] and sorted(a.data.ptr for a in outs) == ptrs, "the outputs were not recycled"
-            check(outs, i)
-            # Held: the next calls allocate and leave these alone.
-            held = [(a.data.ptr, bits(cp.asnumpy(a))) for a in outs]
-            j = 1 - i
-            sizes.clear()
-            new = calls(j)
-            assert sizes == [qs[j].nbytes, ks[j].nbytes, qs[j].nbytes, x[j].nbytes]
-            assert not {a.data.ptr for a in new} & {p for p, _ in held}
-            check(new, j)
-            for a, (_, before) in zip(outs, held):
-                assert np.array_equal(bits(cp.asnumpy(a)), before)
-            del outs, new, held
-        # An alias on the output's pointer keeps its memory: not recycled.
+    for i in (0, 1, 0):
         rope_rtc.release_outputs()
-        xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts)
-        alias = as_strided(xo)
-        del xo
+        outs = calls(i)
+        ptrs = sorted(a.data.ptr for a in outs)
+        poison(*outs)
+        del outs
         sizes.clear()
-        xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts)
-        assert sizes == [qs[1].nbytes] and xn.data.ptr != alias.data.ptr
-        assert np.array_equal(bits(cp.asnumpy(alias)), want[0][0])
+        outs = calls(i)
+        assert sizes == [] and sorted(a.data.ptr for a in outs) == ptrs, "the outputs were not recycled"
+        check(outs, i)
+        # Held: the next calls allocate and leave these alone.
+        held = [(a.data.ptr, bits(cp.asnumpy(a))) for a in outs]
+        j = 1 - i
+        sizes.clear()
+        new = calls(j)
+        assert sizes == [qs[j].nbytes, ks[j].nbytes, qs[j].nbytes, x[j].nbytes]
+        assert not {a.data.ptr for a in new} & {p for p, _ in held}
+        check(new, j)
+        for a, (_, before) in zip(outs, held):
+            assert np.array_equal(bits(cp.asnumpy(a)), before)
+        del outs, new, held
+    # An alias on the output's pointer keeps its memory: not recycled.
+    rope_rtc.release_outputs()
+    xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts)
+    alias = as_strided(xo)
+    del xo
+    sizes.clear()
+    xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts)
+    assert sizes == [qs[1].nbytes] and xn.data.ptr != alias.data.ptr
+    assert np.array_equal(bits(cp.asnumpy(alias)), want[0][0])
     rope_rtc.release_outputs()
 
 

@@ -538,7 +538,7 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
         return Array(shape, dtype)
 
     current = [allocator]
-    monkeypatch.setattr(launch, "_EMPTY", [(Array, lambda: current[0], cupy_empty)])
+    monkeypatch.setattr(launch, "_EMPTY", [(Array, lambda: current[0], cupy_empty, None)])
     a = launch.empty((8, 1, 32, 128), BF16)
     assert (a.shape, a.dtype, a.memptr) == ((8, 1, 32, 128), BF16, "memory of 65536")
     current[0] = lambda n: asked.append(-n) or "other"
@@ -548,6 +548,13 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     assert made == [(0, 4)] and z.memptr is None and asked == [65536, -60]
 
 
+class _Pool:
+    """A stand-in memory pool: what ``launch.allocate`` asks of one is its ``malloc``'s owner."""
+
+    def malloc(self, nbytes):
+        return None
+
+
 @pytest.fixture
 def recycling(monkeypatch):
     """``launch.allocate`` over real CuPy arrays on fake memory (counted as they are made), with an
@@ -555,7 +562,8 @@ def recycling(monkeypatch):
     from rope_rtc import launch
 
     made = []
-    allocator = [lambda n: None]
+    default = _Pool()
+    allocator = [default.malloc]  # CuPy's default: its pool's malloc
 
     def new_array(shape, dtype, device, stream, current):
         out = fake_cupy(shape, dtype, device=device)
@@ -563,7 +571,7 @@ def recycling(monkeypatch):
         return out
 
     monkeypatch.setattr(launch, "_new_array", new_array)
-    monkeypatch.setattr(launch, "_EMPTY", [(None, lambda: allocator[0], None)])
+    monkeypatch.setattr(launch, "_EMPTY", [(None, lambda: allocator[0], None, default)])
     monkeypatch.setattr(launch, "_recycled", threading.local())
     return launch, made, allocator
 
@@ -615,10 +623,9 @@ def test_a_loop_that_rebinds_its_results_recycles_them(recycling):
     assert len(made) == 4
 
 
-def test_recycling_keys_on_stream_device_allocator_and_shape(recycling):
-    """An output is only reused in the order of the stream, on the device and from the allocator
-    it was made with, at its shape and dtype; an output reshaped in place by the caller is not
-    (and leaves the cache)."""
+def test_recycling_keys_on_stream_device_dtype_and_shape(recycling):
+    """An output is only reused in the order of the stream and on the device it was made with, at
+    its shape and dtype; an output reshaped in place by the caller is not (and leaves the cache)."""
     launch, made, allocator = recycling
     shape, dt = (4, 64), np.dtype(np.float32)
     a = launch.allocate(shape, dt, 0, 7)
@@ -629,38 +636,52 @@ def test_recycling_keys_on_stream_device_allocator_and_shape(recycling):
         out = launch.allocate(*args)
         assert len(made) == n + 1 and out.shape == args[0]
         del out
-    assert len(launch._recycled.by_key[(shape, dt, 0, 7, id(allocator[0]))]) == 1  # the reshaped one left
+    assert len(launch._recycled.by_key[(shape, dt, 0, 7)]) == 1  # the reshaped one left
     n = len(made)
-    allocator[0] = lambda nbytes: None  # another allocator (a using_allocator block)
     out = launch.allocate(shape, dt, 0, 7)
-    assert len(made) == n + 1
+    assert len(made) == n
     del out
-    assert id(launch.allocate(shape, dt, 0, 7)) == made[-1]
 
 
-def test_the_cache_keeps_no_allocator_alive(recycling):
-    """The cache names an allocator by identity: a pool the caller set for a while and then
-    dropped is freed (its cached blocks with it), and an unhashable allocator is no error."""
+def test_only_the_default_pools_memory_is_recycled(recycling):
+    """Under another allocator (``using_allocator``, ``set_allocator``) nothing is kept: each call
+    allocates, and no caller's pool is kept alive (a kept output of a pool that is then freed would
+    point at freed memory). Back on the default pool, its own kept outputs come back."""
+    import gc
+
     launch, made, allocator = recycling
+    default_malloc = allocator[0]
+    shape, dt = (16,), np.dtype(np.float32)
+    kept = launch.allocate(shape, dt, 0, 7)
+    del kept
 
     class Pool:
-        __hash__ = None  # unhashable
+        __hash__ = None  # an unhashable allocator is no error either
 
         def __eq__(self, other):
             return self is other
 
-        def __call__(self, nbytes):
+        def malloc(self, nbytes):
             return None
 
-    allocator[0] = Pool()
-    gone = weakref.ref(allocator[0])
-    out = launch.allocate((16,), np.dtype(np.float32), 0, 7)
-    allocator[0] = lambda nbytes: None
+    pool = Pool()
+    gone = weakref.ref(pool)
+    allocator[0] = pool.malloc
+    n = len(made)
+    for _ in range(3):
+        out = launch.allocate(shape, dt, 0, 7)
+        del out
+    assert len(made) == n + 3
+    allocator[0] = lambda nbytes: None  # plain cudaMalloc, say
+    out = launch.allocate(shape, dt, 0, 7)
     del out
-    import gc
-
+    assert len(made) == n + 4
+    del pool
+    allocator[0] = default_malloc
     gc.collect()
     assert gone() is None
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n + 4 and out.shape == shape
 
 
 def test_large_outputs_are_not_kept_and_release_drops_the_rest(recycling):
@@ -715,4 +736,4 @@ def test_an_output_reshaped_in_place_leaves_the_cache_without_comparing_arrays(r
     del b
     out = launch.allocate(shape, dt, 0, 7)
     assert len(made) == 3 and out is not held and out.shape == shape
-    assert [a.shape for a in launch._recycled.by_key[(shape, dt, 0, 7, id(recycling[2][0]))]] == [shape, shape]
+    assert [a.shape for a in launch._recycled.by_key[(shape, dt, 0, 7)]] == [shape, shape]
