@@ -324,6 +324,17 @@ def test_cupy_arrays_carry_the_contiguity_flag_the_one_call_signature_reads():
     assert fake_cupy((4, 6), np.float32)[:, :3]._c_contiguous is False
 
 
+def _tail_binds_new_arrays(tail, n: int) -> None:
+    """``n`` tail_rope calls on new [4, 64, 512] arrays: each writes its addresses into the one
+    plan's block."""
+    for _ in range(n):
+        x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+        out, = tail_rope(x, c, s)
+        (plan,) = tail._local.by_key.values()
+        v = plan._core.block
+        assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr, 4 * 64 * 512 // 8)
+
+
 def test_tail_rope_repeat_path_binds_new_arrays_without_full_validation(monkeypatch):
     from rope_rtc import tail
 
@@ -334,13 +345,7 @@ def test_tail_rope_repeat_path_binds_new_arrays_without_full_validation(monkeypa
         counts: dict = {}
         _counted(monkeypatch, tail._TailOp, "validate", counts)
         _counted(monkeypatch, tail._TailTemplate, "bind", counts)
-        for _ in range(5):
-            x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
-            out, = tail_rope(x, c, s)
-            (plan,) = tail._local.by_key.values()
-            v = plan._core.block
-            assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr,
-                                                       4 * 64 * 512 // 8)
+        _tail_binds_new_arrays(tail, 5)
         assert counts == {} and len(gpu.launches) == 6
         # New arrays the template cannot take go through full validation, which names the problem.
         n = len(gpu.launches)
@@ -490,12 +495,7 @@ def test_tail_rope_last_repeat_path_checks_the_signature_and_alignment(monkeypat
         counts: dict = {}
         _counted(monkeypatch, tail._TailTemplate, "write", counts)
         _counted(monkeypatch, tail._TailOp, "validate", counts)
-        for _ in range(5):
-            x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
-            out, = tail_rope(x, c, s)
-            v = next(iter(tail._local.by_key.values()))._core.block
-            assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr,
-                                                       4 * 64 * 512 // 8)
+        _tail_binds_new_arrays(tail, 5)
         assert counts == {}
         # Another token count: its own template and launch size.
         x8, c8, s8 = fake_cupy((8, 64, 512), BF16), fake_cupy((8, 32), np.float32), fake_cupy((8, 32), np.float32)
