@@ -166,9 +166,46 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
         for (int e = 0; e < VEC; ++e) wl[e] = wh[e] = c[e] = sn[e] = 0.0f;
     }
     bits_t* out = (bits_t*)p.f.out[which] + (b * p.f.out_sb[which] + s * p.f.out_ss[which] + hh * out_sh + c0);
+    // Each head's scale: the two vectors' sums of squares (channel order), then their sum, then
+    // the butterfly: the order of the one-vector-per-lane layout, whose first butterfly step adds
+    // exactly these two (HALF / VEC lanes apart), so both layouts give the same bits.
+    float r[NORM_HB];
+#if NORM_MODE == 0
+    // Exact numerics: every head's sums first, then their butterflies side by side, then a second
+    // pass that converts the inputs again. The empty asm marks the loaded words as rewritten, so
+    // the compiler keeps them packed across the reductions instead of every head's FP32 values:
+    // 3 points of a copy faster at Qwen3-8B's heads, the same bits (docs/performance.md).
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float a = conv::to_float(lo[k].v[e]), z = conv::to_float(hi[k].v[e]);
+            s0 = __fadd_rn(s0, __fmul_rn(a, a));
+            s1 = __fadd_rn(s1, __fmul_rn(z, z));
+        }
+        r[k] = __fadd_rn(s0, s1);
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        r[k] = head_scale(r[k], p.eps);
+        unsigned* w0 = (unsigned*)&lo[k].raw;
+        unsigned* w1 = (unsigned*)&hi[k].raw;
+#pragma unroll
+        for (int q = 0; q < (int)(sizeof(raw_t) / 4); ++q) asm volatile("" : "+r"(w0[q]), "+r"(w1[q]));
+    }
+#endif
 #pragma unroll
     for (int k = 0; k < NORM_HB; ++k) {
         float y0[VEC], y1[VEC];
+#if NORM_MODE == 0
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            y0[e] = conv::to_float(lo[k].v[e]);
+            y1[e] = conv::to_float(hi[k].v[e]);
+        }
+#else
+        // Transformers numerics: one head at a time (the two passes measured slower here).
         float s0 = 0.0f, s1 = 0.0f;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
@@ -177,15 +214,13 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
             y1[e] = conv::to_float(hi[k].v[e]);
             s1 = __fadd_rn(s1, __fmul_rn(y1[e], y1[e]));
         }
-        // The two vectors' sums, then the butterfly: the order of the one-vector-per-lane layout,
-        // whose first butterfly step adds exactly these two (HALF / VEC lanes apart), so both
-        // layouts give the same bits.
-        const float r = head_scale(__fadd_rn(s0, s1), p.eps);
+        r[k] = head_scale(__fadd_rn(s0, s1), p.eps);
+#endif
         vec_t olo, ohi;
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
             float re, im;
-            rotated(normalised(y0[e], r, wl[e]), normalised(y1[e], r, wh[e]), c[e], sn[e], re, im);
+            rotated(normalised(y0[e], r[k], wl[e]), normalised(y1[e], r[k], wh[e]), c[e], sn[e], re, im);
             olo.v[e] = conv::from_float(re);
             ohi.v[e] = conv::from_float(im);
         }

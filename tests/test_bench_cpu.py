@@ -639,6 +639,60 @@ def test_host_rows_take_their_samples_in_turns():
     assert "".join(bursts) == first * clock.reps
 
 
+def test_event_rows_take_their_samples_in_turns():
+    """The paired GPU timing: after each row's warm-up and estimate, one timed burst of each row
+    per rep, in order, each row with its own call count and per-call figure."""
+    log: list = []
+    clock = timing.Clock(None, _Stream(log), quick=True)
+    bursts: list = []
+
+    def gpu_seconds(seq):
+        names = {f() for f in seq}
+        assert len(names) == 1, "a burst mixed rows"
+        bursts.append(names.pop())
+        return len(seq) * (2e-6 if bursts[-1] == "a" else 3e-6)
+
+    clock._gpu_seconds = gpu_seconds
+    res = clock.events_in_turns([[lambda: "a", lambda: "a"], [lambda: "b"]])
+    assert bursts == ["a", "b"] + ["a", "b"] * clock.reps  # the two estimates, then the reps in turns
+    assert [r["us"] for r in res] == [pytest.approx(2.0), pytest.approx(3.0)]
+    assert [r["sets"] for r in res] == [2, 1] and all(len(r["samples_us"]) == clock.reps for r in res)
+
+
+def test_one_call_prefill_gap_uses_the_paired_samples():
+    """The one-call prefill target reads the samples taken in turns where a case has them for both
+    rows; without them, the rows' own cold figures."""
+    res = synthetic_result(True)
+    case = next(c for c in res["cases"] if c["group"] == "general" and not c["small"])
+    by = figures.rows_by_impl(case)
+    copy_us = figures.timing(by[bcases.COPY], "cold*")
+    target = "one-call prefill within 1 point of the plan"
+    by[bcases.ONE_CALL]["timings"]["cold"]["us"] = copy_us / 0.95  # 3 points below the plan's 98%
+    t = {x["target"]: x for x in report.evaluate_targets(res)}[target]
+    assert t["status"] == "MISS" and t["where"] == case["id"]
+    by[bcases.OURS]["timings"]["cold_paired"] = {"us": copy_us / 0.98}
+    by[bcases.ONE_CALL]["timings"]["cold_paired"] = {"us": copy_us / 0.972}  # the others: 0.5
+    t = {x["target"]: x for x in report.evaluate_targets(res)}[target]
+    assert t["status"] == "PASS" and t["measured"] == "worst 0.80 points" and t["where"] == case["id"]
+
+
+def test_pair_one_call_times_the_plan_and_the_one_call_rows_in_turns(monkeypatch):
+    class Clock:
+        def events_in_turns(self, rows):
+            self.rows = rows
+            return [{"us": 1.0}, {"us": 2.0}]
+
+    ctx = type("Ctx", (), {"clock": Clock()})()
+    plan_row, one_row = {"timings": {}, "note": ""}, {"timings": {}, "note": ""}
+    plan = type("R", (), {"fns": ["p0", "p1", "p2"]})()
+    one = type("R", (), {"fns": ["o0", "o1", "o2"]})()
+    runner.pair_one_call(ctx, {bcases.OURS: (plan_row, plan)}, 2)  # one of the two: nothing
+    assert plan_row["timings"] == {}
+    runner.pair_one_call(ctx, {bcases.ONE_CALL: (one_row, one), bcases.OURS: (plan_row, plan)}, 2)
+    assert ctx.clock.rows == [["p0", "p1"], ["o0", "o1"]]
+    assert plan_row["timings"]["cold_paired"] == {"us": 1.0} and one_row["timings"]["cold_paired"] == {"us": 2.0}
+
+
 def test_host_rows_record_a_failing_row_and_measure_the_others():
     log: list = []
     clock = timing.Clock(None, _Stream(log), quick=True)

@@ -30,7 +30,7 @@ ANGLES_OP = "RopePlan, inv_freq (angles in the kernel)"
 ANGLES_TABLE = "RopePlan, cos/sin tables"
 COPY_KERNEL = "copy kernel"   # tail cases: the naive 16-byte copy kernel, a reference beside the memcpy
 BLOG_VARIANTS = ("baseline", "vectorized", "fused")
-REGIMES = ("hot", "cold", "graph", "graph_cold", "host")
+REGIMES = ("hot", "cold", "graph", "graph_cold", "host", "cold_paired")
 
 MiB = 1 << 20
 COLD_FACTOR = 4              # cold L2: buffer sets totalling more than 4x the L2

@@ -437,9 +437,12 @@ def _one_call_targets(add, result: dict, prefill: list) -> None:
     gaps = []
     for c in prefill:
         by = rows_by_impl(c)
-        ours, one = pct_of_copy(c, by.get(OURS), "cold*"), pct_of_copy(c, by.get(ONE_CALL), "cold*")
-        if ours is not None and one is not None:
-            gaps.append((ours - one, c["id"]))
+        # The samples taken in turns where the run has them (runner.pair_one_call).
+        regime = "cold_paired" if all(timing(by.get(i), "cold_paired") for i in (OURS, ONE_CALL)) else "cold*"
+        copy = timing(by.get(COPY), "cold*")
+        ours, one = timing(by.get(OURS), regime), timing(by.get(ONE_CALL), regime)
+        if copy and ours and one:
+            gaps.append((100.0 * copy / ours - 100.0 * copy / one, c["id"]))
     _worst(add, f"one-call prefill within {ONE_CALL_PREFILL_POINTS:g} point of the plan",
            gaps, ONE_CALL_PREFILL_POINTS, " points", floor=False)
 

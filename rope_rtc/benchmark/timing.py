@@ -94,6 +94,22 @@ class Clock:
             samples = [self._gpu_seconds(rot.take(calls)) / calls for _ in range(self.reps)]
         return self._stats(samples, calls, self.reps, divisor, sets or len(fns))
 
+    def events_in_turns(self, rows: list[list]) -> list[dict]:
+        """GPU time per call of several rows (as :meth:`events`), their samples taken in turns:
+        each rep times every row once, in order, so that a drift of the clocks over the
+        measurement falls on all of them. For rows whose difference is small."""
+        rots = [Rotation(fns) for fns in rows]
+        with _no_gc():
+            counts = []
+            for rot in rots:
+                self._warm(rot)
+                counts.append(self._calls(self._gpu_seconds(rot.take(3)) / 3))
+            samples: list[list[float]] = [[] for _ in rots]
+            for _ in range(self.reps):
+                for rot, calls, out in zip(rots, counts, samples):
+                    out.append(self._gpu_seconds(rot.take(calls)) / calls)
+        return [self._stats(s, c, self.reps, 1, len(fns)) for s, c, fns in zip(samples, counts, rows)]
+
     # Calls per timed burst of a host measurement.
     HOST_BURST = 100
     # How long ``hold`` keeps the GPU busy before a burst: this many times the burst's estimated
