@@ -657,6 +657,10 @@ def test_event_rows_take_their_samples_in_turns():
     assert bursts == ["a", "b"] + ["a", "b"] * clock.reps  # the two estimates, then the reps in turns
     assert [r["us"] for r in res] == [pytest.approx(2.0), pytest.approx(3.0)]
     assert [r["sets"] for r in res] == [2, 1] and all(len(r["samples_us"]) == clock.reps for r in res)
+    bursts.clear()
+    one = clock.events([lambda: "a"], divisor=4, sets=3)  # one row: its estimate, then its reps
+    assert bursts == ["a"] * (1 + clock.reps)
+    assert one["us"] == pytest.approx(0.5) and one["sets"] == 3 and one["divisor"] == 4
 
 
 def test_one_call_prefill_gap_uses_the_paired_samples():

@@ -86,15 +86,9 @@ class Clock:
 
     def events(self, fns: list, divisor: int = 1, sets: int | None = None) -> dict:
         """GPU time per call: CUDA events around ``calls`` back-to-back calls, median of reps."""
-        rot = Rotation(fns)
-        with _no_gc():
-            self._warm(rot)
-            est = self._gpu_seconds(rot.take(3)) / 3
-            calls = self._calls(est)
-            samples = [self._gpu_seconds(rot.take(calls)) / calls for _ in range(self.reps)]
-        return self._stats(samples, calls, self.reps, divisor, sets or len(fns))
+        return self.events_in_turns([fns], divisor, sets)[0]
 
-    def events_in_turns(self, rows: list[list]) -> list[dict]:
+    def events_in_turns(self, rows: list[list], divisor: int = 1, sets: int | None = None) -> list[dict]:
         """GPU time per call of several rows (as :meth:`events`), their samples taken in turns:
         each rep times every row once, in order, so that a drift of the clocks over the
         measurement falls on all of them. For rows whose difference is small."""
@@ -108,7 +102,7 @@ class Clock:
             for _ in range(self.reps):
                 for rot, calls, out in zip(rots, counts, samples):
                     out.append(self._gpu_seconds(rot.take(calls)) / calls)
-        return [self._stats(s, c, self.reps, 1, len(fns)) for s, c, fns in zip(samples, counts, rows)]
+        return [self._stats(s, c, self.reps, divisor, sets or len(fns)) for s, c, fns in zip(samples, counts, rows)]
 
     # Calls per timed burst of a host measurement.
     HOST_BURST = 100
