@@ -127,6 +127,13 @@ RECENT_SETS = 16
 # behind the plan, where with cuLaunchKernel it had been level or ahead (docs/performance.md).
 GRAPH_NODE_THREADS = 1 << 16
 
+# A plan's argument set is replayed from a graph only for launches of at most this many threads
+# (a few µs of GPU time: 8-32 MB moved). A graph launch costs the GPU about 0.3 µs more than a
+# kernel launched into the stream, which a larger launch's GPU time does not hide and whose host
+# time it does hide: at 67 MB a plan measured 1.5-2 points of a copy faster with cuLaunchKernel
+# than replayed (docs/performance.md).
+REPLAY_THREADS = 1 << 19
+
 
 def launch_threads(prefix: tuple) -> int:
     """Threads of a launch prefix ``(function, gx, gy, gz, bx, by, bz, shared_bytes)``."""
@@ -209,7 +216,9 @@ class Launcher:
     graph; that launch and later ones of the token replay it, because ``cudaGraphLaunch`` of a
     one-node graph costs the host less than ``cuLaunchKernel`` (docs/performance.md). A graph
     cannot be launched into a stream that is being captured, so a capturing stream always gets
-    ``cuLaunchKernel`` (which the capture records). ``RECENT_SETS`` graphs at most.
+    ``cuLaunchKernel`` (which the capture records), and so does a launch of more than
+    ``REPLAY_THREADS`` threads (its GPU time hides the host's, and a graph launch costs the GPU
+    more). ``RECENT_SETS`` graphs at most.
     """
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
@@ -269,7 +278,8 @@ class Launcher:
                         self._last_token, self._last_graph = token, graph
                         self._graph_launch(graph.handle_int, handle)
                         return
-            remember(self._seen, id(token), token)
+            if launch_threads(prefix) <= REPLAY_THREADS:  # a larger set is never seen, never replayed
+                remember(self._seen, id(token), token)
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
             argv = self._pack(prefix, handle)
@@ -429,37 +439,47 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     memory stays valid; under any other allocator (``set_allocator``, ``using_allocator``: a pool
     of the caller's that may be freed, or plain ``cudaMalloc``) nothing is kept.
     :func:`release_outputs` drops the calling thread's."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > RECYCLE_BYTES or not nbytes or _FREE is None:
-        return _new_array(shape, dtype, device, stream, current)
     if not _EMPTY:
         _import_empty()
     _, get_allocator, _, default_pool = _EMPTY[0]
+    # The thread's last key first (an engine allocates one signature's outputs call after call):
+    # hashing a key with a dtype in it is a good part of a recycled output's cost.
+    last = getattr(_recycled, "last", _NO_KEY)
+    if shape == last[0] and dtype is last[1] and device == last[2] and stream == last[3]:
+        slot = last[4]
+    else:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > RECYCLE_BYTES or not nbytes or _FREE is None:
+            return _new_array(shape, dtype, device, stream, current)
+        slot = None
     if getattr(get_allocator(), "__self__", None) is not default_pool:
         return _new_array(shape, dtype, device, stream, current)
-    key = (shape, dtype, device, stream)
-    try:
-        kept = _recycled.by_key
-    except AttributeError:
-        kept = _recycled.by_key = {}
-    slot = kept.get(key)
-    if slot is not None:
-        i = _idle(slot, _FREE)
-        while i >= 0:
-            arr = slot[i]
-            # The caller may have reshaped it in place (``a.shape = ...``) before letting it go:
-            # dropped by position (``list.remove`` would compare arrays with ``==``, elementwise).
-            if arr.shape == shape and arr._c_contiguous and arr.dtype == dtype:
-                return arr
-            del slot[i], arr
-            i = _idle(slot, _FREE)
-    arr = _new_array(shape, dtype, device, stream, current)
     if slot is None:
-        remember(kept, key, [arr], RECYCLE_KEYS)
-    else:
-        if len(slot) >= RECYCLE_PER_KEY:
-            del slot[0]
-        slot.append(arr)
+        key = (shape, dtype, device, stream)
+        try:
+            kept = _recycled.by_key
+        except AttributeError:
+            kept = _recycled.by_key = {}
+        slot = kept.get(key)
+        if slot is None:
+            arr = _new_array(shape, dtype, device, stream, current)
+            remember(kept, key, [arr], RECYCLE_KEYS)
+            _recycled.last = (shape, dtype, device, stream, kept[key])
+            return arr
+        _recycled.last = (shape, dtype, device, stream, slot)
+    i = _idle(slot, _FREE)
+    while i >= 0:
+        arr = slot[i]
+        # The caller may have reshaped it in place (``a.shape = ...``) before letting it go:
+        # dropped by position (``list.remove`` would compare arrays with ``==``, elementwise).
+        if arr.shape == shape and arr._c_contiguous and (arr.dtype is dtype or arr.dtype == dtype):
+            return arr
+        del slot[i], arr
+        i = _idle(slot, _FREE)
+    arr = _new_array(shape, dtype, device, stream, current)
+    if len(slot) >= RECYCLE_PER_KEY:
+        del slot[0]
+    slot.append(arr)
     return arr
 
 
@@ -472,6 +492,8 @@ RECYCLE_KEYS = 8
 # outputs when it makes the next call; q_out and k_out of equal shapes share a key: four.
 RECYCLE_PER_KEY = 4
 _recycled = threading.local()
+# A thread's last key and its slot, ``(shape, dtype, device, stream, slot)``, before its first: no key.
+_NO_KEY = (None, None, None, None, None)
 
 
 def release_outputs() -> None:
@@ -483,26 +505,20 @@ def release_outputs() -> None:
 def _idle(slot: list, free: tuple | None):
     """The position in ``slot`` of the first array that nothing but ``slot`` references, or -1.
 
-    ``free`` is what :func:`_counts` reports here for such an array (measured once on this
-    interpreter through this same function: ``_calibrate``); None returns the first array's
-    counts instead."""
+    ``free`` is the reference counts of such an array, its memory pointer and its memory, and
+    its weak references, as read here (measured once on this interpreter through this same
+    function: ``_calibrate``); None returns the first array's counts instead."""
     for i in range(len(slot)):
         arr = slot[i]
-        counts = _counts(arr)
+        # What keeps an output's memory in use is any of these: a view holds the array, an alias
+        # built on ``a.data`` (``as_strided``) the pointer, a pointer offset from it the memory.
+        data = arr.data
+        counts = _getrefcount(arr), _getrefcount(data), _getrefcount(data.mem), _getweakrefcount(arr)
         if free is None:
             return counts
         if counts == free:
             return i
     return -1
-
-
-def _counts(arr) -> tuple:
-    """The reference counts of an array, its memory pointer and its memory, and its weak
-    references. What keeps an output's memory in use is any of them: a view holds the array, an
-    alias built on ``a.data`` (``as_strided``) the pointer, a pointer offset from it the memory."""
-    data = arr.data
-    mem = data.mem
-    return _getrefcount(arr), _getrefcount(data), _getrefcount(mem), _getweakrefcount(arr)
 
 
 def _calibrate() -> tuple | None:

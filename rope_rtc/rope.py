@@ -34,6 +34,7 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 _numpy_fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 _NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
+_CURRENT = None  # cupy.cuda.get_current_stream, once a GPU has been seen
 # The arrays the one-call signature reads (_signature_and_pointers): cupy.ndarray, whose
 # _c_contiguous flag lets it skip the strides of C-contiguous arrays; None (every call validated
 # in full) for a CuPy without that flag.
@@ -66,7 +67,10 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _gpu_seen() -> None:
-    global _gpu_present, _NDARRAY, _SIGNED
+    global _gpu_present, _NDARRAY, _SIGNED, _CURRENT
+    import cupy
+
+    _CURRENT = cupy.cuda.get_current_stream  # the repeat path's stream when the caller passes none
     _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
     _SIGNED = _NDARRAY if hasattr(_NDARRAY, "_c_contiguous") else None
     _gpu_present = True
@@ -135,9 +139,14 @@ def _run_numpy(req: Request):
 _local = threading.local()
 
 
-# A thread's last repeat path before its first: ``(one_call, names, *options, plan)`` that matches
-# no call (no call's names are a bare object()).
-_NO_LAST = (None, object(), None, None, None, None, None, None, None)
+# A thread's last repeat path: ``(one_call, names, *options, plan, launch, device)`` (the plan's
+# ``Launcher.launch`` and device). Before its first, one that matches no call (no call's names
+# are a bare object()).
+_NO_LAST = (None, object(), None, None, None, None, None, None, None, None, None)
+# The names the two functions give their arrays in messages; also the identity their repeat
+# paths compare.
+_QK = ("q", "k")
+_X = ("x", "k")
 
 
 def _thread_caches() -> tuple[dict, dict]:
@@ -282,12 +291,12 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     # The thread's last repeat path: an engine calls with one signature layer after layer. Its
     # options are checked by identity (an option identical to one that passed the type checks
     # below has its type), its signature and addresses by the template's generated function.
-    one_call, lnames, l0, l1, l2, l3, l4, l5, plan = last
+    one_call, lnames, l0, l1, l2, l3, l4, l5, _, go, _ = last
     if (names is lnames and layout is l0 and interleaved is l1 and rotary_dim is l2 and rotary_offset is l3
             and inverse is l4 and attention is l5):
         prefix = one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
         if prefix is not None:
-            plan._core.launcher.launch(prefix, handle)
+            go(prefix, handle)
             return q_out, k_out
     sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     key = None if sig is None else (opts, names, sig)
@@ -312,7 +321,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
                                        _kw(opts))
                 else:  # the next call of this signature starts at its generated path
                     _local.last = (one_call, names, layout, interleaved, rotary_dim, rotary_offset, inverse,
-                                   attention, plan)
+                                   attention, plan, plan._core.launcher.launch, plan.device)
                 plan._core.launcher.launch(prefix, handle)
                 return q_out, k_out
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
@@ -460,16 +469,29 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
         if _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
-            # The engine's call (CuPy arrays, a GPU seen before): straight to the plan cache.
+            # The engine's call (CuPy arrays, a GPU seen before). The thread's last repeat path
+            # first, here rather than in _run_device: a call into it and its options tuple are a
+            # tenth of a repeated call's host time.
+            last = getattr(_local, "last", _NO_LAST)
+            if (last[1] is _QK and layout is last[2] and interleaved is last[3] and rotary_dim is last[4]
+                    and rotary_offset is last[5] and inverse is last[6] and last[7] is None
+                    and q_out is not None and k_out is not None):
+                if type(offset) is int:
+                    prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None, offset)
+                else:  # an offsets array; anything else the function declines (not its signature)
+                    prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0)
+                if prefix is not None:
+                    last[9](prefix, _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10]))
+                    return q_out, k_out
             return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), ("q", "k"))
-        return _apply(("q", "k"), q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _QK)
+        return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
     flat_q = q.shape if head_dim is not None and q_out is None else None
     flat_k = k.shape if head_dim is not None and k_out is None else None
-    qo, ko = _apply(("q", "k"), unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
+    qo, ko = _apply(_QK, unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
                     cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
                     unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
     return (q_out if q_out is not None else flatten_like(qo, flat_q),
@@ -486,15 +508,31 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     """
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
         if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
+            last = getattr(_local, "last", _NO_LAST)  # as in apply_rope_qk
+            if (last[1] is _X and layout is last[2] and interleaved is last[3] and rotary_dim is last[4]
+                    and rotary_offset is last[5] and inverse is last[6] and last[7] is None):
+                if out is None:  # allocated as _run_device would, which takes it if the path declines
+                    device = x.data.device_id
+                    handle = _CURRENT(device).ptr if stream is None else stream_handle(stream, device)
+                    out = launch.allocate(x.shape, x.dtype, device, handle, stream is None)
+                else:
+                    handle = _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10])
+                if type(offset) is int:
+                    prefix = last[0](x, None, cos, sin, positions, out, None, cu_seqlens, None, offset)
+                else:  # as in apply_rope_qk
+                    prefix = last[0](x, None, cos, sin, positions, out, None, cu_seqlens, offset, 0)
+                if prefix is not None:
+                    last[9](prefix, handle)
+                    return out
             return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), ("x", "k"))[0]
-        q, _ = _apply(("x", "k"), x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
+                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _X)[0]
+        q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
         return q
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
     flat = x.shape if head_dim is not None and out is None else None
-    q, _ = _apply(("x", "k"), unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
+    q, _ = _apply(_X, unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
                   cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
     return out if out is not None else flatten_like(q, flat)
 

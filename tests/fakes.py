@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 
 import ml_dtypes
 import numpy as np
@@ -339,6 +340,8 @@ class FakeGPU:
         self._patch(prepared.Prepared, "_new_launcher", staticmethod(self.launcher))
         self._patch(launch, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
+        # The repeat path's current stream (cupy.cuda.get_current_stream): the handle stream_handle gives None.
+        self._patch(rope, "_CURRENT", lambda device=-1: types.SimpleNamespace(ptr=stream_handle(None)))
         self._patch(tail, "stream_handle", stream_handle)
         from rope_rtc import mrope
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 
 import ml_dtypes
 import numpy as np
@@ -646,8 +647,8 @@ def test_event_rows_take_their_samples_in_turns():
     clock = timing.Clock(None, _Stream(log), quick=True)
     bursts: list = []
 
-    def gpu_seconds(seq):
-        names = {f() for f in seq}
+    def gpu_seconds(lead, seq):
+        names = {f() for f in [lead] + seq}
         assert len(names) == 1, "a burst mixed rows"
         bursts.append(names.pop())
         return len(seq) * (2e-6 if bursts[-1] == "a" else 3e-6)
@@ -661,6 +662,39 @@ def test_event_rows_take_their_samples_in_turns():
     one = clock.events([lambda: "a"], divisor=4, sets=3)  # one row: its estimate, then its reps
     assert bursts == ["a"] * (1 + clock.reps)
     assert one["us"] == pytest.approx(0.5) and one["sets"] == 3 and one["divisor"] == 4
+
+
+def test_a_timed_burst_starts_after_an_untimed_lead_call():
+    """The start event is recorded after the lead call is issued, so the window does not hold
+    the host latency of the first call after a synchronisation; the rotation moves on by the
+    lead call too (each burst starts on the next buffer set)."""
+    log: list = []
+
+    made: list = []
+
+    class Event:
+        def __init__(self):
+            self.name = ("start", "end")[len(made)]
+            made.append(self)
+
+        def record(self, stream):
+            log.append((self.name, stream))
+
+        def synchronize(self):
+            log.append("sync")
+
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: 4.0))
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    clock = timing.Clock(cp, stream, quick=True)
+    seconds = clock._gpu_seconds(lambda: log.append("lead"), [lambda: log.append("a"), lambda: log.append("b")])
+    assert log == ["lead", ("start", stream), "a", "b", ("end", stream), "sync"]
+    assert seconds == pytest.approx(4e-3)
+    seen: list = []
+    clock._gpu_seconds = lambda lead, seq: seen.append([lead()] + [f() for f in seq]) or 1e-3 * len(seq)
+    clock.events([lambda: 0, lambda: 1, lambda: 2])
+    firsts = [burst[0] for burst in seen]
+    assert all(len(b) == len(seen[-1]) for b in seen[1:])  # each rep: the lead, then its calls
+    assert firsts[1] == (firsts[0] + len(seen[0])) % 3  # the next burst's lead is the next set
 
 
 def test_one_call_prefill_gap_uses_the_paired_samples():

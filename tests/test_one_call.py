@@ -377,6 +377,45 @@ def test_a_repeated_signature_skips_the_signature_tuples_and_the_dictionary(tabl
         assert counts == {}
 
 
+def test_the_public_functions_take_the_last_repeat_path_themselves(table, monkeypatch):
+    """A repeated call goes from apply_rope / apply_rope_qk to the generated function and the
+    launch, without _run_device (a call and an options tuple): in place, with outputs given, with
+    an output the function allocates, on the current stream and on a given one. An offset of
+    another type than the signature's still reaches _run_device, which sorts it out."""
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k, offs = decode_arrays()
+        for _ in range(2):
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        counts: dict = {}
+        _counted(monkeypatch, rope, "_run_device", counts)
+        for stream, handle in ((None, 0), (77, 77)):
+            q, k, offs = decode_arrays()
+            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, stream=stream) == (q, k)
+            rec = gpu.launches[-1]
+            assert (rec["fixed"].in_[0], rec["fixed"].offsets, rec["stream"]) == (q.data.ptr, offs.data.ptr, handle)
+        assert counts == {}
+        x = fake_cupy((B, S, HQ, D), BF16)
+        for _ in range(2):
+            apply_rope(x, cos, sin, offset=3)
+        counts.clear()
+        for stream, handle in ((None, 0), (78, 78)):
+            x = fake_cupy((B, S, HQ, D), BF16)
+            out = apply_rope(x, cos, sin, offset=5, stream=stream)
+            rec = gpu.launches[-1]
+            assert out is not x and out.shape == x.shape and out.dtype == x.dtype
+            assert (rec["fixed"].in_[0], rec["fixed"].out[0], rec["fixed"].offset, rec["stream"]) == (
+                x.data.ptr, out.data.ptr, 5, handle)
+            given = fake_cupy(x.shape, BF16)
+            assert apply_rope(x, cos, sin, offset=6, out=given, stream=stream) is given
+            assert (gpu.launches[-1]["fixed"].out[0], gpu.launches[-1]["stream"]) == (given.data.ptr, handle)
+        assert counts == {}
+        n = len(gpu.launches)
+        apply_rope(x, cos, sin, offset=np.int64(9))
+        assert counts == {"_run_device": 1} and len(gpu.launches) == n + 1
+        assert gpu.launches[-1]["fixed"].offset == 9
+
+
 def test_the_last_repeat_path_still_checks_every_argument(table):
     """Each way a call can differ from the thread's last one (shape, dtype, contiguity, an
     absent or extra argument, in place or not, addresses, offset) is noticed: the call gets the

@@ -54,9 +54,15 @@ class Clock:
         self.max_s = 0.15 if quick else 0.4           # cap on one figure's timed calls
         self.max_calls = 5000
 
-    def _gpu_seconds(self, seq: list) -> float:
+    def _gpu_seconds(self, lead, seq: list) -> float:
+        """GPU seconds of the calls of ``seq``, after an untimed call of ``lead``: the GPU works on
+        the lead call while the start event and the first timed calls are issued, so the window
+        holds the calls' GPU time and not the host latency of the first call after a
+        synchronisation (8-25 µs for a one-call function on the H200 host, against 4-7 µs for
+        ``RopePlan.execute``: a point of a copy at 2 ms bursts; docs/performance.md)."""
         cp = self.cp
         start, end = cp.cuda.Event(), cp.cuda.Event()
+        lead()
         start.record(self.stream)
         for f in seq:
             f()
@@ -97,11 +103,13 @@ class Clock:
             counts = []
             for rot in rots:
                 self._warm(rot)
-                counts.append(self._calls(self._gpu_seconds(rot.take(3)) / 3))
+                seq = rot.take(4)
+                counts.append(self._calls(self._gpu_seconds(seq[0], seq[1:]) / 3))
             samples: list[list[float]] = [[] for _ in rots]
             for _ in range(self.reps):
                 for rot, calls, out in zip(rots, counts, samples):
-                    out.append(self._gpu_seconds(rot.take(calls)) / calls)
+                    seq = rot.take(calls + 1)
+                    out.append(self._gpu_seconds(seq[0], seq[1:]) / calls)
         return [self._stats(s, c, self.reps, divisor, sets or len(fns)) for s, c, fns in zip(samples, counts, rows)]
 
     # Calls per timed burst of a host measurement.
