@@ -127,12 +127,13 @@ RECENT_SETS = 16
 # behind the plan, where with cuLaunchKernel it had been level or ahead (docs/performance.md).
 GRAPH_NODE_THREADS = 1 << 16
 
-# A plan's argument set is replayed from a graph only for launches of at most this many threads
-# (a few µs of GPU time: 8-32 MB moved). A graph launch costs the GPU about 0.3 µs more than a
-# kernel launched into the stream, which a larger launch's GPU time does not hide and whose host
-# time it does hide: at 67 MB a plan measured 1.5-2 points of a copy faster with cuLaunchKernel
-# than replayed (docs/performance.md).
-REPLAY_THREADS = 1 << 19
+# A plan's argument set is replayed from a graph only for launches of fewer than this many
+# threads. A graph launch costs the GPU about 0.3 µs more than a kernel launched into the stream:
+# at 67 MB a plan measured 1.5-2 points of a copy faster with cuLaunchKernel than replayed
+# (docs/performance.md). From 2^20 threads a launch moves 32 MB or more (8 µs or more of GPU
+# time), which hides cuLaunchKernel's host time (5-8 µs a call); below, a loop of launches can be
+# host-bound, and replay keeps the host's share small.
+REPLAY_THREADS = 1 << 20
 
 
 def launch_threads(prefix: tuple) -> int:
@@ -216,9 +217,8 @@ class Launcher:
     graph; that launch and later ones of the token replay it, because ``cudaGraphLaunch`` of a
     one-node graph costs the host less than ``cuLaunchKernel`` (docs/performance.md). A graph
     cannot be launched into a stream that is being captured, so a capturing stream always gets
-    ``cuLaunchKernel`` (which the capture records), and so does a launch of more than
-    ``REPLAY_THREADS`` threads (its GPU time hides the host's, and a graph launch costs the GPU
-    more). ``RECENT_SETS`` graphs at most.
+    ``cuLaunchKernel`` (which the capture records), and so does a launch of ``REPLAY_THREADS``
+    threads or more (its GPU time hides the host's, and a graph launch costs the GPU more). ``RECENT_SETS`` graphs at most.
     """
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
@@ -278,7 +278,7 @@ class Launcher:
                         self._last_token, self._last_graph = token, graph
                         self._graph_launch(graph.handle_int, handle)
                         return
-            if launch_threads(prefix) <= REPLAY_THREADS:  # a larger set is never seen, never replayed
+            if launch_threads(prefix) < REPLAY_THREADS:  # a larger set is never seen, never replayed
                 remember(self._seen, id(token), token)
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:

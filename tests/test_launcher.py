@@ -61,17 +61,17 @@ def test_second_launch_of_a_set_instantiates_then_replays(rig):
 
 
 def test_a_plan_launch_of_many_threads_is_never_replayed(rig):
-    """A launch above REPLAY_THREADS keeps cuLaunchKernel (its GPU time hides the host's, and a
-    graph launch costs the GPU more); one at the bound replays as before."""
+    """A launch of REPLAY_THREADS threads or more keeps cuLaunchKernel (its GPU time hides the
+    host's, and a graph launch costs the GPU more); one just below replays as before."""
     launcher, stream, calls, made = rig
-    big = (0xF00, L.REPLAY_THREADS // 256 + 1, 1, 1, 256, 1, 1, 0)
+    big = (0xF00, L.REPLAY_THREADS // 256, 1, 1, 256, 1, 1, 0)
     token = ("big set",)
     for _ in range(4):
         launcher(big, None, token)
     assert calls == [("plain", 7)] * 4 and made == []
     calls.clear()
-    edge = (0xF00, L.REPLAY_THREADS // 256, 1, 1, 256, 1, 1, 0)
-    token = ("set at the bound",)
+    edge = (0xF00, L.REPLAY_THREADS // 256 - 1, 1, 1, 256, 1, 1, 0)
+    token = ("set below the bound",)
     for _ in range(3):
         launcher(edge, None, token)
     assert calls == [("plain", 7)] + [("graph", id(token), 7)] * 2 and len(made) == 1
