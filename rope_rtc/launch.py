@@ -445,7 +445,7 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     # The thread's last key first (an engine allocates one signature's outputs call after call):
     # hashing a key with a dtype in it is a good part of a recycled output's cost.
     last = getattr(_recycled, "last", _NO_KEY)
-    if shape == last[0] and dtype is last[1] and device == last[2] and stream == last[3]:
+    if shape == last[0] and dtype is last[1] and device == last[2] and stream == last[3] and _FREE is not None:
         slot = last[4]
     else:
         nbytes = math.prod(shape) * dtype.itemsize

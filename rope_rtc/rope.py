@@ -68,10 +68,10 @@ def _resolve_backend(backend: str) -> str:
 
 def _gpu_seen() -> None:
     global _gpu_present, _NDARRAY, _SIGNED, _CURRENT
-    import cupy
+    from .driver import import_cupy
 
-    _CURRENT = cupy.cuda.get_current_stream  # the repeat path's stream when the caller passes none
     _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
+    _CURRENT = import_cupy().cuda.get_current_stream  # the repeat path's stream when none is given
     _SIGNED = _NDARRAY if hasattr(_NDARRAY, "_c_contiguous") else None
     _gpu_present = True
 
@@ -476,12 +476,14 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
             if (last[1] is _QK and layout is last[2] and interleaved is last[3] and rotary_dim is last[4]
                     and rotary_offset is last[5] and inverse is last[6] and last[7] is None
                     and q_out is not None and k_out is not None):
+                # The stream first, as _run_device: a bad one raises before the block is written.
+                handle = _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10])
                 if type(offset) is int:
                     prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None, offset)
                 else:  # an offsets array; anything else the function declines (not its signature)
                     prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0)
                 if prefix is not None:
-                    last[9](prefix, _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10]))
+                    last[9](prefix, handle)
                     return q_out, k_out
             return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
                                (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _QK)

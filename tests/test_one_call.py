@@ -776,3 +776,34 @@ def test_an_output_reshaped_in_place_leaves_the_cache_without_comparing_arrays(r
     out = launch.allocate(shape, dt, 0, 7)
     assert len(made) == 3 and out is not held and out.shape == shape
     assert [a.shape for a in launch._recycled.by_key[(shape, dt, 0, 7)]] == [shape, shape]
+
+
+def test_a_missing_cupy_on_a_gpu_machine_is_a_toolchain_error(monkeypatch):
+    """The first GPU call on a machine with a driver but no CuPy names the extra to install
+    (ToolchainError), not a bare ImportError from the one-call path's own imports."""
+    import sys
+
+    from rope_rtc import driver
+    from rope_rtc.errors import ToolchainError
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(driver, "available", lambda: True)
+    monkeypatch.setattr(driver, "driver_version", lambda: 12040)
+    monkeypatch.setattr(prepared, "_NDARRAY", None)
+    monkeypatch.setattr(rope, "_gpu_present", False)
+    with pytest.raises(ToolchainError, match="CuPy"):
+        rope._resolve_backend("auto")
+
+
+def test_the_last_output_key_does_not_recycle_once_recycling_is_off(recycling, monkeypatch):
+    """The thread's last output key serves only while recycling is on: with the free counts
+    unknown (``_FREE`` None), a call of that key allocates a new output."""
+    launch, made, _ = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    a = launch.allocate(shape, dt, 0, 7)
+    del a
+    assert launch._recycled.last[0] == shape
+    monkeypatch.setattr(launch, "_FREE", None)
+    n = len(made)
+    b = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n + 1 and b.shape == shape
