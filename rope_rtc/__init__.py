@@ -45,6 +45,7 @@ _EXPORTS = {
     "CudaError": "errors",
     "KernelNotCachedError": "errors",
     "ToolchainError": "errors",
+    "SettingError": "errors",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -67,6 +67,36 @@ def _expected(entry: Entry, target: Target) -> bool:
             and entry.nvrtc == f"{major}.{minor}")
 
 
+# Families specialised on one model's geometry, which only `warm --model` builds, and the flag
+# that adds each family's builds to a model's set.
+_MODEL_FAMILIES = {"rope_fixed": "", "rope_cache": "", "qk_norm_rope": " --qk-norm"}
+
+
+def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> str:
+    """Why a miss may not compile, and the ``rope-rtc warm`` command that fills the cache with it."""
+    where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
+    head = (f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
+            f"compiling it")
+    if store.disk is None:
+        head += " (the disk cache is off: ROPE_RTC_DISABLE_DISK_CACHE=1)"
+    elif not store.disk.usable and store.disk.problem:
+        head += f" (the disk cache was not read: {store.disk.problem})"
+    if spec.family in _MODEL_FAMILIES:
+        angles = dict(spec.defines).get("FIX_ANGLES")
+        flag = _MODEL_FAMILIES[spec.family] + (
+            "" if angles is None else " --inv-freq " + {"1": "float64", "2": "float32"}[angles])
+        return (f"{head}; it is specialised on one model's head counts and head dim: fill the cache on a build "
+                f"machine with: rope-rtc warm --arch {target.name} --model config.json{flag}{where} (or the same "
+                f"fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)")
+    if spec.family == "rope":
+        hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
+    elif spec.family == "tail":  # the default warm builds a fixed list of head counts
+        hint = f" --tail-heads {dict(spec.defines)['TAIL_HEADS']}"
+    else:
+        hint = ""
+    return f"{head}; fill the cache on a build machine with: rope-rtc warm --arch {target.name}{where}{hint}"
+
+
 def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = None,
                announce: bool = True) -> Binary:
     store = store or open_store()
@@ -87,26 +117,7 @@ def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = N
 
     s = settings()
     if s.no_compile:
-        where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
-        if spec.family in ("rope_fixed", "rope_cache"):  # specialised on a model's geometry
-            angles = dict(spec.defines).get("FIX_ANGLES")
-            flag = "" if angles is None else " --inv-freq " + {"1": "float64", "2": "float32"}[angles]
-            raise KernelNotCachedError(
-                f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
-                f"compiling it; it is specialised on one model's head counts and head dim: fill the cache on a "
-                f"build machine with: rope-rtc warm --arch {target.name} --model config.json{flag}{where} (or the "
-                f"same fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)"
-            )
-        if spec.family == "rope":
-            hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
-        elif spec.family == "tail":  # the default warm builds a fixed list of head counts
-            hint = f" --tail-heads {dict(spec.defines)['TAIL_HEADS']}"
-        else:
-            hint = ""
-        raise KernelNotCachedError(
-            f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
-            f"compiling it; fill the cache on a build machine with: rope-rtc warm --arch {target.name}{where}{hint}"
-        )
+        raise KernelNotCachedError(_not_cached_message(spec, target, store))
 
     if announce:
         _notice(f"compiling {spec.name} for {target.name} (first use; cached afterwards)")

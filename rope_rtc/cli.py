@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
+from .errors import SettingError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -371,10 +372,10 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
     if _cannot_read(store):
         _err("verify: the loader cannot use this directory, so none of its entries is served")
         return EXIT_FAILED
-    bad, stale, unchecked = [], 0, None
+    bad, foreign, stale, unchecked = [], [], 0, None
     for e in listed:
         if e.error:
-            bad.append(f"{_entry_name(e)}: {e.error}")
+            (foreign if e.foreign else bad).append(f"{_entry_name(e)}: {e.error}")
             continue
         try:
             verdict = _loader_refusal(e.entry, e.key)
@@ -385,16 +386,22 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
             bad.append(f"{_entry_name(e)}: {verdict[1]}")
         elif verdict:
             stale += 1
-    if bad:
-        print(f"{len(bad)} of {len(listed)} entries in {store.directory} fail verification:", file=sys.stderr)
-        for line in bad:
+    if bad or foreign:
+        print(f"{len(bad) + len(foreign)} of {len(listed)} entries in {store.directory} fail verification:",
+              file=sys.stderr)
+        for line in bad + foreign:
             print(f"- {line}", file=sys.stderr)
-        print("they are deleted and rebuilt on next use; `rope-rtc warm` rebuilds them now", file=sys.stderr)
+        if bad:
+            print(f"{len(bad)} of them are deleted and rebuilt on next use; `rope-rtc warm` rebuilds them now",
+                  file=sys.stderr)
+        if foreign:
+            print(f"{len(foreign)} of them are not the cache's files, which it never deletes: the loader ignores "
+                  "them and compiles those kernels instead; remove them by hand", file=sys.stderr)
         return EXIT_FAILED
     temps = len(store.temp_files())
     print(f"all {len(listed)} entries in {store.directory} verified"
-          + (f" ({temps} temporary files left by interrupted writes; `rope-rtc warm` removes those older "
-             "than an hour, `rope-rtc cache clear` all of them)" if temps else ""))
+          + (f" ({temps} temporary files left by interrupted writes, or being written now; `rope-rtc warm` "
+             "and `rope-rtc cache clear` remove those older than an hour)" if temps else ""))
     if stale:
         print(f"{stale} of them are never loaded by this installation (built from other sources or by another "
               "NVRTC); `rope-rtc cache clear` removes them")
@@ -422,6 +429,9 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     if done.left:
         shown = ", ".join(done.left[:5]) + (", …" if len(done.left) > 5 else "")
         print(f"left {len(done.left)} files that are not the cache's: {shown}")
+    if done.in_progress:
+        print(f"left {len(done.in_progress)} temporary files younger than an hour (a compile in another process "
+              "may be publishing them; `rope-rtc warm` removes them once they are older)")
     if done.failed:
         _err(f"{len(done.failed)} files could not be removed: "
              + "; ".join(f"{name} ({why})" for name, why in done.failed[:5]))
@@ -522,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("list", _cmd_cache_list, "each entry (kernel, architecture, kind, size, created, key), sorted, and "
                                   "leftover temporary files"),
         ("verify", _cmd_cache_verify, "check every entry as the loader would; exit 1 naming any it would refuse"),
-        ("clear", _cmd_cache_clear, "remove every entry, saved source and temporary file (and nothing else)"),
+        ("clear", _cmd_cache_clear, "remove every entry, saved source and temporary file older than an hour "
+                                    "(and nothing else)"),
     ):
         csub.add_parser(name, parents=[cache_dir], help=text, description=text).set_defaults(func=func)
     c.set_defaults(func=None, parser=c)
@@ -549,7 +560,7 @@ def _run(args: argparse.Namespace) -> int:
         warnings.showwarning = _show_warning
         try:
             return args.func(args)
-        except _Usage as exc:
+        except (_Usage, SettingError) as exc:  # a bad ROPE_RTC_* value is the caller's to fix: no traceback
             _err(f"{args.command}: {exc}")
             return EXIT_USAGE
         except KeyboardInterrupt:

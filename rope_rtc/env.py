@@ -5,14 +5,14 @@ can change it between calls. None of them is read on a launch path (``ROPE_RTC_N
 
 A switch written ``=1`` below is on for ``1``, ``true``, ``yes`` or ``on`` and off for ``0``,
 ``false``, ``no``, ``off``, an empty value or none at all, in any letter case. Any other value
-raises ``ValueError`` naming the variable when that switch is read: a typo must not silently
-forbid compiling, or silently allow it. ``ROPE_RTC_TRUST_SHARED_CACHE`` is the exception: an
+raises :class:`rope_rtc.errors.SettingError` (a ``ValueError``) naming the variable when that
+switch is read: a typo must not silently forbid compiling, or silently allow it. ``ROPE_RTC_TRUST_SHARED_CACHE`` is the exception: an
 unknown value means off, with a warning, so a typo can only ever refuse a cache.
 
 ``ROPE_RTC_CACHE_DIR``
     Root of the on-disk kernel cache: an absolute path (``~`` expands). Default: the platform
     user cache directory (``$XDG_CACHE_HOME/rope_rtc`` on Linux). A version subdirectory is
-    always appended. A relative path, or a switch word such as ``false``, raises ``ValueError``.
+    always appended. A relative path, or a switch word such as ``false``, raises ``SettingError``.
 ``ROPE_RTC_DISABLE_DISK_CACHE=1``
     Keep compiled kernels in memory only; never read or write the disk cache.
 ``ROPE_RTC_NO_COMPILE=1``
@@ -46,6 +46,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .errors import SettingError
+
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off", "")
 _ACCEPTED = "1, true, yes or on (on); 0, false, no, off or empty (off); any letter case"
@@ -59,13 +61,13 @@ def _parse_flag(variable: str, raw: str | None) -> bool:
         return True
     if word in _OFF:
         return False
-    raise ValueError(f"{variable}={raw!r} is not a switch value; use {_ACCEPTED}")
+    raise SettingError(f"{variable}={raw!r} is not a switch value; use {_ACCEPTED}")
 
 
 def _parse_trust(variable: str, raw: str | None) -> bool:
     try:
         return _parse_flag(variable, raw)
-    except ValueError as exc:
+    except SettingError as exc:
         # Failing closed: an unknown value never trusts a cache other users can write.
         warnings.warn(f"{exc}; shared caches are not trusted", UserWarning, stacklevel=3)
         return False
@@ -75,7 +77,7 @@ def _parse_cache_dir(variable: str, raw: str | None) -> str | None:
     if not raw:
         return None
     if raw.strip().lower() in _ON + _OFF:
-        raise ValueError(
+        raise SettingError(
             f"{variable}={raw!r} is a switch value, not a directory; set it to an absolute path, "
             "or unset it for the user cache directory (ROPE_RTC_DISABLE_DISK_CACHE=1 keeps kernels "
             "in memory only)"
@@ -84,7 +86,7 @@ def _parse_cache_dir(variable: str, raw: str | None) -> str | None:
     # A relative root would be resolved against each process's working directory: every server
     # started elsewhere would fill (and trust) a cache in a directory nobody chose.
     if not os.path.isabs(path):
-        raise ValueError(f"{variable}={raw!r} is a relative path; set it to an absolute path (or ~/...)")
+        raise SettingError(f"{variable}={raw!r} is a relative path; set it to an absolute path (or ~/...)")
     return path
 
 

@@ -43,5 +43,10 @@ class UnsupportedLayoutError(ValueError, NotImplementedError):
     """
 
 
+class SettingError(ValueError):
+    """A ``ROPE_RTC_*`` environment variable holds a value it does not accept; the text names the
+    variable and the values it takes."""
+
+
 class NoDeviceError(RopeRtcError):
     """The GPU backend was asked for on a machine with no usable CUDA driver or device."""

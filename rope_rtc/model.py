@@ -63,12 +63,15 @@ class ModelRope:
         """Every build a plan for this model can launch: the generic builds of its dtype and pair
         style (each vector width and head batch), the builds specialised on its geometry for q with
         k, q alone and k alone, in both thread orders (``RopePlan.compile`` loads the generic ones
-        and its own specialised one), and the fused RoPE + KV-cache-write builds."""
-        return [rope_spec(self.dtype, self.interleaved, vec, hb)
-                for vec in rope_vector_widths(self.dtype, self.interleaved)
-                for hb in rope_head_batches(self.interleaved)] + model_fixed_specs(
-            self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim) + \
-            self.cache_specs() + self.mrope_specs() + self.qk_norm_specs() + self.angle_specs()
+        and its own specialised one), and the fused RoPE + KV-cache-write builds. Each build once:
+        with as many kv heads as q heads, "q alone" and "k alone" are one build."""
+        generic = [rope_spec(self.dtype, self.interleaved, vec, hb)
+                   for vec in rope_vector_widths(self.dtype, self.interleaved)
+                   for hb in rope_head_batches(self.interleaved)]
+        fixed = model_fixed_specs(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim,
+                                  self.rotary_dim)
+        every = generic + fixed + self.cache_specs() + self.mrope_specs() + self.qk_norm_specs() + self.angle_specs()
+        return list(dict.fromkeys(every))
 
     def angle_specs(self) -> list[KernelSpec]:
         """The builds that compute cos and sin from ``inv_freq`` (``apply_rope(..., inv_freq=)``)
@@ -149,7 +152,7 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
             config = json.loads(path.read_text())
         except OSError as exc:
             raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--model: {path} is not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object")
@@ -161,7 +164,8 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     if q_heads is None:
         q_heads = _int_field(config, "num_attention_heads", where)
     if kv_heads is None:
-        kv_heads = config.get("num_key_value_heads") or q_heads
+        kv_heads = config.get("num_key_value_heads")
+        kv_heads = q_heads if kv_heads is None else kv_heads  # absent: multi-head attention; 0 is an error
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
             raise ValueError(f"{where}: num_key_value_heads must be a positive int, got {kv_heads!r}")
     if head_dim is None:
@@ -175,11 +179,13 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
             raise ValueError(f"{where}: head_dim must be a positive int, got {head_dim!r}")
     if rotary_dim is None:
-        factor = config.get("partial_rotary_factor", 1.0)
+        field, factor = _partial_rotary_factor(config)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise ValueError(f"{where}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+            raise ValueError(f"{where}: {field} must be in (0, 1], got {factor!r}")
         rotary_dim = int(head_dim * factor)
         rotary_dim -= rotary_dim % 2  # as transformers does: int(head_dim * factor), pairs whole
+        if rotary_dim == 0:
+            raise ValueError(f"{where}: {field} {factor!r} of head_dim {head_dim} rotates no channel pair")
     if dtype is None:
         value = config.get("torch_dtype", config.get("dtype"))
         if value is None:
@@ -190,6 +196,19 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     section, style = _mrope(config, where, rotary_dim)
     return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm),
                      tuple(dict.fromkeys(inv_freq)))
+
+
+def _partial_rotary_factor(config: dict) -> tuple[str, object]:
+    """``(field, value)`` of the config's rotary fraction: the top-level ``partial_rotary_factor``
+    (transformers 4), else the one inside ``rope_parameters`` (transformers 5 moves it there) or
+    ``rope_scaling``; ``("partial_rotary_factor", 1.0)`` when none is given."""
+    if config.get("partial_rotary_factor") is not None:
+        return "partial_rotary_factor", config["partial_rotary_factor"]
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = config.get(field)
+        if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
+            return f"{field}.partial_rotary_factor", rope["partial_rotary_factor"]
+    return "partial_rotary_factor", 1.0
 
 
 def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:

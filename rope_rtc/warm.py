@@ -229,6 +229,7 @@ def warm(
         specs = [s for s in specs if any(g.fullmatch(s.name) or g.fullmatch(s.family) for g in globs)]
     if not specs:
         raise ValueError(f"no kernel to warm (kernels={list(kernels or [])})")
+    specs = list(dict.fromkeys(specs))  # one task per kernel: two compiling one key waste a worker
     store = _disk_store(cache_dir)
     disk = store.disk
     assert disk is not None

@@ -22,7 +22,7 @@ from rope_rtc.cache import Entry, decode_entry, encode_entry
 from rope_rtc.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
 from rope_rtc.toolchain import Target, nvrtc_version
-from cache_fixtures import compiles, fresh_store, isolated  # noqa: F401 (fixtures)
+from cache_fixtures import CAN_SWITCH_USER, as_other_user, compiles, fresh_store, isolated  # noqa: F401 (fixtures)
 
 SM90 = Target(90, "cubin")
 SPEC = registry.tail_spec(1, 128)
@@ -73,6 +73,9 @@ def test_a_symlinked_entry_fails_verify(tmp_path, valid_entry, capsys):
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
     err = capsys.readouterr().err
     assert target.name in err and "symbolic link" in err
+    # The remedy given is one that works: the cache never removes a link, so a person must.
+    assert "not the cache's files, which it never deletes" in err and "remove them by hand" in err
+    assert "deleted and rebuilt" not in err
 
 
 def test_a_dangling_symlink_is_a_miss(tmp_path, compiles):
@@ -153,6 +156,32 @@ def test_directory_owned_by_another_user_is_refused(tmp_path, compiles):
         store = cache.open_store(d)
     assert build.get_binary(SPEC, SM90, store=store, announce=False).source == "compiled"
     assert list(d.iterdir()) == []
+
+
+@pytest.mark.skipif(not CAN_SWITCH_USER, reason="acting as another user needs root")
+def test_a_cache_root_warmed_into_an_image_serves_other_users(tmp_path):
+    """An image's cache is warmed by root at build time, then opened by an unprivileged server:
+    root's entries are trusted (root can write anything the server runs), and served."""
+    root = tmp_path / "image-cache"
+    d = private_dir(cache.versioned_cache_dir(root))
+    b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)
+    for p in (tmp_path, root, d):
+        p.chmod(0o755)  # `chmod a+rX`, as an image build does
+    (d / f"{b.key}.bin").chmod(0o644)
+    rel = d.relative_to(tmp_path)
+
+    def served() -> str:
+        import warnings
+
+        os.environ["ROPE_RTC_NO_COMPILE"] = "1"
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            source = build.get_binary(SPEC, SM90, store=fresh_store(rel), announce=False).source
+        return source, [str(w.message) for w in seen]
+
+    source, said = as_other_user(served, cwd=tmp_path)
+    assert source == "disk"
+    assert len(said) == 1 and "is not writable; serving its entries read-only" in said[0], said
 
 
 # -- what the library creates is private --------------------------------------------------------
@@ -288,21 +317,28 @@ def test_clear_removes_only_the_caches_own_files(tmp_path, capsys):
                      "--kernels", "tail", "--tail-heads", "1"]) == 0
     d = cache.versioned_cache_dir(root)
     ours = sorted(p.name for p in d.iterdir())
-    (d / ".tmp-abcdefgh.part").write_bytes(b"torn")          # a temporary file the store writes
+    (d / ".tmp-abcdefgh.part").write_bytes(b"torn")          # a temporary file the store writes,
+    hours_ago = time.time() - 2 * 3600
+    os.utime(d / ".tmp-abcdefgh.part", (hours_ago, hours_ago))  # left by a process killed long ago
+    (d / ".tmp-ijklmnop.part").write_bytes(b"being written")  # one a publish may be writing now
     (d / f"{'c' * 64}.bin").write_bytes(b"not our format")    # an entry name, but not our entry
+    (d / f"{'d' * 64}.cu").write_bytes(b"// my kernel\n")    # a saved source's name, but not one
+    store = cache.open_store(d)
+    store.disk.put_text("e" * 64, ".cu", build.assembled_source(SPEC.source, SPEC.defines, SM90))  # a saved source
     (d / "sub").mkdir()
     (d / "sub" / "x.bin").write_bytes(b"nested")
     files = user_files(d)
     (d / "link.bin").symlink_to(tmp_path / "elsewhere.bin")
     (tmp_path / "elsewhere.bin").write_bytes(b"theirs")
-    keep = {n for n in os.listdir(d) if n not in ours and n != ".tmp-abcdefgh.part"}
+    keep = {n for n in os.listdir(d) if n not in ours and n not in (".tmp-abcdefgh.part", f"{'e' * 64}.cu")}
     before = tree_snapshot(tmp_path, skip=None)
     capsys.readouterr()
     rc = cli_main(["cache", "clear", "--cache-dir", str(root)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert set(os.listdir(d)) == keep
-    assert f"removed {len(ours) + 1} files" in out and "not the cache's" in out
+    assert f"removed {len(ours) + 2} files" in out and "not the cache's" in out
+    assert "left 1 temporary files younger than an hour" in out and (d / ".tmp-ijklmnop.part").exists()
     after = tree_snapshot(tmp_path)
     assert {k: v for k, v in before.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"} == \
         {k: v for k, v in after.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"}

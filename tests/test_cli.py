@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -221,6 +222,8 @@ def test_cache_list_verify_clear(capsys, tmp_path):
 
     warm_small(root, capsys)
     (d / ".tmp-abandoned.part").write_bytes(b"half an entry")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(d / ".tmp-abandoned.part", (hours_ago, hours_ago))  # from a process killed long ago
     rc, out, _ = run_main(capsys, "cache", "list", "--cache-dir", str(root))
     assert rc == 0
     rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "temporary" not in line
@@ -413,3 +416,16 @@ def test_cache_list_into_a_closed_pipe_exits_quietly(tmp_path, capsys):
     p.stderr.close()
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert err == "", err
+
+
+@pytest.mark.parametrize("variable,value,command", [
+    *(("ROPE_RTC_CACHE_DIR", "relative/dir", c) for c in (["info"], ["cache", "list"], ["cache", "verify"],
+                                                          ["cache", "clear"], ["warm", "--arch", "sm_90", "--kernels", "blog"])),
+    # The cache commands manage the disk whatever this switch says; the others read it.
+    *(("ROPE_RTC_DISABLE_DISK_CACHE", "maybe", c) for c in (["info"], ["warm", "--arch", "sm_90", "--kernels", "blog"])),
+])
+def test_a_bad_switch_value_is_one_line_naming_the_variable(monkeypatch, capsys, no_device, variable, value, command):
+    monkeypatch.setenv(variable, value)
+    assert cli.main(command) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"{variable}={value!r}" in err and len(err.strip().splitlines()) == 1, err

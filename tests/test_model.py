@@ -4,6 +4,7 @@ the kernels a plan for that model loads, for each architecture, on a machine wit
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import ml_dtypes
 import pytest
@@ -47,6 +48,44 @@ def test_config_errors_name_the_field(change, pattern):
     config = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=pattern):
         from_config(config)
+
+
+def test_partial_rotary_factor_inside_rope_parameters():
+    # transformers 5 keeps the fraction in rope_parameters (GLM, Qwen3.5); a top-level one wins.
+    glm = {**LLAMA3_8B, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    assert from_config(glm).rotary_dim == 64
+    assert from_config({**glm, "partial_rotary_factor": 0.25}).rotary_dim == 32
+    qwen35 = {"torch_dtype": "bfloat16", "text_config": {
+        "hidden_size": 4096, "head_dim": 256, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": True}}}
+    model = from_config(qwen35)
+    assert (model.rotary_dim, model.mrope_section, model.mrope_interleaved) == (64, (11, 11, 10), True)
+    with pytest.raises(ValueError, match=r"rope_parameters\.partial_rotary_factor must be in \(0, 1\]"):
+        from_config({**LLAMA3_8B, "rope_parameters": {"partial_rotary_factor": 2}})
+
+
+@pytest.mark.parametrize("change,pattern", [
+    ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive int, got 0"),
+    ({"partial_rotary_factor": 0.01}, r"partial_rotary_factor 0\.01 of head_dim 128 rotates no channel pair"),
+])
+def test_config_values_that_name_no_geometry_are_refused(change, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        from_config({**LLAMA3_8B, **change})
+
+
+def test_each_build_is_listed_once_when_q_and_kv_heads_are_equal():
+    # "q alone" and "k alone" are one build then (with mrope, the QK-norm and the inv_freq builds too).
+    config = {**LLAMA3_8B, "num_key_value_heads": 32, "model_type": "qwen3", "rope_scaling": {"mrope_section": [16, 24, 24]}}
+    names = [s.name for s in from_config(config, inv_freq=("float64",)).specs()]
+    assert len(names) == len(set(names)) and len(names) > 40
+
+
+def test_a_config_file_that_is_not_text_is_named(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xff\xfe{\x00")
+    with pytest.raises(ValueError, match=rf"--model: {path} is not JSON"):
+        from_config(path)
 
 
 def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
@@ -125,18 +164,39 @@ def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, mon
         get_binary(rope_spec("bfloat16", False, 8, 2), target_for(90))
 
 
-@pytest.mark.parametrize("family", ["rope_fixed", "rope_cache"])
-def test_a_missing_specialised_kernel_names_the_model_command(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("family,flag", [("rope_fixed", ""), ("rope_cache", ""), ("qk_norm_rope", " --qk-norm")])
+def test_a_missing_specialised_kernel_names_the_model_command(tmp_path, monkeypatch, family, flag):
+    """The command named builds the kernel: the family is in the model's set with that flag."""
     from rope_rtc.build import get_binary
-    from rope_rtc.registry import cache_spec, fixed_geometry
     from rope_rtc.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
-    spec = (fixed_geometry("bfloat16", False, 32, 8, 128, 0, 128, False).spec() if family == "rope_fixed"
-            else cache_spec("bfloat16", False, 8, 1, 32, 8, 128, 128))
-    with pytest.raises(KernelNotCachedError, match=r"rope-rtc warm --arch sm_90 --model config\.json .*--kv-heads"):
+    spec = next(s for s in from_config(LLAMA3_8B, qk_norm=bool(flag)).specs() if s.family == family)
+    assert family != "qk_norm_rope" or all(s.family != family for s in from_config(LLAMA3_8B).specs())
+    with pytest.raises(KernelNotCachedError,
+                       match=rf"rope-rtc warm --arch sm_90 --model config\.json{flag} --cache-dir .*--kv-heads"):
         get_binary(spec, target_for(90))
+
+
+def test_a_miss_says_when_the_disk_cache_was_not_read(tmp_path, monkeypatch):
+    from rope_rtc.build import get_binary
+    from rope_rtc.cache.location import versioned_cache_dir
+    from rope_rtc.registry import tail_spec
+    from rope_rtc.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    versioned = Path(versioned_cache_dir())
+    versioned.mkdir(mode=0o700)
+    versioned.chmod(0o777)  # writable by others: refused, so warming it again would not help
+    with pytest.warns(UserWarning, match="writable by other users"):
+        with pytest.raises(KernelNotCachedError, match=r"\(the disk cache was not read: cache directory .* is "
+                                                       r"writable by other users"):
+            get_binary(tail_spec(1, 128), target_for(90))
+    monkeypatch.setenv("ROPE_RTC_DISABLE_DISK_CACHE", "1")
+    with pytest.raises(KernelNotCachedError, match=r"\(the disk cache is off: ROPE_RTC_DISABLE_DISK_CACHE=1\)"):
+        get_binary(tail_spec(1, 128), target_for(90))
 
 
 def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):

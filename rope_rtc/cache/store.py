@@ -10,7 +10,9 @@ Disk rules (docs/design.md, "The kernel cache"):
 - trust: the store never follows a symbolic link, neither at an entry nor at the version
   directory nor at the cache root above it (each is opened with ``O_NOFOLLOW``, and every file
   operation goes through the directory's descriptor), and refuses a directory or entry that
-  other users can write, or that another user owns, unless ``ROPE_RTC_TRUST_SHARED_CACHE=1``.
+  other users can write, or that a user other than this one or root owns, unless
+  ``ROPE_RTC_TRUST_SHARED_CACHE=1`` (root's files are trusted: root can write anything this process
+  runs, and a cache warmed into an image is root's).
   Directories it creates are private (0700).
 - the store deletes or writes only its own files: entries (``<64 hex>.bin`` in the entry
   format), saved sources (``<64 hex>.cu``) and its temporary files (``.tmp-<random>.part``),
@@ -46,6 +48,10 @@ TEMP_SUFFIX = ".part"
 # A temporary file this old belongs to no running publish (one takes milliseconds): a process
 # was killed between writing it and renaming it. `warm` removes such files when it starts.
 STALE_TEMP_SECONDS = 3600
+
+# What a saved source (ROPE_RTC_SAVE_SOURCE, compiler.assembled_source) begins with: a file at a
+# saved source's name that does not is someone else's, and is left alone.
+SOURCE_HEAD = b"// option: "
 
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.bin")
 _SOURCE_NAME = re.compile(r"[0-9a-f]{64}\.cu")
@@ -96,8 +102,10 @@ class _DirectoryError(Exception):
 
 
 def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    # Root may own what this user trusts: root can already write anything this process runs, and
+    # a cache warmed into an image at build time (as root, then `chmod a+rX`) is root's.
+    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
+        return f"{what} is owned by uid {st.st_uid}, neither this user (uid {os.getuid()}) nor root"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
     return None
@@ -190,6 +198,9 @@ class ListedEntry:
     entry: Entry | None
     error: str | None
     header: dict | None = None
+    #: something the store leaves alone sits at the name (a link, a FIFO, a directory, another
+    #: user's file): the loader ignores it rather than deleting it, so only a person can remove it
+    foreign: bool = False
 
     @property
     def key(self) -> str:
@@ -220,6 +231,8 @@ class Cleared:
     sources: int = 0
     temporary: int = 0
     left: list[str] = field(default_factory=list)
+    #: temporary files younger than STALE_TEMP_SECONDS: a publish may be writing them now
+    in_progress: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -507,9 +520,9 @@ class DiskStore:
         except EntryError as exc:
             return ListedEntry(path, size, None, str(exc), peek_header(data))
         except _NotAFile as exc:
-            return ListedEntry(path, size, None, f"is {exc}, not a cache entry")
+            return ListedEntry(path, size, None, f"is {exc}, not a cache entry", foreign=True)
         except Refused as exc:
-            return ListedEntry(path, size, None, str(exc))
+            return ListedEntry(path, size, None, str(exc), foreign=True)
         except OSError as exc:
             return ListedEntry(path, size, None, f"cannot be read ({exc.strerror})")
 
@@ -547,22 +560,29 @@ class DiskStore:
             return None
         if not self._ours(_lstat_at(name, dfd)):
             return None
-        if kind == "entries":
+        head = {"entries": MAGIC, "sources": SOURCE_HEAD}.get(kind)
+        if head is not None:
             fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
             try:
-                if os.read(fd, len(MAGIC)) != MAGIC:
+                if os.read(fd, len(head)) != head:
                     return None
             finally:
                 os.close(fd)
         return kind
 
     def clear(self) -> Cleared:
-        """Remove the store's own files (entries, saved sources, temporary files); leave the rest."""
+        """Remove the store's own files (entries, saved sources, temporary files); leave the rest,
+        and the temporary files a publish may be writing now (younger than STALE_TEMP_SECONDS:
+        removing one would fail that publish)."""
         done = Cleared()
+        cutoff = time.time() - STALE_TEMP_SECONDS
         with self._dir() as dfd:
             for name in self._names(dfd):
                 try:
                     kind = self._own_kind(dfd, name)
+                    if kind == "temporary" and _lstat_at(name, dfd).st_mtime >= cutoff:
+                        done.in_progress.append(name)
+                        continue
                 except OSError as exc:
                     done.failed.append((name, exc.strerror or str(exc)))
                     continue
