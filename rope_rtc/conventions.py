@@ -14,6 +14,55 @@ from . import arrays as A
 from .descriptors import TensorDesc
 
 
+class _InterfaceView:
+    """Part of the memory of an object that speaks only ``__cuda_array_interface__`` (which has
+    no slicing or ``reshape`` of its own), described through that interface alone. It holds the
+    object, so the memory outlives the view as long as the object does."""
+
+    def __init__(self, owner, info: A.ArrayInfo, offset: int, shape: tuple, strides: tuple) -> None:
+        cai = owner.__cuda_array_interface__
+        self._owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": cai["typestr"], "version": 3,
+            "data": (info.ptr + offset * info.itemsize, info.readonly),
+            "strides": tuple(st * info.itemsize for st in strides),
+        }
+
+
+def _view(x, info: A.ArrayInfo, offset: int, shape: tuple, strides: tuple):
+    """``x``'s elements from ``offset`` as an array of ``shape`` and element ``strides``, without
+    a copy: a view of the caller's own kind where it can make one (CuPy, NumPy, torch), of the
+    CuPy view of a DLPack export, else of the interface (``_InterfaceView``)."""
+    for base in (x, info.array):
+        if hasattr(base, "reshape") and hasattr(base, "__getitem__"):
+            break
+    else:
+        return _InterfaceView(x, info, offset, shape, strides)
+    if len(shape) == 3:  # [T, H * D] -> [T, H, D]
+        return base.reshape(shape)
+    return base[:, offset:offset + shape[1]]  # a table's half
+
+
+def _described(x, name: str) -> A.ArrayInfo | None:
+    """``x``'s ArrayInfo when it has no ``shape`` of its own (an interface-only object); None
+    when it has one, or is no array at all (the caller names it)."""
+    if x is None or hasattr(x, "shape"):
+        return None
+    try:
+        return A.describe(x, name)
+    except TypeError:
+        return None
+
+
+def shape_of(x, name: str):
+    """``x.shape``, or the shape its array interface gives; None for anything else."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        info = _described(x, name)
+        shape = None if info is None else info.shape
+    return shape
+
+
 def split_cos_sin_cache(cache, cos, sin) -> tuple:
     """``(cos, sin)``: the tables given, or the two halves of ``cache`` as views."""
     if cache is None:
@@ -22,11 +71,12 @@ def split_cos_sin_cache(cache, cos, sin) -> tuple:
         return cos, sin
     if cos is not None or sin is not None:
         raise TypeError("cos_sin_cache: pass it instead of cos and sin, not with them")
-    shape = getattr(cache, "shape", None)
+    shape = shape_of(cache, "cos_sin_cache")
     if shape is None or len(shape) != 2:
         raise ValueError("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first "
                          f"half of each row, sin in the second), got {'shape ' + str(tuple(shape)) if shape is not None else type(cache).__name__}")
-    dtype = getattr(cache, "dtype", None)
+    info = _described(cache, "cos_sin_cache")
+    dtype = getattr(cache, "dtype", None) if info is None else info.dtype
     if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
         raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")
     width = int(shape[1])
@@ -37,6 +87,9 @@ def split_cos_sin_cache(cache, cos, sin) -> tuple:
     if isinstance(cache, TensorDesc):  # a declaration: two declared views of one buffer
         return (TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device),
                 TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device))
+    if info is not None:
+        return (_view(cache, info, 0, (shape[0], half), info.strides),
+                _view(cache, info, half, (shape[0], half), info.strides))
     return cache[:, :half], cache[:, half:]
 
 
@@ -49,7 +102,7 @@ def unflatten_heads(x, head_dim, layout: str, name: str):
         raise TypeError(f"head_dim: expected a positive int, got {head_dim!r}")
     if layout != "thd":
         raise ValueError(f"head_dim: flat [T, H * head_dim] arrays take layout='thd', got layout={layout!r}")
-    shape = getattr(x, "shape", None)
+    shape = shape_of(x, name)
     if shape is None:
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")
     if len(shape) == 3 and shape[-1] == head_dim:
@@ -65,7 +118,7 @@ def unflatten_heads(x, head_dim, layout: str, name: str):
     if before.strides[-1] != 1 and width > 1:
         raise ValueError(f"{name}: a flat [T, H * head_dim] array needs a contiguous last axis (stride 1), got "
                          f"element strides {before.strides}")
-    y = x.reshape(T, width // head_dim, head_dim)
+    y = _view(x, before, 0, (T, width // head_dim, head_dim), (before.strides[0], head_dim, 1))
     after = A.describe(y, name)
     if after.ptr != before.ptr or (T > 1 and after.strides[0] != before.strides[0]):
         raise ValueError(f"{name}: could not view it as [T, H, head_dim] without a copy; pass a [T, H, D] array")

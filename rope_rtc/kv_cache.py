@@ -98,8 +98,10 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                    interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=False)
     T, Hk, D = req.num_tokens, req.ck.H, req.cq.D
     vi = A.describe(v, "v", allow_host=False)
-    if vi.shape != req.k.shape or vi.dtype != req.k.dtype:
-        raise ValueError(f"v: expected k's shape {req.k.shape} and dtype {req.k.dtype}, got {vi.shape} {vi.dtype}")
+    if vi.dtype != req.k.dtype:  # a dtype is a TypeError, as for every other argument
+        raise TypeError(f"v: dtype {vi.dtype} differs from k's {req.k.dtype}")
+    if vi.shape != req.k.shape:
+        raise ValueError(f"v: shape {vi.shape} differs from k's {req.k.shape}")
     A.check_last_dim_contiguous(vi)
     if isinstance(slot_mapping, np.ndarray) and not allow_host_slots:
         raise TypeError("slot_mapping: a plan takes device arrays; pass a CuPy/device array (the one-call "
@@ -447,7 +449,11 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
               None if _int_offset(offset) else offset)
     sig = signature(arrays)
-    key = None if sig is None else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
+    # Options of the types validation accepts as they are: equal values of other types (such as
+    # interleaved=1 or rotary_dim=64.0) would share the key, so they get no key, and a new plan
+    # (full validation) every call.
+    plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
+    key = None if sig is None or not plain else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
     plans = getattr(_local, "plans", None)
     if plans is None:
         plans = _local.plans = {}

@@ -445,8 +445,9 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     # The thread's last key first (an engine allocates one signature's outputs call after call):
     # hashing a key with a dtype in it is a good part of a recycled output's cost.
     last = getattr(_recycled, "last", _NO_KEY)
-    if shape == last[0] and dtype is last[1] and device == last[2] and stream == last[3] and _FREE is not None:
-        slot = last[4]
+    if (shape == last.shape and dtype is last.dtype and device == last.device and stream == last.stream
+            and _FREE is not None):
+        slot = last.slot
     else:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > RECYCLE_BYTES or not nbytes or _FREE is None:
@@ -464,9 +465,9 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
         if slot is None:
             arr = _new_array(shape, dtype, device, stream, current)
             remember(kept, key, [arr], RECYCLE_KEYS)
-            _recycled.last = (shape, dtype, device, stream, kept[key])
+            _recycled.last = _LastKey(shape, dtype, device, stream, kept[key])
             return arr
-        _recycled.last = (shape, dtype, device, stream, slot)
+        _recycled.last = _LastKey(shape, dtype, device, stream, slot)
     i = _idle(slot, _FREE)
     while i >= 0:
         arr = slot[i]
@@ -492,8 +493,19 @@ RECYCLE_KEYS = 8
 # outputs when it makes the next call; q_out and k_out of equal shapes share a key: four.
 RECYCLE_PER_KEY = 4
 _recycled = threading.local()
-# A thread's last key and its slot, ``(shape, dtype, device, stream, slot)``, before its first: no key.
-_NO_KEY = (None, None, None, None, None)
+
+
+class _LastKey:
+    """A thread's last recycling key and its slot (the list of outputs kept for it)."""
+
+    __slots__ = ("shape", "dtype", "device", "stream", "slot")
+
+    def __init__(self, shape, dtype, device, stream, slot) -> None:
+        self.shape, self.dtype, self.device, self.stream, self.slot = shape, dtype, device, stream, slot
+
+
+# Before a thread's first key: no key.
+_NO_KEY = _LastKey(None, None, None, None, None)
 
 
 def release_outputs() -> None:

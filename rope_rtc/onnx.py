@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import arrays as A
+from .errors import UnsupportedLayoutError
 
 
 def _int_attr(name: str, value) -> int:
@@ -34,6 +35,34 @@ def _int_attr(name: str, value) -> int:
     if value < 0:
         raise ValueError(f"{name}: must not be negative, got {value}")
     return int(value)
+
+
+_TYPES_T = ("float32", "float16", "bfloat16")  # the operator's type T that the kernels take
+
+
+def _check_inputs(X, cos_cache, sin_cache, position_ids, out, batch_seq: tuple[int, int]) -> None:
+    """The operator's own rules, named as the operator names its inputs, before the general API
+    (which names its arguments x and positions) sees them: ``X`` and both caches of one type T,
+    ``X``'s last axis contiguous, ``out`` of ``X``'s type, integer ``position_ids`` of shape
+    [batch, seq] on ``X``'s side."""
+    xi = A.describe(X, "X")
+    A.check_dtype(xi, _TYPES_T)
+    A.check_last_dim_contiguous(xi)
+    for cache, name in ((cos_cache, "cos_cache"), (sin_cache, "sin_cache")):
+        ci = A.describe(cache, name)
+        if ci.dtype != xi.dtype:
+            raise TypeError(f"{name}: dtype {ci.dtype} differs from X's {xi.dtype} (the operator takes X and both "
+                            "caches in one type T)")
+    if out is not None and A.describe(out, "out").dtype != xi.dtype:
+        raise TypeError(f"out: dtype {A.describe(out, 'out').dtype} differs from X's {xi.dtype} (Y keeps X's type)")
+    if position_ids is not None:
+        pi = A.describe(position_ids, "position_ids")
+        A.check_dtype(pi, ("int32", "int64"))
+        if pi.shape != batch_seq:
+            raise ValueError(f"position_ids: expected shape [batch, seq] = {list(batch_seq)}, got {pi.shape}")
+        if (pi.device is None) != (xi.device is None):
+            where = "host" if xi.device is None else "device"
+            raise TypeError(f"position_ids: X is a {where} array; pass position_ids as a {where} array too")
 
 
 def _module_of(x):
@@ -122,6 +151,7 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     else:
         raise ValueError(f"X: expected a 4-d [batch, num_heads, seq, head_size] or 3-d [batch, seq, hidden] array, "
                          f"got shape {tuple(shape)}")
+    _check_inputs(X, cos_cache, sin_cache, position_ids, out, (B, S))
     if rd == 0 and D % 2:
         raise ValueError(f"X: head_size {D} is odd; rotate an even number of channels (rotary_embedding_dim)")
     rd = rd or D
@@ -178,8 +208,9 @@ class _launch_order:
 def _heads_view(a, shape4: tuple, name: str):
     """``a`` ``[B, S, hidden]`` as a ``[B, S, H, D]`` view of the same memory."""
     before = A.describe(a, name)
-    if before.strides[-1] != 1:
-        raise ValueError(f"{name}: the hidden axis must be contiguous (stride 1), got element strides {before.strides}")
+    if before.strides[-1] != 1:  # a layout, as for 4-d X: UnsupportedLayoutError (a ValueError)
+        raise UnsupportedLayoutError(f"{name}: the hidden axis must be contiguous (stride 1), got element strides "
+                                     f"{before.strides}")
     v = a.reshape(shape4)
     if A.describe(v, name).ptr != before.ptr:
         raise ValueError(f"{name}: could not view [batch, seq, hidden] as [batch, seq, num_heads, head_size] without a "

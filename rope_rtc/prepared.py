@@ -11,9 +11,10 @@ One mechanism, which each operation configures::
   depend on addresses (alignment, overlap), or declines, and then full validation decides
   (and raises on a real problem).
 - :class:`Prepared` holds the block, the templates, the launcher and the calls seen last.
-  On the very arguments of the previous call it checks nothing; on one of the last
-  ``RECENT_SETS`` argument sets it restores the block in one copy; on new arrays of a known
-  signature it runs only the template's address checks.
+  On the very CuPy arrays of the previous call it checks only that none was reshaped in place;
+  on one of the last ``RECENT_SETS`` argument sets it restores the block in one copy; on new
+  arrays of a known signature it runs only the template's address checks. Calls with other
+  libraries' arrays are validated every time (``all_cupy``).
 
 Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
 (and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without
@@ -23,7 +24,7 @@ remembering anything, so no caller's array outlives the call.
 from __future__ import annotations
 
 import ctypes
-from operator import is_
+from operator import attrgetter, is_
 
 from .launch import RECENT_SETS, Launcher, remember
 
@@ -63,10 +64,35 @@ def pointers(arrays: tuple) -> tuple:
     return tuple([0 if a is None else a.data.ptr for a in arrays])
 
 
-def shapes(arrays: tuple) -> tuple:
-    """The shapes of a call's first two arguments (q and k; x and cosine): CuPy can reshape an
-    array in place (``a.shape = ...``), so the identity of the objects alone does not fix them."""
-    return getattr(arrays[0], "shape", None), getattr(arrays[1], "shape", None)
+def all_cupy(arrays: tuple) -> bool:
+    """Whether every argument is a CuPy array or None: the calls a plan may remember by the
+    identity of their objects. A CuPy array's data pointer cannot be reassigned; another
+    library's object can change its memory in place (a torch tensor's ``set_`` or ``.data =``),
+    so its calls are validated every time, as new arrays are."""
+    nd = _NDARRAY or cupy_ndarray()
+    for a in arrays:
+        if a is not None and type(a) is not nd:
+            return False
+    return True
+
+
+def watched(arrays: tuple) -> tuple:
+    """The distinct arrays of a remembered call, whose shapes a repeat must find unchanged: CuPy
+    can reshape an array in place (``a.shape = ...``), so the identity of the objects alone does
+    not fix them (an output that is its input is watched once)."""
+    out: list = []
+    for a in arrays:
+        if a is not None and all([a is not b for b in out]):
+            out.append(a)
+    return tuple(out)
+
+
+_SHAPE = attrgetter("shape")
+
+
+def shapes(watch: tuple) -> tuple:
+    """The shapes of the arrays :func:`watched` gave, as they are now."""
+    return tuple(map(_SHAPE, watch))
 
 
 def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers: tuple) -> tuple:
@@ -171,18 +197,21 @@ class Call:
     launch) and what the call returns. A new Call whenever the block's values change: the
     launcher replays a graph per Call."""
 
-    __slots__ = ("arrays", "shape", "scalar", "template", "prefix", "result")
+    __slots__ = ("arrays", "watch", "shape", "scalar", "template", "prefix", "result")
 
-    def __init__(self, arrays: tuple, scalar: int, template, prefix, result, shape=None) -> None:
+    def __init__(self, arrays: tuple, scalar: int, template, prefix, result, watch=(), shape=None) -> None:
         self.arrays = arrays
-        self.shape = shape  # set when the call is remembered (Prepared._prepare): a one-call bind never needs it
+        # Set when the call is remembered (Prepared._prepare; a one-call bind never needs them):
+        # its distinct arrays and their shapes then.
+        self.watch = watch
+        self.shape = shape
         self.scalar = scalar
         self.template = template
         self.prefix = prefix
         self.result = result
 
     def with_scalar(self, scalar: int) -> "Call":
-        return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.shape)
+        return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.watch, self.shape)
 
 
 class Op:
@@ -227,7 +256,7 @@ class Prepared:
     def execute(self, arrays: tuple, scalar: int, stream):
         """Bind (remembering the call) and launch on ``stream``; returns the call's result."""
         last = self.last
-        if last is None or not all(map(is_, arrays, last.arrays)) or shapes(arrays) != last.shape:
+        if last is None or not all(map(is_, arrays, last.arrays)) or shapes(last.watch) != last.shape:
             last = self._prepare(arrays, scalar)
         elif scalar != last.scalar:
             last = self._rescalar(last, scalar)
@@ -258,14 +287,18 @@ class Prepared:
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
         key = tuple(map(id, arrays))
         hit = self.recent.get(key)
-        if hit is not None and hit[1].shape == shapes(arrays):
+        if hit is not None and hit[1].shape == shapes(hit[1].watch):  # the recent set holds the arrays
             snapshot, call = hit
             ctypes.memmove(self._block_address, snapshot, self._block_size)
             self.filled = None  # the block no longer holds what a template last wrote
             self.last = call
             return call if scalar == call.scalar else self._rescalar(call, scalar)
         call = self.bind(arrays, scalar)
-        call.shape = shapes(arrays)
+        if not all_cupy(arrays):  # validated on every call (all_cupy): nothing remembered
+            self.last = None
+            return call
+        call.watch = watched(arrays)
+        call.shape = shapes(call.watch)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call
         return call

@@ -32,6 +32,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
+from .errors import UnsupportedLayoutError
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature
 from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_head_batch, norm_vector_widths
@@ -76,8 +77,9 @@ def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
                   if numerics != "exact" else f" for {req.dtype} q/k")
     if wi.shape != (req.cq.D,):
         raise ValueError(f"{name}: expected shape [head_dim] = ({req.cq.D},), got {wi.shape}")
-    if req.cq.D > 1 and wi.strides[0] != 1:
-        raise ValueError(f"{name}: expected a contiguous vector (stride 1 element), got stride {wi.strides[0]}")
+    if req.cq.D > 1 and wi.strides[0] != 1:  # a layout, as everywhere: UnsupportedLayoutError (a ValueError)
+        raise UnsupportedLayoutError(f"{name}: expected a contiguous vector (stride 1 element), got stride "
+                                     f"{wi.strides[0]}; pass a contiguous copy")
     return wi
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
-from .conventions import flatten_like, split_cos_sin_cache, unflatten_heads
+from .conventions import flatten_like, shape_of, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
@@ -139,10 +139,23 @@ def _run_numpy(req: Request):
 _local = threading.local()
 
 
-# A thread's last repeat path: ``(one_call, names, *options, plan, launch, device)`` (the plan's
-# ``Launcher.launch`` and device). Before its first, one that matches no call (no call's names
-# are a bare object()).
-_NO_LAST = (None, object(), None, None, None, None, None, None, None, None, None)
+class _RepeatPath:
+    """A thread's last repeat path: the template's generated check-and-bind function, what it
+    serves (the functions' array names and the options, compared by identity) and where it
+    launches (the plan's ``Launcher.launch`` and device)."""
+
+    __slots__ = ("one_call", "names", "layout", "interleaved", "rotary_dim", "rotary_offset", "inverse",
+                 "attention", "plan", "go", "device")
+
+    def __init__(self, one_call, names, layout, interleaved, rotary_dim, rotary_offset, inverse, attention,
+                 plan, go, device) -> None:
+        self.one_call, self.names, self.plan, self.go, self.device = one_call, names, plan, go, device
+        self.layout, self.interleaved, self.rotary_dim = layout, interleaved, rotary_dim
+        self.rotary_offset, self.inverse, self.attention = rotary_offset, inverse, attention
+
+
+# Before a thread's first repeat path, one that matches no call (no call's names are a bare object()).
+_NO_LAST = _RepeatPath(None, object(), None, None, None, None, None, None, None, None, None)
 # The names the two functions give their arrays in messages; also the identity their repeat
 # paths compare.
 _QK = ("q", "k")
@@ -291,12 +304,12 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     # The thread's last repeat path: an engine calls with one signature layer after layer. Its
     # options are checked by identity (an option identical to one that passed the type checks
     # below has its type), its signature and addresses by the template's generated function.
-    one_call, lnames, l0, l1, l2, l3, l4, l5, _, go, _ = last
-    if (names is lnames and layout is l0 and interleaved is l1 and rotary_dim is l2 and rotary_offset is l3
-            and inverse is l4 and attention is l5):
-        prefix = one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
+    if (names is last.names and layout is last.layout and interleaved is last.interleaved
+            and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset and inverse is last.inverse
+            and attention is last.attention):
+        prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
         if prefix is not None:
-            go(prefix, handle)
+            last.go(prefix, handle)
             return q_out, k_out
     sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
     key = None if sig is None else (opts, names, sig)
@@ -320,8 +333,8 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
                     check_positions_of((q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar,
                                        _kw(opts))
                 else:  # the next call of this signature starts at its generated path
-                    _local.last = (one_call, names, layout, interleaved, rotary_dim, rotary_offset, inverse,
-                                   attention, plan, plan._core.launcher.launch, plan.device)
+                    _local.last = _RepeatPath(one_call, names, layout, interleaved, rotary_dim, rotary_offset,
+                                              inverse, attention, plan, plan._core.launcher.launch, plan.device)
                 plan._core.launcher.launch(prefix, handle)
                 return q_out, k_out
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
@@ -473,17 +486,17 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
             # first, here rather than in _run_device: a call into it and its options tuple are a
             # tenth of a repeated call's host time.
             last = getattr(_local, "last", _NO_LAST)
-            if (last[1] is _QK and layout is last[2] and interleaved is last[3] and rotary_dim is last[4]
-                    and rotary_offset is last[5] and inverse is last[6] and last[7] is None
-                    and q_out is not None and k_out is not None):
+            if (last.names is _QK and layout is last.layout and interleaved is last.interleaved
+                    and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset
+                    and inverse is last.inverse and last.attention is None and q_out is not None and k_out is not None):
                 # The stream first, as _run_device: a bad one raises before the block is written.
-                handle = _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10])
+                handle = _CURRENT(last.device).ptr if stream is None else stream_handle(stream, last.device)
                 if type(offset) is int:
-                    prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None, offset)
+                    prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None, offset)
                 else:  # an offsets array; anything else the function declines (not its signature)
-                    prefix = last[0](q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0)
+                    prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0)
                 if prefix is not None:
-                    last[9](prefix, handle)
+                    last.go(prefix, handle)
                     return q_out, k_out
             return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
                                (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _QK)
@@ -491,8 +504,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
-    flat_q = q.shape if head_dim is not None and q_out is None else None
-    flat_k = k.shape if head_dim is not None and k_out is None else None
+    flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
+    flat_k = shape_of(k, "k") if head_dim is not None and k_out is None else None
     qo, ko = _apply(_QK, unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
                     cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
                     unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
@@ -511,20 +524,21 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
         if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
             last = getattr(_local, "last", _NO_LAST)  # as in apply_rope_qk
-            if (last[1] is _X and layout is last[2] and interleaved is last[3] and rotary_dim is last[4]
-                    and rotary_offset is last[5] and inverse is last[6] and last[7] is None):
+            if (last.names is _X and layout is last.layout and interleaved is last.interleaved
+                    and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset
+                    and inverse is last.inverse and last.attention is None):
                 if out is None:  # allocated as _run_device would, which takes it if the path declines
                     device = x.data.device_id
                     handle = _CURRENT(device).ptr if stream is None else stream_handle(stream, device)
                     out = launch.allocate(x.shape, x.dtype, device, handle, stream is None)
                 else:
-                    handle = _CURRENT(last[10]).ptr if stream is None else stream_handle(stream, last[10])
+                    handle = _CURRENT(last.device).ptr if stream is None else stream_handle(stream, last.device)
                 if type(offset) is int:
-                    prefix = last[0](x, None, cos, sin, positions, out, None, cu_seqlens, None, offset)
+                    prefix = last.one_call(x, None, cos, sin, positions, out, None, cu_seqlens, None, offset)
                 else:  # as in apply_rope_qk
-                    prefix = last[0](x, None, cos, sin, positions, out, None, cu_seqlens, offset, 0)
+                    prefix = last.one_call(x, None, cos, sin, positions, out, None, cu_seqlens, offset, 0)
                 if prefix is not None:
-                    last[9](prefix, handle)
+                    last.go(prefix, handle)
                     return out
             return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream,
                                (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _X)[0]
@@ -533,7 +547,7 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
         return q
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
-    flat = x.shape if head_dim is not None and out is None else None
+    flat = shape_of(x, "x") if head_dim is not None and out is None else None
     q, _ = _apply(_X, unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
                   cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
     return out if out is not None else flatten_like(q, flat)

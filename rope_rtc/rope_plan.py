@@ -279,7 +279,9 @@ def split_offset(offset) -> tuple[int, object]:
         return offset, None
     if offset is None:
         return 0, None
-    if isinstance(offset, np.integer):
+    # An int subclass (an IntEnum) or a NumPy integer is its value; a bool is left for validation
+    # to refuse.
+    if isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_)):
         return int(offset), None
     return 0, offset
 
@@ -394,7 +396,10 @@ class _RopeTemplate:
         self._fixed_prefix = None
         self._one_calls: dict = {}  # signature -> its generated repeat path (one_call)
         # Tables and index arrays are read as aligned 4/8-byte scalars: (argument, alignment mask).
-        self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES if infos[i] is not None)
+        # An empty one is never read (validation does not check its alignment either); its shape
+        # is in the signature, so every call of this template has it empty.
+        self.natural = tuple((i, infos[i].itemsize - 1) for i in _TABLES_AND_INDICES
+                             if infos[i] is not None and infos[i].size)
         self.npair_div = 2 if req.interleaved else 1
         self.has_positions = req.positions is not None
         self.table_rows = req.table_rows

@@ -148,7 +148,8 @@ class TailRoPEForward:
             if not host_ok and info.device is None:
                 raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'; pass a CuPy "
                                 "array or use backend='numpy'")
-            if host_ok and info.device is not None:
+            if host_ok and info.device is not None and not isinstance(info.array, TensorDesc):
+                # (A declaration names a device, always; under the NumPy backend only its dtype and shape count.)
                 raise TypeError(f"{info.name}: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and "
                                 "float32)")
         x, c, s, o = infos
@@ -315,7 +316,10 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     if backend not in BACKENDS:  # before any allocation or device selection
         raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
     if backend == "numpy":
-        out = np.empty_like(np.asarray(x))
+        xi = A.describe(x, "x")  # before any conversion: a device array or a tensor that requires grad is named
+        if xi.device is not None:
+            raise TypeError("x: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and float32)")
+        out = np.empty(xi.shape, A.numpy_dtype(xi.dtype))
         plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
         return plan.execute(x, cosine, sine, out)
     nd = cupy_ndarray()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeGPU, fake_cupy
+from fakes import BF16, FakeDeviceArray, FakeGPU, fake_cupy
 from rope_rtc import RopePlan, apply_rope, apply_rope_qk, cos_sin_cache, inverse_frequencies, rope_tables
 from rope_rtc.reference import rope_reference
 
@@ -113,6 +113,34 @@ def test_the_cache_is_read_in_place_on_the_device():
         # Out of place with allocated outputs: returned flat.
         qo, ko = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=128)
         assert qo.shape == q.shape and ko.shape == k.shape
+
+
+class InterfaceOnly:
+    """An array that speaks __cuda_array_interface__ and nothing else: no shape, no reshape."""
+
+    def __init__(self, fake: FakeDeviceArray) -> None:
+        self._fake = fake
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return self._fake.__cuda_array_interface__
+
+
+def test_interface_only_arrays_take_the_engines_conventions():
+    """Flat q/k and a combined cache that speak only the array interface are viewed, not copied."""
+    cache, q, k = FakeDeviceArray((4096, 128), np.float32), FakeDeviceArray((8, 32 * 128), np.float16), \
+        FakeDeviceArray((8, 8 * 128), np.float16)
+    pos = fake_cupy((8,), np.int64)
+    with FakeGPU(fixed=True) as gpu:
+        qi, ki = InterfaceOnly(q), InterfaceOnly(k)
+        assert apply_rope_qk(qi, ki, cos_sin_cache=InterfaceOnly(cache), positions=pos, layout="thd", head_dim=128,
+                             q_out=qi, k_out=ki) == (qi, ki)
+        p = gpu.launches[-1]["fixed"]
+        assert (p.cos, p.sin, p.table_stride) == (cache.ptr, cache.ptr + 64 * 4, 128)
+        assert (p.in_[0], p.in_[1], p.in_sh[0], p.in_ss[0]) == (q.ptr, k.ptr, 128, 32 * 128)
+        out = apply_rope(InterfaceOnly(q), cos_sin_cache=InterfaceOnly(cache), positions=pos, layout="thd",
+                         head_dim=128)
+        assert out.shape == (8, 32 * 128)  # allocated, and returned flat as x came
 
 
 def test_a_plan_keeps_its_views_while_the_same_objects_come_back():

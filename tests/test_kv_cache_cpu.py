@@ -85,7 +85,8 @@ def test_a_call_launches_once_with_its_block():
     (dict(k_scale=fake_cupy((1,), np.float32)), ValueError, "only FP8"),
     (dict(k_cache=fake_cupy((3, 16, 4, D), BF16), v_cache=fake_cupy((3, 16, 4, D), BF16)), ValueError, "4 heads"),
     (dict(v_cache=fake_cupy((4, 16, HK, D), BF16)), ValueError, "v_cache"),
-    (dict(v=fake_cupy((T, HK, D), np.float16)), ValueError, "v:"),
+    (dict(v=fake_cupy((T, HK, D), np.float16)), TypeError, "v: dtype float16 differs from k's bfloat16"),
+    (dict(v=fake_cupy((T + 1, HK, D), BF16)), ValueError, "v: shape"),
     (dict(slot_mapping=fake_cupy((T + 1,), np.int64)), ValueError, "one slot per token"),
     (dict(slot_mapping=np.array([0, 1, -1, 47, 48])), ValueError, "slot_mapping: entry 4 is 48"),
     (dict(positions=np.array([0, 1, 2, 3, 4])), TypeError, "positions: a NumPy"),
@@ -194,6 +195,23 @@ def test_a_plan_takes_device_slots_and_stays_on_its_device():
         assert gpu.launches == []
         plan.execute(**kw)
         assert len(gpu.launches) == 1
+
+
+def test_caches_reshaped_in_place_are_bound_again():
+    """The same cache objects, reshaped in place to another block size (the same memory): the
+    next call writes where the caches now say, as a new plan would."""
+    from rope_rtc import RopeCachePlan
+
+    with FakeGPU() as gpu:
+        kw = _call(k_cache=fake_cupy((3, HK, 16, D), BF16), v_cache=fake_cupy((3, HK, 16, D), BF16))
+        plan = RopeCachePlan(**kw, kv_layout="hnd")
+        plan.execute(**kw)
+        assert gpu.launches[-1]["cache"].block_size == 16
+        for name in ("k_cache", "v_cache"):
+            kw[name].shape = (6, HK, 8, D)
+        plan.execute(**kw)
+        p = gpu.launches[-1]["cache"]
+        assert (p.block_size, p.cache_sb, p.cache_sh) == (8, HK * 8 * D, 8 * D)
 
 
 def test_new_arrays_of_a_seen_signature_bind_without_full_validation(monkeypatch):
@@ -310,6 +328,18 @@ def test_fused_qkv_views_and_one_kv_allocation_of_new_buffers_bind_without_full_
             plan.execute(*(new[n] for n in names))
             assert gpu.launches[-1]["cache"].k_cache == new["k_cache"].data.ptr
         assert calls == []
+
+
+@pytest.mark.parametrize("option,value,exc", [("interleaved", 1, TypeError), ("rotary_dim", 64.0, TypeError),
+                                              ("rotary_dim", [64], TypeError)])
+def test_options_of_the_wrong_type_are_refused_after_a_valid_call_too(option, value, exc):
+    with FakeGPU() as gpu:
+        good = dict(interleaved=True, rotary_dim=64)
+        rope_and_cache(**_call(), **good)
+        n = len(gpu.launches)
+        with pytest.raises(exc, match=option):
+            rope_and_cache(**_call(), **{**good, option: value})
+        assert len(gpu.launches) == n
 
 
 def test_a_bool_offset_is_refused_after_an_int_one_of_the_same_signature():

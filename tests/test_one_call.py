@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeGPU, fake_cupy
+from fakes import BF16, FakeDeviceArray, FakeGPU, fake_alloc, fake_cupy
 from rope_rtc import apply_rope, apply_rope_qk, env, prepared, rope, rope_plan, rope_request, tail_rope
 
 B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
@@ -260,6 +260,90 @@ def test_a_plan_notices_k_reshaped_in_place(gpu):
     k.shape = (2, 8, 2, 128)  # CuPy reshapes in place
     with pytest.raises(ValueError, match="k: shape"):
         plan.execute(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("what,new_shape", [("q_out", (8, 8, 64)), ("cos", (128, 64)), ("offsets", (2, 2))])
+def test_a_plan_notices_any_argument_reshaped_in_place(what, new_shape, fixed):
+    """A repeat of the very objects of the last (or a recent) call refuses what full validation
+    refuses: an output, a table or an index array reshaped in place is checked again."""
+    with FakeGPU(fixed=fixed) as gpu:
+        cos, sin = fake_cupy((256, 32), np.float32), fake_cupy((256, 32), np.float32)
+        q, k = fake_cupy((4, 2, 8, 64), BF16), fake_cupy((4, 2, 4, 64), BF16)
+        qo, ko = fake_cupy((4, 2, 8, 64), BF16), fake_cupy((4, 2, 4, 64), BF16)
+        offs = fake_cupy((4,), np.int32)
+        plan = rope_plan.RopePlan(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko)
+        other = (fake_cupy((4, 2, 8, 64), BF16), fake_cupy((4, 2, 4, 64), BF16))
+
+        def call(outs=(qo, ko)):
+            plan.execute(q, k, cos, sin, q_out=outs[0], k_out=outs[1], offset=offs)
+
+        array = {"q_out": qo, "cos": cos, "offsets": offs}[what]
+        old_shape = array.shape
+        call(), call(other)
+        array.shape = new_shape
+        n = len(gpu.launches)
+        with pytest.raises(ValueError, match="shape"):
+            call()  # one of the recent sets
+        array.shape = old_shape
+        call()
+        array.shape = new_shape
+        with pytest.raises(ValueError, match="shape"):
+            call()  # the last call's very objects
+        assert len(gpu.launches) == n + 1
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_an_int_subclass_offset_is_its_value(fixed):
+    """An IntEnum (or any int subclass) is validated as the int it is, and launched as that int."""
+    import enum
+
+    class Step(enum.IntEnum):
+        FIVE = 5
+
+    with FakeGPU(fixed=fixed) as gpu:
+        cos, sin = fake_cupy((64, 16), np.float32), fake_cupy((64, 16), np.float32)
+        x = fake_cupy((2, 4, 4, 32), np.float32)
+
+        def offset_launched():
+            rec = gpu.launches[-1]
+            return (rec.get("fixed") or rec.get("params")).offset
+
+        apply_rope(x, cos, sin, offset=5, out=x)  # the repeat path's signature, first
+        apply_rope(x, cos, sin, offset=Step.FIVE, out=x)
+        assert offset_launched() == 5
+        rope_plan.RopePlan(x, None, cos, sin).execute(x, None, cos, sin, offset=Step.FIVE)
+        assert offset_launched() == 5
+        with pytest.raises(ValueError, match="offset: positions 61..64 fall outside the table's 64 rows"):
+            apply_rope(x, cos, sin, offset=type("Big", (int,), {})(61), out=x)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_empty_index_arrays_off_their_alignment_are_accepted_as_validation_accepts_them(fixed):
+    # Nothing reads an empty array: its address is not checked, by validation or by a template.
+    with FakeGPU(fixed=fixed) as gpu:
+        cos, sin = fake_cupy((16, 16), np.float32), fake_cupy((16, 16), np.float32)
+        x = fake_cupy((2, 0, 4, 32), np.float32)  # no tokens
+        apply_rope(x, cos, sin, positions=fake_cupy((2, 0), np.int32, byte_offset=2), out=x)
+        x = fake_cupy((0, 3, 4, 32), np.float32)  # no sequences
+        offs = fake_cupy((0,), np.int64, byte_offset=4)
+        apply_rope(x, cos, sin, offset=offs, out=x)
+        rope_plan.RopePlan(x, None, cos, sin, offset=offs).execute(x, None, cos, sin, offset=offs)
+        assert gpu.launches == []
+
+
+def test_a_plan_reads_another_librarys_array_again_on_every_call(gpu):
+    """A torch tensor can move its memory under the same object (``t.set_``, ``t.data = ...``):
+    calls with arrays that are not CuPy's are never served from what a plan remembers."""
+    cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
+    x = FakeDeviceArray((2, 8, 4, 64), np.float32)
+    plan = rope_plan.RopePlan(x, None, cos, sin)
+    plan.execute(x, None, cos, sin)
+    plan.execute(x, None, cos, sin)
+    assert gpu.launches[-1]["params"].q_in == x.ptr
+    x.ptr = fake_alloc(2 * 8 * 4 * 64 * 4)  # the same object, its storage swapped
+    plan.execute(x, None, cos, sin)
+    assert gpu.launches[-1]["params"].q_in == gpu.launches[-1]["params"].q_out == x.ptr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -802,7 +886,7 @@ def test_the_last_output_key_does_not_recycle_once_recycling_is_off(recycling, m
     shape, dt = (4, 64), np.dtype(np.float32)
     a = launch.allocate(shape, dt, 0, 7)
     del a
-    assert launch._recycled.last[0] == shape
+    assert launch._recycled.last.shape == shape
     monkeypatch.setattr(launch, "_FREE", None)
     n = len(made)
     b = launch.allocate(shape, dt, 0, 7)

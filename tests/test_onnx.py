@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from onnx_cases import CASES, case_inputs, canonical, float64_reference, onnx_reference
+from rope_rtc.errors import UnsupportedLayoutError
 from rope_rtc.onnx import rotary_embedding
 from rope_rtc.reference import assert_rope_close
 
@@ -73,6 +74,26 @@ def test_errors_name_the_argument_and_write_nothing(change, exc, match):
     np.testing.assert_array_equal(x, inputs["X"])
 
 
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda i: {"ids": i["ids"].reshape(-1)}, ValueError, r"position_ids: expected shape \[batch, seq\] = \[2, 5\]"),
+    (lambda i: {"ids": i["ids"].astype(np.float32)}, TypeError, "position_ids: dtype float32 is not supported"),
+    (lambda i: {"cos": i["cos"].astype(np.float64)}, TypeError, "cos_cache: dtype float64 differs from X's float32"),
+    (lambda i: {"sin": i["sin"].astype(np.int64)}, TypeError, "sin_cache: dtype int64 differs from X's"),
+    (lambda i: {"X": i["X"].astype(np.int32)}, TypeError, "X: dtype int32 is not supported"),
+    (lambda i: {"out": np.empty(i["X"].shape, np.float16)}, TypeError, "out: dtype float16 differs from X's"),
+    (lambda i: {"X": np.zeros((2, 3, 5, 32), np.float32)[..., ::2]}, UnsupportedLayoutError,
+     "X: the last dimension must be contiguous"),
+])
+def test_the_operators_inputs_are_checked_under_the_operators_names(change, exc, match):
+    inputs = case_inputs("float32", 4, 0, True, seed=5)
+    inputs.update(change(inputs))
+    before = inputs["X"].copy()
+    with pytest.raises(exc, match=match):
+        rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], out=inputs.get("out"),
+                         backend="numpy")
+    np.testing.assert_array_equal(inputs["X"], before)
+
+
 def test_a_per_token_cache_shared_by_the_batch_matches_the_reference():
     pytest.importorskip("onnx")
     inputs = case_inputs("float32", 4, 0, False, seed=5)
@@ -86,6 +107,7 @@ def test_a_per_token_cache_shared_by_the_batch_matches_the_reference():
     ("transposed_per_token_cache", ValueError, r"cos_cache: without position_ids, expected \[batch, seq"),
     ("odd_head_size", ValueError, "X: head_size 5 is odd"),
     ("wrong_out", ValueError, "out: expected X's shape"),
+    ("strided_hidden_axis", UnsupportedLayoutError, "X: the hidden axis must be contiguous"),
 ])
 def test_shapes_the_operator_does_not_take(case, exc, match):
     inputs = case_inputs("float32", 3, 0, False, seed=6)
@@ -94,6 +116,8 @@ def test_shapes_the_operator_does_not_take(case, exc, match):
         cos, sin = cos.transpose(1, 0, 2).copy(), sin.transpose(1, 0, 2).copy()
     elif case == "odd_head_size":
         X = np.ones((2, 5, 15), np.float32)
+    elif case == "strided_hidden_axis":  # a layout, as for a 4-d X: the same exception type
+        X = np.ones((2, 5, 48, 2), np.float32)[..., 0]
     else:
         kw["out"] = np.zeros((2, 5, 47), np.float32)
     before = X.copy()

@@ -120,6 +120,26 @@ def test_numpy_backend_rejects_device_arrays():
         TailRoPEForward(x, FakeDeviceArray((T, 32), np.float32), c, np.zeros_like(x), backend="numpy").check_support()
 
 
+def test_tail_rope_on_the_numpy_backend_names_a_device_x():
+    with pytest.raises(TypeError, match="x: backend='numpy' takes host arrays"):
+        tail_rope(*arrays()[:3], backend="numpy")
+
+
+def test_a_numpy_backend_plan_may_be_declared():
+    # A declaration names a device, always; under the NumPy backend its dtype and shape are what count.
+    decl = (TensorDesc(BF16, (T, H, D)), TensorDesc(np.float32, (T, 32)), TensorDesc(np.float32, (T, 32)),
+            TensorDesc(BF16, (T, H, D)))
+    plan = TailRoPEForward(*decl, backend="numpy").check_support()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((T, H, D)).astype(np.float32).astype(BF16)
+    c, s = (rng.standard_normal((T, 32)).astype(np.float32) for _ in range(2))
+    out = np.full_like(x, np.nan)
+    plan.execute(x, c, s, out)
+    from rope_rtc.reference import tail_rope_reference
+
+    assert out.tobytes() == tail_rope_reference(x, c, s).tobytes()
+
+
 def test_tail_rope_rejects_host_arrays_for_nvrtc():
     x = np.zeros((T, H, D), BF16)
     c = np.zeros((T, 32), np.float32)
@@ -184,6 +204,16 @@ def test_execute_launches_and_returns_tuple_dict(gpu):
     # The same arrays again: no re-validation needed, one more launch.
     plan.execute(x, c, s, o)
     assert len(gpu.launches) == 2
+
+
+def test_the_same_arrays_reshaped_in_place_are_validated_again(gpu):
+    x, c, s, o = arrays()
+    plan = TailRoPEForward(x, c, s, o)
+    plan.execute(x, c, s, o)
+    o.shape = (T, H * D)  # CuPy reshapes in place: the same object, another shape
+    with pytest.raises(ValueError, match=r"out: shape \(\d+, \d+\) differs from x's"):
+        plan.execute(x, c, s, o)
+    assert len(gpu.launches) == 1
 
 
 def test_execute_large_inputs_cover_every_vector(gpu):
