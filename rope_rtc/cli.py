@@ -500,7 +500,7 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
                    help="adjacent pairs (RoFormer, GPT-J) instead of Hugging Face's half-split pairs")
     m.add_argument("--qk-norm", dest="qk_norm", action="store_true",
                    help="also the fused per-head RMSNorm + RoPE builds (apply_qk_norm_rope); on by default for "
-                        "Qwen3 and Gemma 3 configs")
+                        "Qwen3, Qwen3-Next, Qwen3.5 and Gemma 3 configs")
     m.add_argument("--inv-freq", dest="inv_freq", action="append", choices=("float64", "float32"),
                    help="also the builds that compute cos and sin from inv_freq of this dtype (apply_rope(..., "
                         "inv_freq=); float64: numerics 'exact', float32: 'transformers'); repeatable")

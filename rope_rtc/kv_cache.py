@@ -340,6 +340,9 @@ class _CacheTemplate:
 
 
 class _CacheOp(Op):
+    # q and k, and the caches: their shapes (block size, layout) fix where each entry goes.
+    watched = (0, 1, ARGS.index("k_cache"), ARGS.index("v_cache"))
+
     def __init__(self, plan: "RopeCachePlan") -> None:
         self.plan = plan
 

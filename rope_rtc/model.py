@@ -21,6 +21,7 @@ from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
 # head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.qk_norm).
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
+                       "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                        "gemma3", "gemma3_text")
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",

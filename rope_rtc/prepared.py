@@ -11,7 +11,8 @@ One mechanism, which each operation configures::
   depend on addresses (alignment, overlap), or declines, and then full validation decides
   (and raises on a real problem).
 - :class:`Prepared` holds the block, the templates, the launcher and the calls seen last.
-  On the very CuPy arrays of the previous call it checks only that none was reshaped in place;
+  On the very CuPy arrays of the previous call it checks only that the arrays fixing the launch
+  (``Op.watched``) were not reshaped in place;
   on one of the last ``RECENT_SETS`` argument sets it restores the block in one copy; on new
   arrays of a known signature it runs only the template's address checks. Calls with other
   libraries' arrays are validated every time (``all_cupy``).
@@ -24,7 +25,7 @@ remembering anything, so no caller's array outlives the call.
 from __future__ import annotations
 
 import ctypes
-from operator import attrgetter, is_
+from operator import is_
 
 from .launch import RECENT_SETS, Launcher, remember
 
@@ -76,23 +77,16 @@ def all_cupy(arrays: tuple) -> bool:
     return True
 
 
-def watched(arrays: tuple) -> tuple:
-    """The distinct arrays of a remembered call, whose shapes a repeat must find unchanged: CuPy
-    can reshape an array in place (``a.shape = ...``), so the identity of the objects alone does
-    not fix them (an output that is its input is watched once)."""
-    out: list = []
-    for a in arrays:
-        if a is not None and all([a is not b for b in out]):
-            out.append(a)
-    return tuple(out)
-
-
-_SHAPE = attrgetter("shape")
+def watched(arrays: tuple, indices: tuple) -> tuple:
+    """The arguments of a remembered call whose shapes a repeat must find unchanged (``Op.watched``)."""
+    return tuple([arrays[i] for i in indices])
 
 
 def shapes(watch: tuple) -> tuple:
-    """The shapes of the arrays :func:`watched` gave, as they are now."""
-    return tuple(map(_SHAPE, watch))
+    """The shapes of the arguments :func:`watched` gave, as they are now (None for an absent one)."""
+    if len(watch) == 2:  # q and k (x and cosine), without a loop: this is the identity path's cost
+        return getattr(watch[0], "shape", None), getattr(watch[1], "shape", None)
+    return tuple([getattr(a, "shape", None) for a in watch])
 
 
 def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers: tuple) -> tuple:
@@ -202,7 +196,7 @@ class Call:
     def __init__(self, arrays: tuple, scalar: int, template, prefix, result, watch=(), shape=None) -> None:
         self.arrays = arrays
         # Set when the call is remembered (Prepared._prepare; a one-call bind never needs them):
-        # its distinct arrays and their shapes then.
+        # the arguments its op watches (Op.watched) and their shapes then.
         self.watch = watch
         self.shape = shape
         self.scalar = scalar
@@ -216,6 +210,12 @@ class Call:
 
 class Op:
     """What one kind of launch fixes and checks. Subclasses implement ``validate``."""
+
+    #: The arguments whose shapes fix a launch's geometry (q and k; x and cosine): CuPy reshapes
+    #: an array in place (``a.shape = ...``), so a remembered call checks their shapes again. An
+    #: in-place reshape keeps an array's size and memory, so the launch of any other argument
+    #: reads and writes exactly the bytes validated before, whatever its shape now.
+    watched: tuple = (0, 1)
 
     def signature(self, arrays: tuple) -> tuple | None:
         return signature(arrays)
@@ -297,7 +297,7 @@ class Prepared:
         if not all_cupy(arrays):  # validated on every call (all_cupy): nothing remembered
             self.last = None
             return call
-        call.watch = watched(arrays)
+        call.watch = watched(arrays, self.op.watched)
         call.shape = shapes(call.watch)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call

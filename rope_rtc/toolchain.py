@@ -95,7 +95,10 @@ def supported_archs() -> tuple[int, ...]:
 
 
 def parse_arch(text: str | int) -> int:
-    """``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"`` or ``90`` -> 90."""
+    """``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"`` or ``90`` -> 90. An ``a`` or ``f`` suffix
+    (``sm_90a``) names the same GPUs, which the build without it serves: the kernels use no
+    architecture-specific instruction, and a plan loads the build of the device's compute
+    capability (``sm_90``), so that is what a warm for ``sm_90a`` must fill."""
     if isinstance(text, int):
         value = text
     else:

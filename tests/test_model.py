@@ -263,6 +263,7 @@ def test_a_bad_mrope_section_is_named():
 
 @pytest.mark.parametrize("config,want", [
     ({"model_type": "qwen3"}, True), ({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}, True),
+    ({"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}}, True), ({"model_type": "qwen3_next"}, True),
     ({"model_type": "llama"}, False)])
 def test_a_qk_norm_model_warms_its_fused_builds(config, want):
     """Qwen3 and Gemma 3 normalise each q and k head: their warm set holds the fused QK-norm

@@ -14,10 +14,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from rope_rtc import RopePlan, TailRoPEForward, TensorDesc, apply_rope, apply_rope_qk, tail_rope
+from rope_rtc import RopePlan, TailRoPEForward, apply_rope, apply_rope_qk, tail_rope
 from rope_rtc import rope as R
 from rope_rtc.reference import assert_rope_close, tail_rope_reference
-from fakes import FakeGPU
+from fakes import FakeDeviceArray, FakeGPU
 from tail_cases import tail_edge_inputs, tail_random_inputs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -453,7 +453,8 @@ def test_tail_numpy_errors_leave_inputs_unchanged():
     with pytest.raises(NotImplementedError, match="non-contiguous"):
         tail_rope(np.zeros((4, 2, 256), BF16)[..., ::2], cosine, sine, backend="numpy")
     with pytest.raises(TypeError, match="backend='numpy' takes host arrays"):
-        TailRoPEForward(TensorDesc(BF16, (4, 2, 128)), cosine, sine, np.empty_like(x), backend="numpy").check_support()
+        TailRoPEForward(FakeDeviceArray((4, 64), np.float32), cosine, sine, np.empty_like(x),
+                        backend="numpy").check_support()
 
 
 def test_non_native_byte_order_is_refused_before_anything_is_written():
