@@ -392,11 +392,11 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
         for line in bad + foreign:
             print(f"- {line}", file=sys.stderr)
         if bad:
-            print(f"{len(bad)} of them are deleted and rebuilt on next use; `rope-rtc warm` rebuilds them now",
-                  file=sys.stderr)
+            print(f"{len(bad)} of them are replaced when next compiled (on next use; `rope-rtc warm` rebuilds them "
+                  "now)", file=sys.stderr)
         if foreign:
-            print(f"{len(foreign)} of them are not the cache's files, which it never deletes: the loader ignores "
-                  "them and compiles those kernels instead; remove them by hand", file=sys.stderr)
+            print(f"{len(foreign)} of them are not files, which the cache never deletes or replaces: the loader "
+                  "ignores them and compiles those kernels instead; remove them by hand", file=sys.stderr)
         return EXIT_FAILED
     temps = len(store.temp_files())
     print(f"all {len(listed)} entries in {store.directory} verified"

@@ -367,7 +367,8 @@ class RopeCachePlan:
     """A prepared :func:`rope_and_cache`: built from one call's arguments (the same keywords),
     ``execute`` takes the same arguments again. Fixed: dtype, head counts, head dim, pair style,
     rotary dim, cache layout and kind, the position scheme and the device. The last 16 argument
-    sets are remembered (held) and relaunched without validation, from the second time as a
+    sets of CuPy arrays are remembered (held) and relaunched without validation (other libraries'
+    arrays are validated on every call), from the second time as a
     one-node CUDA graph; new arrays of a seen signature (shapes, strides, dtypes) take only the
     address checks."""
 

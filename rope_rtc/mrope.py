@@ -143,8 +143,8 @@ class MRopePlan(RopePlan):
     with no allocation, no synchronisation and no compilation (and can be captured in a CUDA
     graph). Fixed: dtype, layout, rotary dim, sections and their style, head counts, head dim,
     in place or not, the device. New arrays of a signature seen before take the address checks
-    alone; the last 16 argument sets are relaunched without any (from the second launch as a
-    one-node CUDA graph)."""
+    alone; the last 16 argument sets of CuPy arrays are relaunched without any (from the second
+    launch as a one-node CUDA graph; other libraries' arrays are validated on every call)."""
 
     def __init__(self, q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
                  layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,

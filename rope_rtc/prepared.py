@@ -15,7 +15,8 @@ One mechanism, which each operation configures::
   (``Op.watched``) were not reshaped in place;
   on one of the last ``RECENT_SETS`` argument sets it restores the block in one copy; on new
   arrays of a known signature it runs only the template's address checks. Calls with other
-  libraries' arrays are validated every time (``all_cupy``).
+  libraries' arrays (no signature: a torch tensor can move its memory under the same object)
+  are validated every time.
 
 Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
 (and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without
@@ -25,7 +26,7 @@ remembering anything, so no caller's array outlives the call.
 from __future__ import annotations
 
 import ctypes
-from operator import is_
+from operator import is_, itemgetter
 
 from .launch import RECENT_SETS, Launcher, remember
 
@@ -65,25 +66,9 @@ def pointers(arrays: tuple) -> tuple:
     return tuple([0 if a is None else a.data.ptr for a in arrays])
 
 
-def all_cupy(arrays: tuple) -> bool:
-    """Whether every argument is a CuPy array or None: the calls a plan may remember by the
-    identity of their objects. A CuPy array's data pointer cannot be reassigned; another
-    library's object can change its memory in place (a torch tensor's ``set_`` or ``.data =``),
-    so its calls are validated every time, as new arrays are."""
-    nd = _NDARRAY or cupy_ndarray()
-    for a in arrays:
-        if a is not None and type(a) is not nd:
-            return False
-    return True
-
-
-def watched(arrays: tuple, indices: tuple) -> tuple:
-    """The arguments of a remembered call whose shapes a repeat must find unchanged (``Op.watched``)."""
-    return tuple([arrays[i] for i in indices])
-
-
 def shapes(watch: tuple) -> tuple:
-    """The shapes of the arguments :func:`watched` gave, as they are now (None for an absent one)."""
+    """The shapes of a remembered call's watched arguments (``Op.watched``) as they are now (None
+    for an absent one): CuPy reshapes an array in place, never moving its memory."""
     if len(watch) == 2:  # q and k (x and cosine), without a loop: this is the identity path's cost
         return getattr(watch[0], "shape", None), getattr(watch[1], "shape", None)
     return tuple([getattr(a, "shape", None) for a in watch])
@@ -248,6 +233,7 @@ class Prepared:
         self.recent: dict = {}
         self.last: Call | None = None
         self.filled = self.filled_vec = None
+        self._watched = itemgetter(*op.watched)  # a remembered call's watched arguments (Op.watched)
 
     @staticmethod
     def _new_launcher(args_address: int, device: int) -> Launcher:
@@ -270,19 +256,23 @@ class Prepared:
         A signature keeps the templates validated for it, widest first: a call off the first one's
         alignment adds a narrower template beside it rather than replacing it, so one misaligned
         call never moves later aligned ones to a narrower build (``with_template``)."""
+        return self._bind(arrays, scalar)[0]
+
+    def _bind(self, arrays: tuple, scalar: int) -> tuple:
+        """``bind``, and the signature it found (None: not every argument is a CuPy array)."""
         sig = self.op.signature(arrays)
         tmpls = self.templates.get(sig, ()) if sig is not None else ()
         for tmpl in tmpls:
             call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
             if call is not None:
-                return call
+                return call, sig
         tmpl = self.op.validate(arrays, scalar)  # raises on a real problem
         call = tmpl.bind(self, arrays, scalar, tmpl.validated_pointers)
         if call is None:  # pragma: no cover - a template must accept the call it validated
             raise AssertionError("rope_rtc: a validated call was declined by its own template")
         if sig is not None:
             remember(self.templates, sig, with_template(tmpls, tmpl), TEMPLATES)
-        return call
+        return call, sig
 
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
         key = tuple(map(id, arrays))
@@ -293,11 +283,11 @@ class Prepared:
             self.filled = None  # the block no longer holds what a template last wrote
             self.last = call
             return call if scalar == call.scalar else self._rescalar(call, scalar)
-        call = self.bind(arrays, scalar)
-        if not all_cupy(arrays):  # validated on every call (all_cupy): nothing remembered
+        call, sig = self._bind(arrays, scalar)
+        if sig is None:  # not every argument is a CuPy array: validated on every call, nothing remembered
             self.last = None
             return call
-        call.watch = watched(arrays, self.op.watched)
+        call.watch = self._watched(arrays)
         call.shape = shapes(call.watch)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call

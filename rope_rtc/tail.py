@@ -58,7 +58,9 @@ class TailRoPEForward:
 
     ``execute`` allocates no device memory, converts nothing and never synchronises; the caller
     owns array lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets
-    it saw, so repeating one skips re-validation (it holds references to those arrays); new
+    of CuPy arrays it saw, so repeating one skips re-validation (it holds references to those
+    arrays; other libraries' arrays, which can move their memory under the same object, are
+    validated on every call); new
     arrays of a shape, stride and dtype signature seen before get the cheaper address-only
     checks. From its second launch, a remembered set is launched as a one-node CUDA graph
     instantiated once for it, which costs the host less than ``cuLaunchKernel`` (never into a

@@ -73,9 +73,22 @@ def test_a_symlinked_entry_fails_verify(tmp_path, valid_entry, capsys):
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
     err = capsys.readouterr().err
     assert target.name in err and "symbolic link" in err
-    # The remedy given is one that works: the cache never removes a link, so a person must.
-    assert "not the cache's files, which it never deletes" in err and "remove them by hand" in err
-    assert "deleted and rebuilt" not in err
+    # The remedy given is one that works: the next publish replaces the link (never following it).
+    assert "1 of them are replaced when next compiled" in err and "by hand" not in err
+    assert build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False).source == "compiled"
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 0
+
+
+def test_a_directory_at_an_entry_name_fails_verify_with_a_remedy_that_works(tmp_path, capsys, compiles):
+    root = tmp_path / "root"
+    d = private_dir(cache.versioned_cache_dir(root))
+    (d / f"{build.spec_key(SPEC, SM90)}.bin").mkdir()  # the cache never deletes a directory
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "1 of them are not files, which the cache never deletes or replaces" in err and "remove them by hand" in err
+    with pytest.warns(CacheWarning, match="not a cache entry; left alone"):
+        assert build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False).source == "compiled"
+    assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1  # still there: only a person removes it
 
 
 def test_a_dangling_symlink_is_a_miss(tmp_path, compiles):

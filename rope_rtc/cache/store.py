@@ -198,8 +198,9 @@ class ListedEntry:
     entry: Entry | None
     error: str | None
     header: dict | None = None
-    #: something the store leaves alone sits at the name (a link, a FIFO, a directory, another
-    #: user's file): the loader ignores it rather than deleting it, so only a person can remove it
+    #: something other than a file or a link sits at the name (a directory, a FIFO, a socket):
+    #: the store never deletes or replaces it, so only a person can remove it (a link or an
+    #: untrusted file is replaced by the next publish of its kernel)
     foreign: bool = False
 
     @property
@@ -522,7 +523,7 @@ class DiskStore:
         except _NotAFile as exc:
             return ListedEntry(path, size, None, f"is {exc}, not a cache entry", foreign=True)
         except Refused as exc:
-            return ListedEntry(path, size, None, str(exc), foreign=True)
+            return ListedEntry(path, size, None, str(exc))
         except OSError as exc:
             return ListedEntry(path, size, None, f"cannot be read ({exc.strerror})")
 
