@@ -66,12 +66,17 @@ def pointers(arrays: tuple) -> tuple:
     return tuple([0 if a is None else a.data.ptr for a in arrays])
 
 
-def shapes(watch: tuple) -> tuple:
-    """The shapes of a remembered call's watched arguments (``Op.watched``) as they are now (None
-    for an absent one): CuPy reshapes an array in place, never moving its memory."""
-    if len(watch) == 2:  # q and k (x and cosine), without a loop: this is the identity path's cost
-        return getattr(watch[0], "shape", None), getattr(watch[1], "shape", None)
-    return tuple([getattr(a, "shape", None) for a in watch])
+def shapes_of(indices: tuple):
+    """A function giving the shapes of a call's arguments at ``indices`` (``Op.watched``) as they
+    are now (None for an absent one): CuPy reshapes an array in place, never moving its memory."""
+    if indices == (0, 1):  # q and k (x and cosine), written out: this is the identity path's cost
+        return _shapes_of_the_first_two
+    pick = itemgetter(*indices)
+    return lambda arrays: tuple([getattr(a, "shape", None) for a in pick(arrays)])
+
+
+def _shapes_of_the_first_two(arrays: tuple) -> tuple:
+    return getattr(arrays[0], "shape", None), getattr(arrays[1], "shape", None)
 
 
 def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers: tuple) -> tuple:
@@ -176,13 +181,12 @@ class Call:
     launch) and what the call returns. A new Call whenever the block's values change: the
     launcher replays a graph per Call."""
 
-    __slots__ = ("arrays", "watch", "shape", "scalar", "template", "prefix", "result")
+    __slots__ = ("arrays", "shape", "scalar", "template", "prefix", "result")
 
-    def __init__(self, arrays: tuple, scalar: int, template, prefix, result, watch=(), shape=None) -> None:
+    def __init__(self, arrays: tuple, scalar: int, template, prefix, result, shape=None) -> None:
         self.arrays = arrays
-        # Set when the call is remembered (Prepared._prepare; a one-call bind never needs them):
-        # the arguments its op watches (Op.watched) and their shapes then.
-        self.watch = watch
+        # Set when the call is remembered (Prepared._prepare; a one-call bind never needs it): the
+        # shapes of the arguments its op watches (Op.watched) then.
         self.shape = shape
         self.scalar = scalar
         self.template = template
@@ -190,7 +194,7 @@ class Call:
         self.result = result
 
     def with_scalar(self, scalar: int) -> "Call":
-        return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.watch, self.shape)
+        return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.shape)
 
 
 class Op:
@@ -233,7 +237,7 @@ class Prepared:
         self.recent: dict = {}
         self.last: Call | None = None
         self.filled = self.filled_vec = None
-        self._watched = itemgetter(*op.watched)  # a remembered call's watched arguments (Op.watched)
+        self._shapes = shapes_of(op.watched)  # of a remembered call's watched arguments
 
     @staticmethod
     def _new_launcher(args_address: int, device: int) -> Launcher:
@@ -242,7 +246,7 @@ class Prepared:
     def execute(self, arrays: tuple, scalar: int, stream):
         """Bind (remembering the call) and launch on ``stream``; returns the call's result."""
         last = self.last
-        if last is None or not all(map(is_, arrays, last.arrays)) or shapes(last.watch) != last.shape:
+        if last is None or not all(map(is_, arrays, last.arrays)) or self._shapes(arrays) != last.shape:
             last = self._prepare(arrays, scalar)
         elif scalar != last.scalar:
             last = self._rescalar(last, scalar)
@@ -277,7 +281,7 @@ class Prepared:
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
         key = tuple(map(id, arrays))
         hit = self.recent.get(key)
-        if hit is not None and hit[1].shape == shapes(hit[1].watch):  # the recent set holds the arrays
+        if hit is not None and hit[1].shape == self._shapes(arrays):
             snapshot, call = hit
             ctypes.memmove(self._block_address, snapshot, self._block_size)
             self.filled = None  # the block no longer holds what a template last wrote
@@ -287,8 +291,7 @@ class Prepared:
         if sig is None:  # not every argument is a CuPy array: validated on every call, nothing remembered
             self.last = None
             return call
-        call.watch = self._watched(arrays)
-        call.shape = shapes(call.watch)
+        call.shape = self._shapes(arrays)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call
         return call

@@ -280,11 +280,11 @@ def split_offset(offset) -> tuple[int, object]:
         return offset, None
     if offset is None:
         return 0, None
-    # An int subclass (an IntEnum) or a NumPy integer is its value; a bool is left for validation
-    # to refuse.
-    if isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_)):
+    if isinstance(offset, np.integer):
         return int(offset), None
-    return 0, offset
+    if isinstance(offset, int) and type(offset) is not bool:  # an int subclass (an IntEnum) is its value
+        return int(offset), None
+    return 0, offset  # an array (or a bool, which validation refuses)
 
 
 def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
