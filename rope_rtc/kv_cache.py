@@ -368,9 +368,8 @@ class RopeCachePlan:
     ``execute`` takes the same arguments again. Fixed: dtype, head counts, head dim, pair style,
     rotary dim, cache layout and kind, the position scheme and the device. The last 16 argument
     sets of CuPy arrays are remembered (held) and relaunched without validation (other libraries'
-    arrays are validated on every call), from the second time as a
-    one-node CUDA graph; new arrays of a seen signature (shapes, strides, dtypes) take only the
-    address checks."""
+    arrays are validated on every call), from the second time as a one-node CUDA graph; new
+    arrays of a seen signature (shapes, strides, dtypes) take only the address checks."""
 
     def __init__(self, q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
                  kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,

@@ -12,11 +12,10 @@ One mechanism, which each operation configures::
   (and raises on a real problem).
 - :class:`Prepared` holds the block, the templates, the launcher and the calls seen last.
   On the very CuPy arrays of the previous call it checks only that the arrays fixing the launch
-  (``Op.watched``) were not reshaped in place;
-  on one of the last ``RECENT_SETS`` argument sets it restores the block in one copy; on new
-  arrays of a known signature it runs only the template's address checks. Calls with other
-  libraries' arrays (no signature: a torch tensor can move its memory under the same object)
-  are validated every time.
+  (``Op.watched``) were not reshaped in place; on one of the last ``RECENT_SETS`` argument sets
+  it restores the block in one copy; on new arrays of a known signature it runs only the
+  template's address checks. Calls with other libraries' arrays (no signature: a torch tensor
+  can move its memory under the same object) are validated every time.
 
 Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
 (and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without

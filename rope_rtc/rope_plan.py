@@ -66,9 +66,9 @@ class RopePlan:
     ``q_out``/``k_out`` at construction decide in place (omitted, or ``q_out=q``) or out of place;
     an out-of-place plan needs ``q_out``/``k_out`` at every ``execute``. ``execute`` remembers the
     last 16 argument sets of CuPy arrays it saw (holding references to them) and skips
-    re-validation when one repeats (other libraries' arrays, which can move their memory under the
-    same object, are validated on every call); new arrays of a shape, stride and dtype signature seen before get the cheaper
-    address-only checks. From its second launch, a remembered set is launched as a one-node
+    re-validation when one repeats (other libraries' arrays, which can move their memory under
+    the same object, are validated on every call); new arrays of a shape, stride and dtype
+    signature seen before get the cheaper address-only checks. From its second launch, a remembered set is launched as a one-node
     CUDA graph instantiated once for it, which costs the host less than ``cuLaunchKernel``
     (never into a stream that is being captured; a new scalar ``offset`` is a new set;
     ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off). Capturable in a CUDA graph: capture

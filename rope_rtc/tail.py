@@ -60,9 +60,8 @@ class TailRoPEForward:
     owns array lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets
     of CuPy arrays it saw, so repeating one skips re-validation (it holds references to those
     arrays; other libraries' arrays, which can move their memory under the same object, are
-    validated on every call); new
-    arrays of a shape, stride and dtype signature seen before get the cheaper address-only
-    checks. From its second launch, a remembered set is launched as a one-node CUDA graph
+    validated on every call); new arrays of a shape, stride and dtype signature seen before get
+    the cheaper address-only checks. From its second launch, a remembered set is launched as a one-node CUDA graph
     instantiated once for it, which costs the host less than ``cuLaunchKernel`` (never into a
     stream that is being captured; ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off). A plan holds
     one argument block: give each thread its own plan.
@@ -150,8 +149,8 @@ class TailRoPEForward:
             if not host_ok and info.device is None:
                 raise TypeError(f"{info.name}: a host array cannot be used with backend='nvrtc'; pass a CuPy "
                                 "array or use backend='numpy'")
+            # A declaration always names a device; under the NumPy backend its dtype and shape are what count.
             if host_ok and info.device is not None and not isinstance(info.array, TensorDesc):
-                # (A declaration names a device, always; under the NumPy backend only its dtype and shape count.)
                 raise TypeError(f"{info.name}: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and "
                                 "float32)")
         x, c, s, o = infos
