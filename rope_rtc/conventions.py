@@ -71,11 +71,11 @@ def split_cos_sin_cache(cache, cos, sin) -> tuple:
         return cos, sin
     if cos is not None or sin is not None:
         raise TypeError("cos_sin_cache: pass it instead of cos and sin, not with them")
-    shape = shape_of(cache, "cos_sin_cache")
+    info = _described(cache, "cos_sin_cache")  # an interface-only cache; None for any other object
+    shape = getattr(cache, "shape", None) if info is None else info.shape
     if shape is None or len(shape) != 2:
         raise ValueError("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first "
                          f"half of each row, sin in the second), got {'shape ' + str(tuple(shape)) if shape is not None else type(cache).__name__}")
-    info = _described(cache, "cos_sin_cache")
     dtype = getattr(cache, "dtype", None) if info is None else info.dtype
     if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
         raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")

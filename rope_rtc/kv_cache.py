@@ -33,6 +33,7 @@ from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicat
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_OFFSET, CacheParams, fast_divisor
+from .rope_plan import split_offset
 from .rope_request import Request, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
@@ -185,7 +186,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                         cache_head_batch(req.cq.H, req.ck.H, req.dtype, req.interleaved, vec))
     args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
             q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
-            None if _int_offset(offset) else offset)
+            split_offset(offset)[1])
     return creq, args
 
 
@@ -396,7 +397,7 @@ class RopeCachePlan:
                 q_out=None, k_out=None, offset=0, cu_seqlens=None, stream=None):
         """Validate (nothing when the arguments repeat) and launch on ``stream``. Returns
         ``(q_out, k_out)`` (q and k when rotated in place)."""
-        scalar, offsets = (int(offset), None) if _int_offset(offset) else (0, offset)
+        scalar, offsets = split_offset(offset)
         arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
                   q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
         return self._core.execute(arrays, scalar, stream)
@@ -448,9 +449,9 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         device = creq.rope.device
         with cupy.cuda.Device(device), cupy_stream(stream_handle(stream, device)):
             slot_mapping = cupy.asarray(slot_mapping)
+    scalar, offsets = split_offset(offset)
     arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-              q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
-              None if _int_offset(offset) else offset)
+              q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
     sig = signature(arrays)
     # Options of the types validation accepts as they are: equal values of other types (such as
     # interleaved=1 or rotary_dim=64.0) would share the key, so they get no key, and a new plan
@@ -468,16 +469,10 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
                              rotary_dim=rotary_dim)
         if key is not None:
             remember(plans, key, plan, ONE_CALL_SIGNATURES)
-    scalar = int(offset) if _int_offset(offset) else 0
     call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)
     return call.result
-
-
-def _int_offset(offset) -> bool:
-    """An int ``offset`` (bools are not: validation names them), as opposed to an array of them."""
-    return isinstance(offset, (int, np.integer)) and not isinstance(offset, (bool, np.bool_))
 
 
 def _current_device() -> int:
