@@ -1,21 +1,34 @@
 // The argument block of the specialised general kernel (rope_fixed.cu), which the fused
-// QK-norm kernel (qk_norm_rope.cu) extends. [0] is q, [1] is k. Every field is 8 bytes (the host
-// mirror is a ctypes Structure: rope_rtc/rope_params.py, FIXED_FIELDS).
+// QK-norm kernel (qk_norm_rope.cu) extends. [0] is q, [1] is k. The host mirror is a ctypes
+// Structure (rope_rtc/rope_params.py, FIXED_FIELDS).
+//
+// A launch's arguments reach each SM through the constant cache cold, one miss per 64-byte line,
+// and small launches wait on those misses (docs/performance.md). So what a dense build
+// (FIX_DENSE: one run-time stride per array) reads lies in the first two lines, 32-bit where
+// the plan's limits allow (fewer than 2^31 threads, table rows and strides below 2^31, or 2^32
+// for rows); the strides of the general layouts and the rarer fields follow.
 #pragma once
 
 #include "common.cuh"
 
 struct FixedParams {
-    // What a call binds first, in one run (the host writes these 11 fields with one pack).
+    // What a call binds, in one run (the host writes these 11 fields with one pack).
     u64 in[2], out[2];
     u64 cos, sin, positions, offsets, cu_seqlens;
-    i64 offset, table_vec;
-    // What the plan fixes.
+    unsigned offset, table_vec;
+    // What the plan fixes: line 1 (bytes 64-127) ends after dense_out.
+    u64 div_seq;  // fast_div packed S
+    unsigned total, table_rows, seq_len, table_stride;
+    int index_flags;
+    float sin_sign;  // -1 for the inverse rotation: one multiply, no select on the table's path
+    // Dense builds only: the one stride of each array (elements), between tokens (token-major
+    // order: heads are head_dim apart and batches follow each other) or between heads (bhsd:
+    // rows are head_dim apart and batches follow each other).
+    int dense_in[2], dense_out[2];
+    // The strided builds' layout, and what only some schemes read.
     i64 in_sb[2], in_ss[2], in_sh[2];
     i64 out_sb[2], out_ss[2], out_sh[2];
-    i64 num_tokens, seq_len, num_seqs, table_rows, table_stride;
-    i64 pos_mode, index_flags, inverse, total;
-    u64 div_seq;  // fast_div packed S
+    i64 num_tokens, num_seqs, pos_mode;
     i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
     double attention;  // the factor that multiplies cos and sin (FIX_ANGLES builds only: angles.cuh)
 };

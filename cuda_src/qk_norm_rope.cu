@@ -151,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
         }
         load_weights(p.weight[which], c0, wl);
         load_weights(p.weight[which], c0 + HALF, wh);
-        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.inverse ? -1.0f : 1.0f, c, sn);
+        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.sin_sign, c, sn);
 #if NORM_MODE == 1
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
@@ -265,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
         for (int k = 0; k < NORM_HB; ++k) x[k].raw = __ldcs((const raw_t*)(in + k * in_sh));
         load_weights(p.weight[which], c0, w);
         if (in_window) {
-            table_slice_at<NPAIR>(p.f, token_row(p.f, t, b, s), pair0, p.f.table_vec, p.f.inverse ? -1.0f : 1.0f, c,
+            table_slice_at<NPAIR>(p.f, token_row(p.f, t, b, s), pair0, p.f.table_vec, p.f.sin_sign, c,
                                   sn);
 #if NORM_MODE == 1
 #pragma unroll

@@ -22,6 +22,10 @@
 //   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
 //                     absent or -1: read from the block (the multimodal builds, which read their
 //                     own position streams)
+//   FIX_DENSE         optional: 1 for arrays whose heads (token-major order) or rows (bhsd) are
+//                     head_dim apart and whose batches follow each other: one run-time stride per
+//                     array (dense_in, dense_out), all the block's reads in its first two lines
+//                     (fixed_params.cuh). Absent or 0: any strides the plan accepts.
 // The kernel rotates in place or out of place with the whole head rotated; an out-of-place
 // call with a partial window (the outside copied) runs the generic kernel.
 //
@@ -65,6 +69,9 @@ static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide 
 #ifndef FIX_POS
 #define FIX_POS -1
 #endif
+#ifndef FIX_DENSE
+#define FIX_DENSE 0
+#endif
 static_assert(!(FIX_ANGLES && FIX_MROPE), "multimodal RoPE reads tables");
 #if FIX_MROPE
 static_assert(!ROPE_INTERLEAVED, "multimodal RoPE rotates half-split pairs");
@@ -85,6 +92,11 @@ __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
 }
 
 __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
+
+// Whether table rows are read NPAIR floats per access. A dense build always does: the plan runs
+// it only on calls whose table rows allow it, and the strided build (same block) on the others;
+// the run-time choice measured 0.06 µs at decode (docs/performance.md).
+__device__ __forceinline__ bool rows_in_vectors(const FixedParams& p) { return FIX_DENSE || p.table_vec; }
 
 #if FIX_MROPE
 // Token t's table row in stream k (0 temporal, 1 height, 2 width); -1 outside the table.
@@ -119,7 +131,7 @@ constexpr unsigned MERGED_TOKENS = (MAX_BLOCK + TOKEN_THREADS - 1) / TOKEN_THREA
 // for a position outside the table). Every thread of the block takes part.
 __device__ __forceinline__ void gather_merged(const FixedParams& p, float (*merged)[2][HALF]) {
     const bool wide = p.index_flags & IDX_POSITIONS_I64;
-    const float sign = p.inverse ? -1.0f : 1.0f;
+    const float sign = p.sin_sign;
     const unsigned first = blockIdx.x * blockDim.x;
     const unsigned last = min(first + blockDim.x, (unsigned)p.total) - 1;
     const unsigned t0 = first / TOKEN_THREADS, n = last / TOKEN_THREADS - t0 + 1;
@@ -164,7 +176,7 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
     }
 #elif FIX_MROPE
     const bool wide = p.index_flags & IDX_POSITIONS_I64;
-    const float sign = p.inverse ? -1.0f : 1.0f;
+    const float sign = p.sin_sign;
     const unsigned i0 = pu * NPAIR;
     const int k0 = mrope_stream(i0);
 #if FIX_MROPE == 1
@@ -177,7 +189,7 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
     if (one) {
         // The unit lies in one section (every unit, when the sections are whole vectors): one
         // position, one row slice, vector loads where the table allows.
-        table_slice_at<NPAIR>(p, mrope_row(p, t, k0, wide), i0, p.table_vec, sign, c, sn);
+        table_slice_at<NPAIR>(p, mrope_row(p, t, k0, wide), i0, rows_in_vectors(p), sign, c, sn);
         return;
     }
     // Pairs from several streams: each stream's row, then each pair from its stream's row.
@@ -199,9 +211,9 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
 #elif FIX_ANGLES
     typename AngleFreq<FIX_ANGLES>::type f[NPAIR];
     angle_freqs<NPAIR, FIX_ANGLES>(p, pu * NPAIR, f);
-    angle_values<NPAIR, FIX_ANGLES>(p, fixed_row(p, t, b, s), f, p.inverse ? -1.0f : 1.0f, c, sn);
+    angle_values<NPAIR, FIX_ANGLES>(p, fixed_row(p, t, b, s), f, p.sin_sign, c, sn);
 #else
-    table_slice_at<NPAIR>(p, fixed_row(p, t, b, s), pu * NPAIR, p.table_vec, p.inverse ? -1.0f : 1.0f, c, sn);
+    table_slice_at<NPAIR>(p, fixed_row(p, t, b, s), pu * NPAIR, rows_in_vectors(p), p.sin_sign, c, sn);
 #endif
 }
 
@@ -228,9 +240,22 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
     const int which = (g * FIX_HB >= FIX_HQ) ? 1 : 0;  // the group is all q or all k
     const unsigned h0 = g * FIX_HB - (which ? FIX_HQ : 0);
     const i64 ch = FIX_RO + u * VEC;
+#if FIX_DENSE && FIX_ORDER == 1
+    // bhsd: the thread's head is run b * H + h0 of rows head_dim apart, dense_* elements per run.
+    const i64 run = (i64)(b * (which ? FIX_HK : FIX_HQ) + h0);
+    const i64 in_sh = p.dense_in[which], out_sh = p.dense_out[which];
+    const bits_t* in = (const bits_t*)p.in[which] + (run * in_sh + (i64)s * FIX_D + ch);
+    bits_t* out = (bits_t*)p.out[which] + (run * out_sh + (i64)s * FIX_D + ch);
+#elif FIX_DENSE
+    // Token-major: token t (batches folded in) is dense_* elements on, its heads head_dim apart.
+    constexpr i64 in_sh = FIX_D, out_sh = FIX_D;
+    const bits_t* in = (const bits_t*)p.in[which] + ((i64)t * p.dense_in[which] + (i64)h0 * FIX_D + ch);
+    bits_t* out = (bits_t*)p.out[which] + ((i64)t * p.dense_out[which] + (i64)h0 * FIX_D + ch);
+#else
     const bits_t* in = (const bits_t*)p.in[which] + (b * p.in_sb[which] + s * p.in_ss[which] + h0 * p.in_sh[which] + ch);
     bits_t* out = (bits_t*)p.out[which] + (b * p.out_sb[which] + s * p.out_ss[which] + h0 * p.out_sh[which] + ch);
     const i64 in_sh = p.in_sh[which], out_sh = p.out_sh[which];
+#endif
     float c[NPAIR], sn[NPAIR];
 #if ROPE_INTERLEAVED
     vec_t x[FIX_HB];

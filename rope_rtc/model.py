@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, cache_spec,
+from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, both_strides, cache_spec,
                        cache_vector_widths, model_fixed_specs, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
                        rope_vector_widths)
 
@@ -81,8 +81,8 @@ class ModelRope:
         return [g.spec() for dt in self.inv_freq
                 for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
                 for denser in (False, True)
-                for g in angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0, self.rotary_dim,
-                                          dt, denser)]
+                for g in both_strides(angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0,
+                                                       self.rotary_dim, dt, denser))]
 
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
@@ -105,8 +105,8 @@ class ModelRope:
             return []
         return [g.spec() for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
                 for denser in (False, True)
-                for g in mrope_geometries(self.dtype, hq, hk, self.head_dim, self.rotary_dim, self.mrope_section,
-                                          self.mrope_interleaved, denser)]
+                for g in both_strides(mrope_geometries(self.dtype, hq, hk, self.head_dim, self.rotary_dim,
+                                                       self.mrope_section, self.mrope_interleaved, denser))]
 
     def cache_specs(self) -> list[KernelSpec]:
         """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache

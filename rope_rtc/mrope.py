@@ -28,8 +28,8 @@ from . import launch, rope_plan
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
-from .registry import FixedGeometry, mrope_geometries
-from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, fixed_threads
+from .registry import FixedGeometry, both_strides, mrope_geometries
+from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, fits_fixed_block, fixed_threads, with_dense
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
 
@@ -89,7 +89,10 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     chosen = builds[0] if small else builds[1]
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
-    return chosen
+    if not fits_fixed_block(req):
+        raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; "
+                         f"multimodal RoPE takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements apart")
+    return with_dense(req, chosen)
 
 
 class _MRopeTemplate(_RopeTemplate):
@@ -171,9 +174,9 @@ class MRopePlan(RopePlan):
     def compile(self) -> "MRopePlan":
         """Load the specialised builds of this plan's geometry and sections, for small launches and
         large ones (compiling on a cache miss). After this, ``execute`` never compiles."""
-        for g in mrope_geometries(self.dtype, self.q_heads, self.k_heads, self.head_dim, self.rotary_dim,
-                                  self.mrope_section, self.interleaved_sections, self.layout == "bhsd"):
-            self.fixed_kernel(g)  # the decode and the prefill build
+        for g in both_strides(mrope_geometries(self.dtype, self.q_heads, self.k_heads, self.head_dim, self.rotary_dim,
+                                               self.mrope_section, self.interleaved_sections, self.layout == "bhsd")):
+            self.fixed_kernel(g)  # the decode and the prefill build, strided and dense
         self._ensure_core()
         return self
 

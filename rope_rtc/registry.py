@@ -113,6 +113,9 @@ class FixedGeometry:
     angles: int = 0
     # The position scheme (rope_params.POS_MODES), compile-time (FIX_POS); -1: read from the block.
     pos_mode: int = -1
+    # One run-time stride per array (FIX_DENSE: heads, or rows in bhsd, head_dim apart; batches
+    # one after another), every field the kernel reads in the block's first two lines.
+    dense: bool = False
 
     def spec(self) -> KernelSpec:
         mrope = () if not self.mrope else tuple(
@@ -121,6 +124,8 @@ class FixedGeometry:
             mrope += (("FIX_ANGLES", str(self.angles)),)
         if self.pos_mode >= 0:
             mrope += (("FIX_POS", str(self.pos_mode)),)
+        if self.dense:
+            mrope += (("FIX_DENSE", "1"),)
         return KernelSpec(
             "rope_fixed", "rope_fixed.cu", FIXED_ENTRIES,
             (("ROPE_DTYPE", str(DTYPE_CODES[self.dtype])), ("ROPE_INTERLEAVED", str(int(self.interleaved))),
@@ -236,6 +241,12 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
                          order, pos_mode=pos_mode)
 
 
+def both_strides(builds: list[FixedGeometry]) -> list[FixedGeometry]:
+    """``builds`` and their dense builds (FixedGeometry.dense): what a plan loads and ``warm``
+    compiles, since the call's arrays decide which one runs."""
+    return list(builds) + [replace(g, dense=True) for g in builds]
+
+
 def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, small: bool,
                      gathered: bool = False) -> int:
     """Heads per thread of a multimodal RoPE build: sharing a thread's table slice across heads
@@ -311,14 +322,15 @@ def model_pos_modes(tokens_denser: bool) -> tuple[int, ...]:
 def model_fixed_specs(dtype: str, interleaved: bool, q_heads: int, kv_heads: int, head_dim: int,
                       rotary_dim: int, rotary_offset: int = 0) -> list[KernelSpec]:
     """Every specialised build a model's calls use: q with k, q alone and k alone, in both thread
-    orders (bshd/thd/sbhd and bhsd), for each position scheme."""
+    orders (bshd/thd/sbhd and bhsd), for each position scheme, strided and dense."""
     out = []
     for hq, hk in ((q_heads, kv_heads), (q_heads, 0), (kv_heads, 0)):
         for denser in (False, True):
             for mode in model_pos_modes(denser):
                 g = fixed_geometry(dtype, interleaved, hq, hk, head_dim, rotary_offset, rotary_dim, denser, mode)
-                if g is not None and g.spec() not in out:
-                    out.append(g.spec())
+                for build in both_strides([g] if g is not None else []):
+                    if build.spec() not in out:
+                        out.append(build.spec())
     return out
 
 

@@ -7,7 +7,7 @@ The module-level limits are read at each call, so tests may lower them to force 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .layouts import canonical
 from .registry import FixedGeometry, angle_geometries, fixed_geometry, rope_head_batch, rope_vector_widths
@@ -26,6 +26,9 @@ SMALL_TOKEN_HEADS = 2**14
 # The specialised build (cuda_src/rope_fixed.cu) serves every call it fits; False: the generic
 # kernel serves all (the tests run their matrix both ways).
 USE_FIXED = True
+# Dense arrays take the dense build of the specialised kernel (FIX_DENSE); False: the strided one
+# serves every call (the tests run both).
+USE_DENSE = True
 # Specialised launches with fewer threads than this use blocks of FIXED_SMALL_BLOCK (decode:
 # more SMs share the few warps); others FIXED_BLOCK (docs/performance.md).
 FIXED_SMALL_THREADS = 2**14
@@ -172,8 +175,56 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
                        req.rotary_offset, req.rotary_dim, layout_denser, req.pos_mode)
     if g is None or g.vec not in allowed_vectors(req):
         return None
-    if fixed_threads(req, g) >= NARROW_LIMIT:
+    if fixed_threads(req, g) >= NARROW_LIMIT or not fits_fixed_block(req):
         return None
+    return with_dense(req, g)
+
+
+# The 32-bit fields of the specialised build's block (cuda_src/fixed_params.cuh): table rows (and
+# so the int offset) below 2^32, a table row stride below 2^31 elements.
+TABLE_ROWS_LIMIT = 2**32
+TABLE_STRIDE_LIMIT = 2**31
+
+
+def fits_fixed_block(req: Request) -> bool:
+    """Whether the call's table fits the specialised build's 32-bit fields (else the generic
+    kernel serves it; the thread count is checked beside)."""
+    stride = 0 if req.angles else req.cos.strides[0]
+    return req.table_rows < TABLE_ROWS_LIMIT and 0 <= stride < TABLE_STRIDE_LIMIT
+
+
+def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
+    """The one stride per array of a dense build (FIX_DENSE in cuda_src/rope_fixed.cu), as
+    (q, q_out, k, k_out), or None when an array is not dense for thread order ``order``.
+
+    Token-major order (0): heads head_dim apart and batches one after another; the stride is
+    the token's (fused q|k|v views qualify: their token stride is free). bhsd order (1): rows
+    head_dim apart and batches one after another; the stride is the head's (a cache padded to a
+    longer sequence qualifies). Strides of extents of 1 are never used, so they do not count."""
+    out = []
+    for _, c in _views(req):
+        if order == 0:
+            inner = c.H <= 1 or c.sh == c.D
+            run = c.ss if c.S > 1 else c.sb
+            outer = c.B <= 1 or c.S <= 1 or c.sb == c.S * c.ss
+        else:
+            inner = c.S <= 1 or c.ss == c.D
+            run = c.sh if c.H > 1 else c.sb
+            outer = c.B <= 1 or c.H <= 1 or c.sb == c.H * c.sh
+        if (c.B * c.S if order == 0 else c.B * c.H) <= 1:
+            run = 0  # one token (one head in bhsd): the stride only ever multiplies zero
+        if not (inner and outer and 0 <= run < TABLE_STRIDE_LIMIT):
+            return None
+        out.append(run)
+    return tuple(out + [0, 0])[:4] if len(out) == 2 else tuple(out)
+
+
+def with_dense(req: Request, g: FixedGeometry) -> FixedGeometry:
+    """``g`` as its dense build when every array of the call is dense for its thread order (the
+    argument block's first two lines then hold all the kernel reads: decode and other small
+    launches measured 0.1-0.3 µs faster, docs/performance.md)."""
+    if USE_DENSE and dense_strides(req, g.order) is not None:
+        return replace(g, dense=True)
     return g
 
 
@@ -190,7 +241,7 @@ def angle_build(req: Request, layout_denser: bool) -> FixedGeometry:
                          "bytes, which the inv_freq kernel reads; pass aligned arrays (a contiguous array is)")
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
-    return chosen
+    return with_dense(req, chosen)
 
 
 def angle_builds(req: Request, layout_denser: bool) -> list[FixedGeometry]:
@@ -216,15 +267,21 @@ def fixed_threads(req: Request, g: FixedGeometry) -> int:
 
 def fill_fixed(p: FixedParams, req: Request, g: FixedGeometry) -> None:
     """Every field of the specialised build's block (addresses too: bind rewrites those)."""
+    dense = dense_strides(req, g.order) if g.dense else None
+    if g.dense and dense is None:
+        raise AssertionError("a dense build chosen for arrays that are not dense")
     for w, (info, c) in enumerate(_views(req)):
         side, kind = w // 2, w % 2  # (q, q_out, k, k_out): side 0 is q, 1 is k; kind 1 an output
+        run = dense[w] if dense is not None else 0
         if kind == 0:
             p.in_[side], p.in_sb[side], p.in_ss[side], p.in_sh[side] = info.ptr, c.sb, c.ss, c.sh
+            p.dense_in[side] = run
         else:
             p.out[side], p.out_sb[side], p.out_ss[side], p.out_sh[side] = info.ptr, c.sb, c.ss, c.sh
+            p.dense_out[side] = run
     fill_positions_and_tables(p, req)
     p.seq_len = max(req.cq.S, 1)
-    p.inverse = int(req.inverse)
+    p.sin_sign = -1.0 if req.inverse else 1.0
     p.table_vec = table_vec(req, g.vec // 2 if g.interleaved else g.vec)
     p.attention = req.attention
     p.total = fixed_threads(req, g)

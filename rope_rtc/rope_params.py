@@ -54,26 +54,34 @@ def fast_div(n: int, packed: int) -> int:
     return (((n * mul) >> 32) + n) >> shift
 
 
-# The host mirror of ``struct FixedParams`` in cuda_src/fixed_params.cuh ([0] is q, [1] is k).
+# The host mirror of ``struct FixedParams`` in cuda_src/fixed_params.cuh ([0] is q, [1] is k). A dense
+# build reads only the first two 64-byte lines; the plan sends a call whose counts or strides do
+# not fit these 32-bit fields to the generic kernel (rope_launch.fits_fixed_block).
 _PAIR = _I64 * 2
+_U32, _I32 = ctypes.c_uint32, ctypes.c_int32
 FIXED_FIELDS = [
     # What a call binds, in one run (rope_plan.FIXED_CALL packs them at once).
     ("in_", _U64 * 2), ("out", _U64 * 2),
     ("cos", _U64), ("sin", _U64), ("positions", _U64), ("offsets", _U64), ("cu_seqlens", _U64),
-    ("offset", _I64), ("table_vec", _I64),
+    ("offset", _U32), ("table_vec", _U32),
+    # What the plan fixes.
+    ("div_seq", _U64),
+    ("total", _U32), ("table_rows", _U32), ("seq_len", _U32), ("table_stride", _U32),
+    ("index_flags", _I32), ("sin_sign", ctypes.c_float),
+    ("dense_in", _I32 * 2), ("dense_out", _I32 * 2),  # dense builds (FIX_DENSE): one stride per array
     ("in_sb", _PAIR), ("in_ss", _PAIR), ("in_sh", _PAIR),
     ("out_sb", _PAIR), ("out_ss", _PAIR), ("out_sh", _PAIR),
-    ("num_tokens", _I64), ("seq_len", _I64), ("num_seqs", _I64),
-    ("table_rows", _I64), ("table_stride", _I64),
-    ("pos_mode", _I64), ("index_flags", _I64), ("inverse", _I64), ("total", _I64),
-    ("div_seq", _U64),
+    ("num_tokens", _I64), ("num_seqs", _I64), ("pos_mode", _I64),
     ("mrope_stride", _I64),  # multimodal RoPE builds only: elements between the position streams
     ("attention", ctypes.c_double),  # angles computed in the kernel only: the factor on cos and sin
 ]
+# Where the dense builds' reads end (bytes): the block's first two lines.
+DENSE_END = 128
 
 
 class FixedParams(ctypes.Structure):
     _fields_ = FIXED_FIELDS
+assert FixedParams.dense_out.offset + FixedParams.dense_out.size == DENSE_END
 assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block
 
 

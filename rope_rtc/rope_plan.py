@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from dataclasses import replace
 import warnings
+from dataclasses import replace
 from operator import is_
 
 import numpy as np
@@ -17,8 +17,8 @@ from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel, remember, single_device
 from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, array_checks, \
     cupy_ndarray, disjoint_pairs, generated, pointers, signature
-from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, fixed_geometry, \
-    rope_head_batches, rope_spec, rope_vector_widths
+from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
+    fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
@@ -41,9 +41,9 @@ def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int
 # What a call binds into FixedParams, in memory order (rope_params.FIXED_FIELDS): in[q], in[k],
 # out[q], out[k], cos, sin, positions, offsets, cu_seqlens, the int offset and table_vec. One
 # pack writes them all (the one-call path's host time).
-FIXED_CALL = struct.Struct("<9Q2q")
+FIXED_CALL = struct.Struct("<9Q2I")
 assert (FixedParams.out.offset, FixedParams.cos.offset, FixedParams.offset.offset,
-        FixedParams.table_vec.offset) == (16, 32, 72, 80)
+        FixedParams.table_vec.offset, FIXED_CALL.size) == (16, 32, 72, 76, 80)
 
 
 _NO_FUNCTION = object()
@@ -130,12 +130,13 @@ class RopePlan:
 
     def compile(self) -> "RopePlan":
         """Load the kernels this plan can launch (every vector width and head batch of its dtype
-        and pair style, and the build specialised on its geometry), compiling on a cache miss.
+        and pair style, and the build specialised on its geometry, strided and dense), compiling
+        on a cache miss.
         After this, ``execute`` never compiles."""
         if self.angles:  # the builds that compute cos and sin, for small launches and large ones
-            for g in angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
-                                      self.rotary_offset, self.rotary_dim, self.inv_freq_dtype,
-                                      self.layout == "bhsd"):
+            for g in both_strides(angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads,
+                                                   self.head_dim, self.rotary_offset, self.rotary_dim,
+                                                   self.inv_freq_dtype, self.layout == "bhsd")):
                 self.fixed_kernel(g)
             self._ensure_core()
             return self
@@ -144,8 +145,8 @@ class RopePlan:
                 self.kernel(vec, hb)
         g = fixed_geometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
                            self.rotary_offset, self.rotary_dim, self.layout == "bhsd", self.pos_mode)
-        if g is not None:
-            self.fixed_kernel(g)
+        for build in both_strides([g] if g is not None else []):  # the call's arrays pick one
+            self.fixed_kernel(build)
         self._ensure_core()
         return self
 
@@ -411,6 +412,19 @@ class _RopeTemplate:
         # allow it (-1: the row stride never does).
         npair = self.fixed.vec // self.npair_div if self.fixed is not None else 1
         self._table_mask = 4 * npair - 1 if self.rows_stride % npair == 0 else -1
+        # A dense build reads table rows in vectors (rope_fixed.cu: rows_in_vectors): with a row
+        # stride that never allows it the strided build serves the template, and a call whose
+        # table addresses do not allow it runs the strided build on the same block.
+        self._strided = self._strided_prefix = None
+        if self.fixed is not None and getattr(self.fixed, "dense", False) and not self.fixed.angles:
+            strided = replace(self.fixed, dense=False)
+            if plan.fixed_kernel(strided) is None:  # not cached under ROPE_RTC_NO_COMPILE: the generic kernel
+                self.fixed, self.fixed_align = None, 0
+                self.align = max(self.allowed, default=0) * self.itemsize
+            elif self._table_mask < 0:
+                self.fixed = strided
+            else:
+                self._strided = strided
         self.prepare_checks()
 
     def prepare_checks(self) -> None:
@@ -513,6 +527,9 @@ class _RopeTemplate:
             terms.append(f"0 <= offset <= {int(self.table_rows - S)}")
         mask = self._table_mask
         flag = f"not (p{COS} | p{SIN}) & {int(mask)}" if mask >= 0 else "0"
+        strided = None
+        if self._strided is not None:  # rows the dense build cannot read in vectors: the strided build
+            strided = self._strided_launch()
         self.plan._fixed_view(core)  # the block's bytes
         if self._fixed_prefix is None:
             self._fixed_prefix = self._launch_fixed()
@@ -525,11 +542,12 @@ class _RopeTemplate:
                 "        return None\n"
                 "    if core.filled is not tmpl or core.filled_vec != 'fixed':\n"
                 "        tmpl.refill_fixed(core)\n"
+                f"    tv = {flag}\n"
                 f"    pack(block, 0, p{Q}, p{K}, p{Q_OUT}, p{K_OUT}, p{COS}, p{SIN}, p{POSITIONS}, p{OFFSETS}, "
-                f"p{CU_SEQLENS}, offset, {flag})\n"
-                "    return prefix\n")
+                f"p{CU_SEQLENS}, offset, tv)\n"
+                + ("    return prefix if tv else strided\n" if strided is not None else "    return prefix\n"))
         namespace.update(core=core, tmpl=self, pack=FIXED_CALL.pack_into, block=self.plan._fixed_bytes,
-                         prefix=self._fixed_prefix)
+                         prefix=self._fixed_prefix, strided=strided)
         return generated("one_call", ", ".join(names) + ", offset", body, namespace)
 
     def refill_fixed(self, core: Prepared) -> None:
@@ -573,11 +591,23 @@ class _RopeTemplate:
             self.refill_fixed(core)
         c, s = ptrs[COS], ptrs[SIN]
         mask = self._table_mask
+        vectors = mask >= 0 and not (c | s) & mask
         FIXED_CALL.pack_into(plan._fixed_bytes, 0, ptrs[Q], ptrs[K], ptrs[Q_OUT], ptrs[K_OUT], c, s,
-                             ptrs[POSITIONS], ptrs[OFFSETS], ptrs[CU_SEQLENS], offset, mask >= 0 and not (c | s) & mask)
+                             ptrs[POSITIONS], ptrs[OFFSETS], ptrs[CU_SEQLENS], offset, vectors)
+        if not vectors and self._strided is not None:
+            return self._strided_launch()
         pre = self._fixed_prefix
         if pre is None:
             pre = self._fixed_prefix = self._launch_fixed()
+        return pre
+
+    def _strided_launch(self) -> tuple:
+        """The strided build's launch prefix, for a dense template's calls whose table rows the
+        dense build cannot read in vectors (the block serves both builds)."""
+        pre = self._strided_prefix
+        if pre is None:
+            pre = self._strided_prefix = launch_prefix(self.plan.fixed_kernel(self._strided),
+                                                       *fixed_launch_shape(self.req, self._strided))
         return pre
 
     def _launch_fixed(self) -> tuple:

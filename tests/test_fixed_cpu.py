@@ -44,12 +44,13 @@ def test_geometry_rules():
     assert fixed_geometry("bfloat16", True, 32, 8, 128, 0, 128, True, 2).pos_mode == -1
 
 
-def test_model_specs_cover_q_with_k_q_alone_k_alone_both_orders_and_each_position_scheme():
+def test_model_specs_cover_q_with_k_q_alone_k_alone_both_orders_each_position_scheme_and_both_strides():
     specs = model_fixed_specs("bfloat16", False, 32, 8, 128, 128)
-    keys = {tuple(dict(s.defines)[d] for d in ("FIX_HQ", "FIX_HK", "FIX_ORDER", "FIX_POS")) for s in specs}
+    keys = {tuple(dict(s.defines).get(d, "0") for d in ("FIX_HQ", "FIX_HK", "FIX_ORDER", "FIX_POS", "FIX_DENSE"))
+            for s in specs}
     # cu_seqlens (scheme 3) is packed thd tokens: the token-major order only.
-    assert keys == {(h, k, o, m) for h, k in (("32", "8"), ("32", "0"), ("8", "0")) for o in ("0", "1")
-                    for m in ("0", "1", "2", "3") if not (o == "1" and m == "3")}
+    assert keys == {(h, k, o, m, d) for h, k in (("32", "8"), ("32", "0"), ("8", "0")) for o in ("0", "1")
+                    for m in ("0", "1", "2", "3") if not (o == "1" and m == "3") for d in ("0", "1")}
     assert len(specs) == len(keys)
     # Every default specialisation is in the registry's enumeration (what `rope-rtc warm` builds).
     names = {s.name for s in registry.all_specs()}
@@ -237,6 +238,120 @@ def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_ord
         for name in names.split(","):
             name = name.strip()
             count = int(re.search(r"\[(\d+)\]", name).group(1)) if "[" in name else 1
-            device.append((re.sub(r"\[.*", "", name), {"u64": 8, "i64": 8, "double": 8}[ctype] * count))
+            device.append((re.sub(r"\[.*", "", name), {"u64": 8, "i64": 8, "double": 8, "unsigned": 4, "int": 4, "float": 4}[ctype] * count))
     host = [(name.rstrip("_"), ctypes.sizeof(t)) for name, t in FIXED_FIELDS]
     assert host == device
+
+
+# The dense build (FIX_DENSE): one run-time stride per array, every field it reads in the block's
+# first two lines. The plan picks it from the call's strides.
+@pytest.mark.parametrize("layout,shape,dense,runs", [
+    ("bshd", (2, 5, 4, 128), True, (4 * 128,) * 2),           # contiguous: the token stride
+    ("thd", (10, 4, 128), True, (4 * 128,) * 2),
+    ("bhsd", (2, 4, 5, 128), True, (5 * 128,) * 2),           # contiguous bhsd: the head stride
+    ("sbhd", (5, 2, 4, 128), False, None),                     # batches are not one after another
+    ("bshd", (1, 1, 4, 128), True, (0, 0)),                    # one token: no stride is ever used
+])
+def test_dense_arrays_take_the_dense_build_with_one_stride_each(gpu, layout, shape, dense, runs):
+    cos, sin = _table(64, 64)
+    x = fake_cupy(shape, BF16)
+    apply_rope(x, cos, sin, layout=layout, out=x)
+    rec = gpu.launches[-1]
+    assert rec["fn"][0] == "rope_fixed" and rec["geometry"].dense is dense
+    assert ("FIX_DENSE", "1") in rec["geometry"].spec().defines if dense else True
+    p = rec["fixed"]
+    if dense:
+        assert (p.dense_in[0], p.dense_out[0]) == runs
+    else:
+        assert tuple(p.dense_in) == tuple(p.dense_out) == (0, 0)
+
+
+def test_fused_qkv_views_are_dense_in_token_major_order(gpu):
+    """q and k as views of one [T, Hq + 2 Hkv, D] buffer: heads head_dim apart, a token stride
+    of the whole buffer's row: the dense build with that stride."""
+    from fakes import fused_qkv
+
+    cos, sin = _table(64, 64)
+    _, q, k, _ = fused_qkv(1, 6, 8, 2, 128, BF16, layout="thd", cupy_fake=True)
+    apply_rope_qk(q, k, cos, sin, layout="thd", offset=3, q_out=q, k_out=k)
+    rec = gpu.launches[-1]
+    assert rec["geometry"].dense and rec["fn"][0] == "rope_fixed"
+    p = rec["fixed"]
+    assert tuple(p.dense_in) == tuple(p.dense_out) == (12 * 128, 12 * 128)
+
+
+def test_a_head_padded_bhsd_cache_is_dense_and_a_gapped_batch_is_not(gpu):
+    cos, sin = _table(64, 64)
+    # bhsd rows of 5 tokens inside a 7-token allocation per head: rows dense, head stride 7 * 128.
+    x = fake_cupy((2, 4, 5, 128), BF16, strides=(4 * 7 * 256, 7 * 256, 256, 2))
+    apply_rope(x, cos, sin, layout="bhsd", out=x)
+    rec = gpu.launches[-1]
+    assert rec["geometry"].dense and tuple(rec["fixed"].dense_in) == (7 * 128, 0)
+    # batches further apart than their heads: the strided build.
+    y = fake_cupy((2, 4, 5, 128), BF16, strides=(9 * 5 * 256, 5 * 256, 256, 2))
+    apply_rope(y, cos, sin, layout="bhsd", out=y)
+    assert not gpu.launches[-1]["geometry"].dense
+    # heads further apart than head_dim in token-major order (a padded head): the strided build.
+    z = fake_cupy((1, 5, 4, 128), BF16, strides=(5 * 4 * 512, 4 * 512, 512, 2))
+    apply_rope(z, cos, sin, out=z)
+    assert not gpu.launches[-1]["geometry"].dense
+
+
+def test_out_of_place_outputs_carry_their_own_dense_stride(gpu):
+    from fakes import fused_qkv
+
+    cos, sin = _table(64, 64)
+    _, q, k, _ = fused_qkv(1, 6, 8, 2, 128, BF16, layout="thd", cupy_fake=True)
+    qo, ko = fake_cupy((6, 8, 128), BF16), fake_cupy((6, 2, 128), BF16)
+    apply_rope_qk(q, k, cos, sin, layout="thd", q_out=qo, k_out=ko)
+    p = gpu.launches[-1]["fixed"]
+    assert (p.dense_in[0], p.dense_out[0], p.dense_in[1], p.dense_out[1]) == (12 * 128, 8 * 128, 12 * 128, 2 * 128)
+
+
+def test_the_dense_switch_and_the_plan_loads_both_builds(gpu, monkeypatch):
+    from rope_rtc import rope, rope_launch
+
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    monkeypatch.setattr(rope_launch, "USE_DENSE", False)
+    rope._local.__dict__.clear()
+    apply_rope(x, cos, sin, out=x)
+    assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
+    plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    assert {g.dense for g in plan._fixed} == {False, True}  # compile loads both: execute never compiles
+
+
+def test_a_table_too_long_for_the_blocks_32_bit_fields_runs_the_generic_kernel(gpu, monkeypatch):
+    from rope_rtc import rope, rope_launch
+
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    monkeypatch.setattr(rope_launch, "TABLE_ROWS_LIMIT", 64)  # a 64-row table stands in for 2^32 rows
+    rope._local.__dict__.clear()
+    apply_rope(x, cos, sin, out=x)
+    assert gpu.launches[-1]["fn"][0] == "rope_apply"
+
+
+def test_tables_the_dense_build_cannot_read_in_vectors_run_the_strided_build(gpu):
+    """The dense build reads table rows in vectors. A row stride that never allows it gives the
+    template the strided build; table addresses that do not allow it (this call only) run the
+    strided build on the same block, through the plan and the one-call path alike."""
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    cos, sin = _table(64, 64)
+    apply_rope(x, cos, sin, out=x)
+    assert gpu.launches[-1]["geometry"].dense
+    # Rows 65 floats apart: never vector-aligned.
+    c65 = fake_cupy((64, 64), np.float32, strides=(65 * 4, 4))
+    s65 = fake_cupy((64, 64), np.float32, strides=(65 * 4, 4))
+    apply_rope(x, c65, s65, out=x)
+    assert not gpu.launches[-1]["geometry"].dense
+    # Rows aligned, but these tables start 4 bytes off a 16-byte boundary.
+    c4, s4 = fake_cupy((64, 64), np.float32, byte_offset=4), fake_cupy((64, 64), np.float32, byte_offset=4)
+    plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    for tables, dense in (((cos, sin), True), ((c4, s4), False), ((cos, sin), True), ((c4, s4), False)):
+        plan.execute(x, None, *tables)
+        assert gpu.launches[-1]["geometry"].dense is dense
+        assert gpu.launches[-1]["fixed"].table_vec == int(dense)
+    for tables, dense in (((c4, s4), False), ((cos, sin), True), ((c4, s4), False)):
+        apply_rope(x, *tables, out=x)
+        assert gpu.launches[-1]["geometry"].dense is dense

@@ -4,6 +4,7 @@ before one FMA), NaN-poisoned outputs, and the generic kernel where it does not 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -23,12 +24,14 @@ def cp():
 
 
 def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_place, rotary_dim=None, with_k=True,
-         Hq=32, Hk=8, D=128):
-    """One RopePlan call; returns (q_out, k_out) on the host and the plan."""
+         Hq=32, Hk=8, D=128, dense=True):
+    """One RopePlan call; returns (q_out, k_out) on the host and the plan. ``dense``: whether dense
+    arrays may take the dense build (rope_launch.USE_DENSE)."""
     import rope_rtc
     from rope_rtc import rope_launch
 
     monkeypatch.setattr(rope_launch, "USE_FIXED", use_fixed)
+    monkeypatch.setattr(rope_launch, "USE_DENSE", dense)
     B, S, P = 2, 37, 128
     dt = DTYPES[dtype]
     q = cp.asarray(host_random(_shape(layout, B, S, Hq, D), dt, 11))
@@ -72,6 +75,60 @@ def test_fixed_build_equals_generic_bits(cp, monkeypatch, dtype, layout, interle
     assert not np.isnan(fq.astype(np.float32)).any() and not np.isnan(fk.astype(np.float32)).any()
     np.testing.assert_array_equal(bits(fq), bits(gq))
     np.testing.assert_array_equal(bits(fk), bits(gk))
+
+
+@pytest.mark.parametrize("dtype,layout,interleaved,scheme,in_place", CASES)
+def test_dense_build_equals_strided_bits(cp, monkeypatch, dtype, layout, interleaved, scheme, in_place):
+    """Contiguous arrays take the dense build (sbhd's batches are not one after another: the
+    strided one); it gives the strided build's bits."""
+    dq, dk, plan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place)
+    g = plan._core.last.template.fixed
+    assert g is not None and g.dense is (layout != "sbhd")
+    assert plan._core.last.prefix[0] is plan._fixed[g]
+    sq, sk, splan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place, dense=False)
+    assert not splan._core.last.template.fixed.dense
+    assert not np.isnan(dq.astype(np.float32)).any() and not np.isnan(dk.astype(np.float32)).any()
+    np.testing.assert_array_equal(bits(dq), bits(sq))
+    np.testing.assert_array_equal(bits(dk), bits(sk))
+
+
+@pytest.mark.parametrize("layout", ["thd", "bshd", "bhsd"])
+def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, layout):
+    """Token-major q and k as views of one fused q|k|v buffer (dense, with the buffer's token
+    stride), and bhsd q and k whose rows are padded to a longer sequence (dense, with the padded
+    head stride), in place and into fresh outputs, equal the generic kernel bit for bit."""
+    import rope_rtc
+    from rope_rtc import rope_launch
+
+    B, S, Hq, Hk, D, P = 2, 19, 8, 2, 128, 64
+    dt = DTYPES["bfloat16"]
+    cos, sin = (cp.asarray(a) for a in host_tables(P, D // 2, 22))
+    pos = cp.asarray(np.random.default_rng(23).integers(0, P, (B * S,) if layout == "thd" else (B, S)).astype(np.int32))
+    if layout == "bhsd":
+        host = [host_random((B, Hq, S + 3, D), dt, 21), host_random((B, Hk, S + 3, D), dt, 24)]
+        views = lambda bufs: (bufs[0][:, :, :S], bufs[1][:, :, :S])
+    else:
+        shape = (B * S, Hq + 2 * Hk, D) if layout == "thd" else (B, S, Hq + 2 * Hk, D)
+        host = [host_random(shape, dt, 21)]
+        views = lambda bufs: (bufs[0][..., :Hq, :], bufs[0][..., Hq:Hq + Hk, :])
+    results = []
+    for use_fixed in (True, False):
+        monkeypatch.setattr(rope_launch, "USE_FIXED", use_fixed)
+        for in_place in (True, False):
+            bufs = [cp.asarray(h) for h in host]
+            q, k = views(bufs)
+            qo = q if in_place else poisoned(cp, q.shape, dt)
+            ko = k if in_place else poisoned(cp, k.shape, dt)
+            plan = rope_rtc.RopePlan(q, k, cos, sin, layout=layout, positions=pos,
+                                     q_out=None if in_place else qo, k_out=None if in_place else ko).compile()
+            plan.execute(q, k, cos, sin, positions=pos, q_out=qo, k_out=ko)
+            g = plan._core.last.template.fixed
+            assert (g is not None and g.dense) if use_fixed else g is None
+            results.append([cp.asnumpy(qo), cp.asnumpy(ko)] + [cp.asnumpy(b) for b in bufs])
+    for a, b in zip(results[:2], results[2:]):
+        for x, y in zip(a, b):
+            assert not np.isnan(x.astype(np.float32)).any()
+            np.testing.assert_array_equal(bits(x), bits(y))
 
 
 @pytest.mark.parametrize("with_k,Hq,Hk", [(True, 6, 3), (False, 5, 0), (True, 32, 32)])
@@ -128,3 +185,27 @@ def test_misaligned_call_falls_back_to_generic(cp):
     plan.execute(aligned, None, cos, sin)
     assert plan._core.last.prefix[0] is plan._fixed[plan._core.last.template.fixed]
     np.testing.assert_array_equal(bits(cp.asnumpy(x)), bits(cp.asnumpy(aligned)))
+
+
+def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(cp):
+    """A dense plan's call whose tables start 4 bytes off a 16-byte boundary runs the strided
+    build (which reads them a float at a time) and gives the same bits as aligned tables."""
+    import rope_rtc
+
+    q0 = host_random((6, 8, 128), DTYPES["bfloat16"], 31)
+    ch, sh = host_tables(40, 64, 32)
+    pos = cp.asarray(np.random.default_rng(33).integers(0, 40, 6).astype(np.int32))
+    cos, sin = cp.asarray(ch), cp.asarray(sh)
+    cbuf, sbuf = cp.empty(40 * 64 + 1, cp.float32), cp.empty(40 * 64 + 1, cp.float32)
+    c4, s4 = cbuf[1:].reshape(40, 64), sbuf[1:].reshape(40, 64)
+    c4[...], s4[...] = cos, sin
+    outs = []
+    q = cp.asarray(q0)
+    plan = rope_rtc.RopePlan(q, None, cos, sin, layout="thd", positions=pos).compile()
+    for tables, dense in (((cos, sin), True), ((c4, s4), False)):
+        q = cp.asarray(q0)
+        plan.execute(q, None, *tables, positions=pos)
+        assert plan._core.last.prefix[0] is plan._fixed[dataclasses.replace(plan._core.last.template.fixed,
+                                                                             dense=dense)]
+        outs.append(cp.asnumpy(q))
+    np.testing.assert_array_equal(bits(outs[0]), bits(outs[1]))

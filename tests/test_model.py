@@ -121,7 +121,7 @@ def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
                     RopePlan(TensorDesc(bf16, q, device=0), k and TensorDesc(bf16, k, device=0), cos, cos,
                              interleaved=interleaved, layout=layout, **scheme).compile()
                     assert {s.name for s in loaded} <= {s.name for s in model.specs()}
-                    assert sum(s.family == "rope_fixed" for s in loaded) == 1  # its own specialisation
+                    assert sum(s.family == "rope_fixed" for s in loaded) == 2  # its own specialisation, strided and dense
                     every += loaded
         # Together the plans load every kernel the model warms but the fused cache-write builds
         # (loaded by rope_and_cache's plans).
@@ -137,7 +137,7 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
                      "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
-    assert "warmed 64 kernels for sm_90, sm_80" in out
+    assert "warmed 106 kernels for sm_90, sm_80" in out
     from rope_rtc.cache import open_store
     from rope_rtc.cache.location import versioned_cache_dir
 
@@ -148,8 +148,8 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     assert cli.main(["warm", "--arch", "sm_90", "--dtype", "bf16", "--head-dim", "128", "--heads", "32",
                      "--cache-dir", str(root), "--no-progress"]) == 0
     # (32, 32) shares its q-alone builds with (32, 8): new are its q-with-k specialisations (four
-    # position schemes token-major, three for bhsd) and three cache builds.
-    assert "compiled 10, already cached 15" in capsys.readouterr().out
+    # position schemes token-major, three for bhsd, each strided and dense) and three cache builds.
+    assert "compiled 17, already cached 22" in capsys.readouterr().out
     assert cli.main(["warm", "--arch", "sm_90", "--heads", "32", "--cache-dir", str(root), "--no-progress"]) != 0
     assert "needs --dtype, --head-dim (or --model config.json)" in capsys.readouterr().err
 
@@ -237,7 +237,7 @@ def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interlea
     assert model.mrope_section == section and model.mrope_interleaved is interleaved
     specs = model.mrope_specs()
     defines = [dict(s.defines) for s in specs]
-    assert len(specs) == 12 and all(d["FIX_MROPE"] == ("2" if interleaved else "1") for d in defines)
+    assert len(specs) == 24 and all(d["FIX_MROPE"] == ("2" if interleaved else "1") for d in defines)
     assert {(d["FIX_HQ"], d["FIX_HK"]) for d in defines} == {("28", "4"), ("28", "0"), ("4", "0")}
     assert set(s.name for s in specs) <= set(s.name for s in model.specs())
     # the builds a plan of this model loads are among them
@@ -295,7 +295,7 @@ def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch,
     assert from_config(base).angle_specs() == []
     model = from_config(base, inv_freq=("float64", "float64"))
     specs = model.angle_specs()
-    assert model.inv_freq == ("float64",) and len(specs) == 12 and all(s in model.specs() for s in specs)
+    assert model.inv_freq == ("float64",) and len(specs) == 24 and all(s in model.specs() for s in specs)
     assert {s for s in specs} >= {g.spec() for g in angle_geometries("bfloat16", False, 32, 8, 128, 0, 128,
                                                                        "float64", False)}
     with pytest.raises(ValueError, match="inv_freq: 'float16'"):

@@ -1,5 +1,6 @@
-"""Sweep the specialised kernel's build knobs (heads per thread, vector width, block size, and the
-position scheme fixed at compile time or read from the block) against the plan's own launch and
+"""Sweep the specialised kernel's build knobs (heads per thread, vector width, block size, the
+position scheme fixed at compile time or read from the block, and the dense build's one stride per
+array against the strided build's layout) against the plan's own launch and
 a same-size copy, on the prefill, blog and decode cases. Prints one line per (case, build):
 time, % of the copy, registers, and whether the output equals the plan's bit for bit.
 
@@ -9,7 +10,7 @@ Cases: ``prefill-<bf16|fp16|fp32>-<half|inter>-<bshd|bhsd>-<S>`` (B=4, H=32+32, 
 ``blog`` (FP32 interleaved bhsd [4,32,4096,128]) and ``decode-<T>`` (bf16 thd, Hq=32, Hkv=8,
 positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4,pos=-1"`` runs one
 build (for ncu; pos -1 reads the scheme from the block, else the case's scheme code is compiled
-in); ``FIXED_REPS`` sets the repetitions.
+in; add ``,dense=1`` for the dense build); ``FIXED_REPS`` sets the repetitions.
 """
 
 from __future__ import annotations
@@ -93,10 +94,11 @@ def main(cases):
         vecs = (vec, vec // 2)
         order = 1 if tokens_denser else 0
         mode = 2 if pos is not None else 0  # rope_params.POS_POSITIONS / POS_OFFSET
-        for hb, block, vec, fixed_pos in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs,
-                                                           (-1, mode)):
+        for hb, block, vec, fixed_pos, dense in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs,
+                                                                  (-1, mode), (0, 1)):
                 chunks = (128 if inter else 64) // vec
-                if only and only != f"hb={hb},block={block},vec={vec},pos={fixed_pos}":
+                name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
+                if only and only != name:
                     continue
                 if True:
                     defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
@@ -104,6 +106,8 @@ def main(cases):
                                ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
                     if fixed_pos >= 0:
                         defines += (("FIX_POS", str(fixed_pos)),)
+                    if dense:
+                        defines += (("FIX_DENSE", "1"),)
                     spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
                     fn = load_kernel(spec, dev).functions["rope_fixed"]
                     arg = StructArg(FixedParams)
@@ -117,6 +121,8 @@ def main(cases):
                         else:
                             sb, ss, sh = 0, st[0], st[1]
                         p.in_[w] = p.out[w] = arr.data.ptr
+                        # contiguous arrays: the token stride (token-major) or the head stride (bhsd)
+                        p.dense_in[w] = p.dense_out[w] = sh if lay == "bhsd" else ss
                         p.in_sb[w] = p.out_sb[w] = sb
                         p.in_ss[w] = p.out_ss[w] = ss
                         p.in_sh[w] = p.out_sh[w] = sh
@@ -128,6 +134,7 @@ def main(cases):
                     p.num_seqs = B
                     p.table_rows, p.table_stride = cos.shape[0], cos.strides[0] // 4
                     p.table_vec = 1
+                    p.sin_sign = 1.0
                     groups = (Hq + Hk) // hb
                     p.total = B * S * groups * chunks
                     p.div_seq = fast_divisor(S)
@@ -148,7 +155,7 @@ def main(cases):
                               for a, b in ((q, ref_q), (k, ref_k)))
                     t = graph_us(run) if decode else event_us(run, reps)
                     regs = fn_regs(fn)
-                    print(f"  hb={hb} block={block} vec={vec} order={order} pos={fixed_pos}: {t:.2f} us "
+                    print(f"  {name} order={order}: {t:.2f} us "
                           f"({100 * tc / t:.1f}% of copy) "
                           f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)
 
