@@ -219,13 +219,19 @@ def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
     return tuple(out + [0, 0])[:4] if len(out) == 2 else tuple(out)
 
 
+# bhsd launches of this many threads or more (32 MB moved and up) keep the strided build: there
+# the dense one measured 0.4-2.5 points of a copy slower on prefill, where token-major prefill is
+# level and every launch of a few MB or less is faster (docs/performance.md).
+DENSE_BHSD_THREADS = 2**20
+
+
 def with_dense(req: Request, g: FixedGeometry) -> FixedGeometry:
     """``g`` as its dense build when every array of the call is dense for its thread order (the
-    argument block's first two lines then hold all the kernel reads: decode and other small
-    launches measured 0.1-0.3 µs faster, docs/performance.md)."""
-    if USE_DENSE and dense_strides(req, g.order) is not None:
-        return replace(g, dense=True)
-    return g
+    argument block's first two lines then hold all the kernel reads: small launches measured
+    0.02-0.08 µs faster, docs/performance.md), but for large bhsd launches."""
+    if not USE_DENSE or (g.order == 1 and fixed_threads(req, g) >= DENSE_BHSD_THREADS):
+        return g
+    return replace(g, dense=True) if dense_strides(req, g.order) is not None else g
 
 
 def angle_build(req: Request, layout_denser: bool) -> FixedGeometry:

@@ -355,3 +355,21 @@ def test_tables_the_dense_build_cannot_read_in_vectors_run_the_strided_build(gpu
     for tables, dense in (((c4, s4), False), ((cos, sin), True), ((c4, s4), False)):
         apply_rope(x, *tables, out=x)
         assert gpu.launches[-1]["geometry"].dense is dense
+
+
+def test_large_bhsd_launches_keep_the_strided_build(gpu, monkeypatch):
+    from rope_rtc import rope, rope_launch
+
+    cos, sin = _table(64, 64)
+    x = fake_cupy((2, 4, 5, 128), BF16)
+    monkeypatch.setattr(rope_launch, "DENSE_BHSD_THREADS", 320)  # this launch: 10 rows x 2 head pairs x 16 units
+    rope._local.__dict__.clear()
+    apply_rope(x, cos, sin, layout="bhsd", out=x)
+    assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
+    y = fake_cupy((2, 5, 4, 128), BF16)  # token-major: dense at any size
+    apply_rope(y, cos, sin, out=y)
+    assert gpu.launches[-1]["geometry"].dense
+    monkeypatch.setattr(rope_launch, "DENSE_BHSD_THREADS", 321)
+    rope._local.__dict__.clear()
+    apply_rope(x, cos, sin, layout="bhsd", out=x)
+    assert gpu.launches[-1]["geometry"].dense
