@@ -5,8 +5,10 @@
 // A launch's arguments reach each SM through the constant cache cold, one miss per 64-byte line,
 // and small launches wait on those misses (docs/performance.md). So what a dense build
 // (FIX_DENSE: one run-time stride per array) reads lies in the first two lines, 32-bit where
-// the plan's limits allow (fewer than 2^31 threads, table rows and strides below 2^31, or 2^32
-// for rows); the strides of the general layouts and the rarer fields follow.
+// the plan's limits allow (fewer than 2^31 threads, table rows below 2^32, row strides of fewer
+// than 2^31 elements either way); the strides of the general layouts and the rarer fields (the
+// cu_seqlens scheme's num_seqs, a scheme read from the block, the multimodal and angle builds'
+// own fields) follow.
 #pragma once
 
 #include "common.cuh"
@@ -18,7 +20,8 @@ struct FixedParams {
     unsigned offset, table_vec;
     // What the plan fixes: line 1 (bytes 64-127) ends after dense_out.
     u64 div_seq;  // fast_div packed S
-    unsigned total, table_rows, seq_len, table_stride;
+    unsigned total, table_rows, seq_len;
+    int table_stride;  // elements between table rows (negative: a table read backwards)
     int index_flags;
     float sin_sign;  // -1 for the inverse rotation: one multiply, no select on the table's path
     // Dense builds only: the one stride of each array (elements), between tokens (token-major

@@ -91,7 +91,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     if not fits_fixed_block(req):
         raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; "
-                         f"multimodal RoPE takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements apart")
+                         f"multimodal RoPE takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements apart either way")
     return with_dense(req, chosen)
 
 

@@ -142,7 +142,7 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
     if not fits_fixed_block(req):
         raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; the "
                          "fused QK-norm kernel takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements "
-                         "apart")
+                         "apart either way")
     return g
 
 

@@ -114,7 +114,8 @@ class FixedGeometry:
     # The position scheme (rope_params.POS_MODES), compile-time (FIX_POS); -1: read from the block.
     pos_mode: int = -1
     # One run-time stride per array (FIX_DENSE: heads, or rows in bhsd, head_dim apart; batches
-    # one after another), every field the kernel reads in the block's first two lines.
+    # one after another); with an offset, offsets or positions compiled in, every field the
+    # kernel reads lies in the block's first two lines.
     dense: bool = False
 
     def spec(self) -> KernelSpec:

@@ -181,7 +181,8 @@ def fixed_build(req: Request, layout_denser: bool) -> FixedGeometry | None:
 
 
 # The 32-bit fields of the specialised build's block (cuda_src/fixed_params.cuh): table rows (and
-# so the int offset) below 2^32, a table row stride below 2^31 elements.
+# so the int offset) below 2^32, a table row stride (signed: tables may be read backwards) of
+# fewer than 2^31 elements either way.
 TABLE_ROWS_LIMIT = 2**32
 TABLE_STRIDE_LIMIT = 2**31
 
@@ -190,7 +191,7 @@ def fits_fixed_block(req: Request) -> bool:
     """Whether the call's table fits the specialised build's 32-bit fields (else the generic
     kernel serves it; the thread count is checked beside)."""
     stride = 0 if req.angles else req.cos.strides[0]
-    return req.table_rows < TABLE_ROWS_LIMIT and 0 <= stride < TABLE_STRIDE_LIMIT
+    return req.table_rows < TABLE_ROWS_LIMIT and abs(stride) < TABLE_STRIDE_LIMIT
 
 
 def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
@@ -227,8 +228,9 @@ DENSE_BHSD_THREADS = 2**20
 
 def with_dense(req: Request, g: FixedGeometry) -> FixedGeometry:
     """``g`` as its dense build when every array of the call is dense for its thread order (the
-    argument block's first two lines then hold all the kernel reads: small launches measured
-    0.02-0.08 µs faster, docs/performance.md), but for large bhsd launches."""
+    argument block's first two lines then hold what the kernel reads for the common position
+    schemes: small launches measured 0.02-0.08 µs faster, docs/performance.md), but for large
+    bhsd launches."""
     if not USE_DENSE or (g.order == 1 and fixed_threads(req, g) >= DENSE_BHSD_THREADS):
         return g
     return replace(g, dense=True) if dense_strides(req, g.order) is not None else g

@@ -66,7 +66,7 @@ FIXED_FIELDS = [
     ("offset", _U32), ("table_vec", _U32),
     # What the plan fixes.
     ("div_seq", _U64),
-    ("total", _U32), ("table_rows", _U32), ("seq_len", _U32), ("table_stride", _U32),
+    ("total", _U32), ("table_rows", _U32), ("seq_len", _U32), ("table_stride", _I32),
     ("index_flags", _I32), ("sin_sign", ctypes.c_float),
     ("dense_in", _I32 * 2), ("dense_out", _I32 * 2),  # dense builds (FIX_DENSE): one stride per array
     ("in_sb", _PAIR), ("in_ss", _PAIR), ("in_sh", _PAIR),

@@ -458,7 +458,9 @@ class _RopeTemplate:
                 raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside {position_range(rows)}")
 
     def write_scalar(self, block: RopeParams, offset: int, call: Call) -> None:
-        if call.prefix is not None and call.prefix is self._fixed_prefix:
+        # Both specialised builds (dense, and the strided one a dense template falls back to)
+        # read the specialised block, whose offset field is not the generic block's.
+        if call.prefix is not None and (call.prefix is self._fixed_prefix or call.prefix is self._strided_prefix):
             FixedParams.from_address(ctypes.addressof(block)).offset = offset
         else:
             block.offset = offset

@@ -4,6 +4,8 @@ for it (fake device arrays, recorded launches; the kernels themselves: test_gpu_
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -238,9 +240,16 @@ def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_ord
         for name in names.split(","):
             name = name.strip()
             count = int(re.search(r"\[(\d+)\]", name).group(1)) if "[" in name else 1
-            device.append((re.sub(r"\[.*", "", name), {"u64": 8, "i64": 8, "double": 8, "unsigned": 4, "int": 4, "float": 4}[ctype] * count))
-    host = [(name.rstrip("_"), ctypes.sizeof(t)) for name, t in FIXED_FIELDS]
+            device.append((re.sub(r"\[.*", "", name), DEVICE_TYPES[ctype], count))
+    # The element type and count of each host field (a ctypes array: its _type_ and _length_).
+    host = [(name.rstrip("_"), t._type_, t._length_) if issubclass(t, ctypes.Array) else (name.rstrip("_"), t, 1)
+            for name, t in FIXED_FIELDS]
     assert host == device
+
+
+# What each device type of the argument blocks is on the host: size and signedness (or float) too.
+DEVICE_TYPES = {"u64": ctypes.c_uint64, "i64": ctypes.c_int64, "double": ctypes.c_double,
+                "unsigned": ctypes.c_uint32, "int": ctypes.c_int32, "float": ctypes.c_float}
 
 
 # The dense build (FIX_DENSE): one run-time stride per array, every field it reads in the block's
@@ -373,3 +382,37 @@ def test_large_bhsd_launches_keep_the_strided_build(gpu, monkeypatch):
     rope._local.__dict__.clear()
     apply_rope(x, cos, sin, layout="bhsd", out=x)
     assert gpu.launches[-1]["geometry"].dense
+
+
+def test_a_new_int_offset_on_the_strided_fallback_is_written_into_the_specialised_block(gpu):
+    """A dense plan whose tables sit off the vector boundary runs the strided build; a new int
+    offset on the same arrays must land in FixedParams.offset there too, not in the generic
+    block's offset field (which is k's head stride in the specialised block)."""
+    q, k = fake_cupy((1, 5, 4, 128), BF16), fake_cupy((1, 5, 2, 128), BF16)
+    c4, s4 = fake_cupy((64, 64), np.float32, byte_offset=4), fake_cupy((64, 64), np.float32, byte_offset=4)
+    plan = rope_plan.RopePlan(q, k, c4, s4).compile()
+    for offset in (0, 3, 7, 3):
+        plan.execute(q, k, c4, s4, offset=offset)
+        rec = gpu.launches[-1]
+        assert not rec["geometry"].dense
+        p = rec["fixed"]
+        assert p.offset == offset
+        assert tuple(p.in_sh) == tuple(p.out_sh) == (128, 128)
+
+
+def test_tables_read_backwards_keep_the_specialised_builds(gpu):
+    """Table rows a negative stride apart are accepted by validation; the specialised block
+    carries the signed row stride (multimodal RoPE and the fused QK-norm have no other build)."""
+    from rope_rtc import apply_mrope_qk, apply_qk_norm_rope
+
+    cos, sin = _table(64, 64)
+    q, k = fake_cupy((6, 4, 128), BF16), fake_cupy((6, 2, 128), BF16)
+    apply_rope_qk(q, k, cos[::-1], sin[::-1], layout="thd", offset=2, q_out=q, k_out=k)
+    rec = gpu.launches[-1]
+    assert rec["fn"][0] == "rope_fixed" and rec["fixed"].table_stride == -64
+    positions = fake_cupy((3, 6), np.int32)
+    apply_mrope_qk(q, k, cos[::-1], sin[::-1], positions, [16, 24, 24], layout="thd")
+    assert gpu.launches[-1]["fixed"].table_stride == -64
+    qw, kw = fake_cupy((128,), BF16), fake_cupy((128,), BF16)
+    apply_qk_norm_rope(q, k, qw, kw, cos[::-1], sin[::-1], eps=1e-6, layout="thd", offset=2, q_out=q, k_out=k)
+    assert gpu.launches[-1]["norm"].table_stride == -64

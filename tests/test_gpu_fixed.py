@@ -209,3 +209,28 @@ def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(c
                                                                              dense=dense)]
         outs.append(cp.asnumpy(q))
     np.testing.assert_array_equal(bits(outs[0]), bits(outs[1]))
+
+
+def test_new_int_offsets_on_the_strided_fallback(cp):
+    """A dense plan's calls with tables off the vector boundary (the strided build) and a new int
+    offset on the same arrays: each offset gives the aligned tables' bits (the offset lands in the
+    specialised block, k's strides stay as validated)."""
+    import rope_rtc
+
+    q0 = host_random((1, 9, 4, 128), DTYPES["bfloat16"], 41)
+    k0 = host_random((1, 9, 2, 128), DTYPES["bfloat16"], 42)
+    ch, sh = host_tables(40, 64, 43)
+    cos, sin = cp.asarray(ch), cp.asarray(sh)
+    cbuf, sbuf = cp.empty(40 * 64 + 1, cp.float32), cp.empty(40 * 64 + 1, cp.float32)
+    c4, s4 = cbuf[1:].reshape(40, 64), sbuf[1:].reshape(40, 64)
+    c4[...], s4[...] = cos, sin
+    q, k = cp.asarray(q0), cp.asarray(k0)
+    plan = rope_rtc.RopePlan(q, k, c4, s4).compile()
+    for offset in (0, 3, 7, 3):
+        q[...], k[...] = cp.asarray(q0), cp.asarray(k0)
+        plan.execute(q, k, c4, s4, offset=offset)
+        got = (cp.asnumpy(q), cp.asnumpy(k))
+        qa, ka = cp.asarray(q0), cp.asarray(k0)
+        rope_rtc.apply_rope_qk(qa, ka, cos, sin, offset=offset, q_out=qa, k_out=ka)
+        for a, b in zip(got, (cp.asnumpy(qa), cp.asnumpy(ka))):
+            np.testing.assert_array_equal(bits(a), bits(b))
