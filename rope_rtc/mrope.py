@@ -29,7 +29,7 @@ from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
 from .registry import FixedGeometry, both_strides, mrope_geometries
-from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, fits_fixed_block, fixed_threads, with_dense
+from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, check_fixed_block, fixed_threads, with_dense
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
 
@@ -89,9 +89,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     chosen = builds[0] if small else builds[1]
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
-    if not fits_fixed_block(req):
-        raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; "
-                         f"multimodal RoPE takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements apart either way")
+    check_fixed_block(req, "multimodal RoPE")
     return with_dense(req, chosen)
 
 

@@ -36,7 +36,7 @@ from .errors import UnsupportedLayoutError
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature
 from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_head_batch, norm_vector_widths
-from .rope_launch import fill_fixed, fits_fixed_block
+from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
 from .rope_plan import K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, split_offset
 from .rope_request import Request, validate
@@ -139,10 +139,7 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
                      norm_head_batch(req.cq.H, req.ck.H))
     if norm_threads(req, g) >= 2**31:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
-    if not fits_fixed_block(req):
-        raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; the "
-                         "fused QK-norm kernel takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements "
-                         "apart either way")
+    check_fixed_block(req, "the fused QK-norm kernel")
     return g
 
 

@@ -194,6 +194,14 @@ def fits_fixed_block(req: Request) -> bool:
     return req.table_rows < TABLE_ROWS_LIMIT and abs(stride) < TABLE_STRIDE_LIMIT
 
 
+def check_fixed_block(req: Request, kernel: str) -> None:
+    """ValueError when the call's table does not fit the specialised block, for a ``kernel`` that
+    has no generic build (multimodal RoPE, the fused QK-norm)."""
+    if not fits_fixed_block(req):
+        raise ValueError(f"cos/sin: {req.table_rows} rows or a row stride of {req.cos.strides[0]} elements; {kernel} "
+                         "takes tables of fewer than 2^32 rows, rows fewer than 2^31 elements apart either way")
+
+
 def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
     """The one stride per array of a dense build (FIX_DENSE in cuda_src/rope_fixed.cu), as
     (q, q_out, k, k_out), or None when an array is not dense for thread order ``order``.
@@ -217,7 +225,7 @@ def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
         if not (inner and outer and 0 <= run < TABLE_STRIDE_LIMIT):
             return None
         out.append(run)
-    return tuple(out + [0, 0])[:4] if len(out) == 2 else tuple(out)
+    return tuple(out) + (0, 0) * (len(out) == 2)  # no k: its two strides are never read
 
 
 # bhsd launches of this many threads or more (32 MB moved and up) keep the strided build: there
@@ -275,12 +283,11 @@ def fixed_threads(req: Request, g: FixedGeometry) -> int:
 
 def fill_fixed(p: FixedParams, req: Request, g: FixedGeometry) -> None:
     """Every field of the specialised build's block (addresses too: bind rewrites those)."""
-    dense = dense_strides(req, g.order) if g.dense else None
-    if g.dense and dense is None:
-        raise AssertionError("a dense build chosen for arrays that are not dense")
+    runs = dense_strides(req, g.order) if g.dense else (0, 0, 0, 0)
+    assert runs is not None, "a dense build chosen for arrays that are not dense"
     for w, (info, c) in enumerate(_views(req)):
         side, kind = w // 2, w % 2  # (q, q_out, k, k_out): side 0 is q, 1 is k; kind 1 an output
-        run = dense[w] if dense is not None else 0
+        run = runs[w]
         if kind == 0:
             p.in_[side], p.in_sb[side], p.in_ss[side], p.in_sh[side] = info.ptr, c.sb, c.ss, c.sh
             p.dense_in[side] = run

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import BF16, FakeGPU, fake_cupy
-from rope_rtc import apply_rope, apply_rope_qk, registry, rope_plan
+from rope_rtc import apply_rope, apply_rope_qk, registry, rope, rope_launch, rope_plan
 from rope_rtc.registry import fixed_geometry, model_fixed_specs
 
 
@@ -20,6 +20,13 @@ from rope_rtc.registry import fixed_geometry, model_fixed_specs
 def gpu():
     with FakeGPU(fixed=True) as g:
         yield g
+
+
+def _switch(monkeypatch, name, value):
+    """Set one of rope_launch's build switches or limits, and drop the one-call functions' plans
+    (they chose their builds under the old value)."""
+    monkeypatch.setattr(rope_launch, name, value)
+    rope._local.__dict__.clear()
 
 
 def _table(rows=64, half=64):
@@ -112,12 +119,10 @@ def test_out_of_place_partial_window_runs_the_generic_kernel(gpu):
 
 
 def test_the_generic_switch(gpu, monkeypatch):
-    from rope_rtc import rope, rope_launch
 
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
-    monkeypatch.setattr(rope_launch, "USE_FIXED", False)
-    rope._local.__dict__.clear()
+    _switch(monkeypatch, "USE_FIXED", False)
     apply_rope(x, cos, sin, out=x)
     assert gpu.launches[-1]["fn"][0] == "rope_apply"
 
@@ -318,12 +323,10 @@ def test_out_of_place_outputs_carry_their_own_dense_stride(gpu):
 
 
 def test_the_dense_switch_and_the_plan_loads_both_builds(gpu, monkeypatch):
-    from rope_rtc import rope, rope_launch
 
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
-    monkeypatch.setattr(rope_launch, "USE_DENSE", False)
-    rope._local.__dict__.clear()
+    _switch(monkeypatch, "USE_DENSE", False)
     apply_rope(x, cos, sin, out=x)
     assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
     plan = rope_plan.RopePlan(x, None, cos, sin).compile()
@@ -331,12 +334,10 @@ def test_the_dense_switch_and_the_plan_loads_both_builds(gpu, monkeypatch):
 
 
 def test_a_table_too_long_for_the_blocks_32_bit_fields_runs_the_generic_kernel(gpu, monkeypatch):
-    from rope_rtc import rope, rope_launch
 
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
-    monkeypatch.setattr(rope_launch, "TABLE_ROWS_LIMIT", 64)  # a 64-row table stands in for 2^32 rows
-    rope._local.__dict__.clear()
+    _switch(monkeypatch, "TABLE_ROWS_LIMIT", 64)  # a 64-row table stands in for 2^32 rows
     apply_rope(x, cos, sin, out=x)
     assert gpu.launches[-1]["fn"][0] == "rope_apply"
 
@@ -367,19 +368,16 @@ def test_tables_the_dense_build_cannot_read_in_vectors_run_the_strided_build(gpu
 
 
 def test_large_bhsd_launches_keep_the_strided_build(gpu, monkeypatch):
-    from rope_rtc import rope, rope_launch
 
     cos, sin = _table(64, 64)
     x = fake_cupy((2, 4, 5, 128), BF16)
-    monkeypatch.setattr(rope_launch, "DENSE_BHSD_THREADS", 320)  # this launch: 10 rows x 2 head pairs x 16 units
-    rope._local.__dict__.clear()
+    _switch(monkeypatch, "DENSE_BHSD_THREADS", 320)  # this launch: 10 rows x 2 head pairs x 16 units
     apply_rope(x, cos, sin, layout="bhsd", out=x)
     assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
     y = fake_cupy((2, 5, 4, 128), BF16)  # token-major: dense at any size
     apply_rope(y, cos, sin, out=y)
     assert gpu.launches[-1]["geometry"].dense
-    monkeypatch.setattr(rope_launch, "DENSE_BHSD_THREADS", 321)
-    rope._local.__dict__.clear()
+    _switch(monkeypatch, "DENSE_BHSD_THREADS", 321)
     apply_rope(x, cos, sin, layout="bhsd", out=x)
     assert gpu.launches[-1]["geometry"].dense
 
