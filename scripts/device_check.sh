@@ -2,7 +2,10 @@
 # The device check: every test with ROPE_RTC_REQUIRE_GPU=1 (a skipped GPU or device test is a
 # failure), then the benchmark. Results land under $OUT (default ./out). Run from the repository
 # root on a GPU machine:
-#     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [extra pytest args]
+#     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [--shards N] [extra pytest args]
+# --shards N runs the tests in N processes side by side (ROPE_RTC_TEST_SHARD, tests/conftest.py),
+# sharing one kernel cache; each writes $OUT/tests.<i>.log and junit.<i>.xml, and $OUT/tests.log
+# gathers their summaries. One process no longer fits the suite in a 10-minute device command.
 # --full-bench also regenerates docs/benchmarks.md and docs/benchmarks/<gpu>.json/.png (copies
 # under $OUT/docs to bring back from a device machine).
 # Wheels the device image lacks (liger-kernel, platformdirs; onnx and protobuf under .whl/onnx) are
@@ -11,9 +14,19 @@ set -uo pipefail
 OUT=${OUT:-$(pwd)/out}
 mkdir -p "$OUT"
 bench=quick
-if [[ "${1:-}" == --quick-bench ]]; then bench=quick; shift; fi
-if [[ "${1:-}" == --full-bench ]]; then bench=full; shift; fi
-if [[ "${1:-}" == --no-bench ]]; then bench=none; shift; fi
+shards=1
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --quick-bench) bench=quick; shift ;;
+        --full-bench) bench=full; shift ;;
+        --no-bench) bench=none; shift ;;
+        --shards)
+            shards=${2:-}
+            if ! [[ $shards =~ ^[1-9][0-9]*$ ]]; then echo "--shards needs a positive count, got '${shards}'" >&2; exit 2; fi
+            shift 2 ;;
+        *) break ;;
+    esac
+done
 
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -33,8 +46,27 @@ if [[ $(nvidia-smi -L 2>/dev/null | wc -l) -ge 2 ]]; then export ROPE_RTC_REQUIR
 export ROPE_RTC_CACHE_DIR=${ROPE_RTC_CACHE_DIR:-$(mktemp -d)}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -m pytest tests -q -p no:cacheprovider "$@" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
-tests_rc=${PIPESTATUS[0]}
+if [[ $shards -eq 1 ]]; then
+    python3 -m pytest tests -q -p no:cacheprovider "$@" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
+    tests_rc=${PIPESTATUS[0]}
+else
+    pids=()
+    for ((i = 0; i < shards; i++)); do
+        ROPE_RTC_TEST_SHARD="$i/$shards" python3 -m pytest tests -q -p no:cacheprovider "$@" \
+            --junitxml="$OUT/junit.$i.xml" >"$OUT/tests.$i.log" 2>&1 &
+        pids+=($!)
+    done
+    tests_rc=0
+    for ((i = 0; i < shards; i++)); do
+        wait "${pids[$i]}" || tests_rc=1
+    done
+    : >"$OUT/tests.log"
+    for ((i = 0; i < shards; i++)); do
+        grep -E "^(FAILED|ERROR) " "$OUT/tests.$i.log" >>"$OUT/tests.log"
+        echo "shard $i/$shards: $(tail -n 1 "$OUT/tests.$i.log")" >>"$OUT/tests.log"
+    done
+    cat "$OUT/tests.log"
+fi
 
 bench_rc=0
 case $bench in
@@ -44,6 +76,10 @@ case $bench in
 esac
 
 echo "== device check summary =="
-grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/tests.log" | tail -n 1
+if [[ $shards -eq 1 ]]; then
+    grep -E "^[0-9]+ (passed|failed)|passed|failed" "$OUT/tests.log" | tail -n 1
+else
+    grep -E "^shard " "$OUT/tests.log"
+fi
 echo "tests rc=$tests_rc bench rc=$bench_rc"
 [[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -11,6 +11,10 @@ With ``ROPE_RTC_REQUIRE_GPU=1`` (set by ``scripts/device_check.sh``) a skip of a
 carrying ``gpu`` or ``device`` becomes a failure: on the device those tests are not optional.
 ``ROPE_RTC_REQUIRE_MULTI_GPU=1`` (set by the script when it sees two GPUs) does the same for
 ``multigpu``.
+
+``ROPE_RTC_TEST_SHARD=i/n`` keeps every n-th collected test starting at the i-th (0-based) and
+deselects the rest, so that n processes run the suite side by side (``device_check.sh
+--shards n``): the device's 10-minute command limit no longer fits the suite in one process.
 """
 
 from __future__ import annotations
@@ -86,7 +90,27 @@ def _gpu_count() -> int:
     return cupy.cuda.runtime.getDeviceCount()
 
 
+def _shard() -> tuple[int, int] | None:
+    value = os.environ.get("ROPE_RTC_TEST_SHARD", "")
+    if not value:
+        return None
+    try:
+        index, count = (int(part) for part in value.split("/"))
+    except ValueError:
+        index, count = -1, 0
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"ROPE_RTC_TEST_SHARD={value!r}: expected i/n with 0 <= i < n, e.g. 0/4")
+    return index, count
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    shard = _shard()
+    if shard is not None:
+        index, count = shard
+        # Round robin over the collection order: each shard gets a share of every module, so
+        # the long parametrised files do not land on one process.
+        config.hook.pytest_deselected(items=[item for n, item in enumerate(items) if n % count != index])
+        items[:] = items[index::count]
     if gpu_unavailable_reason() is not None:
         return  # pytest_runtest_setup skips them
     count = _gpu_count()
