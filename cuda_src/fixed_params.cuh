@@ -6,9 +6,9 @@
 // and small launches wait on those misses (docs/performance.md). So what a dense build
 // (FIX_DENSE: one run-time stride per array) reads lies in the first two lines, 32-bit where
 // the plan's limits allow (fewer than 2^31 threads, table rows below 2^32, row strides of fewer
-// than 2^31 elements either way); the strides of the general layouts and the rarer fields (the
-// cu_seqlens scheme's num_seqs, a scheme read from the block, the multimodal and angle builds'
-// own fields) follow.
+// than 2^31 elements either way); the angle and multimodal builds' own fields and a scheme read
+// from the block come next, then the strides of the general layouts and the cu_seqlens
+// scheme's num_seqs.
 #pragma once
 
 #include "common.cuh"
@@ -28,10 +28,14 @@ struct FixedParams {
     // order: heads are head_dim apart and batches follow each other) or between heads (bhsd:
     // rows are head_dim apart and batches follow each other).
     int dense_in[2], dense_out[2];
-    // The strided builds' layout, and what only some schemes read.
+    // Line 2 (bytes 128-191) starts with what only some builds read, so that a dense build
+    // reading it needs one more line, not two: the angle builds' factor and the scheme of the
+    // builds that read it from the block.
+    double attention;  // the factor that multiplies cos and sin (FIX_ANGLES builds only: angles.cuh)
+    int mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
+    int pos_mode;      // the position scheme (POS_* in positions.cuh) of builds without FIX_POS
+    // The strided builds' layout, and what only the cu_seqlens scheme reads.
     i64 in_sb[2], in_ss[2], in_sh[2];
     i64 out_sb[2], out_ss[2], out_sh[2];
-    i64 num_tokens, num_seqs, pos_mode;
-    i64 mrope_stride;  // elements between the position streams (FIX_MROPE builds only)
-    double attention;  // the factor that multiplies cos and sin (FIX_ANGLES builds only: angles.cuh)
+    i64 num_seqs, num_tokens;
 };

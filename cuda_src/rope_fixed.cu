@@ -16,7 +16,8 @@
 //                     sections (Qwen2-VL, Qwen2.5-VL); 2: interleaved T, H, W, T, ... (Qwen3-VL); with
 //                     FIX_MT, FIX_MH, FIX_MW the sections (pairs per stream, summing to FIX_RD / 2).
 //                     positions is then [3, tokens] (temporal, height, width; mrope_stride elements
-//                     between streams), and pair column i takes the row of its stream's position.
+//                     between streams, the token count in a dense build), and pair column i takes the
+//                     row of its stream's position.
 //   FIX_ANGLES        optional: 0 or absent: cos/sin tables; 1 or 2: cos and sin computed from the
 //                     inverse frequencies (float64 or float32) in the cos field (angles.cuh)
 //   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
@@ -100,9 +101,20 @@ __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs
 __device__ __forceinline__ bool rows_in_vectors(const FixedParams& p) { return FIX_DENSE || p.table_vec; }
 
 #if FIX_MROPE
+// Elements between the position streams. A dense build's streams are the call's token count apart
+// (rope_rtc/mrope.py: mrope_geometry), which the thread count gives: no read of the block's third
+// line on the position's path.
+__device__ __forceinline__ i64 mrope_stride(const FixedParams& p) {
+#if FIX_DENSE
+    return (unsigned)p.total / (GROUPS * CHUNKS);
+#else
+    return p.mrope_stride;
+#endif
+}
+
 // Token t's table row in stream k (0 temporal, 1 height, 2 width); -1 outside the table.
 __device__ __forceinline__ i64 mrope_row(const FixedParams& p, unsigned t, int k, bool wide) {
-    const i64 pos = load_index(p.positions, (i64)k * p.mrope_stride + t, wide);
+    const i64 pos = load_index(p.positions, (i64)k * mrope_stride(p) + t, wide);
     return (pos >= 0 && pos < p.table_rows) ? pos : -1;
 }
 

@@ -33,6 +33,10 @@ from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, che
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
 
+# The stride between position streams travels in a 32-bit field of the block.
+MROPE_STRIDE_LIMIT = 2**31
+
+
 def _stream_zero(positions):
     """The temporal stream of ``positions`` (a view: its address is the array's)."""
     shape = getattr(positions, "shape", None)
@@ -61,14 +65,22 @@ def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sect
     pi = A.describe(positions, "positions", allow_host=False)
     if pi.strides[0] < 0:
         raise ValueError(f"positions: a negative stride between streams ({pi.strides[0]} elements) is not supported")
+    if pi.strides[0] >= MROPE_STRIDE_LIMIT:  # the block's field is 32-bit (cuda_src/fixed_params.cuh)
+        raise ValueError(f"positions: streams {pi.strides[0]} elements apart; multimodal RoPE takes streams fewer "
+                         "than 2^31 elements apart (pass a [3, T] array of its own, e.g. positions.copy())")
     for out in (req.q_out, req.k_out):
         if out is not None and A.overlaps(out, pi):
             raise ValueError(f"{out.name}: overlaps positions; pass separate arrays")
-    return req, pi, mrope_geometry(req, layout, sections, interleaved_sections)
+    return req, pi, mrope_geometry(req, layout, sections, interleaved_sections, pi.strides[0])
 
 
-def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_sections: bool) -> FixedGeometry:
-    """The specialised build with the sections fixed, or an error saying why none fits."""
+def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_sections: bool,
+                   stream_stride: int) -> FixedGeometry:
+    """The specialised build with the sections fixed, or an error saying why none fits.
+
+    Its dense build (FIX_DENSE) also takes the position streams to be the call's token count
+    apart (a [3, T] or [3, B, S] array of its own): it derives that stride from the thread count
+    instead of reading ``mrope_stride`` from the block's third line."""
     if not req.in_place and req.rotary_dim < req.cq.D:
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; multimodal "
                                   "RoPE rotates a partial window in place only (pass q_out=q, k_out=k, or the whole "
@@ -90,7 +102,8 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
     check_fixed_block(req, "multimodal RoPE")
-    return with_dense(req, chosen)
+    chosen = with_dense(req, chosen)
+    return chosen if stream_stride == req.num_tokens else dataclasses.replace(chosen, dense=False)
 
 
 class _MRopeTemplate(_RopeTemplate):

@@ -69,11 +69,13 @@ FIXED_FIELDS = [
     ("total", _U32), ("table_rows", _U32), ("seq_len", _U32), ("table_stride", _I32),
     ("index_flags", _I32), ("sin_sign", ctypes.c_float),
     ("dense_in", _I32 * 2), ("dense_out", _I32 * 2),  # dense builds (FIX_DENSE): one stride per array
+    # Read by some builds only, at the start of the block's third line.
+    ("attention", ctypes.c_double),  # angles computed in the kernel only: the factor on cos and sin
+    ("mrope_stride", _I32),  # multimodal RoPE builds only: elements between the position streams
+    ("pos_mode", _I32),  # builds that read the position scheme from the block
     ("in_sb", _PAIR), ("in_ss", _PAIR), ("in_sh", _PAIR),
     ("out_sb", _PAIR), ("out_ss", _PAIR), ("out_sh", _PAIR),
-    ("num_tokens", _I64), ("num_seqs", _I64), ("pos_mode", _I64),
-    ("mrope_stride", _I64),  # multimodal RoPE builds only: elements between the position streams
-    ("attention", ctypes.c_double),  # angles computed in the kernel only: the factor on cos and sin
+    ("num_seqs", _I64), ("num_tokens", _I64),
 ]
 # Where the dense builds' reads end (bytes): the block's first two lines.
 DENSE_END = 128
@@ -82,6 +84,7 @@ DENSE_END = 128
 class FixedParams(ctypes.Structure):
     _fields_ = FIXED_FIELDS
 assert FixedParams.dense_out.offset + FixedParams.dense_out.size == DENSE_END
+assert FixedParams.pos_mode.offset + FixedParams.pos_mode.size <= DENSE_END + 64  # the next line
 assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a plan's block
 
 

@@ -51,9 +51,12 @@ if [[ $shards -eq 1 ]]; then
     tests_rc=${PIPESTATUS[0]}
 else
     pids=()
+    # A private --basetemp each: pytest prunes older numbered directories under the shared
+    # /tmp/pytest-of-<user>, which are the other shards' live ones.
+    basetemp=$(mktemp -d)
     for ((i = 0; i < shards; i++)); do
         ROPE_RTC_TEST_SHARD="$i/$shards" python3 -m pytest tests -q -p no:cacheprovider "$@" \
-            --junitxml="$OUT/junit.$i.xml" >"$OUT/tests.$i.log" 2>&1 &
+            --basetemp="$basetemp/shard$i" --junitxml="$OUT/junit.$i.xml" >"$OUT/tests.$i.log" 2>&1 &
         pids+=($!)
     done
     tests_rc=0
@@ -63,7 +66,7 @@ else
     : >"$OUT/tests.log"
     for ((i = 0; i < shards; i++)); do
         grep -E "^(FAILED|ERROR) " "$OUT/tests.$i.log" >>"$OUT/tests.log"
-        echo "shard $i/$shards: $(tail -n 1 "$OUT/tests.$i.log")" >>"$OUT/tests.log"
+        echo "shard $i/$shards: $(grep -E "[0-9]+ (passed|failed|errors?)" "$OUT/tests.$i.log" | tail -n 1)" >>"$OUT/tests.log"
     done
     cat "$OUT/tests.log"
 fi

@@ -66,6 +66,38 @@ def test_bit_exact_against_the_kernel_arithmetic(dtype, interleaved_sections, la
         np.testing.assert_array_equal(bits(cp.asnumpy(q)), bits(_to_layout(qh, layout)))
 
 
+@pytest.mark.parametrize("interleaved_sections,layout", list(itertools.product([False, True], ["thd", "bshd", "bhsd"])))
+def test_position_streams_not_the_token_count_apart(interleaved_sections, layout):
+    """A view of a larger positions buffer runs the strided build (the dense one takes the
+    streams to be T apart): the same bits as the same positions in an array of their own."""
+    import cupy as cp
+
+    import rope_rtc
+
+    B, S = (1, 9) if layout == "thd" else (2, 4)
+    section = SECTIONS[interleaved_sections]
+    qh, kh = _canonical(B, S, HQ, "bfloat16", 5), _canonical(B, S, HK, "bfloat16", 6)
+    cos, sin = (cp.asarray(t) for t in host_tables(P, D // 2, 7))
+    pos = np.random.default_rng(8).integers(0, P, (3, B, S)).astype(np.int32)
+    own = cp.asarray(pos[:, 0] if layout == "thd" else pos)
+    big = cp.zeros((3, 2) + own.shape[1:], np.int32)
+    big[:, 1] = own
+    view = big[:, 1]  # streams 2T apart
+    outs = []
+    for positions in (own, view):
+        q, k = cp.asarray(_to_layout(qh, layout)), cp.asarray(_to_layout(kh, layout))
+        q_out, k_out = poisoned(cp, q.shape, DTYPES["bfloat16"]), poisoned(cp, k.shape, DTYPES["bfloat16"])
+        rope_rtc.apply_mrope_qk(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
+                                layout=layout, q_out=q_out, k_out=k_out)
+        outs.append([cp.asnumpy(a) for a in (q_out, k_out)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(bits(a), bits(b))
+    want = mrope_kernel_arithmetic(qh.reshape(B * S, HQ, D), cp.asnumpy(cos), cp.asnumpy(sin), pos.reshape(3, -1),
+                                   section, interleaved_sections=interleaved_sections)
+    actual = _from_layout(outs[1][0], layout, B, S).reshape(B * S, HQ, D)
+    np.testing.assert_array_equal(bits(actual), bits(want))
+
+
 def test_a_partial_window_in_place_leaves_the_rest():
     import cupy as cp
 

@@ -40,6 +40,8 @@ def test_a_call_launches_the_sectioned_build_with_its_block(gpu, interleaved, st
     spec = dict(g.spec().defines)
     assert (spec["FIX_MROPE"], spec["FIX_MT"], spec["FIX_MH"], spec["FIX_MW"]) == (str(style), "16", "24", "24")
     assert p.positions == kw["positions"].data.ptr and p.mrope_stride == T and p.index_flags & 1
+    # a [3, T] array of its own: the dense build, which takes the streams to be T apart
+    assert g.dense
     assert (p.in_[0], p.out[0], p.in_[1], p.out[1]) == (kw["q"].data.ptr,) * 2 + (kw["k"].data.ptr,) * 2
 
 
@@ -51,6 +53,8 @@ def test_batched_layouts_and_a_strided_positions_view(gpu):
     out_q, out_k = apply_mrope_qk(q, k, _call()["cos"], _call()["sin"], pos, SECTION, layout="bhsd")
     rec = gpu.launches[-1]
     assert rec["geometry"].order == 1 and rec["fixed"].mrope_stride == 2 * B * S
+    # streams not the token count apart: the strided build, which reads the stride from the block
+    assert not rec["geometry"].dense
     assert out_q.shape == q.shape and out_k.shape == k.shape and out_q.data.ptr != q.data.ptr
     x = fake_cupy((B, S, HQ, D), BF16)
     y = apply_mrope(x, _call()["cos"], _call()["sin"], fake_cupy((3, B, S), np.int64), SECTION, layout="bshd", out=x)
@@ -63,6 +67,8 @@ def test_batched_layouts_and_a_strided_positions_view(gpu):
     (dict(positions=fake_cupy((3, T + 1), np.int64)), ValueError, "positions"),
     (dict(positions=fake_cupy((3, T), np.float32)), TypeError, "positions"),
     (dict(positions=np.zeros((3, T), np.int64)), TypeError, "positions"),
+    # streams 2^31 elements apart: more than the block's 32-bit field holds
+    (dict(positions=fake_cupy((3, T), np.int64, strides=(2**31 * 8, 8))), ValueError, "fewer than 2.31 elements apart"),
     (dict(mrope_section=[16, 24, 23]), ValueError, "sums to 63"),
     (dict(mrope_section=[16, 48]), TypeError, "three non-negative ints"),
     (dict(q=fake_cupy((T, HQ, D), BF16, byte_offset=2)), ValueError, "aligned"),
@@ -72,6 +78,11 @@ def test_bad_calls_are_refused_before_any_launch(gpu, change, exc, match):
     with pytest.raises(exc, match=match):
         apply_mrope_qk(**_call(**change))
     assert gpu.launches == []
+
+
+def test_streams_just_under_2_31_elements_apart_are_taken(gpu):
+    apply_mrope_qk(**_call(positions=fake_cupy((3, T), np.int32, strides=((2**31 - 1) * 4, 4))))
+    assert gpu.launches[-1]["fixed"].mrope_stride == 2**31 - 1
 
 
 def test_more_refusals(gpu):
@@ -135,8 +146,10 @@ def test_sectioned_builds_compile(arch, dtype, tmp_path, monkeypatch):
 
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
     for style, sec in ((1, (16, 24, 24)), (2, (24, 20, 20))):
-        g = dataclasses.replace(fixed_geometry(dtype, False, 32, 8, 128, 0, 128, False), mrope=(style,) + sec)
-        assert get_binary(g.spec(), target_for(arch)).data
+        for order in (False, True):
+            g = dataclasses.replace(fixed_geometry(dtype, False, 32, 8, 128, 0, 128, order), mrope=(style,) + sec)
+            for build in registry.both_strides([g]):  # the dense build derives the streams' stride
+                assert get_binary(build.spec(), target_for(arch)).data
 
 
 @pytest.mark.parametrize("interleaved,tokens,want", [(False, T, 1), (True, T, 2), (False, 400, 2), (True, 400, 2)])

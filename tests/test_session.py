@@ -16,7 +16,7 @@ def test_a_test_session_leaves_no_temporary_directory(tmp_path):
     tmp.mkdir()
     probe = tmp_path / "test_probe.py"
     probe.write_text("def test_uses_tmp_path(tmp_path):\n    (tmp_path / 'f').write_text('x')\n")
-    env = {k: v for k, v in os.environ.items() if k != "ROPE_RTC_CACHE_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD")}
     env.update(TMPDIR=str(tmp), PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT),
                           "-c", str(ROOT / "pyproject.toml"), "--confcutdir", str(ROOT / "tests"),
