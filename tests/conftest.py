@@ -12,9 +12,12 @@ carrying ``gpu`` or ``device`` becomes a failure: on the device those tests are 
 ``ROPE_RTC_REQUIRE_MULTI_GPU=1`` (set by the script when it sees two GPUs) does the same for
 ``multigpu``.
 
-``ROPE_RTC_TEST_SHARD=i/n`` keeps every n-th collected test starting at the i-th (0-based) and
-deselects the rest, so that n processes run the suite side by side (``device_check.sh
---shards n``): the device's 10-minute command limit no longer fits the suite in one process.
+``ROPE_RTC_TEST_SHARD=i/n`` keeps shard i (0-based) of n and deselects the rest, so that n
+processes run the suite side by side (``device_check.sh --shards n``): the device's 10-minute
+command limit no longer fits the suite in one process. The split is made on what ``-k``, ``-m``
+and ``--deselect`` selected: modules of at most 50 selected tests stay whole, larger ones are
+dealt out a test at a time, each piece to the shard holding the fewest tests so far. A shard
+can still be left empty (fewer pieces than shards); the script counts that as passed.
 """
 
 from __future__ import annotations
@@ -132,6 +135,9 @@ def _shard_items(items: list[pytest.Item], index: int, count: int) -> list[pytes
     return [item for item in items if id(item) in mine]
 
 
+# Last: after pytest's own -k/-m/--deselect filtering (a conftest's hooks otherwise run before
+# the built-in plugins'), so the shards split what was selected.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     shard = _shard()
     if shard is not None:

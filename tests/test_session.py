@@ -26,3 +26,56 @@ def test_a_test_session_leaves_no_temporary_directory(tmp_path):
     left = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*"))
     assert not [p for p in left if "rope_rtc_test_cache_" in p], left
     assert not [p for p in left if p.endswith("test_uses_tmp_path0")], left
+
+
+def _collect(tmp_path, shard: str | None, *args: str) -> tuple[int, list[str]]:
+    """The tests a session of the probe modules under ``tmp_path`` keeps with ROPE_RTC_TEST_SHARD=shard."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD")}
+    env.update(PYTHONPATH=str(ROOT))
+    if shard is not None:
+        env["ROPE_RTC_TEST_SHARD"] = shard
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--confcutdir",
+                          str(ROOT / "tests"), "-p", "conftest", *args, str(tmp_path)],
+                         cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=120)
+    return run.returncode, [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line]
+
+
+def test_shards_split_the_suite_once_and_keep_small_modules_whole(tmp_path):
+    """ROPE_RTC_TEST_SHARD=i/n (scripts/device_check.sh --shards n): every test in exactly one
+    shard; a module of a few tests (one that may end by reading what its other tests recorded)
+    in one shard; a long parametrised module spread over all of them."""
+    (tmp_path / "test_small.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n\n\n"
+                                            "def test_reads_the_others():\n    pass\n")
+    (tmp_path / "test_big.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(120))\n"
+                                          "def test_p(i):\n    pass\n")
+    rc, everything = _collect(tmp_path, None)
+    assert rc == 0 and len(everything) == 123, everything
+    shards = []
+    for i in range(3):
+        rc, kept = _collect(tmp_path, f"{i}/3")
+        assert rc == 0, kept
+        shards.append(kept)
+    assert sorted(sum(shards, [])) == sorted(everything)  # each test once
+    assert sum(1 for kept in shards if "test_a" in kept and "test_reads_the_others" in kept) == 1
+    assert all(30 <= sum(1 for t in kept if t.startswith("test_p")) <= 45 for kept in shards), [len(s) for s in shards]
+    for bad in ("3/3", "x", "1/0", "-1/2"):
+        rc, _ = _collect(tmp_path, bad)
+        assert rc == 4, bad  # pytest's usage error
+
+
+def test_shards_split_what_a_filter_selected(tmp_path):
+    """The split is made after ``-k``/``-m``/``--deselect`` have chosen: two small modules that
+    a split of the whole collection would put in one shard go to one shard each, and no shard
+    is left with nothing to run (pytest's exit code 5)."""
+    (tmp_path / "test_big.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(120))\n"
+                                          "def test_p(i):\n    pass\n")
+    for name, count in (("s1", 3), ("s2", 10), ("s3", 3)):
+        (tmp_path / f"test_{name}.py").write_text("".join(f"def test_{name}_{j}():\n    pass\n\n\n" for j in range(count)))
+    shards = []
+    for i in range(2):
+        rc, kept = _collect(tmp_path, f"{i}/2", "-k", "s1 or s3")
+        assert rc == 0, (i, kept)
+        shards.append(kept)
+    assert sorted(sum(shards, [])) == sorted(f"test_{n}_{j}" for n in ("s1", "s3") for j in range(3))
+    assert all(len(kept) == 3 for kept in shards), shards
