@@ -152,8 +152,11 @@ class RopePlan:
 
     def _execute_converted(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, cache):
         """``execute`` for engine conventions: a combined cos|sin table, flat q/k (views, no copy).
-        The views of the last call are kept and reused while the same objects come back, so that
-        repeated calls keep the core's identity path."""
+        The views of the last call are kept and reused while the same CuPy arrays come back with
+        their shapes, so that repeated calls keep the core's identity path. Views of another
+        library's arrays are made again on every call: such an object can come back with other
+        memory or strides under the same shape (torch: ``t.set_``, ``t.data = ...``), as the core
+        assumes too (it remembers calls with CuPy arrays only)."""
         if self.in_place:
             q_out = q if q_out is None else q_out
             k_out = k if k_out is None else k_out
@@ -167,7 +170,9 @@ class RopePlan:
             c, s = (cos, sin) if self.angles else split_cos_sin_cache(cache, cos, sin)
             views = (unflatten_heads(q, hd, layout, "q"), unflatten_heads(k, hd, layout, "k"), c, s,
                      unflatten_heads(q_out, hd, layout, "q_out"), unflatten_heads(k_out, hd, layout, "k_out"))
-            self._converted = (given, tuple(getattr(a, "shape", None) for a in given), views)
+            nd = cupy_ndarray()
+            self._converted = ((given, tuple(getattr(a, "shape", None) for a in given), views)
+                               if all(a is None or type(a) is nd for a in given) else None)
         vq, vk, vc, vs, vqo, vko = views
         self._execute(vq, vk, vc, vs, positions, vqo, vko, stream, offset, cu_seqlens)
         return q_out, k_out
@@ -175,7 +180,8 @@ class RopePlan:
     def fixed_kernel(self, g: FixedGeometry):
         """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use;
         None when ``ROPE_RTC_NO_COMPILE=1`` finds it missing from the cache: the plan then runs the
-        generic build, and a warning names the ``rope-rtc warm --model`` command that adds it."""
+        strided build of a missing dense one where the cache holds it, else the generic build, and
+        a warning names the ``rope-rtc warm --model`` command that adds it."""
         if g in self._fixed:
             return self._fixed[g]
         if g.angles:  # no generic build computes angles: a missing one raises (KernelNotCachedError)
@@ -184,7 +190,9 @@ class RopePlan:
         try:
             fn = load_fixed_function(g, self.device)
         except KernelNotCachedError as exc:
-            warnings.warn(f"{exc}. Until then this plan runs the generic build (slower on large shapes).",
+            instead = ("its strided build where the cache holds it, else the generic build" if g.dense else
+                       "the generic build")
+            warnings.warn(f"{exc}. Until then this plan runs {instead} (slower on large shapes).",
                           RuntimeWarning, stacklevel=3)
             fn = None
         self._fixed[g] = fn
@@ -391,7 +399,10 @@ class _RopeTemplate:
         # checked per call).
         self.fixed = self._geometry(req) if req.num_tokens else None
         if self.fixed is not None and plan.fixed_kernel(self.fixed) is None:
-            self.fixed = None
+            # Not cached under ROPE_RTC_NO_COMPILE (fixed_kernel warned): a dense build's strided
+            # build serves the same call when the cache holds it, else the generic kernel.
+            strided = replace(self.fixed, dense=False) if getattr(self.fixed, "dense", False) else None
+            self.fixed = strided if strided is not None and plan.fixed_kernel(strided) is not None else None
         self.fixed_align = self.fixed.vec * self.itemsize if self.fixed is not None else 0
         # The widest access of the builds this template serves (prepared.narrower).
         self.align = self.fixed_align or max(self.allowed, default=0) * self.itemsize

@@ -252,6 +252,28 @@ def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_ord
     assert host == device
 
 
+def test_a_missing_dense_build_under_no_compile_runs_the_strided_one(gpu, monkeypatch):
+    """A cache that holds a model's strided build but not its dense one (warmed for chosen specs)
+    serves a dense call with the strided build, not the generic kernel."""
+    from rope_rtc.errors import KernelNotCachedError
+
+    cached = rope_plan.load_fixed_function
+
+    def dense_missing(g, device):
+        if g.dense:
+            raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache")
+        return cached(g, device)
+
+    monkeypatch.setattr(rope_plan, "load_fixed_function", dense_missing)
+    cos, sin = _table(64, 64)
+    x = fake_cupy((1, 5, 4, 128), BF16)
+    with pytest.warns(RuntimeWarning, match="not in the cache. Until then this plan runs its strided build"):
+        plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    plan.execute(x, None, cos, sin)
+    rec = gpu.launches[-1]
+    assert rec["fn"][0] == "rope_fixed" and not rec["geometry"].dense
+
+
 # What each device type of the argument blocks is on the host: size and signedness (or float) too.
 DEVICE_TYPES = {"u64": ctypes.c_uint64, "i64": ctypes.c_int64, "double": ctypes.c_double,
                 "unsigned": ctypes.c_uint32, "int": ctypes.c_int32, "float": ctypes.c_float}

@@ -337,6 +337,23 @@ def test_a_plan_reads_another_librarys_array_again_on_every_call(gpu):
     assert gpu.launches[-1]["params"].q_in == gpu.launches[-1]["params"].q_out == x.ptr
 
 
+def test_a_plans_flat_views_of_another_librarys_array_are_made_again_on_every_call(gpu):
+    """``head_dim=`` (flat q [T, H * D]): the views of a call whose arrays are not CuPy's are
+    not kept for the next call, since the same object can come back with other memory or
+    strides (torch: ``t.set_``, ``t.data = ...``, ``t.as_strided_``) and an unchanged shape."""
+    T, H, D = 4, 2, 64
+    cos, sin = fake_cupy((64, D // 2), np.float32), fake_cupy((64, D // 2), np.float32)
+    q = FakeDeviceArray((T, H * D), np.float16)
+    plan = rope_plan.RopePlan(q, None, cos, sin, layout="thd", head_dim=D)
+    plan.execute(q, None, cos, sin)
+    q.ptr = fake_alloc(T * 3 * H * D * 2)  # the same object over new memory, rows three heads' worth apart
+    q.strides = (3 * H * D * 2, 2)
+    plan.execute(q, None, cos, sin)
+    p = gpu.launches[-1]["params"]
+    assert p.q_in == p.q_out == q.ptr
+    assert p.q_in_ss == 3 * H * D  # the token stride of the new view, in elements
+
+
 # ---------------------------------------------------------------------------------------------
 # the repeat path at the specialised build, and the signature it reads
 
