@@ -182,7 +182,10 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
 def _from_cupy(a, name: str) -> ArrayInfo:
     dt, size = _resolve_dtype(a.dtype, name)
     mem = a.data
-    return ArrayInfo(name, mem.ptr, a.shape, tuple(s // size for s in a.strides), dt, size, mem.device_id, False, a)
+    strides = a.strides
+    if any(s % size for s in strides):  # CuPy builds such views (as_strided); no kernel addresses them
+        raise ValueError(f"{name}: strides {tuple(strides)} (bytes) are not multiples of the item size {size}")
+    return ArrayInfo(name, mem.ptr, a.shape, tuple(s // size for s in strides), dt, size, mem.device_id, False, a)
 
 
 def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:

@@ -33,7 +33,7 @@ from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicat
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_OFFSET, CacheParams, fast_divisor
-from .rope_plan import split_offset
+from .rope_plan import check_positions_of, split_offset
 from .rope_request import Request, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
@@ -95,6 +95,9 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     check_cache_options(kv_layout, kv_cache_dtype)
     if k is None or v is None:
         raise TypeError("k, v: rope_and_cache writes both caches; pass k and v")
+    # q and k are rotated in place unless outputs are given: checked as the outputs they are.
+    q_out = q if q_out is None else q_out
+    k_out = k if k_out is None else k_out
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout="thd",
                    interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=False)
     T, Hk, D = req.num_tokens, req.ck.H, req.cq.D
@@ -107,7 +110,9 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     if isinstance(slot_mapping, np.ndarray) and not allow_host_slots:
         raise TypeError("slot_mapping: a plan takes device arrays; pass a CuPy/device array (the one-call "
                         "rope_and_cache also takes a NumPy one)")
-    si = A.describe(slot_mapping, "slot_mapping")
+    # Host slots only as a NumPy array (checked value by value below, then copied to the device):
+    # another host array (a torch CPU tensor) would reach the kernel as a host address.
+    si = A.describe(slot_mapping, "slot_mapping", allow_host=isinstance(slot_mapping, np.ndarray))
     A.check_dtype(si, A.INDEX_DTYPES)
     if si.shape != (T,):
         raise ValueError(f"slot_mapping: expected one slot per token, shape ({T},), got {si.shape}")
@@ -184,8 +189,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     vec = _vector(req, vi, kc, vc, kind)
     creq = CacheRequest(req, vi, si, kc, vc, scales[0], scales[1], kv_layout, kind, vec,
                         cache_head_batch(req.cq.H, req.ck.H, req.dtype, req.interleaved, vec))
-    args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-            q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
+    args = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale, q_out, k_out, cu_seqlens,
             split_offset(offset)[1])
     return creq, args
 
@@ -385,6 +389,9 @@ class RopeCachePlan:
         self.device = int(r.device if r.device is not None else _current_device())
         self._functions: dict = {}
         self._core = Prepared(_CacheOp(self), StructArg(CacheParams), self.device)
+        from .env import settings
+
+        self._check_positions = settings().check_positions  # read once per plan, as every plan does
 
     def function(self, creq: CacheRequest):
         key = (creq.vec, creq.head_batch, creq.rope.interleaved, creq.rope.rotary_dim)
@@ -400,7 +407,18 @@ class RopeCachePlan:
         scalar, offsets = split_offset(offset)
         arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
                   q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
+        if self._check_positions:
+            self.check_positions(arrays, scalar)
         return self._core.execute(arrays, scalar, stream)
+
+    def check_positions(self, arrays: tuple, scalar: int) -> None:
+        """``ROPE_RTC_CHECK_POSITIONS=1``: read the call's device positions, offsets and
+        ``cu_seqlens`` back (synchronising) and raise before the launch on one outside the table
+        (otherwise its token's rotation and cache entries are NaN)."""
+        q, k, v, cos, sin, positions, _, _, _, _, _, q_out, k_out, cu_seqlens, offsets = arrays
+        check_positions_of((q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar,
+                           dict(layout="thd", interleaved=self._opts["interleaved"],
+                                rotary_dim=self._opts["rotary_dim"]))
 
 
 _local = threading.local()
@@ -426,10 +444,17 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         ``[num_blocks, Hkv, block_size, D]`` (``"hnd"``): q's dtype, or uint8 holding FP8 with
         ``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``.
     k_scale, v_scale : float32 device arrays of one element, FP8 caches only
-        Per-tensor scales: the cache holds ``value / scale``; they may change between calls.
+        Per-tensor scales: the cache holds ``value / scale`` (an FP32 division) saturated to the
+        format's largest finite value and rounded to nearest even; they may change between calls.
+        Their values are not checked (reading them back would synchronise): a zero, infinite or
+        NaN scale gives what that arithmetic gives (:func:`rope_rtc.reference.fp8_quantize`).
     q_out, k_out : optional
         Where the rotated q and k go (default: in place).
     interleaved, rotary_dim : as :func:`apply_rope_qk` (the window starts at channel 0).
+
+    Positions outside the table give NaN (and NaN cache entries) for their token unless
+    ``ROPE_RTC_CHECK_POSITIONS=1``, which reads device positions back and raises first. A
+    :class:`RopeCachePlan` is for one thread at a time (its argument block is the plan's).
 
     Returns
     -------
@@ -469,6 +494,8 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
                              rotary_dim=rotary_dim)
         if key is not None:
             remember(plans, key, plan, ONE_CALL_SIGNATURES)
+    if plan._check_positions:
+        plan.check_positions(arrays, scalar)
     call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)

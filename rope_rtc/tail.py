@@ -161,11 +161,19 @@ class TailRoPEForward:
         return infos
 
     def _check_shapes(self, x, c, s, o) -> None:
+        self._check_x(x)
+        self._check_others(x, c, s, o)
+
+    def _check_x(self, x) -> None:
+        """x against the plan (check_support checks x's own shape first too)."""
         if len(x.shape) != self.rank:  # first: the checks below index x.shape by the plan's rank
             raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}")
-        T = x.shape[0]
         if self.rank == 3 and (x.shape[1], x.shape[2]) != (self.heads, self.dim) or x.shape[-1] != self.dim:
             raise ValueError(f"x: shape {x.shape} does not match the plan's H={self.heads}, D={self.dim}")
+
+    def _check_others(self, x, c, s, o) -> None:
+        """The output's and the tables' shapes against x's."""
+        T = x.shape[0]
         if o.shape != x.shape:
             raise ValueError(f"out: shape {o.shape} differs from x's {x.shape}")
         for t in (c, s):
@@ -180,6 +188,10 @@ def _check_contiguous(info: A.ArrayInfo) -> None:
 class _TailOp(Op):
     """What a TailRoPEForward fixes (H, D, rank, device) and checks on every new call."""
 
+    # A remembered set is launched again only while none of its arrays was reshaped in place (the
+    # contract fixes the tables' and the output's shapes as well as x's).
+    watched = (0, 1, 2, 3)
+
     def __init__(self, plan: TailRoPEForward) -> None:
         self.plan = plan
 
@@ -187,9 +199,13 @@ class _TailOp(Op):
         plan = self.plan
         infos = plan._describe(arrays, declarations=False)
         xi, ci, si, oi = infos
-        plan._check_shapes(xi, ci, si, oi)
+        # In check_support's order (x's shape, then every array's layout, then the other shapes), so
+        # that one problem raises one exception type on the first call and on later ones.
+        plan._check_x(xi)
         for info in infos:
             _check_contiguous(info)
+        plan._check_others(xi, ci, si, oi)
+        for info in infos:
             A.check_aligned(info)
         if plan.backend == "nvrtc":
             A.check_same_device(infos, plan.device)

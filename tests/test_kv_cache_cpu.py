@@ -119,6 +119,69 @@ def test_fp8_scales_and_a_host_slot_mapping():
         assert gpu.launches[-1]["request"].kind == 2
 
 
+class _HostDLPack:
+    """A host (CPU) array known only through DLPack, as a torch CPU tensor is."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_a_host_slot_mapping_other_than_numpys_is_refused_before_any_launch():
+    """Host slots are taken as a NumPy array, checked value by value and copied to the device; any
+    other host array was launched with its host address and its values unchecked."""
+    from rope_rtc import RopeCachePlan
+
+    slots = _HostDLPack(np.array([0, 1, 10**12, 3, 4, 5][:T], np.int64))
+    with FakeGPU() as gpu:
+        with pytest.raises(TypeError, match="slot_mapping: a host"):
+            rope_and_cache(**_call(slot_mapping=slots))
+        with pytest.raises(TypeError, match="slot_mapping: a host"):
+            RopeCachePlan(**_call(slot_mapping=slots))
+        kw = _call()
+        plan = RopeCachePlan(**kw)
+        with pytest.raises(TypeError, match="slot_mapping: a host"):
+            plan.execute(**dict(kw, slot_mapping=slots))
+        assert gpu.launches == []
+
+
+def test_a_plan_refuses_at_construction_what_execute_would_refuse():
+    """q and k are rotated in place unless outputs are given: the plan's own checks treat them so
+    (positions inside q are refused when the plan is made, not at its first execute)."""
+    from rope_rtc import RopeCachePlan
+
+    q = fake_cupy((T, HQ, D), BF16)
+    positions = fake_cupy((T,), np.int64, ptr=q.data.ptr + 64)
+    with FakeGPU() as gpu:
+        with pytest.raises(ValueError, match="overlaps positions"):
+            RopeCachePlan(**_call(q=q, positions=positions))
+        assert gpu.launches == []
+
+
+def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
+    """``ROPE_RTC_CHECK_POSITIONS=1`` reads device positions back before the launch for
+    rope_and_cache and RopeCachePlan as for the general API (the read-back itself: GPU tests)."""
+    from rope_rtc import RopeCachePlan, kv_cache, rope_plan
+
+    checked = []
+    monkeypatch.setattr(rope_plan, "check_device_positions", lambda req: checked.append(req.positions.ptr))
+    kw = _call()
+    with FakeGPU() as gpu:
+        RopeCachePlan(**kw).execute(**kw)
+        rope_and_cache(**kw)
+        assert checked == [] and len(gpu.launches) == 2
+        monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+        monkeypatch.setattr(kv_cache, "_local", type(kv_cache._local)())  # plans read the switch when made
+        RopeCachePlan(**kw).execute(**kw)
+        rope_and_cache(**kw)
+        assert checked == [kw["positions"].data.ptr] * 2 and len(gpu.launches) == 4
+
+
 # ---------------------------------------------------------------------------------------------
 # regressions: arrays other than CuPy's, alignment of every written array, overlaps, plans
 

@@ -335,6 +335,20 @@ def test_cai_device_array_is_never_taken_for_host_memory():
     assert empty.device is not None
 
 
+@pytest.mark.parametrize("which", ["q", "k", "cos"])
+def test_cupy_strides_off_the_item_size_are_refused_before_any_launch(gpu, which):
+    """CuPy builds views whose byte strides are not multiples of the item size (as_strided); no
+    kernel can address their elements, and rounding the strides down addressed other bytes."""
+    kw = dict(q=fake_cupy((2, 4, 8, 64), BF16), k=fake_cupy((2, 4, 2, 64), BF16),
+              cos=fake_cupy((16, 32), np.float32), sin=fake_cupy((16, 32), np.float32))
+    a = kw[which]
+    odd = (a.strides[0] + 1,) + a.strides[1:]
+    kw[which] = fake_cupy(a.shape, a.dtype, strides=odd)
+    with pytest.raises(ValueError, match=f"{which}: strides .* not multiples of the item size"):
+        apply_rope_qk(kw["q"], kw["k"], kw["cos"], kw["sin"])
+    assert gpu.launches == []
+
+
 def test_malformed_cuda_array_interface_is_a_type_error():
     class Bad:
         __cuda_array_interface__ = {"shape": (2, 4), "typestr": "<f4", "data": (0x7F0000000000, False),

@@ -216,6 +216,38 @@ def test_the_same_arrays_reshaped_in_place_are_validated_again(gpu):
     assert len(gpu.launches) == 1
 
 
+@pytest.mark.parametrize("which", ["sine", "out"])
+def test_every_array_reshaped_in_place_is_validated_again(gpu, which):
+    """Not only x and the cosine table: a sine table or output reshaped in place under the same
+    object is a call of another shape, which the contract refuses."""
+    x, c, _, o = arrays()
+    s = fake_cupy((T, 32), np.float32)  # every array CuPy's: the plan remembers the set
+    plan = TailRoPEForward(x, c, s, o)
+    plan.execute(x, c, s, o)
+    plan.execute(x, c, s, o)  # remembered
+    a = {"sine": s, "out": o}[which]
+    a.shape = (a.size // 4, 4) if which == "sine" else (a.size,)
+    with pytest.raises(ValueError, match=rf"{which}: .*shape"):
+        plan.execute(x, c, s, o)
+    assert len(gpu.launches) == 2
+
+
+def test_one_problem_raises_one_type_on_the_first_and_a_later_call(gpu):
+    """A non-contiguous cosine of the wrong token count: the layout is named first both when the
+    call is validated from scratch (check_support's order) and when a plan of its signature exists."""
+    x, c, s, o = arrays()
+    bad = FakeDeviceArray((T + 1, 64), np.float32)[:, 32:]  # not contiguous, and T + 1 rows
+    with pytest.raises(NotImplementedError, match="cosine: non-contiguous"):
+        TailRoPEForward(x, bad, s, o).check_support()
+    plan = TailRoPEForward(x, c, s, o)
+    plan.execute(x, c, s, o)
+    with pytest.raises(NotImplementedError, match="cosine: non-contiguous"):
+        plan.execute(x, bad, s, o)
+    tail_rope(x, c, s)
+    with pytest.raises(NotImplementedError, match="cosine: non-contiguous"):
+        tail_rope(x, bad, s)  # the thread's plan for this signature exists now
+
+
 def test_execute_large_inputs_cover_every_vector(gpu):
     from rope_rtc.registry import tail_spec
 
