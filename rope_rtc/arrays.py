@@ -156,6 +156,8 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
         if not allow_host:
             raise TypeError(f"{name}: a NumPy (host) array is not accepted here; pass a CuPy/device array")
         dt, size = _resolve_dtype(obj.dtype, name)
+        if any(s % size for s in obj.strides):  # as for CuPy arrays: the overlap checks need whole elements
+            raise ValueError(f"{name}: strides {tuple(obj.strides)} (bytes) are not multiples of the item size {size}")
         return ArrayInfo(name, obj.__array_interface__["data"][0], tuple(obj.shape),
                          tuple(s // size for s in obj.strides), dt, size, None, not obj.flags.writeable, obj)
     _requires_grad(obj, name)

@@ -10,6 +10,8 @@ general API without a copy:
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import arrays as A
 from .descriptors import TensorDesc
 
@@ -98,8 +100,11 @@ def unflatten_heads(x, head_dim, layout: str, name: str):
     ``x`` unchanged). ``ValueError`` when it cannot be a view of the same memory."""
     if head_dim is None or x is None:
         return x
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+    if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
         raise TypeError(f"head_dim: expected a positive int, got {head_dim!r}")
+    if head_dim <= 0:  # a value, as for rotary_dim
+        raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
+    head_dim = int(head_dim)
     if layout != "thd":
         raise ValueError(f"head_dim: flat [T, H * head_dim] arrays take layout='thd', got layout={layout!r}")
     shape = shape_of(x, name)

@@ -32,7 +32,7 @@ from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicat
                        signature)
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
-from .rope_params import POS_OFFSET, CacheParams, fast_divisor
+from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset
 from .rope_request import Request, validate
 
@@ -295,7 +295,10 @@ class _CacheTemplate:
             (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
         self._addresses = address_predicate(self.same_view, self.disjoint, self.masks)
         self.has_positions = r.positions is not None
-        self.offset_tokens = r.num_tokens if r.pos_mode == POS_OFFSET else None
+        # Tokens read from the offset on: all of them (offset scheme); with cu_seqlens each sequence
+        # starts there, so a call with tokens reads that row at least.
+        self.offset_tokens = (r.num_tokens if r.pos_mode == POS_OFFSET else
+                              1 if r.pos_mode == POS_CU_SEQLENS and r.num_tokens else None)
         self.table_rows = r.cos.shape[0]
         total = cache_threads(creq)
         self.prefix = None

@@ -58,9 +58,13 @@ def check_norm_options(eps, numerics) -> float:
     """``eps`` as the float32 the kernel adds, after checking both options."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
         raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
+    try:
+        value = float(eps)
+    except OverflowError:  # an int past float's range
+        value = math.inf
     with np.errstate(over="ignore"):
-        eps32 = np.float32(eps)  # what the kernel adds: finite as a float32 too
-    if not math.isfinite(float(eps)) or float(eps) < 0 or not np.isfinite(eps32):
+        eps32 = np.float32(value)  # what the kernel adds: finite as a float32 too
+    if not math.isfinite(value) or value < 0 or not np.isfinite(eps32):
         raise ValueError(f"eps: expected a finite value >= 0 (as a float32), got {eps!r}")
     if not isinstance(numerics, str) or numerics not in NUMERICS:
         raise ValueError(f"numerics: expected one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")

@@ -565,7 +565,10 @@ def _attention_option(inv_freq, attention_scaling):
         return 1.0
     if isinstance(attention_scaling, (int, float, np.integer, np.floating)) and not isinstance(
             attention_scaling, (bool, np.bool_)):
-        return float(attention_scaling)
+        try:
+            return float(attention_scaling)
+        except OverflowError:  # an int past float's range: validation names it
+            return attention_scaling
     return attention_scaling  # validation names the wrong type
 
 

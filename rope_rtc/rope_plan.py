@@ -23,7 +23,7 @@ from .conventions import split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
-from .rope_params import POS_OFFSET, FixedParams, RopeParams
+from .rope_params import POS_CU_SEQLENS, POS_OFFSET, FixedParams, RopeParams
 from .rope_request import Request, check_device_positions, position_range, validate
 
 # Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
@@ -416,7 +416,10 @@ class _RopeTemplate:
         self.npair_div = 2 if req.interleaved else 1
         self.has_positions = req.positions is not None
         self.table_rows = req.table_rows
-        self.offset_rows = (req.cq.S, self.table_rows) if req.pos_mode == POS_OFFSET else None
+        # (tokens from the offset on, table rows): S for the offset scheme; with cu_seqlens every
+        # sequence starts at the offset, so a call with tokens reads its row at least.
+        self.offset_rows = ((req.cq.S, self.table_rows) if req.pos_mode == POS_OFFSET else
+                            (1, self.table_rows) if req.pos_mode == POS_CU_SEQLENS and req.num_tokens else None)
         self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 and not req.angles else 0
         self._prefixes: dict[int, tuple] = {}
         # The specialised build reads table rows NPAIR floats per access when both tables' addresses

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import math
+
 import numpy as np
 
 from . import arrays as A
@@ -199,13 +201,19 @@ def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(f"inv_freq: entry {i} is {values[i]}; inverse frequencies must be finite and at most "
-                             f"{MAX_INV_FREQ:g} in magnitude (rope_rtc.inverse_frequencies gives values up to 1)")
+                             f"{MAX_INV_FREQ:g} in magnitude")
     if isinstance(attention_scaling, (bool, np.bool_)) or not isinstance(attention_scaling, (int, float, np.integer,
                                                                                            np.floating)):
         raise TypeError(f"attention_scaling: expected a float, got {type(attention_scaling).__name__}")
-    att = float(attention_scaling)
-    if not (0 < att <= float(np.finfo(np.float32).max)):  # also false for NaN
-        raise ValueError(f"attention_scaling: expected a finite positive factor (within float32's range), got {att}")
+    try:
+        att = float(attention_scaling)
+    except OverflowError:  # an int past float's range
+        att = math.inf
+    f32 = np.finfo(np.float32)
+    # Normal float32 magnitudes only: a smaller factor rounds every cos and sin to (nearly) zero.
+    if not (float(f32.tiny) <= att <= float(f32.max)):  # also false for NaN
+        raise ValueError(f"attention_scaling: expected a finite positive factor within float32's normal range "
+                         f"({float(f32.tiny):.3g}..{float(f32.max):.3g}), got {attention_scaling!r}")
     return fi, ANGLE_MODES[fi.dtype], att
 
 
@@ -240,6 +248,9 @@ def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, r
         if cui.shape[0] < 2:
             raise ValueError(f"cu_seqlens: needs at least 2 entries ([0, T] for one sequence), got {cui.shape[0]}")
     if positions is not None:
+        if isinstance(offset, (float, np.floating, bool, np.bool_)):  # the type first, as without positions
+            raise TypeError(f"offset: expected an int or an int array (one start per sequence), got "
+                            f"{type(offset).__name__} {offset!r}")
         if offset is not None and not (_is_int(offset) and int(offset) == 0):
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
         want = (cq.S,) if layout == "thd" else (cq.B, cq.S)
@@ -250,7 +261,8 @@ def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, r
         off = int(offset)
         if cui is None and (off < 0 or off + cq.S > rows):
             raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside {position_range(rows)}")
-        if off < 0 or off > rows:
+        # With cu_seqlens every sequence starts at the offset: with any token there, it is a row.
+        if off < 0 or off > rows or (cui is not None and cq.S > 0 and off >= rows):
             raise ValueError(f"offset: {off} is not a position of {position_range(rows)}")
     elif offset is None:
         off = 0

@@ -90,6 +90,10 @@ def test_bad_inv_freq_calls_raise_naming_the_argument():
         (dict(inv_freq=f, attention_scaling=-1.0), ValueError, "attention_scaling: expected a finite positive"),
         (dict(inv_freq=f, attention_scaling=float("inf")), ValueError, "attention_scaling"),
         (dict(inv_freq=f, attention_scaling=1e39), ValueError, "attention_scaling"),
+        # past float's range as an int (OverflowError before), and below float32's normal range
+        # (every cos and sin rounded to zero)
+        (dict(inv_freq=f, attention_scaling=10**400), ValueError, "attention_scaling"),
+        (dict(inv_freq=f, attention_scaling=1e-50), ValueError, "attention_scaling: .*normal range"),
     ]
     for kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):

@@ -77,7 +77,8 @@ def test_cos_sin_cache_is_the_tables_side_by_side(scaling, numerics):
     ({}, TypeError, "cos: expected an array"),
     ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 64, "layout": "bshd"}, ValueError, "thd"),
     ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 48, "layout": "thd"}, ValueError, "head_dim=48"),
-    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 0, "layout": "thd"}, TypeError, "head_dim"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 0, "layout": "thd"}, ValueError, "head_dim"),
+    ({"cos_sin_cache": np.ones((8, 64), np.float32), "head_dim": 64.0, "layout": "thd"}, TypeError, "head_dim"),
 ])
 def test_convention_errors_name_the_argument(kwargs, exc, match):
     x = np.ones((2, 128), np.float32)
@@ -89,6 +90,15 @@ def test_convention_errors_name_the_argument(kwargs, exc, match):
         apply_rope(x, out=x, backend="numpy", **{n: v for n, v in kw.items() if n not in ("cos",)},
                    **({"cos": kw["cos"]} if "cos" in kw else {}))
     np.testing.assert_array_equal(x.reshape(before.shape), before)
+
+
+def test_a_numpy_integer_head_dim_is_an_int():
+    """As rotary_dim and rotary_offset take NumPy integers, so does head_dim."""
+    x = np.random.default_rng(1).standard_normal((3, 128)).astype(np.float32)
+    cache = cos_sin_cache(8, 64)
+    want = apply_rope(x, cos_sin_cache=cache, layout="thd", head_dim=64, backend="numpy")
+    got = apply_rope(x, cos_sin_cache=cache, layout="thd", head_dim=np.int64(64), backend="numpy")
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_flat_array_without_a_contiguous_last_axis_is_refused():

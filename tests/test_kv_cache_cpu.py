@@ -182,6 +182,22 @@ def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
         assert checked == [kw["positions"].data.ptr] * 2 and len(gpu.launches) == 4
 
 
+def test_an_int_offset_at_the_table_end_with_cu_seqlens_is_refused():
+    """cu_seqlens with an int offset: every sequence starts there, so offset == table rows is
+    outside the table, on the first call and as a plan's new offset."""
+    from rope_rtc import RopeCachePlan
+
+    kw = _call(positions=None, cu_seqlens=fake_cupy((2,), np.int32))
+    with FakeGPU() as gpu:
+        with pytest.raises(ValueError, match="offset: 64 is not a position"):
+            rope_and_cache(**kw, offset=64)
+        plan = RopeCachePlan(**kw, offset=1)
+        plan.execute(**kw, offset=63)
+        with pytest.raises(ValueError, match="offset"):
+            plan.execute(**kw, offset=64)
+        assert len(gpu.launches) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # regressions: arrays other than CuPy's, alignment of every written array, overlaps, plans
 

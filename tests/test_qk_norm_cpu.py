@@ -64,6 +64,7 @@ def test_a_call_launches_the_fused_build_with_its_block(gpu):
     (dict(eps=-1.0), ValueError, "eps"),
     (dict(eps=float("nan")), ValueError, "eps"),
     (dict(eps="1e-6"), TypeError, "eps"),
+    (dict(eps=10**400), ValueError, "eps"),  # an int past float's range: OverflowError before
     (dict(numerics="hf"), ValueError, "numerics"),
     (dict(q_weight=None), TypeError, "q_weight"),
     (dict(q_weight=fake_cupy((D // 2,), BF16)), ValueError, r"q_weight: expected shape \[head_dim\]"),

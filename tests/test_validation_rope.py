@@ -349,6 +349,51 @@ def test_cupy_strides_off_the_item_size_are_refused_before_any_launch(gpu, which
     assert gpu.launches == []
 
 
+def test_an_int_offset_at_the_table_end_with_cu_seqlens_is_refused_on_every_path(gpu):
+    """With cu_seqlens every sequence starts at the int offset: offset == table rows puts a
+    token's position outside the table (NaN), on the first call, a plan's new offset and the
+    one-call repeat path alike."""
+    c, s = tables()
+    rows = c.shape[0]
+    t = fake_cupy((B * S, H, D), np.float16)
+    cu = fake_cupy((B + 1,), np.int32)
+    with pytest.raises(ValueError, match=f"offset: {rows} is not a position"):
+        apply_rope(t, c, s, layout="thd", cu_seqlens=cu, offset=rows, out=t)
+    apply_rope(t, c, s, layout="thd", cu_seqlens=cu, offset=rows - 1, out=t)  # the last row: fine
+    apply_rope(t, c, s, layout="thd", cu_seqlens=cu, offset=rows - 1, out=t)  # the repeat path
+    with pytest.raises(ValueError, match="offset"):
+        apply_rope(t, c, s, layout="thd", cu_seqlens=cu, offset=rows, out=t)
+    plan = RopePlan(t, None, c, s, layout="thd", cu_seqlens=cu, offset=1)
+    plan.execute(t, None, c, s, cu_seqlens=cu, offset=1)
+    with pytest.raises(ValueError, match="offset"):
+        plan.execute(t, None, c, s, cu_seqlens=cu, offset=rows)
+    assert len(gpu.launches) == 3
+
+
+def test_numpy_strides_off_the_item_size_are_refused_and_nothing_is_written():
+    """As for CuPy arrays: with byte strides rounded down, the overlap checks saw two outputs that
+    share memory (or one that overlaps itself) as disjoint, and the host path wrote one over the
+    other."""
+    c, s = (np.ones((8, 1), np.float32) for _ in range(2))
+    base = np.zeros(64, np.float32)
+    q = np.ones((2, 1, 2, 2), np.float32)
+    k = np.ones((2, 1, 1, 2), np.float32)
+    q_out = np.ndarray((2, 1, 2, 2), np.float32, base.data, 0, (10, 8, 8, 4))  # rows 10 bytes apart
+    before = base.copy()
+    with pytest.raises(ValueError, match=r"q_out: strides \(10, 8, 8, 4\) \(bytes\) are not multiples"):
+        apply_rope_qk(q, k, c, s, q_out=q_out, k_out=np.zeros_like(k), backend="numpy", rotary_dim=2)
+    np.testing.assert_array_equal(base, before)
+
+
+def test_a_float_or_bool_offset_is_a_type_error_with_positions_too(gpu):
+    c, s = tables()
+    x = fake_cupy((B, S, H, D), np.float16)
+    positions = fake_cupy((B, S), np.int32)
+    for offset in (True, 0.0, 1.5):
+        with pytest.raises(TypeError, match="offset: expected an int"):
+            apply_rope(x, c, s, positions=positions, offset=offset)
+
+
 def test_malformed_cuda_array_interface_is_a_type_error():
     class Bad:
         __cuda_array_interface__ = {"shape": (2, 4), "typestr": "<f4", "data": (0x7F0000000000, False),
