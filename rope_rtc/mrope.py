@@ -132,6 +132,10 @@ class _MRopeTemplate(_RopeTemplate):
 
 
 class _MRopeOp(Op):
+    # A remembered set is launched again only while q, k and the positions keep their shapes (a
+    # positions array reshaped in place to [T, 3] is another call, which validation refuses).
+    watched = (Q, K, POSITIONS)
+
     def __init__(self, plan: "MRopePlan") -> None:
         self.plan = plan
 
@@ -163,8 +167,10 @@ class MRopePlan(RopePlan):
     def __init__(self, q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
                  layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,
                  device: int | None = None) -> None:
+        # Omitted outputs mean in place (RopePlan's rule): checked as the in-place call execute makes.
         validate_mrope(q, k, cos, sin, positions, mrope_section, interleaved_sections=interleaved_sections,
-                       layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out)
+                       layout=layout, rotary_dim=rotary_dim, inverse=inverse,
+                       q_out=q if q_out is None else q_out, k_out=k if k_out is None and k is not None else k_out)
         super().__init__(q, k, cos, sin, positions=_stream_zero(positions), layout=layout, rotary_dim=rotary_dim,
                          inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         self.mrope_section = tuple(int(v) for v in mrope_section)

@@ -659,7 +659,9 @@ def mrope_streams(mrope_section, rotary_dim: int, *, interleaved_sections: bool 
     Qwen2.5-VL): the first ``t`` frequencies take the temporal position, the next ``h`` the
     height, the last ``w`` the width. Interleaved (Qwen3-VL): T, H, W, T, H, W, ... with the
     remainder to T, that is index i takes H when ``i % 3 == 1`` and ``i < 3 h``, W when
-    ``i % 3 == 2`` and ``i < 3 w``, T otherwise.
+    ``i % 3 == 2`` and ``i < 3 w``, T otherwise. As in transformers, a height or width section
+    larger than the pattern has room for (``len(range(1, R/2, 3))`` and ``len(range(2, R/2, 3))``
+    pairs) is not refused: its excess pairs take T.
     """
     sec = list(mrope_section) if isinstance(mrope_section, (list, tuple, np.ndarray)) else None
     if sec is None or len(sec) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0

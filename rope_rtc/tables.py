@@ -113,6 +113,13 @@ def _scaling_params(scaling: Any) -> tuple[str, Mapping]:
         return "default", {}
     if not isinstance(scaling, Mapping):
         raise TypeError(f"scaling must be a mapping (a rope_scaling dict) or None, got {type(scaling).__name__}")
+    # transformers 5 keeps one parameter dict per layer type where they differ (Gemma 3:
+    # {"full_attention": {...}, "sliding_attention": {...}}); read as one dict it would be
+    # default RoPE at the default base.
+    layers = [key for key, value in scaling.items() if isinstance(value, Mapping)]
+    if layers and "rope_type" not in scaling and "type" not in scaling:
+        raise ValueError(f"scaling holds one parameter dict per layer type ({', '.join(map(repr, layers))}); pass "
+                         f"the one of the layers the table is for, e.g. scaling=rope_parameters[{layers[0]!r}]")
     # `rope_type` is the current key; configs saved before transformers 4.42 use `type`.
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if not isinstance(rope_type, str) or rope_type not in _INIT_FUNCTIONS:

@@ -80,6 +80,27 @@ def test_bad_calls_are_refused_before_any_launch(gpu, change, exc, match):
     assert gpu.launches == []
 
 
+def test_an_in_place_plan_with_a_partial_window_is_made_without_outputs(gpu):
+    """Omitted outputs mean in place (RopePlan's rule), which a partial window needs."""
+    part = _call(cos=fake_cupy((64, 32), np.float32), sin=fake_cupy((64, 32), np.float32), mrope_section=[8, 12, 12])
+    plan = MRopePlan(**part, rotary_dim=64)
+    assert plan.in_place
+    plan.execute(part["q"], part["k"], part["cos"], part["sin"], part["positions"])
+    assert gpu.launches[-1]["geometry"].rotary_dim == 64
+
+
+def test_positions_reshaped_in_place_are_validated_again(gpu):
+    kw = _call()
+    plan = MRopePlan(**kw)
+    args = (kw["q"], kw["k"], kw["cos"], kw["sin"], kw["positions"])
+    plan.execute(*args)
+    plan.execute(*args)  # remembered
+    kw["positions"].shape = (T, 3)  # the same object, token-major now
+    with pytest.raises(ValueError, match=r"positions: expected \[3, T\]"):
+        plan.execute(*args)
+    assert len(gpu.launches) == 2
+
+
 def test_streams_just_under_2_31_elements_apart_are_taken(gpu):
     apply_mrope_qk(**_call(positions=fake_cupy((3, T), np.int32, strides=((2**31 - 1) * 4, 4))))
     assert gpu.launches[-1]["fixed"].mrope_stride == 2**31 - 1

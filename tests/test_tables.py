@@ -221,6 +221,22 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- hand-computed
 
 
+def test_a_dict_per_layer_type_is_refused_naming_the_layers():
+    """transformers 5 keeps one rope_parameters dict per layer type where they differ (Gemma 3):
+    taken as one dict it read as default RoPE at base 10000, silently."""
+    from rope_rtc import inverse_frequencies
+
+    per_layer = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="one parameter dict per layer type .*'full_attention'"):
+        inverse_frequencies(128, scaling=per_layer)
+    with pytest.raises(ValueError, match="per layer type"):
+        rope_tables(16, 128, scaling=per_layer)
+    want, _ = inverse_frequencies(128, scaling={"rope_type": "linear", "factor": 8.0}, base=1e6)
+    got, _ = inverse_frequencies(128, scaling=per_layer["full_attention"])
+    np.testing.assert_array_equal(got, want)
+
+
 def test_default_small_case_by_hand():
     # position 2, dim 4, base 100: inv_freq = [1, 0.1], angles 2.0 and 0.2.
     cos, sin = rope_tables(3, 4, base=100.0)
