@@ -173,6 +173,16 @@ def _kernel_launch() -> tuple:
         return launch, _LaunchFailed
 
 
+def _runtime_error_name(status: int) -> str:
+    """The name of a CUDA runtime error code (``cudaErrorInvalidValue``), or the code."""
+    try:
+        from cuda.bindings import runtime
+
+        return runtime.cudaError_t(int(status)).name
+    except Exception:  # the name is a courtesy
+        return f"cudaError {int(status)}"
+
+
 class _LaunchFailed(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(status)
@@ -223,8 +233,8 @@ class Launcher:
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
                  "device", "_check_device", "_stream_device", "_prefix", "_handle", "_argv", "_graph_launch",
-                 "_graphs", "_seen", "_set_node", "_updated", "_last_updated",
-                 "replay", "_last_token", "_last_graph")
+                 "_graphs", "_seen", "_set_node", "_updated", "_last_updated", "_last_updated_stream",
+                 "replay", "_last_token", "_last_graph", "_last_graph_stream")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
         import cupy
@@ -245,12 +255,14 @@ class Launcher:
         self._check_device = device is not None and _visible_devices() != 1
         self._stream_device = -1 if device is None else device
         self._prefix = self._handle = self._argv = None
-        self._graphs: dict[int, _GraphExec] = {}  # id(token) -> its graph
+        # Graphs are per stream: launches of one graph exec are ordered one after another whatever
+        # their streams, so one graph shared by two streams would make each wait for the other.
+        self._graphs: dict[tuple, _GraphExec] = {}  # (id(token), stream) -> its graph
         self._seen: dict[int, object] = {}        # id(token) -> token, launched plainly once
-        self._last_token = self._last_graph = None  # the set replayed last, and its graph
+        self._last_token = self._last_graph = self._last_graph_stream = None  # the set replayed last
         self._set_node = driver._drv().cuGraphExecKernelNodeSetParams
-        self._updated: dict[int, _GraphExec] = {}  # id(prefix) -> its graph, whose node takes each new block
-        self._last_updated = None
+        self._updated: dict[tuple, _GraphExec] = {}  # (id(prefix), stream) -> its graph, whose node takes each block
+        self._last_updated = self._last_updated_stream = None
         self.replay = not settings().no_graph_replay
 
     def __call__(self, prefix: tuple, stream=None, token=None) -> None:
@@ -265,7 +277,8 @@ class Launcher:
         handle = self._current_stream(self._stream_device).ptr if stream is None else self._resolve(stream)
         if token is not None and self.replay:
             # The hot path: the set launched last time, whose graph is at hand without a lookup.
-            graph = self._last_graph if token is self._last_token else self._graphs.get(id(token))
+            graph = (self._last_graph if token is self._last_token and handle == self._last_graph_stream
+                     else self._graphs.get((id(token), handle)))
             if graph is not None or id(token) in self._seen:
                 try:
                     idle = not self._capturing(handle)
@@ -273,10 +286,10 @@ class Launcher:
                     idle = False
                 if idle:  # never launch a graph into a capturing stream: that invalidates the capture
                     if graph is None:
-                        graph = self._instantiate_or_stop(prefix, token)
+                        graph = self._instantiate_or_stop(prefix, token, self._graphs, (id(token), handle))
                     if graph is not None:
-                        self._last_token, self._last_graph = token, graph
-                        self._graph_launch(graph.handle_int, handle)
+                        self._last_token, self._last_graph, self._last_graph_stream = token, graph, handle
+                        self._launch_graph(graph, handle, prefix)
                         return
             if launch_threads(prefix) < REPLAY_THREADS:  # a larger set is never seen, never replayed
                 remember(self._seen, id(token), token)
@@ -300,8 +313,8 @@ class Launcher:
             return
         if self.replay:
             graph = self._last_updated
-            if graph is None or graph.token is not prefix:
-                graph = self._updated.get(id(prefix))
+            if graph is None or graph.token is not prefix or handle != self._last_updated_stream:
+                graph = self._updated.get((id(prefix), handle))
             if graph is not None or launch_threads(prefix) <= GRAPH_NODE_THREADS:
                 try:
                     idle = not self._capturing(handle)
@@ -309,14 +322,14 @@ class Launcher:
                     idle = False
                 if idle:
                     if graph is None:
-                        graph = self._instantiate_or_stop(prefix, prefix, self._updated)
+                        graph = self._instantiate_or_stop(prefix, prefix, self._updated, (id(prefix), handle))
                     if graph is not None:
-                        self._last_updated = graph
+                        self._last_updated, self._last_updated_stream = graph, handle
                         status = self._set_node(graph.handle, graph.node, graph.params)[0]
                         if status:
                             driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, "
                                                     f"block={prefix[4:7]})")
-                        self._graph_launch(graph.handle_int, handle)
+                        self._launch_graph(graph, handle, prefix)
                         return
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
@@ -344,17 +357,30 @@ class Launcher:
         self._argv = (int(prefix[0]), *prefix[1:], handle, self.args_address, 0)
         return self._argv
 
-    def _instantiate_or_stop(self, prefix: tuple, token, graphs: dict | None = None) -> "_GraphExec | None":
-        """A graph for ``token``, remembered in ``graphs`` (default: the replayed sets'); if the
-        driver cannot make one (out of resources, say), this launcher stops replaying and
-        launches plainly, so the call still succeeds."""
+    def _launch_graph(self, graph, handle: int, prefix: tuple) -> None:
+        """``cudaGraphLaunch`` of ``graph`` on ``handle``; a failure is a CudaError, as a plain
+        launch's is (CuPy's binding raises its own error type)."""
+        try:
+            self._graph_launch(graph.handle_int, handle)
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            name = _runtime_error_name(status)
+            raise CudaError(f"cudaGraphLaunch(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x}) failed: "
+                            f"{name} ({exc})", name=name, code=int(status)) from exc
+
+    def _instantiate_or_stop(self, prefix: tuple, token, graphs: dict, key: tuple) -> "_GraphExec | None":
+        """A graph for ``token``, remembered in ``graphs`` under ``key``; if the driver cannot
+        make one (out of resources, say), this launcher stops replaying and launches plainly,
+        so the call still succeeds."""
         try:
             exe = self._instantiate(prefix, token)
         except CudaError as exc:
             self.replay = False
             warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning, stacklevel=4)
             return None
-        remember(self._graphs if graphs is None else graphs, id(token), exe)
+        remember(graphs, key, exe)
         return exe
 
     def _instantiate(self, prefix: tuple, token) -> _GraphExec:

@@ -219,14 +219,52 @@ def test_one_call_launches_update_one_graph_per_prefix(rig):
     assert calls == [("set", id(PREFIX), "node", "params"), ("graph", id(PREFIX), 7)] * 3
     other = (0xBEE, 2, 1, 1, 128, 1, 1, 0)
     launcher.launch(other, 9)
-    launcher.launch(PREFIX, 9)
-    assert made == [id(PREFIX), id(other)] and calls[-1] == ("graph", id(PREFIX), 9)
+    launcher.launch(PREFIX, 9)  # another stream: a graph of its own (below)
+    assert made == [id(PREFIX), id(other), id(PREFIX)] and calls[-1] == ("graph", id(PREFIX), 9)
     prefixes = [(0xC00 + i, 1, 1, 1, 32, 1, 1, 0) for i in range(L.RECENT_SETS + 3)]
     for p in prefixes:
         launcher.launch(p, 7)
     assert len(launcher._updated) == L.RECENT_SETS
     launcher.forget()
     assert not launcher._updated and launcher._last_updated is None
+
+
+def test_each_stream_gets_its_own_graph(rig):
+    """Launches of one graph exec are ordered one after another whatever their streams: a graph
+    shared by two streams made a launch on one wait for the other's queue. One-call launches and
+    a plan's replayed sets alike get a graph per stream."""
+    launcher, stream, calls, made = rig
+    for handle in (7, 9, 7, 9):
+        launcher.launch(PREFIX, handle)
+    assert made == [id(PREFIX)] * 2 and len(launcher._updated) == 2
+    assert set(launcher._updated) == {(id(PREFIX), 7), (id(PREFIX), 9)}
+    token = ("argument set",)
+    for handle in (7, 7, 9, 9, 7):
+        launcher(PREFIX, handle, token)
+    assert len(launcher._graphs) == 2 and set(launcher._graphs) == {(id(token), 7), (id(token), 9)}
+    assert calls[-4:] == [("graph", id(token), 7), ("graph", id(token), 9), ("graph", id(token), 9),
+                          ("graph", id(token), 7)]
+
+
+def test_a_failed_graph_launch_raises_the_cuda_error_by_name(rig):
+    """As a failed kernel launch does: a CudaError, not CuPy's own runtime error."""
+    import cupy
+
+    from rope_rtc.errors import CudaError
+
+    launcher, stream, calls, made = rig
+
+    def failing(handle, stream_ptr):
+        raise cupy.cuda.runtime.CUDARuntimeError(1)  # cudaErrorInvalidValue
+
+    launcher._graph_launch = failing
+    with pytest.raises(CudaError, match="cudaGraphLaunch.*cudaErrorInvalidValue") as info:
+        launcher.launch(PREFIX, 7)
+    assert info.value.code == 1
+    token = ("set",)
+    launcher(PREFIX, 7, token)
+    with pytest.raises(CudaError, match="cudaGraphLaunch"):
+        launcher(PREFIX, 7, token)
 
 
 def test_one_call_launches_into_a_capturing_stream_are_kernel_launches(rig):
