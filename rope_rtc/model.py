@@ -160,8 +160,13 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     if qk_norm is None:  # the outer model_type (a vision-language model's text_config has its own)
         qk_norm = config.get("model_type") in QK_NORM_MODEL_TYPES or (
             isinstance(config.get("text_config"), dict) and config["text_config"].get("model_type") in QK_NORM_MODEL_TYPES)
-    if isinstance(config.get("text_config"), dict):
-        config = {**config, **config["text_config"]}
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ValueError(f"{where}: text_config must be a JSON object, got {type(text).__name__}")
+    if text:
+        # The text model's fields win, but a null there (a field it leaves to the outer config)
+        # does not erase the outer value.
+        config = {**config, **{k: v for k, v in text.items() if v is not None}}
     if q_heads is None:
         q_heads = _int_field(config, "num_attention_heads", where)
     if kv_heads is None:
@@ -205,6 +210,8 @@ def _partial_rotary_factor(config: dict) -> tuple[str, object]:
     ``rope_scaling``; ``("partial_rotary_factor", 1.0)`` when none is given."""
     if config.get("partial_rotary_factor") is not None:
         return "partial_rotary_factor", config["partial_rotary_factor"]
+    if config.get("rotary_pct") is not None:  # GPT-NeoX and Pythia's name for it
+        return "rotary_pct", config["rotary_pct"]
     for field in ("rope_parameters", "rope_scaling"):
         rope = config.get(field)
         if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
@@ -225,5 +232,8 @@ def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:
             if sum(section) != rotary_dim // 2:
                 raise ValueError(f"{where}: {field}.mrope_section {section} sums to {sum(section)}, not rotary_dim / 2 "
                                  f"= {rotary_dim // 2}")
-            return tuple(section), bool(rope.get("mrope_interleaved", False))
+            interleaved = rope.get("mrope_interleaved", False)
+            if not isinstance(interleaved, bool):  # bool("false") is True
+                raise ValueError(f"{where}: {field}.mrope_interleaved must be true or false, got {interleaved!r}")
+            return tuple(section), interleaved
     return (), False

@@ -36,6 +36,21 @@ def test_partial_rotary_factor_explicit_head_dim_and_nested_text_config():
     assert from_config(LLAMA3_8B, dtype="fp16", interleaved=True).dtype == "float16"
 
 
+def test_fields_a_config_reading_took_wrongly():
+    """GPT-NeoX's rotary_pct was ignored (the whole head rotated); a null in text_config erased the
+    outer value; mrope_interleaved "false" read as true; a text_config that is not an object."""
+    neox = {"hidden_size": 2560, "num_attention_heads": 32, "rotary_pct": 0.25, "torch_dtype": "float16"}
+    assert from_config(neox).rotary_dim == 20
+    vl = {"head_dim": 256, "torch_dtype": "bfloat16", "rope_scaling": {"mrope_section": [64, 32, 32]},
+          "text_config": {"hidden_size": 4096, "num_attention_heads": 32, "head_dim": None, "rope_scaling": None}}
+    got = from_config(vl)
+    assert got.head_dim == 256 and got.mrope_section == (64, 32, 32)
+    with pytest.raises(ValueError, match="mrope_interleaved must be true or false"):
+        from_config({**LLAMA3_8B, "rope_scaling": {"mrope_section": [16, 24, 24], "mrope_interleaved": "false"}})
+    with pytest.raises(ValueError, match="text_config must be a JSON object"):
+        from_config({**LLAMA3_8B, "text_config": "oops"})
+
+
 @pytest.mark.parametrize("change,pattern", [
     ({"torch_dtype": None}, r"no torch_dtype \(or dtype\)"),
     ({"torch_dtype": "int8"}, r"torch_dtype: 'int8' is not a RoPE dtype"),
