@@ -303,7 +303,8 @@ class Launcher:
         ``handle``: the one-call functions' launch (their block is new on every call).
 
         With graph replay on, a launch of at most ``GRAPH_NODE_THREADS`` threads goes through one
-        one-node graph per prefix: its node takes the block's values
+        one-node graph per prefix and stream (launches of one graph exec wait for each other
+        whatever their streams): its node takes the block's values
         (``cuGraphExecKernelNodeSetParams``, which copies them) and the graph is launched. The two
         calls cost the host about a microsecond less than one ``cuLaunchKernel``
         (docs/performance.md). A capturing stream, and a larger launch, get ``cuLaunchKernel``
