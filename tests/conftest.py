@@ -22,6 +22,7 @@ can still be left empty (fewer pieces than shards); the script counts that as pa
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -118,12 +119,10 @@ def _shard_items(items: list[pytest.Item], index: int, count: int) -> list[pytes
     parametrised files do not land on one process. Each group goes to the shard holding the
     fewest tests so far.
     """
+    modules = [item.nodeid.split("::")[0] for item in items]
+    sizes = collections.Counter(modules)
     groups: dict[str, list[pytest.Item]] = {}
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[item.nodeid.split("::")[0]] = sizes.get(item.nodeid.split("::")[0], 0) + 1
-    for n, item in enumerate(items):
-        module = item.nodeid.split("::")[0]
+    for n, (item, module) in enumerate(zip(items, modules)):
         groups.setdefault(module if sizes[module] <= _WHOLE_MODULE else f"{module}#{n}", []).append(item)
     load = [0] * count
     mine: set[int] = set()

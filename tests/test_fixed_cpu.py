@@ -204,16 +204,25 @@ def test_fuzz_each_launch_fits_its_build(dtype, interleaved, layout, heads, toke
         assert g is None or shift % (g.vec * size) or (not in_place and (rdim or D) < D)
 
 
+def _uncached(monkeypatch, missing, hint: str = "") -> None:
+    """Specialised builds for which ``missing(g)`` holds are not in the cache (as under
+    ROPE_RTC_NO_COMPILE); the others load as the fake GPU loads them."""
+    from rope_rtc.errors import KernelNotCachedError
+
+    cached = rope_plan.load_fixed_function
+
+    def load(g, device):
+        if missing(g):
+            raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache{hint}")
+        return cached(g, device)
+
+    monkeypatch.setattr(rope_plan, "load_fixed_function", load)
+
+
 def test_a_missing_specialised_build_under_no_compile_falls_back_with_a_warning(gpu, monkeypatch):
     """A cache warmed without the model's specialised build still serves every call (the generic
     build), and says once which command adds the build."""
-    from rope_rtc.errors import KernelNotCachedError
-
-    def missing(g, device):
-        raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache; fill it with: "
-                                   "rope-rtc warm --arch sm_90 --model config.json")
-
-    monkeypatch.setattr(rope_plan, "load_fixed_function", missing)
+    _uncached(monkeypatch, lambda g: True, "; fill it with: rope-rtc warm --arch sm_90 --model config.json")
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     with pytest.warns(RuntimeWarning, match="--model config.json.*generic build"):
@@ -255,16 +264,7 @@ def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_ord
 def test_a_missing_dense_build_under_no_compile_runs_the_strided_one(gpu, monkeypatch):
     """A cache that holds a model's strided build but not its dense one (warmed for chosen specs)
     serves a dense call with the strided build, not the generic kernel."""
-    from rope_rtc.errors import KernelNotCachedError
-
-    cached = rope_plan.load_fixed_function
-
-    def dense_missing(g, device):
-        if g.dense:
-            raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache")
-        return cached(g, device)
-
-    monkeypatch.setattr(rope_plan, "load_fixed_function", dense_missing)
+    _uncached(monkeypatch, lambda g: g.dense)
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     with pytest.warns(RuntimeWarning, match="not in the cache. Until then this plan runs its strided build"):
