@@ -5,6 +5,8 @@
 # kernel that uses shared memory (MRoPE with interleaved sections, gathered per block). Run from
 # the repository root on a GPU machine:
 #     bash scripts/sanitize.sh [scale]
+# SANITIZE_ONLY=<regex> runs only the tool runs whose "<tool> <name>" matches (say 'mrope' for the
+# multimodal builds alone).
 # Each tool run is cut after its share of time (seconds below, times scale, default 1; interrupted,
 # pytest stops and the tool still prints its summary of what ran); the summary lists each run's
 # errors, its tests and its exit status. Logs land under $OUT (default ./out).
@@ -20,6 +22,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu_fixed.py tests/test_gpu_
 
 run() {  # run <seconds> <tool> <log name> <pytest args...>
     local limit tool=$2 name=$3
+    [[ -n ${SANITIZE_ONLY:-} && ! "$tool $name" =~ $SANITIZE_ONLY ]] && return 0
     limit=$(python3 -c "print(round($1 * $SCALE))")
     shift 3
     timeout -s INT -k 30 "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 50 \
