@@ -142,10 +142,21 @@ def launch_threads(prefix: tuple) -> int:
 
 
 def remember(cache: dict, key, value, limit: int = RECENT_SETS) -> None:
-    """Store ``key`` in a bounded cache, dropping the oldest entry when it is full."""
+    """Store ``key`` in a bounded cache, dropping the first entry (the oldest, or with ``recall``
+    the least recently used) when it is full."""
     if len(cache) >= limit:
         del cache[next(iter(cache))]
     cache[key] = value
+
+
+def recall(cache: dict, key):
+    """``cache[key]`` (None when absent), moved to the newest end: caches that ``remember`` fills
+    and ``recall`` reads evict the least recently used entry, so a set launched all along keeps
+    its graph while others come and go."""
+    value = cache.pop(key, None)
+    if value is not None:
+        cache[key] = value
+    return value
 
 
 def _kernel_launch() -> tuple:
@@ -228,7 +239,8 @@ class Launcher:
     one-node graph costs the host less than ``cuLaunchKernel`` (docs/performance.md). A graph
     cannot be launched into a stream that is being captured, so a capturing stream always gets
     ``cuLaunchKernel`` (which the capture records), and so does a launch of ``REPLAY_THREADS``
-    threads or more (its GPU time hides the host's, and a graph launch costs the GPU more). ``RECENT_SETS`` graphs at most.
+    threads or more (its GPU time hides the host's, and a graph launch costs the GPU more). ``RECENT_SETS`` graphs at most, the
+    least recently launched dropped first.
     """
 
     __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
@@ -278,7 +290,7 @@ class Launcher:
         if token is not None and self.replay:
             # The hot path: the set launched last time, whose graph is at hand without a lookup.
             graph = (self._last_graph if token is self._last_token and handle == self._last_graph_stream
-                     else self._graphs.get((id(token), handle)))
+                     else recall(self._graphs, (id(token), handle)))
             if graph is not None or id(token) in self._seen:
                 try:
                     idle = not self._capturing(handle)
@@ -315,7 +327,7 @@ class Launcher:
         if self.replay:
             graph = self._last_updated
             if graph is None or graph.token is not prefix or handle != self._last_updated_stream:
-                graph = self._updated.get((id(prefix), handle))
+                graph = recall(self._updated, (id(prefix), handle))
             if graph is not None or launch_threads(prefix) <= GRAPH_NODE_THREADS:
                 try:
                     idle = not self._capturing(handle)
@@ -325,17 +337,31 @@ class Launcher:
                     if graph is None:
                         graph = self._instantiate_or_stop(prefix, prefix, self._updated, (id(prefix), handle))
                     if graph is not None:
-                        self._last_updated, self._last_updated_stream = graph, handle
                         status = self._set_node(graph.handle, graph.node, graph.params)[0]
-                        if status:
-                            driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, "
-                                                    f"block={prefix[4:7]})")
-                        self._launch_graph(graph, handle, prefix)
-                        return
+                        if not status:
+                            self._last_updated, self._last_updated_stream = graph, handle
+                            self._launch_graph(graph, handle, prefix)
+                            return
+                        self._stop_updating(prefix, status)
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
             argv = self._pack(prefix, handle)
         self._plain(argv, prefix, handle)
+
+    def _stop_updating(self, prefix: tuple, status) -> None:
+        """A node that did not take the block (``status``): its graph is never launched with
+        values it does not hold. As when a graph cannot be instantiated, this launcher stops
+        replaying and launches plainly, so the call still succeeds; an error that is the
+        context's (a kernel fault) then surfaces from ``cuLaunchKernel``."""
+        try:
+            driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, block={prefix[4:7]})")
+        except CudaError as exc:
+            message = str(exc)
+        else:  # pragma: no cover - a non-zero status always fails the check
+            message = f"status {status!r}"
+        self.forget()
+        self.replay = False
+        warnings.warn(f"rope_rtc: launching without graph replay from now on: {message}", RuntimeWarning, stacklevel=4)
 
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
         try:

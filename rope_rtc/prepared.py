@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 from operator import is_, itemgetter
 
-from .launch import RECENT_SETS, Launcher, remember
+from .launch import RECENT_SETS, Launcher, recall, remember
 
 # Signatures a core keeps templates for: engines use a few shapes (prefill lengths, decode).
 TEMPLATES = 64
@@ -250,7 +250,10 @@ class Prepared:
         elif scalar != last.scalar:
             last = self._rescalar(last, scalar)
         if last.prefix is not None:
-            self.launcher(last.prefix, stream, last)
+            # A call that is not remembered (not every argument a CuPy array) is launched without a
+            # token: it is bound anew on every call, so a graph of it would never replay, and a
+            # remembered token would keep the caller's arrays alive.
+            self.launcher(last.prefix, stream, last if last is self.last else None)
         return last.result
 
     def bind(self, arrays: tuple, scalar: int) -> Call:
@@ -279,7 +282,7 @@ class Prepared:
 
     def _prepare(self, arrays: tuple, scalar: int) -> Call:
         key = tuple(map(id, arrays))
-        hit = self.recent.get(key)
+        hit = recall(self.recent, key)
         if hit is not None and hit[1].shape == self._shapes(arrays):
             snapshot, call = hit
             ctypes.memmove(self._block_address, snapshot, self._block_size)

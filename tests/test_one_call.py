@@ -337,6 +337,47 @@ def test_a_plan_reads_another_librarys_array_again_on_every_call(gpu):
     assert gpu.launches[-1]["params"].q_in == gpu.launches[-1]["params"].q_out == x.ptr
 
 
+def test_a_plan_call_with_another_librarys_array_is_launched_without_a_token(gpu):
+    """A call that is bound anew every time (not every argument a CuPy array) hands the launcher
+    no token: a graph of it could never replay, and a token the launcher remembers would keep
+    the caller's arrays alive after the call."""
+    cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
+    x = FakeDeviceArray((2, 8, 4, 64), np.float32)
+    plan = rope_plan.RopePlan(x, None, cos, sin)
+    for _ in range(3):
+        plan.execute(x, None, cos, sin)
+    assert [launch["token"] for launch in gpu.launches] == [None] * 3
+    y = fake_cupy((2, 8, 4, 64), np.float32)  # CuPy arrays: remembered, so a token to replay
+    plan = rope_plan.RopePlan(y, None, cos, sin)
+    plan.execute(y, None, cos, sin)
+    plan.execute(y, None, cos, sin)
+    assert gpu.launches[-1]["token"] is not None and gpu.launches[-1]["token"] is gpu.launches[-2]["token"]
+
+
+def test_a_plan_keeps_the_argument_set_it_uses_all_along(gpu, monkeypatch):
+    """A plan forgets the least recently used of its remembered argument sets, not the oldest:
+    the set an engine uses on every step, between ever new ones, is bound once."""
+    from rope_rtc import prepared
+
+    cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
+    steady = fake_cupy((2, 8, 4, 64), np.float32)
+    passing = [fake_cupy((2, 8, 4, 64), np.float32) for _ in range(3 * prepared.RECENT_SETS)]
+    plan = rope_plan.RopePlan(steady, None, cos, sin)
+    bound = []
+    inner = prepared.Prepared._bind
+
+    def counted(self, arrays, scalar):
+        bound.append(arrays[0])
+        return inner(self, arrays, scalar)
+
+    monkeypatch.setattr(prepared.Prepared, "_bind", counted)
+    for x in passing:
+        plan.execute(steady, None, cos, sin)
+        plan.execute(x, None, cos, sin)
+    assert sum(a is steady for a in bound) <= 1
+    assert gpu.launches[-2]["params"].q_in == steady.data.ptr and gpu.launches[-1]["params"].q_in == passing[-1].data.ptr
+
+
 def test_a_plans_flat_views_of_another_librarys_array_are_made_again_on_every_call(gpu):
     """``head_dim=`` (flat q [T, H * D]): the views of a call whose arrays are not CuPy's are
     not kept for the next call, since the same object can come back with other memory or
