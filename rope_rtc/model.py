@@ -2,20 +2,25 @@
 field), and the kernel specialisations it needs: what ``rope-rtc warm --model`` compiles.
 
 Only the fields that decide a kernel are read: the head dim, the q and kv head counts, the
-rotary window (``partial_rotary_factor``), the dtype and the pair style. Hugging Face's models
-rotate half-split pairs (``rotate_half``); pass ``interleaved=True`` for RoFormer/GPT-J-style
-adjacent pairs.
+rotary window (``partial_rotary_factor``), the dtype and the pair style. Most Hugging Face models
+rotate half-split pairs (``rotate_half``); the model types of ``ADJACENT_PAIR_MODEL_TYPES`` rotate
+adjacent ones, and ``interleaved=True`` asks for those for any other model.
+
+A config whose rotary geometry these fields would misread is refused, never guessed at: multi-head
+latent attention (DeepSeek-V2/V3 and their kin), ChatGLM, kv heads under another field's name, a
+model with no rotary embedding. Its geometry can always be given field by field instead.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, both_strides, cache_spec,
-                       cache_vector_widths, model_fixed_specs, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
+                       cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
                        rope_vector_widths)
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
@@ -23,6 +28,27 @@ from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
                        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                        "gemma3", "gemma3_text")
+
+# Models whose attention rotates adjacent pairs (x[2i], x[2i + 1]), as transformers implements
+# them: rotate_half takes x[..., 0::2] and x[..., 1::2] (GLM and GLM-4 with GLM-4V's and GLM-OCR's
+# text models, Cohere, ERNIE 4.5, Helium), Llama 4 multiplies complex numbers made of adjacent
+# channels, GPT-J and CodeGen rotate_every_two; ChatGLM's own code (not in transformers) pairs
+# x[..., 2i] with x[..., 2i + 1]. Their kernels are the interleaved builds.
+ADJACENT_PAIR_MODEL_TYPES = ("glm", "glm4", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "cohere", "cohere2",
+                             "cohere2_moe", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
+                             "helium", "llama4", "llama4_text", "gptj", "codegen", "chatglm")
+
+# Fields of multi-head latent attention (DeepSeek-V2/V3, Kimi K2, MiniCPM3, GLM-4.7-Flash, ...): its
+# rotary part is qk_rope_head_dim channels of each q head and one k head shared by all, which
+# hidden_size / num_attention_heads and num_key_value_heads do not describe.
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank")
+
+# Fields that name the kv head count where this reader looks for num_key_value_heads (Falcon's).
+OTHER_KV_HEAD_FIELDS = ("num_kv_heads", "n_head_kv")
+
+#: The most of a config file that is read: real ones are kilobytes, and a far larger file is
+#: another one given by mistake (the weights), which reading whole would fill the memory with.
+MAX_CONFIG_BYTES = 64 << 20
 
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
@@ -54,6 +80,17 @@ class ModelRope:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
+        if self.q_heads % self.kv_heads:
+            # Grouped-query attention shares each kv head among q_heads / kv_heads q heads: no model
+            # has another ratio, so the builds specialised on it would serve nothing.
+            raise ValueError(f"kv_heads: {self.kv_heads} does not divide q_heads {self.q_heads} (each kv head serves "
+                             f"q_heads / kv_heads q heads); check the config's num_key_value_heads and "
+                             f"num_attention_heads, or --kv-heads and --heads")
+        if self.mrope_section and self.interleaved:
+            raise ValueError("mrope_section: the multimodal RoPE builds rotate half-split pairs only (rope_rtc.mrope), "
+                             "and this model rotates adjacent pairs (interleaved): no build serves it; warm its plain "
+                             "builds with --head-dim, --heads, --kv-heads, --rotary-dim and --interleaved instead of "
+                             "--model")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
         for d in self.inv_freq:
@@ -77,12 +114,15 @@ class ModelRope:
     def angle_specs(self) -> list[KernelSpec]:
         """The builds that compute cos and sin from ``inv_freq`` (``apply_rope(..., inv_freq=)``)
         for each dtype in ``inv_freq``: q with k, q alone and k alone, both thread orders, small
-        and large launches."""
-        return [g.spec() for dt in self.inv_freq
-                for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
-                for denser in (False, True)
-                for g in both_strides(angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0,
-                                                       self.rotary_dim, dt, denser))]
+        and large launches (the small launches' build for each position scheme: it compiles the
+        scheme in)."""
+        return list(dict.fromkeys(
+            g.spec() for dt in self.inv_freq
+            for hq, hk in ((self.q_heads, self.kv_heads), (self.q_heads, 0), (self.kv_heads, 0))
+            for denser in (False, True)
+            for mode in model_pos_modes(denser)
+            for g in both_strides(angle_geometries(self.dtype, self.interleaved, hq, hk, self.head_dim, 0,
+                                                   self.rotary_dim, dt, denser, mode))))
 
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
@@ -138,35 +178,52 @@ def _int_field(config: dict, name: str, where: str) -> int:
 
 def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, head_dim: int | None = None,
                 q_heads: int | None = None, kv_heads: int | None = None, rotary_dim: int | None = None,
-                interleaved: bool = False, qk_norm: bool | None = None, inv_freq: tuple = ()) -> ModelRope:
-    """The RoPE geometry of a Hugging Face config (a dict or the path of a ``config.json``); a
-    keyword given here overrides the config's field. A model whose text settings sit under
-    ``text_config`` (vision-language models) is read from there. ``qk_norm``: whether the model
-    normalises each q and k head before RoPE (default: its ``model_type`` is one of
-    ``QK_NORM_MODEL_TYPES``). ``inv_freq``: the dtypes (``"float64"``, ``"float32"``) of
-    inverse frequencies the model's calls pass instead of tables, whose builds to warm too."""
+                interleaved: bool | None = None, qk_norm: bool | None = None, inv_freq: tuple = ()) -> ModelRope:
+    """The RoPE geometry of a Hugging Face config (a dict or the path of a ``config.json``, which
+    must be a regular file); a keyword given here overrides the config's field. A model whose text
+    settings sit under ``text_config`` (vision-language models) is read from there.
+    ``interleaved``: adjacent pairs (default: the model's ``model_type`` is one of
+    ``ADJACENT_PAIR_MODEL_TYPES``; False for such a model raises, as it asks for kernels the model
+    never launches). ``qk_norm``: whether the model normalises each q and k head before RoPE
+    (default: its ``model_type`` is one of ``QK_NORM_MODEL_TYPES``). ``inv_freq``: the dtypes
+    (``"float64"``, ``"float32"``) of inverse frequencies the model's calls pass instead of tables,
+    whose builds to warm too.
+
+    Raises ``ValueError`` for a config whose rotary geometry these fields would misread (multi-head
+    latent attention, ChatGLM, kv heads under another name, no rotary embedding, a ``rotary_dim``
+    that disagrees with ``partial_rotary_factor``), naming the field and the geometry to give
+    instead: with ``head_dim``, ``q_heads``, ``kv_heads`` and ``rotary_dim`` all given, the
+    config supplies only the dtype and such a config is read."""
     where = "config"
     if not isinstance(config, dict):
         path = Path(config)
         where = str(path)
         try:
-            config = json.loads(path.read_text())
-        except OSError as exc:
-            raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None
+            config = json.loads(_read_config(path))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--model: {path} is not JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object")
-    if qk_norm is None:  # the outer model_type (a vision-language model's text_config has its own)
-        qk_norm = config.get("model_type") in QK_NORM_MODEL_TYPES or (
-            isinstance(config.get("text_config"), dict) and config["text_config"].get("model_type") in QK_NORM_MODEL_TYPES)
     text = config.get("text_config")
     if text is not None and not isinstance(text, dict):
         raise ValueError(f"{where}: text_config must be a JSON object, got {type(text).__name__}")
+    # The outer model_type and the text model's (a vision-language model's text_config has its own).
+    types = tuple(t for t in (config.get("model_type"), (text or {}).get("model_type")) if isinstance(t, str))
+    if qk_norm is None:
+        qk_norm = any(t in QK_NORM_MODEL_TYPES for t in types)
     if text:
         # The text model's fields win, but a null there (a field it leaves to the outer config)
         # does not erase the outer value.
         config = {**config, **{k: v for k, v in text.items() if v is not None}}
+    if None in (head_dim, q_heads, kv_heads, rotary_dim):  # else the config gives only the dtype
+        _refuse_misread_geometry(config, where, types, kv_given=kv_heads is not None)
+    adjacent = next((t for t in types if t in ADJACENT_PAIR_MODEL_TYPES), None)
+    if interleaved is None:
+        interleaved = adjacent is not None
+    elif adjacent is not None and not interleaved:
+        raise ValueError(f"{where}: model_type {adjacent!r} rotates adjacent pairs (x[2i], x[2i + 1]), but "
+                         "interleaved=False asks for the half-split builds, which it never launches; pass "
+                         "--interleaved (interleaved=True), or leave interleaved unset")
     if q_heads is None:
         q_heads = _int_field(config, "num_attention_heads", where)
     if kv_heads is None:
@@ -192,6 +249,10 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         rotary_dim -= rotary_dim % 2  # as transformers does: int(head_dim * factor), pairs whole
         if rotary_dim == 0:
             raise ValueError(f"{where}: {field} {factor!r} of head_dim {head_dim} rotates no channel pair")
+        stated = config.get("rotary_dim")  # GPT-J's and some others' own word for the rotated width
+        if stated is not None and stated != rotary_dim:
+            raise ValueError(f"{where}: rotary_dim {stated!r} disagrees with head_dim {head_dim} x {field} {factor!r} "
+                             f"= {rotary_dim}; pass the rotated width as --rotary-dim (rotary_dim=)")
     if dtype is None:
         value = config.get("torch_dtype", config.get("dtype"))
         if value is None:
@@ -202,6 +263,100 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     section, style = _mrope(config, where, rotary_dim)
     return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm),
                      tuple(dict.fromkeys(inv_freq)))
+
+
+def _read_config(path: Path) -> str:
+    """The text of the config file ``path``; ``ValueError`` unless it is a regular file of at most
+    ``MAX_CONFIG_BYTES``: reading a FIFO waits for a writer that may never come, a device may
+    never end."""
+    try:
+        _regular_file(path, os.stat(path))  # before opening: opening a FIFO itself waits for a writer
+        # O_NONBLOCK: should the path become a FIFO after that check, opening it returns at once,
+        # and the descriptor's own kind is checked again.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        _regular_file(path, os.fstat(fd))
+        chunks, size = [], 0
+        while size <= MAX_CONFIG_BYTES:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"--model: {path} holds more than {MAX_CONFIG_BYTES} bytes, which no config.json does (the "
+                         "weights?); give the path of the model's config.json")
+    return b"".join(chunks).decode("utf-8")
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _regular_file(path: Path, st: os.stat_result) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a file")
+        raise ValueError(f"--model: {path} is {kind}, not a regular file; give the path of the model's config.json")
+
+
+def _flags(head_dim, heads, kv_heads, rotary_dim, interleaved: bool) -> str:
+    """The ``rope-rtc warm`` flags of a geometry; a value the config does not give reads ``N``."""
+    def shown(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "N"
+
+    return (f"--head-dim {shown(head_dim)} --heads {shown(heads)} --kv-heads {shown(kv_heads)} "
+            f"--rotary-dim {shown(rotary_dim)}" + (" --interleaved" if interleaved else ""))
+
+
+def _refuse_misread_geometry(config: dict, where: str, types: tuple, *, kv_given: bool) -> None:
+    """``ValueError`` for a config whose rotary geometry the fields :func:`from_config` reads would
+    get wrong, naming the field and the flags that give the geometry instead."""
+    model = f"model_type {types[-1]!r}" if types else "the model"
+    heads = config.get("num_attention_heads")
+    given_instead = "(with or without --model: the config then gives only the dtype)"
+    mla = next((f for f in MLA_FIELDS if config.get(f) is not None), None)
+    if mla is not None:
+        rope = config.get("qk_rope_head_dim")
+        # DeepSeek's checkpoints (Kimi K2's too) keep their rotary pairs adjacent; transformers says
+        # so in rope_interleave where the config has it.
+        adjacent = config.get("rope_interleave", any(t.startswith(("deepseek", "kimi")) for t in types)) is True
+        raise ValueError(
+            f"{where}: {mla} is set: {model} uses multi-head latent attention, whose rotary part is the "
+            f"qk_rope_head_dim ({rope!r}) channels of each q head and one k head shared by all heads, which "
+            f"hidden_size / num_attention_heads and num_key_value_heads do not describe. Give that geometry: "
+            f"{_flags(rope, heads, 1, rope, adjacent)} {given_instead}"
+            + ("" if adjacent else "; add --interleaved if its rotary pairs are adjacent"))
+    if "chatglm" in types or config.get("multi_query_group_num") is not None:
+        what = model if "chatglm" in types else "multi_query_group_num is set: the model (ChatGLM's field)"
+        hidden = config.get("hidden_size")
+        head_dim = config.get("kv_channels") or (
+            hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None)
+        kv = config.get("multi_query_group_num") if config.get("multi_query_attention", True) else heads
+        half = head_dim // 2 if isinstance(head_dim, int) else None
+        raise ValueError(
+            f"{where}: {what} keeps its kv heads in multi_query_group_num and rotates adjacent pairs in the first "
+            f"kv_channels / 2 channels of each head, which the fields this reader reads do not say. Give that "
+            f"geometry: {_flags(head_dim, heads, kv, half, True)} {given_instead}")
+    if config.get("alibi") is True:
+        raise ValueError(f"{where}: alibi is true: {model} adds ALiBi biases and has no rotary embedding to warm "
+                         "kernels for")
+    kind = config.get("position_embedding_type")
+    if kind is not None and kind not in ("rotary", "rope"):
+        raise ValueError(f"{where}: position_embedding_type {kind!r}: {model} has no rotary embedding to warm kernels "
+                         "for (only 'rotary' has)")
+    if not kv_given and config.get("num_key_value_heads") is None:
+        other = next((f for f in OTHER_KV_HEAD_FIELDS if config.get(f) is not None), None)
+        if other is None and config.get("multi_query") is True:
+            other = "multi_query"
+        if other is not None:
+            raise ValueError(f"{where}: {other} {config[other]!r} gives the kv heads, not num_key_value_heads, the "
+                             "field this reader reads; pass the kv head count as --kv-heads (kv_heads=)")
 
 
 def _partial_rotary_factor(config: dict) -> tuple[str, object]:

@@ -14,14 +14,20 @@ The operator's inputs map onto :func:`rope_rtc.apply_rope` without copying ``X``
   rotates the whole head, otherwise its first ``rotary_embedding_dim`` channels (the rest is
   copied).
 
-The caches come in ``X``'s dtype; the kernel reads float32 tables, so float16/bfloat16 caches
-are widened to float32 first (exactly: every value is representable). Each rotation is then
+The caches and ``position_ids`` live where ``X`` does (host arrays with a host ``X``, arrays of
+``X``'s device with a device ``X``): anything else is refused, never copied behind the caller's
+back. The caches come in ``X``'s dtype; the kernel reads float32 tables, so float16/bfloat16 caches
+are widened to float32 first, on ``X``'s side (exactly: every value is representable). Errors name
+the operator's inputs (``X``, ``cos_cache``, ``sin_cache``, ``position_ids``), also those of the
+general API's checks, which run for it. Each rotation is then
 computed in float32 and rounded once to ``X``'s dtype, where the ONNX reference evaluator
 rounds after each multiply and add in ``X``'s dtype: float16 results agree within a few float16
 ulps of the rotated value, float32 within a few float32 ulps.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -44,7 +50,7 @@ def _check_inputs(X, cos_cache, sin_cache, position_ids, out, batch_seq: tuple[i
     """The operator's own rules, named as the operator names its inputs, before the general API
     (which names its arguments x and positions) sees them: ``X`` and both caches of one type T,
     ``X``'s last axis contiguous, ``out`` of ``X``'s type, integer ``position_ids`` of shape
-    [batch, seq] on ``X``'s side."""
+    [batch, seq], and every input where ``X`` is."""
     xi = A.describe(X, "X")
     A.check_dtype(xi, _TYPES_T)
     A.check_last_dim_contiguous(xi)
@@ -53,16 +59,52 @@ def _check_inputs(X, cos_cache, sin_cache, position_ids, out, batch_seq: tuple[i
         if ci.dtype != xi.dtype:
             raise TypeError(f"{name}: dtype {ci.dtype} differs from X's {xi.dtype} (the operator takes X and both "
                             "caches in one type T)")
-    if out is not None and A.describe(out, "out").dtype != xi.dtype:
-        raise TypeError(f"out: dtype {A.describe(out, 'out').dtype} differs from X's {xi.dtype} (Y keeps X's type)")
+        _where_X_is(ci, xi)
+    if out is not None:
+        oi = A.describe(out, "out")
+        if oi.dtype != xi.dtype:
+            raise TypeError(f"out: dtype {oi.dtype} differs from X's {xi.dtype} (Y keeps X's type)")
+        _where_X_is(oi, xi)
     if position_ids is not None:
         pi = A.describe(position_ids, "position_ids")
         A.check_dtype(pi, ("int32", "int64"))
         if pi.shape != batch_seq:
             raise ValueError(f"position_ids: expected shape [batch, seq] = {list(batch_seq)}, got {pi.shape}")
-        if (pi.device is None) != (xi.device is None):
-            where = "host" if xi.device is None else "device"
-            raise TypeError(f"position_ids: X is a {where} array; pass position_ids as a {where} array too")
+        _where_X_is(pi, xi)
+
+
+def _where_X_is(info: A.ArrayInfo, xi: A.ArrayInfo) -> None:
+    """An input on the host with a device ``X``, on the device with a host ``X``, or on another
+    device than ``X``'s is refused rather than moved. The operator runs once per layer and step:
+    a host cache moved to the device on every call is a synchronous copy of the whole table, which
+    costs more than the rotation, stalls the host, and cannot be captured in a CUDA graph, and it
+    would be invisible in the caller's code. The caller moves a cache once (``cupy.asarray``);
+    the general API refuses mixed inputs alike."""
+    if (info.device is None) != (xi.device is None):
+        if xi.device is None:
+            raise TypeError(f"{info.name}: X is a host (NumPy) array; pass {info.name} as a host array too")
+        raise TypeError(f"{info.name}: X is a device array (device {xi.device}); pass {info.name} on that device too, "
+                        f"moved there once (cupy.asarray) rather than on every call")
+    if info.device != xi.device:
+        raise ValueError(f"{info.name}: on device {info.device}, but X is on device {xi.device}; move it with "
+                         f"cupy.asarray under cupy.cuda.Device({xi.device})")
+
+
+# The general API (rope_rtc.rope_request) runs its own checks for the operator and names the arrays
+# as its arguments are named; the operator's caller passed them as these inputs. Its checks stay
+# where they are, called rather than copied here, and their messages are renamed on the way out.
+_ONNX_NAMES = {"x": "X", "q": "X", "cos": "cos_cache", "sin": "sin_cache", "positions": "position_ids"}
+# A general name where a message uses it as an argument's: leading the message or a list of names
+# ("x, positions: ..."), after "overlaps", "but" or "from" ("out overlaps x", "from cos's"),
+# followed by ":", ",", "'s", " (", " is " or the end; never a word of the prose around it.
+_ARGUMENT_NAME = re.compile(r"(?:^|(?<=, )|(?<=overlaps )|(?<=but )|(?<=from ))(x|q|cos|sin|positions)\b"
+                            r"(?=:|,|'s| \(| is |$)")
+
+
+def _in_onnx_names(exc: Exception) -> None:
+    """Rename, in place, the general API's argument names in ``exc``'s message to the operator's."""
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        exc.args = (_ARGUMENT_NAME.sub(lambda m: _ONNX_NAMES[m.group(1)], exc.args[0]),)
 
 
 def _module_of(x):
@@ -172,8 +214,12 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
         sin = _as_table(sin_cache, "sin_cache", xp, per_token, rd // 2)
         if cos.shape[0] != sin.shape[0]:
             raise ValueError(f"sin_cache: {sin.shape[0]} rows, cos_cache {cos.shape[0]}")
-        result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved),
-                            rotary_dim=rd, out=y, stream=stream, backend=backend)
+        try:
+            result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved),
+                                rotary_dim=rd, out=y, stream=stream, backend=backend)
+        except (TypeError, ValueError) as exc:  # raised before anything is launched or written
+            _in_onnx_names(exc)
+            raise
     if out is not None:
         return out
     return result.reshape(shape) if len(shape) == 3 else result

@@ -296,12 +296,13 @@ def angle_head_batch(q_heads: int, k_heads: int, small: bool) -> int:
 
 
 def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int, rotary_offset: int,
-                     rotary_dim: int, inv_freq_dtype: str, tokens_denser: bool) -> list[FixedGeometry]:
+                     rotary_dim: int, inv_freq_dtype: str, tokens_denser: bool, pos_mode: int = -1) -> list[FixedGeometry]:
     """The builds that compute cos and sin from ``inv_freq`` for one geometry and thread order:
     for small launches and large ones (their heads per thread differ). Empty when the window is
-    not a whole number of vectors. They read the position scheme from the block: with it fixed at
-    compile time a full run measured decode at 1.68 µs (1.66 without) and prefill at 93.9% of a
-    copy (96.6-96.8% without; docs/performance.md)."""
+    not a whole number of vectors. The small launches' build compiles in the position scheme
+    ``pos_mode`` (-1: read from the block), so that its index load is issued first, as the table
+    builds' is; the large one reads it from the block: with it fixed a full run measured prefill
+    at 93.9% of a copy (96.6-96.8% without; docs/performance.md)."""
     g = fixed_geometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, tokens_denser)
     if g is None:
         return []
@@ -311,7 +312,9 @@ def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, 
     # (measured faster than the table build at decode, where the full vector was slower).
     half = g.vec // 2
     small_vec = half if half >= (2 if interleaved else 1) and rotary_offset % half == 0 else g.vec
-    return [replace(g, angles=mode, vec=small_vec, head_batch=angle_head_batch(q_heads, k_heads, True)), large]
+    small = replace(g, angles=mode, vec=small_vec, head_batch=angle_head_batch(q_heads, k_heads, True),
+                    pos_mode=pos_mode)
+    return [small, large]
 
 
 def model_pos_modes(tokens_denser: bool) -> tuple[int, ...]:

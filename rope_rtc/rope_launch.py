@@ -268,7 +268,7 @@ def angle_builds(req: Request, layout_denser: bool) -> list[FixedGeometry]:
                                   "a partial window is rotated in place only (pass out=x / q_out=q, k_out=k, or "
                                   "rotate the whole head)")
     builds = angle_geometries(req.dtype, req.interleaved, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D,
-                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser)
+                              req.rotary_offset, req.rotary_dim, req.cos.dtype, layout_denser, req.pos_mode)
     if not builds:
         raise NotImplementedError(f"rotary_dim/rotary_offset: {req.rotary_dim} at {req.rotary_offset} is not a whole "
                                   f"number of the kernel's vectors for {req.dtype}; with inv_freq the window must "

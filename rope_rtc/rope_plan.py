@@ -136,7 +136,7 @@ class RopePlan:
         if self.angles:  # the builds that compute cos and sin, for small launches and large ones
             for g in both_strides(angle_geometries(self.dtype, self.interleaved, self.q_heads, self.k_heads,
                                                    self.head_dim, self.rotary_offset, self.rotary_dim,
-                                                   self.inv_freq_dtype, self.layout == "bhsd")):
+                                                   self.inv_freq_dtype, self.layout == "bhsd", self.pos_mode)):
                 self.fixed_kernel(g)
             self._ensure_core()
             return self

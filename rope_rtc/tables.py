@@ -250,11 +250,27 @@ def _dynamic_base(base: float, factor: float, seq_len: int | None, original: int
         return math.inf
 
 
+def _dynamic_length(params: Mapping) -> int:
+    """The length past which dynamic NTK rescales the base. transformers (4.x and 5.x alike,
+    ``_compute_dynamic_ntk_parameters``) reads the model's ``max_position_embeddings`` and ignores
+    ``original_max_position_embeddings`` for this rope_type (5.x warns that it is unrecognised), so
+    a dict holding both is read as transformers reads the model; a dict with the original length
+    alone gives that one (the length the caller means, as no model's is given)."""
+    for key in ("max_position_embeddings", "original_max_position_embeddings"):
+        if params.get(key) is not None:
+            return _positive_int(f"scaling[{key!r}]", params[key], MAX_POSITIONS)
+    raise ValueError(
+        "scaling['max_position_embeddings'] is required for rope_type 'dynamic' (the model's context length, "
+        "past which transformers rescales the base; scaling['original_max_position_embeddings'] is taken when it "
+        "is absent)"
+    )
+
+
 def _dynamic(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type) -> tuple[np.ndarray, float]:
     if dim <= 2:
         raise ValueError(f"rope_type 'dynamic' needs rotary_dim > 2 (its exponent is dim / (dim - 2)), got {dim}")
     factor = _positive_param(params, "factor", "dynamic")
-    original = _original_max(params, "dynamic")
+    original = _dynamic_length(params)
     rescaled = _dynamic_base(base, factor, seq_len, original, dim, ft)
     if not math.isfinite(rescaled) or (ft is np.float32 and not rescaled <= _F32_MAX):
         raise ValueError(
@@ -459,8 +475,9 @@ def inverse_frequencies(
         A Hugging Face ``rope_scaling`` / ``rope_parameters`` dict; see :func:`rope_tables`.
     max_positions : int or None
         Length of the context the frequencies serve. Only ``"dynamic"`` (base rescaled past
-        ``original_max_position_embeddings``) and ``"longrope"`` (long factors past it) use
-        it; None means "within the original context", transformers' value at model creation.
+        the model's ``max_position_embeddings``) and ``"longrope"`` (long factors past
+        ``original_max_position_embeddings``) use it; None means "within the original
+        context", transformers' value at model creation.
     numerics : {"exact", "transformers"}
         See :func:`rope_tables`.
 
@@ -561,8 +578,8 @@ def rope_tables(
     scaling : Mapping or None
         The model's ``rope_scaling`` (or ``rope_parameters``) dict from ``config.json``, as
         it stands: ``rope_type`` (or the legacy ``type``) is one of ``"default"``,
-        ``"linear"`` (``factor``), ``"dynamic"`` (``factor``,
-        ``original_max_position_embeddings``), ``"yarn"`` (``factor``,
+        ``"linear"`` (``factor``), ``"dynamic"`` (``factor``, ``max_position_embeddings``),
+        ``"yarn"`` (``factor``,
         ``original_max_position_embeddings``, optional ``beta_fast``, ``beta_slow``,
         ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``), ``"longrope"``
         (``short_factor``, ``long_factor``, ``original_max_position_embeddings``, optional
@@ -570,10 +587,12 @@ def rope_tables(
         ``high_freq_factor``, ``original_max_position_embeddings``). Where transformers reads
         a value from the model config instead, add it to the dict: a missing
         ``original_max_position_embeddings`` is taken from ``max_position_embeddings`` in the
-        dict (for ``"dynamic"`` that is the model's ``max_position_embeddings``), and a
-        missing yarn/longrope ``factor`` is derived from it; a field that is needed and
-        absent raises ``ValueError``. ``partial_rotary_factor`` is ignored: ``rotary_dim``
-        is already the rotated width.
+        dict, and a missing yarn/longrope ``factor`` is derived from it. ``"dynamic"``
+        rescales past the model's ``max_position_embeddings``, as transformers (4.x and 5.x)
+        does, which ignores ``original_max_position_embeddings`` for it; a dict without
+        ``max_position_embeddings`` gives ``original_max_position_embeddings`` that role. A
+        field that is needed and absent raises ``ValueError``. ``partial_rotary_factor`` is
+        ignored: ``rotary_dim`` is already the rotated width.
     numerics : {"exact", "transformers"}
         ``"exact"`` (default): frequencies, scaling and angles in float64, cos/sin correctly
         rounded to float32 — the most accurate table, and what float64 references assume.

@@ -4,6 +4,9 @@ the kernels a plan for that model loads, for each architecture, on a machine wit
 from __future__ import annotations
 
 import json
+import os
+import re
+import threading
 from pathlib import Path
 
 import ml_dtypes
@@ -13,6 +16,7 @@ from rope_rtc import RopePlan, TensorDesc, cli, rope_plan
 from rope_rtc.errors import KernelNotCachedError
 from rope_rtc.model import ModelRope, from_config
 from rope_rtc.registry import rope_spec
+from rope_rtc.rope_params import POS_POSITIONS
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
@@ -310,9 +314,12 @@ def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch,
     assert from_config(base).angle_specs() == []
     model = from_config(base, inv_freq=("float64", "float64"))
     specs = model.angle_specs()
-    assert model.inv_freq == ("float64",) and len(specs) == 24 and all(s in model.specs() for s in specs)
+    # Per head set (q with k, q alone, k alone), strided and dense: token-major order a small build
+    # for each of the 4 position schemes and a large one, bhsd 3 and 1 (no cu_seqlens there).
+    assert model.inv_freq == ("float64",) and len(specs) == 3 * 2 * (5 + 4) and all(s in model.specs() for s in specs)
+    assert len(set(specs)) == len(specs)
     assert {s for s in specs} >= {g.spec() for g in angle_geometries("bfloat16", False, 32, 8, 128, 0, 128,
-                                                                       "float64", False)}
+                                                                       "float64", False, POS_POSITIONS)}
     with pytest.raises(ValueError, match="inv_freq: 'float16'"):
         from_config(base, inv_freq=("float16",))
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
@@ -325,3 +332,188 @@ def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch,
                      "--cache-dir", str(tmp_path / "c"), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "cos/sin from float32 inv_freq" in out
+
+
+# -- configs whose rotary geometry the reader cannot derive --------------------------------------
+
+# Multi-head latent attention (DeepSeek-V3's fields): the rotary part is qk_rope_head_dim channels,
+# not hidden_size / num_attention_heads, and k has one shared rotary head.
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
+               "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+               "v_head_dim": 128, "torch_dtype": "bfloat16"}
+# DeepSeek-V2-Lite: no q compression (q_lora_rank null), the same latent kv.
+DEEPSEEK_V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
+                    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                    "qk_nope_head_dim": 128, "torch_dtype": "bfloat16"}
+# ChatGLM (remote code): kv heads in multi_query_group_num, the first kv_channels / 2 channels
+# rotated in adjacent pairs.
+CHATGLM = {"model_type": "chatglm", "hidden_size": 4096, "num_attention_heads": 32, "multi_query_attention": True,
+           "multi_query_group_num": 2, "kv_channels": 128, "rope_ratio": 500, "torch_dtype": "bfloat16"}
+# transformers' GLM-4 (rotate_half takes x[..., 0::2] and x[..., 1::2]: adjacent pairs), half the head.
+GLM4 = {"model_type": "glm4", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+        "head_dim": 128, "partial_rotary_factor": 0.5, "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("config,kw,pattern", [
+    (DEEPSEEK_V3, {}, r"config: kv_lora_rank .*deepseek_v3.* multi-head latent attention.*"
+                      r"--head-dim 64 --heads 128 --kv-heads 1 --rotary-dim 64"),
+    (DEEPSEEK_V2_LITE, {}, r"config: kv_lora_rank .*deepseek_v2.* multi-head latent attention"),
+    ({**DEEPSEEK_V3, "model_type": "kimi_k2"}, {}, r"kv_lora_rank"),
+    (CHATGLM, {}, r"config: model_type 'chatglm'.*multi_query_group_num.*"
+                  r"--head-dim 128 --heads 32 --kv-heads 2 --rotary-dim 64 --interleaved"),
+    ({**CHATGLM, "model_type": None}, {}, r"multi_query_group_num"),
+    ({"model_type": "falcon", "hidden_size": 4096, "num_attention_heads": 32, "num_kv_heads": 8,
+      "new_decoder_architecture": True, "alibi": False, "torch_dtype": "bfloat16"}, {},
+     r"config: num_kv_heads .*not num_key_value_heads.*--kv-heads"),
+    ({**LLAMA3_8B, "model_type": "falcon", "alibi": True}, {}, r"config: alibi is true: .*no rotary embedding"),
+    ({**LLAMA3_8B, "position_embedding_type": "absolute"}, {}, r"config: position_embedding_type 'absolute'"),
+    ({**LLAMA3_8B, "rotary_dim": 64}, {}, r"config: rotary_dim 64 disagrees with .*128.*--rotary-dim"),
+    (GLM4, {"interleaved": False}, r"config: model_type 'glm4' rotates adjacent pairs.*--interleaved"),
+    ({**LLAMA3_8B, "model_type": "cohere2"}, {"interleaved": False}, r"model_type 'cohere2' rotates adjacent pairs"),
+    ({"model_type": "glm4v", "torch_dtype": "bfloat16", "text_config": {
+        "model_type": "glm4v_text", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 2,
+        "partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12]}}},
+     {}, r"mrope_section: the multimodal RoPE builds rotate half-split pairs"),
+])
+def test_configs_whose_rotary_geometry_the_reader_cannot_derive_are_refused(config, kw, pattern):
+    """Before: each was read as plain heads (or half-split pairs) and the wrong kernels warmed silently."""
+    config = {k: v for k, v in config.items() if v is not None or k == "q_lora_rank"}
+    with pytest.raises(ValueError, match=pattern):
+        from_config(config, **kw)
+
+
+def test_a_refused_config_serves_when_its_geometry_is_given():
+    """The advice works: with the four geometry fields given, the config supplies only the dtype."""
+    mla = dict(head_dim=64, q_heads=128, kv_heads=1, rotary_dim=64, interleaved=True)
+    assert from_config(DEEPSEEK_V3, **mla) == ModelRope(64, 128, 1, 64, "bfloat16", True)
+    glm = dict(head_dim=128, q_heads=32, kv_heads=2, rotary_dim=64, interleaved=True)
+    assert from_config(CHATGLM, **glm) == ModelRope(128, 32, 2, 64, "bfloat16", True)
+
+
+def test_adjacent_pair_models_are_read_as_interleaved():
+    """transformers' GLM, Cohere, ERNIE 4.5, Helium and Llama 4 rotate adjacent pairs: left unsaid,
+    ``interleaved`` follows the model type (before: always half-split)."""
+    assert from_config(GLM4) == ModelRope(128, 32, 2, 64, "bfloat16", True)
+    assert from_config({**GLM4, "model_type": "ernie4_5"}).interleaved is True
+    llama4 = {"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 5120, "head_dim": 128, "num_attention_heads": 40,
+        "num_key_value_heads": 8}}
+    assert from_config(llama4) == ModelRope(128, 40, 8, 128, "bfloat16", True)
+    assert from_config(GLM4, interleaved=True).interleaved is True
+    assert from_config({**LLAMA3_8B, "model_type": "llama"}).interleaved is False
+
+
+@pytest.mark.parametrize("config,want", [
+    ({**LLAMA3_8B, "model_type": "llama"}, (128, 32, 8, 128)),
+    ({"model_type": "mistral", "hidden_size": 4096, "head_dim": 128, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "torch_dtype": "bfloat16"}, (128, 32, 8, 128)),
+    ({"model_type": "qwen2", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+      "torch_dtype": "bfloat16"}, (128, 28, 4, 128)),
+    ({"model_type": "qwen2_5_vl", "torch_dtype": "bfloat16", "text_config": {
+        "model_type": "qwen2_5_vl_text", "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}}, (128, 28, 4, 128)),
+    ({"model_type": "qwen3", "hidden_size": 4096, "head_dim": 128, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "torch_dtype": "bfloat16"}, (128, 32, 8, 128)),
+    ({"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 2560, "head_dim": 256, "num_attention_heads": 8,
+        "num_key_value_heads": 4}}, (256, 8, 4, 256)),
+    ({"model_type": "olmo2", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32,
+      "torch_dtype": "float32"}, (128, 32, 32, 128)),
+    ({"model_type": "gpt_neox", "hidden_size": 2560, "num_attention_heads": 32, "rotary_pct": 0.25,
+      "torch_dtype": "float16"}, (80, 32, 32, 20)),
+    ({"model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+      "partial_rotary_factor": 0.75, "torch_dtype": "bfloat16"}, (128, 24, 8, 96)),
+    ({"model_type": "glm4_moe", "hidden_size": 5120, "head_dim": 128, "num_attention_heads": 96,
+      "num_key_value_heads": 8, "partial_rotary_factor": 0.5, "torch_dtype": "bfloat16"}, (128, 96, 8, 64)),
+])
+def test_the_configs_read_today_are_still_read(config, want):
+    model = from_config(config)
+    assert (model.head_dim, model.q_heads, model.kv_heads, model.rotary_dim) == want and model.interleaved is False
+
+
+@pytest.mark.parametrize("config,kw", [
+    ({**LLAMA3_8B, "num_key_value_heads": 5}, {}),
+    ({**LLAMA3_8B, "num_key_value_heads": 64}, {}),
+    (LLAMA3_8B, {"kv_heads": 3}),
+])
+def test_kv_heads_that_do_not_divide_q_heads_are_refused(config, kw):
+    """Before: accepted, and kernels for a geometry no model has were warmed."""
+    kv = kw.get("kv_heads", config["num_key_value_heads"])
+    with pytest.raises(ValueError, match=rf"kv_heads: {kv} does not divide q_heads 32 .*num_key_value_heads"):
+        from_config(config, **kw)
+    with pytest.raises(ValueError, match=rf"kv_heads: {kv} does not divide q_heads 32"):
+        ModelRope(128, 32, kv, 128, "bfloat16")
+
+
+def test_warm_refuses_kv_heads_that_do_not_divide_q_heads_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B, "num_key_value_heads": 5}))
+    root = tmp_path / "cache"
+    assert cli.main(["warm", "--arch", "sm_90", "--model", str(config), "--cache-dir", str(root),
+                     "--no-progress"]) != 0
+    assert "kv_heads: 5 does not divide q_heads 32" in capsys.readouterr().err
+    assert not root.exists() or not any(p.is_file() for p in root.rglob("*"))
+
+
+def _call_in_a_thread(call, fifo: Path, seconds: float = 10.0):
+    """``(value, exception)`` of ``call()``, failing the test instead of hanging when it blocks
+    (then the reader blocked on ``fifo`` is let go first: a writer opens and closes it)."""
+    outcome: list = []
+
+    def run():
+        try:
+            outcome.append((call(), None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append((None, exc))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY))  # the blocked reader sees end of file
+        thread.join(seconds)
+        pytest.fail(f"blocked for {seconds} s reading the FIFO {fifo}")
+    return outcome[0]
+
+
+def test_a_model_path_that_is_not_a_regular_file_is_refused_before_reading(tmp_path, capsys):
+    """Before: a FIFO blocked forever (reading waits for a writer); /dev/zero would never end."""
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    _, exc = _call_in_a_thread(lambda: from_config(fifo), fifo)
+    assert isinstance(exc, ValueError), exc
+    assert re.search(rf"--model: {re.escape(str(fifo))} is a FIFO \(named pipe\), not a regular file", str(exc)), exc
+    code, exc = _call_in_a_thread(lambda: cli.main(["warm", "--arch", "sm_90", "--model", str(fifo), "--cache-dir",
+                                                   str(tmp_path / "cache"), "--no-progress"]), fifo)
+    assert exc is None and code != 0
+    assert "is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+    for path, kind in ((tmp_path, "a directory"), (Path(os.devnull), "a character device")):
+        with pytest.raises(ValueError, match=rf"--model: {re.escape(str(path))} is {kind}, not a regular file"):
+            from_config(path)
+
+
+def test_a_model_path_far_larger_than_any_config_is_refused(tmp_path, monkeypatch):
+    """A weights file given by mistake is not read whole into memory; a config within the bound reads."""
+    from rope_rtc import model
+
+    monkeypatch.setattr(model, "MAX_CONFIG_BYTES", 100)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b" " * 101)
+    with pytest.raises(ValueError, match=r"holds more than 100 bytes, which no config\.json does"):
+        from_config(path)
+    path.write_text(json.dumps({"num_attention_heads": 2, "head_dim": 8, "torch_dtype": "bf16"}).ljust(100))
+    assert from_config(path) == ModelRope(8, 2, 2, 8, "bfloat16")
+
+
+def test_warm_model_of_an_adjacent_pair_model_needs_no_interleaved_flag(tmp_path):
+    """``rope-rtc warm --model glm4.json``: without ``--interleaved`` the pair style follows the
+    model type (the flag's absence was read as half-split, which the reader then refused)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GLM4))
+    args = cli.build_parser().parse_args(["warm", "--model", str(config)])
+    assert cli._model_from_args(args).interleaved is True
+    args = cli.build_parser().parse_args(["warm", "--model", str(config), "--interleaved"])
+    assert cli._model_from_args(args).interleaved is True
+    config.write_text(json.dumps(LLAMA3_8B))
+    args = cli.build_parser().parse_args(["warm", "--model", str(config)])
+    assert cli._model_from_args(args).interleaved is False

@@ -5,6 +5,8 @@ errors."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -123,4 +125,65 @@ def test_shapes_the_operator_does_not_take(case, exc, match):
     before = X.copy()
     with pytest.raises(exc, match=match):
         rotary_embedding(X, cos, sin, None, backend="numpy", **kw)
+    np.testing.assert_array_equal(X, before)
+
+
+def _device_inputs(dtype: str, with_ids: bool, **devices):
+    """The inputs of one 4-d case as fake CuPy arrays (no GPU: only described, never read), each
+    on the device ``devices`` names (default 0), or a NumPy array where it names ``"host"``."""
+    from fakes import fake_cupy
+
+    inputs = case_inputs(dtype, 4, 0, with_ids, seed=8)
+    out = {}
+    for name, a in inputs.items():
+        where = devices.get(name, 0)
+        out[name] = a if a is None or where == "host" else fake_cupy(a.shape, a.dtype, device=where)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("devices,exc,match", [
+    # A host cache with a device X was copied to the device on every call (float16: silently).
+    ({"cos": "host"}, TypeError, r"^cos_cache: X is a device array \(device 0\); pass cos_cache on that device too"),
+    ({"sin": "host"}, TypeError, r"^sin_cache: X is a device array \(device 0\); pass sin_cache on that device"),
+    ({"X": "host", "ids": "host"}, TypeError, r"^cos_cache: X is a host \(NumPy\) array; pass cos_cache as a host"),
+    ({"cos": 1, "sin": 1}, ValueError, r"^cos_cache: on device 1, but X is on device 0"),
+    ({"ids": 1}, ValueError, r"^position_ids: on device 1, but X is on device 0"),
+])
+def test_inputs_on_another_device_than_X_are_refused_before_any_copy(dtype, devices, exc, match):
+    pytest.importorskip("cupy")
+    for with_ids in (True,) if devices.get("ids", "host") != "host" else (True, False):
+        inputs = _device_inputs(dtype, with_ids, **devices)
+        with pytest.raises(exc, match=match):
+            rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"])
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("ids_past_the_cache", ValueError, r"^position_ids: entry 0 is 40, outside the table's 40 rows"),
+    ("negative_ids", ValueError, r"^position_ids: entry 0 is -1, outside"),
+    ("strided_cache_columns", UnsupportedLayoutError, r"^cos_cache: the last dimension must be contiguous"),
+    ("caches_of_different_row_strides", ValueError, r"^sin_cache: row stride 16 differs from cos_cache's 8"),
+    ("out_overlapping_X", ValueError, r"^out overlaps X \("),
+])
+def test_errors_of_the_general_checks_name_the_operators_inputs(case, exc, match):
+    """The checks the general API runs for the operator speak of X, cos_cache, sin_cache and
+    position_ids (before: x, cos, sin and positions, names the ONNX caller never used)."""
+    inputs = case_inputs("float32", 4, 0, True, seed=9)
+    X, cos, sin, ids, kw = inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], {}
+    if case == "ids_past_the_cache":
+        ids[0, 0] = 40
+    elif case == "negative_ids":
+        ids[0, 0] = -1
+    elif case == "strided_cache_columns":
+        cos = np.repeat(cos, 2, axis=1)[:, ::2]
+    elif case == "caches_of_different_row_strides":
+        sin = np.pad(sin, ((0, 0), (0, 8)))[:, :8]
+    else:
+        wide = np.zeros(X.shape[:-1] + (2 * X.shape[-1],), X.dtype)
+        wide[..., :16] = X
+        X, kw["out"] = wide[..., :16], wide[..., 8:24]
+    before = X.copy()
+    with pytest.raises(exc, match=match) as info:
+        rotary_embedding(X, cos, sin, ids, backend="numpy", **kw)
+    assert not re.search(r"\b(x|q|cos|sin|positions)\b(?=[:,']| \()", str(info.value)), info.value
     np.testing.assert_array_equal(X, before)

@@ -37,6 +37,11 @@ CASES = {
         {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 3000}, 64, 10000.0, 3000),
     "dynamic-long": (
         {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 3000}, 64, 10000.0, 5000),
+    # Both lengths in the dict: transformers rescales past the model's max_position_embeddings and
+    # ignores original_max_position_embeddings for this rope_type.
+    "dynamic-both": (
+        {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 1000,
+         "max_position_embeddings": 3000}, 64, 10000.0, 5000),
     "yarn": (
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 64, 1000000.0, 3000),
     "yarn-mscale": (
@@ -69,6 +74,12 @@ CASES = {
 # The published formulas, one pair at a time, in the algebra of the papers (not the module's).
 
 
+def dynamic_length(params: dict) -> int:
+    """The length past which dynamic NTK rescales the base: transformers reads the model's
+    max_position_embeddings; a dict without it gives original_max_position_embeddings."""
+    return params.get("max_position_embeddings") or params["original_max_position_embeddings"]
+
+
 def formula_frequencies(params: dict, dim: int, base: float, seq_len: int) -> tuple[list[float], float]:
     kind = params.get("rope_type", params.get("type", "default"))
     half = dim // 2
@@ -78,7 +89,7 @@ def formula_frequencies(params: dict, dim: int, base: float, seq_len: int) -> tu
     if kind == "linear":
         return [t / params["factor"] for t in theta], 1.0
     if kind == "dynamic":
-        s, L0 = params["factor"], params["original_max_position_embeddings"]
+        s, L0 = params["factor"], dynamic_length(params)
         if seq_len > L0:
             base = base * (s * seq_len / L0 - (s - 1)) ** (dim / (dim - 2))
         return [base ** (-2.0 * i / dim) for i in range(half)], 1.0
@@ -148,8 +159,8 @@ def hf32_frequencies(params: dict, dim: int, base: float, seq_len: int) -> tuple
     half = dim // 2
     expo = [f32(2 * i) / f32(dim) for i in range(half)]
     att = 1.0
-    if kind == "dynamic" and seq_len > params["original_max_position_embeddings"]:
-        s, L0 = params["factor"], params["original_max_position_embeddings"]
+    if kind == "dynamic" and seq_len > dynamic_length(params):
+        s, L0 = params["factor"], dynamic_length(params)
         ratio = f32(s) * f32(seq_len) / f32(L0) - f32(s - 1)
         base = f32(base) * f32(float(ratio) ** (dim / (dim - 2)))
     if kind in ("default", "linear", "dynamic"):
@@ -284,6 +295,24 @@ def test_dynamic_rescales_base_past_original_length():
         inverse_frequencies(4, base=100.0, scaling=legacy, max_positions=8)[0],
         inverse_frequencies(4, base=100.0, scaling=params, max_positions=8)[0],
     )
+
+
+def test_dynamic_rescales_past_the_models_max_position_embeddings_as_transformers_does():
+    """A dict with both lengths: transformers 5 (``_compute_dynamic_ntk_parameters``) rescales past
+    the model's ``max_position_embeddings`` and ignores ``original_max_position_embeddings``. The
+    float32 values are what transformers 5.17's LlamaRotaryEmbedding gives for this config
+    (max_position_embeddings 8, head_dim 4, base 100) at 16 positions. Before: the original
+    length (4) was used, giving base 100 * (2 * 16 / 4 - 1) ** 2 = 4900."""
+    params = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4,
+              "max_position_embeddings": 8}
+    # 16 positions, twice the model's 8: base 100 * (2 * 16 / 8 - 1) ** (4 / 2) = 900.
+    inv, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=16)
+    np.testing.assert_allclose(inv, [1.0, 1 / 30], rtol=1e-15)
+    inv32, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=16, numerics="transformers")
+    np.testing.assert_array_equal(inv32, np.array([1.0, 0.03333333507180214], np.float32))
+    # Past the original length but within the model's: the base is unchanged.
+    inv, _ = inverse_frequencies(4, base=100.0, scaling=params, max_positions=6)
+    np.testing.assert_allclose(inv, [1.0, 0.1], rtol=1e-15)
 
 
 def test_yarn_by_hand():
@@ -722,9 +751,10 @@ def hf_rotary():
     def run(params: dict, dim: int, base: float, n: int, device: str):
         params = dict(params)
         kind = params.get("rope_type", params.get("type"))
-        # transformers reads dynamic NTK's original length from the model's max_position_embeddings.
+        # transformers reads dynamic NTK's length from the model's max_position_embeddings (and
+        # ignores an original_max_position_embeddings in the dict, which stays in to show it).
         if kind == "dynamic":
-            model_max = params.pop("original_max_position_embeddings")
+            model_max = params.pop("max_position_embeddings", None) or params["original_max_position_embeddings"]
         else:
             model_max = max(n, params.get("original_max_position_embeddings", n))
         common = dict(hidden_size=2 * dim, num_attention_heads=2, head_dim=dim, max_position_embeddings=model_max)
