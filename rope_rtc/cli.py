@@ -89,6 +89,26 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _cache_dir_arg(text: str) -> str:
+    """``--cache-dir``: ROPE_RTC_CACHE_DIR's rule (an absolute path, ``~`` expanded), in its words."""
+    from .env import cache_root_path
+
+    try:
+        return cache_root_path(text, repr(text))
+    except SettingError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _arch_arg(text: str) -> str:
+    from .toolchain import parse_arch
+
+    try:
+        parse_arch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _disk_store(cache_dir: str | None):
     """A store over the versioned directory for inspection; never creates the directory."""
     from .cache import DiskStore, versioned_cache_dir
@@ -265,6 +285,9 @@ def _cmd_warm(args: argparse.Namespace) -> int:
               + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())
     print(report.summary())
+    if report.checked:
+        for line in report.missing_lines():
+            print(line)
     if report.failed:
         for line in report.failure_lines():
             print(line, file=sys.stderr)
@@ -287,7 +310,7 @@ def _model_from_args(args: argparse.Namespace):
         missing = [flag for field, flag in _MODEL_FLAGS[:3] if field not in given]
         if missing:
             raise ValueError(f"warm without --model needs {', '.join(missing)} (or --model config.json)")
-    return from_config(args.model if args.model is not None else {}, interleaved=args.interleaved,
+    return from_config(args.model if args.model is not None else {}, interleaved=True if args.interleaved else None,
                        qk_norm=True if args.qk_norm else None, inv_freq=tuple(args.inv_freq or ()), **given)
 
 
@@ -339,31 +362,29 @@ def _cmd_cache_list(args: argparse.Namespace) -> int:
 def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     """("refused", why) when the loader would refuse this verified entry under its key,
     ("stale", why) when no kernel of this installation looks its key up (built from other
-    sources or by another NVRTC: never loaded, never deleted by a load), None when it loads."""
+    sources, by another NVRTC or against other CUDA headers: never loaded, never deleted by a
+    load), None when it loads. Any kernel the library builds is recognised, whatever built it
+    (`warm`, `warm --model`, a first call, the benchmark)."""
     from . import build, toolchain
-    from .warm import spec_named
+    from .warm import build_of
 
     if entry.rope_rtc != __version__:
         return "refused", f"built by rope_rtc {entry.rope_rtc}, not {__version__}"
-    spec = spec_named(entry.kernel)
-    if spec is None:
-        return "stale", f"names no kernel of rope_rtc {__version__}"
-    candidates = [toolchain.Target(a, kind) for a in toolchain.supported_archs() for kind in ("cubin", "ptx")]
     try:  # the header's own claim first: for a sound entry that is the only key computed
         claimed = toolchain.Target(toolchain.parse_arch(entry.target), entry.kind)
-        candidates.insert(0, claimed)
     except ValueError:
-        pass
-    for target in candidates:
-        if build.spec_key(spec, target) == key:
-            # The very check the loader makes before it loads a hit (build.get_binary).
-            if build._expected(entry, target):
-                return None
-            major, minor = toolchain.nvrtc_version()
-            return "refused", (f"its key is {spec.name} for {target.name} {target.kind} built by NVRTC "
-                               f"{major}.{minor}, but its header says {entry.target} {entry.kind}, NVRTC "
-                               f"{entry.nvrtc}: the loader refuses it")
-    return "stale", "built from other sources or by another NVRTC; never loaded"
+        claimed = None
+    found = build_of(entry.kernel, key, claimed)
+    if found is None:
+        return "stale", "built from other sources, by another NVRTC or against other CUDA headers; never loaded"
+    spec, target = found
+    # The very check the loader makes before it loads a hit (build.get_binary).
+    if build._expected(entry, target):
+        return None
+    major, minor = toolchain.nvrtc_version()
+    return "refused", (f"its key is {spec.name} for {target.name} {target.kind} built by NVRTC "
+                       f"{major}.{minor}, but its header says {entry.target} {entry.kind}, NVRTC "
+                       f"{entry.nvrtc}: the loader refuses it")
 
 
 def _cmd_cache_verify(args: argparse.Namespace) -> int:
@@ -403,8 +424,10 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
           + (f" ({temps} temporary files left by interrupted writes, or being written now; `rope-rtc warm` "
              "and `rope-rtc cache clear` remove those older than an hour)" if temps else ""))
     if stale:
-        print(f"{stale} of them are never loaded by this installation (built from other sources or by another "
-              "NVRTC); `rope-rtc cache clear` removes them")
+        # `cache clear` removes every entry: advise it only when none of them is in use.
+        print(f"{stale} of them are never loaded by this installation (built from other sources, by another "
+              "NVRTC or against other CUDA headers); they only take disk space"
+              + ("; `rope-rtc cache clear` removes them" if stale == len(listed) else ""))
     if unchecked:
         print(f"note: whether the loader accepts each entry's header was not checked ({unchecked})")
     return EXIT_OK
@@ -419,8 +442,13 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     if _cannot_read(store):
         _err("clear: nothing removed")
         return EXIT_FAILED
+    from .cache.store import Refused
+
     try:
         done = store.clear()
+    except Refused as exc:  # not this user's to clear (a cache warmed by root into an image)
+        _err(f"clear: {exc}; nothing removed")
+        return EXIT_FAILED
     except OSError as exc:
         _err(f"clear: cannot read {d}: {exc.strerror}; nothing removed")
         return EXIT_FAILED
@@ -466,12 +494,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 # -- parser ----------------------------------------------------------------------------------
 
 WARM_DESCRIPTION = ("Compile every registered kernel specialisation for each --arch into the disk cache "
-                    "(no GPU needed). Entries already present and valid are left as they are.")
+                    "(no GPU needed). Entries already present and valid are left as they are. Under "
+                    "ROPE_RTC_NO_COMPILE=1 only check, read-only, that the cache holds them all: exit 1 "
+                    "listing those missing.")
 
 
 def _add_cache_dir(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cache-dir", metavar="D", default=None,
-                   help="cache root, like ROPE_RTC_CACHE_DIR (a version subdirectory is appended)")
+    p.add_argument("--cache-dir", metavar="D", default=None, type=_cache_dir_arg,
+                   help="cache root, an absolute path like ROPE_RTC_CACHE_DIR (a version subdirectory is appended)")
 
 
 def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
@@ -497,7 +527,8 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     m.add_argument("--rotary-dim", dest="rotary_dim", type=_positive_int, default=None,
                    help="rotated channels per head (default: head_dim x partial_rotary_factor)")
     m.add_argument("--interleaved", action="store_true",
-                   help="adjacent pairs (RoFormer, GPT-J) instead of Hugging Face's half-split pairs")
+                   help="adjacent pairs (RoFormer, GPT-J) instead of Hugging Face's half-split pairs; a --model "
+                        "whose model_type rotates adjacent pairs (GPT-J, GLM, Cohere, ...) is read as such without it")
     m.add_argument("--qk-norm", dest="qk_norm", action="store_true",
                    help="also the fused per-head RMSNorm + RoPE builds (apply_qk_norm_rope); on by default for "
                         "Qwen3, Qwen3-Next, Qwen3.5 and Gemma 3 configs")
@@ -539,7 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=None, parser=c)
 
     d = sub.add_parser("demo", help="run the blog's kernels (GPU) or the reference and a warm (no GPU)")
-    d.add_argument("--cache-dir", metavar="D", default=None, help="cache root for the no-GPU warm")
+    d.add_argument("--cache-dir", metavar="D", default=None, type=_cache_dir_arg,
+                   help="cache root for the no-GPU warm (an absolute path)")
+    d.add_argument("--arch", default="sm_90", type=_arch_arg,
+                   help="architecture the no-GPU warm builds for (default sm_90); a GPU runs its own")
+    d.add_argument("--no-warm", action="store_true", help="without a GPU, skip warming the cache")
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmark the kernels against a device copy (GPU)", add_help=False)

@@ -7,15 +7,38 @@ bit-exact, and the general contract promises FP32 arithmetic.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 from . import sources
 from .errors import CompileError, ToolchainError
-from .toolchain import Target, _nvrtc, _ok, cuda_headers
+from .toolchain import Target, _nvrtc, _ok, cuda_headers, headers_digest
 
 # Options every compile gets (the key hashes them; paths are deliberately absent: the include
 # folder is keyed by the CUDA version it declares, so a cache warmed elsewhere still hits).
 BASE_OPTIONS = ("-std=c++17",)
+
+# A folder named by ROPE_RTC_CUDA_INCLUDE may hold hand-edited headers that still declare the
+# wheel's CUDA_VERSION: its compiles get this define, which no source reads, set to the digest
+# of the headers they can read (toolchain.headers_digest). Being an option, it is in the key and
+# in every compile log.
+HEADERS_DIGEST_MACRO = "ROPE_RTC_CUDA_HEADERS_SHA256"
+
+_ANGLE_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*<([^>\r\n]+)>', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=2)
+def _cuda_includes(all_sources: tuple[tuple[str, bytes], ...]) -> tuple[str, ...]:
+    """The CUDA headers (``<name>`` includes) the device sources include."""
+    return tuple(sorted({m.decode(errors="replace") for _, data in all_sources for m in _ANGLE_INCLUDE.findall(data)}))
+
+
+def _headers_options() -> tuple[str, ...]:
+    h = cuda_headers()
+    if h.origin != "ROPE_RTC_CUDA_INCLUDE":
+        return ()
+    return (f"-D{HEADERS_DIGEST_MACRO}={headers_digest(h.path, _cuda_includes(sources.all_sources()))}",)
 
 
 @dataclass(frozen=True)
@@ -28,7 +51,7 @@ class CompileResult:
 
 def compile_options(defines: tuple[tuple[str, str], ...], target: Target) -> tuple[str, ...]:
     """The options that determine the output, in a fixed order (these go into the cache key)."""
-    return (target.option, *BASE_OPTIONS, *(f"-D{k}={v}" for k, v in defines))
+    return (target.option, *BASE_OPTIONS, *_headers_options(), *(f"-D{k}={v}" for k, v in defines))
 
 
 def compile_source(

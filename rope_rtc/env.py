@@ -82,11 +82,18 @@ def _parse_cache_dir(variable: str, raw: str | None) -> str | None:
             "or unset it for the user cache directory (ROPE_RTC_DISABLE_DISK_CACHE=1 keeps kernels "
             "in memory only)"
         )
+    return cache_root_path(raw, f"{variable}={raw!r}")
+
+
+def cache_root_path(raw: str, named: str) -> str:
+    """``raw`` as a cache root, ``~`` expanded: the one rule for ``ROPE_RTC_CACHE_DIR``,
+    ``rope-rtc ... --cache-dir`` and ``warm(cache_dir=)``. Raises :class:`SettingError` for a
+    relative path, its text beginning with ``named`` (how the caller names the value)."""
     path = os.path.expanduser(raw)
     # A relative root would be resolved against each process's working directory: every server
     # started elsewhere would fill (and trust) a cache in a directory nobody chose.
     if not os.path.isabs(path):
-        raise SettingError(f"{variable}={raw!r} is a relative path; set it to an absolute path (or ~/...)")
+        raise SettingError(f"{named} is a relative path; set it to an absolute path (or ~/...)")
     return path
 
 

@@ -256,3 +256,48 @@ def installed_from(path: str | os.PathLike, packages: Iterable[str]) -> str | No
 def cuda_headers() -> CudaHeaders:
     """Where NVRTC's CUDA headers come from: the runtime wheel first, then a matching system CUDA."""
     return _find_headers(settings().cuda_include)
+
+
+# Any include line, quoted or angled. Conditional includes count whether or not the condition
+# holds: keying a header too many is harmless, missing one is not.
+_ANY_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\r\n]+)[>"]', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=8)
+def headers_digest(folder: str, roots: tuple[str, ...]) -> str:
+    """SHA-256 of the headers in ``folder`` that a compile including ``roots`` (``cuda_fp16.h``,
+    ...) can read: each root and every header they include, transitively, looked up as NVRTC
+    does (a quoted name beside the including file first, then in ``folder``), named by their
+    path relative to ``folder``. A name not found there is NVRTC's own, keyed by its version.
+
+    For a header folder nobody versioned (``ROPE_RTC_CUDA_INCLUDE``): a hand edit changes this
+    even where ``CUDA_VERSION`` does not. Computed once per process and folder; the wheel's
+    headers are keyed by their version instead and never hashed.
+    """
+    import hashlib
+
+    base = os.path.abspath(folder)
+    h = hashlib.sha256()
+    seen: set[str] = set()
+    pending = [os.path.join(base, r) for r in roots]
+    while pending:
+        path = os.path.normpath(pending.pop())
+        if path in seen or not os.path.isfile(path):
+            continue
+        seen.add(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:  # NVRTC cannot read it either; its name and the failure still count
+            data = f"unreadable: {exc.strerror}".encode()
+        name = os.path.relpath(path, base).encode()
+        h.update(len(name).to_bytes(8, "little") + name + len(data).to_bytes(8, "little") + data)
+        for quote, inc in _ANY_INCLUDE.findall(data):
+            inc = inc.decode(errors="replace")
+            if quote == b'"':
+                beside = os.path.join(os.path.dirname(path), inc)
+                if os.path.isfile(beside):
+                    pending.append(beside)
+                    continue
+            pending.append(os.path.join(base, inc))
+    return h.hexdigest()

@@ -21,9 +21,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import cache, registry
+from . import cache, registry, sources
 from .build import get_binary, spec_key
-from .env import settings
+from .env import cache_root_path, settings
 from .errors import CompileError, KernelNotCachedError, RopeRtcError
 from .registry import KernelSpec
 from .toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
@@ -74,6 +74,10 @@ class WarmReport:
     failed: list[WarmFailure] = field(default_factory=list)
     seconds: float = 0.0
     stale_temporaries_removed: int = 0
+    #: ROPE_RTC_NO_COMPILE=1: the warm only checked what the cache holds, and wrote nothing
+    checked: bool = False
+    #: the cache directory does not exist (a check creates nothing)
+    directory_missing: bool = False
 
     @property
     def ok(self) -> bool:
@@ -94,9 +98,21 @@ class WarmReport:
     def headline(self) -> str:
         """One line: what the cache now holds for these targets."""
         where = f"for {', '.join(t.name for t in self.targets)} in {self.directory}"
+        if self.ok and self.checked:
+            return (f"{'all ' if self.ready > 1 else ''}{_kernels(self.ready)} present {where} "
+                    "(ROPE_RTC_NO_COMPILE=1: checked, nothing compiled or written)")
         if self.ok:
             return f"warmed {_kernels(self.ready)} {where}"
-        return f"warm incomplete: {self.ready} of {_kernels(self.total)} ready {where}"
+        missing = " (the directory does not exist)" if self.directory_missing else ""
+        return f"warm incomplete: {self.ready} of {_kernels(self.total)} ready {where}{missing}"
+
+    def missing_lines(self, limit: int = 20) -> list[str]:
+        """``missing: KERNEL for ARCH`` for each kernel a check found absent (the first ``limit``)."""
+        missing = [f for f in self.failed if f.cause == NOT_CACHED]
+        lines = [f"missing: {f.kernel} for {f.target}" for f in missing[:limit]]
+        if len(missing) > limit:
+            lines.append(f"... and {len(missing) - limit} more (--kernels GLOB narrows the check)")
+        return lines
 
     def failure_lines(self) -> list[str]:
         """One line per kind of failure, with its count; then, for failures whose evidence differs
@@ -170,16 +186,31 @@ def _glob(pattern: str) -> re.Pattern:
     return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
 
 
-def _disk_store(cache_dir: str | os.PathLike | None) -> cache.CacheStore:
+def _read_switches() -> bool:
+    """Every switch the build reads for each kernel, read once before the first: a malformed
+    value is one error up front (SettingError), not one failure per kernel. Returns whether
+    compiling is forbidden."""
+    s = settings()
+    no_compile = s.no_compile
+    _ = (s.save_source, s.log_compiles)  # read for their errors alone
+    return no_compile
+
+
+def _disk_store(cache_dir: str | os.PathLike | None, *, check_only: bool) -> cache.CacheStore:
     # A store of our own, not the process's shared one: warming must look at what is on the disk,
-    # never be satisfied by a binary this process holds in memory.
+    # never be satisfied by a binary this process holds in memory. A check (no compiling) opens
+    # it read-only: a cache shipped read-only in an image can be checked, and nothing is created,
+    # written or deleted, not even a corrupt entry or an old temporary file.
     s = settings()
     if cache_dir is None and s.disable_disk_cache:
         raise WarmError("the disk cache is disabled (ROPE_RTC_DISABLE_DISK_CACHE=1), so warming would keep "
                         "nothing; unset it or pass a cache directory")
     directory = cache.versioned_cache_dir(cache_dir)
-    disk = cache.DiskStore(directory, trust_shared=s.trust_shared_cache)
-    if not disk.writable or disk.problem:
+    disk = cache.DiskStore(directory, trust_shared=s.trust_shared_cache, read_only=check_only)
+    if check_only:
+        if disk.problem:
+            raise WarmError(f"cannot check {directory}: {disk.problem}")
+    elif not disk.writable or disk.problem:
         raise WarmError(f"cannot warm {directory}: {disk.problem or 'not writable'}")
     return cache.CacheStore(disk)
 
@@ -218,9 +249,13 @@ def warm(
 
     A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``
     list with its error text and cause; the others still run. Temporary files older than an
-    hour, left in the directory by killed processes, are removed first. With ``ROPE_RTC_NO_COMPILE=1`` nothing is
-    compiled and every missing entry is a failure, which makes ``warm`` a completeness check.
+    hour, left in the directory by killed processes, are removed first. With
+    ``ROPE_RTC_NO_COMPILE=1`` ``warm`` is a completeness check: nothing is compiled, and the cache is
+    only read (it may be read-only, or not exist); every missing entry is a failure.
     """
+    check_only = _read_switches()
+    if cache_dir is not None:
+        cache_dir = cache_root_path(os.fspath(cache_dir), f"cache_dir={os.fspath(cache_dir)!r}")
     targets = resolve_targets(archs)
     if specs is None:
         specs = select_specs(tail_heads, kernels)
@@ -230,11 +265,11 @@ def warm(
     if not specs:
         raise ValueError(f"no kernel to warm (kernels={list(kernels or [])})")
     specs = list(dict.fromkeys(specs))  # one task per kernel: two compiling one key waste a worker
-    store = _disk_store(cache_dir)
+    store = _disk_store(cache_dir, check_only=check_only)
     disk = store.disk
     assert disk is not None
-    report = WarmReport(targets, disk.directory)
-    report.stale_temporaries_removed = disk.remove_stale_temporaries()
+    report = WarmReport(targets, disk.directory, checked=check_only, directory_missing=disk.missing)
+    report.stale_temporaries_removed = disk.remove_stale_temporaries()  # none in a check: it writes nothing
     tasks = [(spec, target) for target in targets for spec in specs]
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
 
@@ -299,14 +334,56 @@ def _progress_bar(total: int, wanted: bool, what: str):
     return tqdm(total=total, desc=f"warming {what}", unit="kernel", file=sys.stderr, leave=False)
 
 
-def spec_named(name: str) -> KernelSpec | None:
-    """The registered specialisation called ``name`` (any tail head count), or None."""
-    heads = re.search(r"\bTAIL_HEADS=(\d+)", name)
-    extra = (int(heads.group(1)),) if heads and 0 < int(heads.group(1)) < 1 << 20 else ()
-    for spec in registry.all_specs(tuple(sorted({*registry.DEFAULT_TAIL_HEADS, *extra}))):
-        if spec.name == name:
-            return spec
+# A kernel's name is its family and its defines in order (registry.KernelSpec.name).
+_SPEC_NAME = re.compile(r"([A-Za-z_]\w*)(?:\[(.*)\])?")
+_DEFINE = re.compile(r"([A-Za-z_]\w*)=([^,=\[\]]*)")
+
+
+def specs_named(name: str) -> list[KernelSpec]:
+    """Every specialisation this installation could have built under the name ``name``: its
+    family and defines read back from the name, with each device source that could hold the
+    family, likeliest first (a name does not say its source; the cache key does). Empty when
+    ``name`` is not a kernel's name.
+
+    No list of specialisations is consulted, so a model's builds (``warm --model``: QK-norm,
+    KV cache, fixed geometry), any tail head count and the benchmark's kernels are found alike.
+    """
+    m = _SPEC_NAME.fullmatch(name)
+    if m is None:
+        return []
+    family, inside = m.groups()
+    defines: tuple[tuple[str, str], ...] = ()
+    if inside is not None:
+        parts = [_DEFINE.fullmatch(p) for p in inside.split(",")]
+        if not all(parts):
+            return []
+        defines = tuple((p.group(1), p.group(2)) for p in parts)
+
+    def likeness(source: str) -> int:
+        stem = source[: -len(".cu")]
+        return 0 if stem == family else 1 if stem.startswith(family + "_") or family.startswith(stem + "_") else 2
+
+    entry_sources = sorted((n for n, _ in sources.all_sources() if n.endswith(".cu")), key=likeness)
+    return [KernelSpec(family, src, (), defines) for src in entry_sources]
+
+
+def build_of(kernel: str, key: str, claimed: Target | None = None) -> tuple[KernelSpec, Target] | None:
+    """The specialisation named ``kernel`` and the target whose cache key is ``key`` in this
+    installation (same sources, NVRTC, CUDA headers and version), or None: then nothing here
+    ever looks that key up. ``claimed``, the target an entry's header names, is tried first; the
+    others are tried too, so that a header rewritten to claim another target is still matched
+    to the key it sits under (and the loader's refusal of it can be reported)."""
+    specs = specs_named(kernel)
+    if not specs:
+        return None
+    tries = [(spec, claimed) for spec in specs] if claimed is not None else []
+    tries += [(specs[0], Target(arch, kind)) for arch in supported_archs() for kind in ("cubin", "ptx")
+              if Target(arch, kind) != claimed]
+    for spec, target in tries:
+        if spec_key(spec, target) == key:
+            return spec, target
     return None
 
 
-__all__ = ["WarmError", "WarmFailure", "WarmReport", "resolve_targets", "select_specs", "spec_named", "warm"]
+__all__ = ["WarmError", "WarmFailure", "WarmReport", "build_of", "resolve_targets", "select_specs", "specs_named",
+           "warm"]

@@ -163,6 +163,39 @@ def test_spec_key_ignores_where_the_headers_live(monkeypatch):
     assert build.spec_key(spec, SM90) == base
 
 
+def test_spec_key_follows_the_bytes_of_an_overridden_header_folder(tmp_path, monkeypatch):
+    """ROPE_RTC_CUDA_INCLUDE names headers nobody versioned: a hand-edited copy must never share
+    entries with the headers it was copied from, whatever CUDA_VERSION it still declares."""
+    import shutil
+
+    from rope_rtc import toolchain
+
+    spec = registry.rope_spec("bfloat16", False, 8)
+    default = build.spec_key(spec, SM90)
+    wheel = Path(toolchain.cuda_headers().path)
+    copies = {}
+    for name, edit in (("copy", None), ("edited", "cuda_bf16.hpp"), ("unread", "cudaGL.h")):
+        copies[name] = tmp_path / name
+        shutil.copytree(wheel, copies[name])
+        if edit is not None:
+            with open(copies[name] / edit, "ab") as f:
+                f.write(b"\n/* edited by hand */\n")
+    keys = {}
+    for name, folder in copies.items():
+        monkeypatch.setenv("ROPE_RTC_CUDA_INCLUDE", str(folder))
+        keys[name] = build.spec_key(spec, SM90)
+        assert build.spec_key(spec, SM90) == keys[name]
+    assert keys["edited"] != keys["copy"] and keys["edited"] != default
+    # A header no source includes, directly or through another header, is not an input.
+    assert keys["unread"] == keys["copy"]
+    # The folder is hashed once per process, not on every key.
+    info = toolchain.headers_digest.cache_info()
+    monkeypatch.setenv("ROPE_RTC_CUDA_INCLUDE", str(copies["edited"]))
+    for _ in range(3):
+        assert build.spec_key(spec, SM90) == keys["edited"]
+    assert toolchain.headers_digest.cache_info().misses == info.misses
+
+
 # -- the entry format -------------------------------------------------------------------------
 
 def sample_entry(key: str = "ab" * 32, payload: bytes = bytes(range(256)) * 4) -> Entry:

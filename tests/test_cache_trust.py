@@ -19,6 +19,7 @@ import pytest
 from rope_rtc import build, cache, registry
 from rope_rtc._version import __version__
 from rope_rtc.cache import Entry, decode_entry, encode_entry
+from rope_rtc.cache import store as store_mod
 from rope_rtc.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
 from rope_rtc.toolchain import Target, nvrtc_version
@@ -356,6 +357,83 @@ def test_clear_removes_only_the_caches_own_files(tmp_path, capsys):
     assert {k: v for k, v in before.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"} == \
         {k: v for k, v in after.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"}
     assert {n: (d / n).read_bytes() for n in files} == files
+
+
+def _clear(root: Path) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["cache", "clear", "--cache-dir", str(root)])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_clear_of_a_cache_this_user_cannot_write_fails_naming_it_and_removes_nothing(tmp_path, monkeypatch):
+    from cache_fixtures import tree_snapshot
+
+    root = tmp_path / "root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
+    d = cache.versioned_cache_dir(root)
+    real_access = os.access
+    monkeypatch.setattr(store_mod.os, "access",
+                        lambda p, m, **kw: False if Path(p) == d else real_access(p, m, **kw))
+    before = tree_snapshot(tmp_path)
+    rc, out, err = _clear(root)
+    assert rc == 1, out + err
+    assert str(d) in err and "not writable" in err and "nothing removed" in err, err
+    assert "removed" not in out, out
+    assert tree_snapshot(tmp_path) == before
+
+
+@needs_root
+def test_clear_leaves_entries_another_user_owns_and_says_so(tmp_path):
+    root = tmp_path / "root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog",
+                     "--kernels", "tail", "--tail-heads", "1"]) == 0
+    d = cache.versioned_cache_dir(root)
+    theirs = sorted(d.glob("*.bin"))[0]
+    os.chown(theirs, OTHER_UID, -1)
+    rc, out, err = _clear(root)
+    assert rc == 1, out + err
+    assert "removed 2 files" in out and "not the cache's" not in out, out
+    assert theirs.name in err and f"owned by uid {OTHER_UID}" in err, err
+    assert [p.name for p in d.iterdir()] == [theirs.name]
+
+
+@pytest.fixture
+def image_area():
+    """A directory every user can reach (pytest's own are root's, mode 0700), removed afterwards."""
+    import shutil
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="rope_rtc-image-"))
+    top.chmod(0o755)
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+@pytest.mark.skipif(not CAN_SWITCH_USER, reason="acting as another user needs root")
+def test_clear_by_a_user_who_does_not_own_an_image_cache_fails_naming_it(image_area):
+    from cache_fixtures import tree_snapshot
+
+    root = image_area / "image-cache"
+    d = private_dir(cache.versioned_cache_dir(root))
+    for spec in (SPEC, registry.blog_spec()):
+        build.get_binary(spec, SM90, store=fresh_store(d), announce=False)
+    for p in (root, d):
+        p.chmod(0o755)  # `chmod a+rX`, as an image build does
+    for p in d.iterdir():
+        p.chmod(0o644)
+    _clear(image_area / "warm-up")  # import here what clear imports: the child may not read every file
+    before = tree_snapshot(image_area, skip=image_area / "warm-up")
+    rc, out, err = as_other_user(lambda: _clear(root))
+    assert rc == 1, out + err
+    assert str(d) in err and "not writable" in err and "nothing removed" in err, err
+    assert "removed 0" not in out and "not the cache's" not in out, out
+    assert tree_snapshot(image_area, skip=image_area / "warm-up") == before
 
 
 # -- verify agrees with the loader -----------------------------------------------------------------

@@ -423,9 +423,161 @@ def test_cache_list_into_a_closed_pipe_exits_quietly(tmp_path, capsys):
                                                           ["cache", "clear"], ["warm", "--arch", "sm_90", "--kernels", "blog"])),
     # The cache commands manage the disk whatever this switch says; the others read it.
     *(("ROPE_RTC_DISABLE_DISK_CACHE", "maybe", c) for c in (["info"], ["warm", "--arch", "sm_90", "--kernels", "blog"])),
+    # Switches the build reads for each kernel: warm reads them once, before the first compile.
+    *((v, "yes please", ["warm", "--arch", "sm_90", "--kernels", "blog", "--no-progress"])
+      for v in ("ROPE_RTC_NO_COMPILE", "ROPE_RTC_SAVE_SOURCE", "ROPE_RTC_LOG_COMPILES")),
 ])
 def test_a_bad_switch_value_is_one_line_naming_the_variable(monkeypatch, capsys, no_device, variable, value, command):
     monkeypatch.setenv(variable, value)
     assert cli.main(command) == cli.EXIT_USAGE
     err = capsys.readouterr().err
     assert f"{variable}={value!r}" in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- verify knows every entry the library builds ------------------------------------------------------
+
+# A model's specialised builds (QK-norm and KV-cache), as `warm --model` writes them; few, to stay quick.
+MODEL_WARM = ("--dtype", "bfloat16", "--head-dim", "64", "--heads", "4", "--kv-heads", "2", "--qk-norm",
+              "--kernels", "qk_norm_rope*", "--kernels", "rope_cache*")
+
+
+def _rewrite_header(path: Path, **fields) -> None:
+    """Rewrite an entry's header fields with a checksum that matches: only the loader's own
+    comparison of header and key can tell."""
+    from dataclasses import replace
+
+    from rope_rtc.cache import decode_entry, encode_entry
+
+    path.write_bytes(encode_entry(replace(decode_entry(path.read_bytes()), **fields)))
+
+
+def test_cache_verify_checks_model_builds_as_current_and_finds_a_tampered_one(capsys, tmp_path):
+    from cache_fixtures import fresh_store
+
+    root = tmp_path / "c"
+    d = cache.versioned_cache_dir(root)
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", *MODEL_WARM)
+    assert rc == 0, err
+    # The benchmark's copy kernel is an entry the library writes too (rope-rtc bench).
+    bench = registry.KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin"))
+    build.get_binary(bench, toolchain.Target(90), store=fresh_store(d), announce=False)
+    listed = cache.DiskStore(d, create=False).list()
+    families = {e.entry.kernel.split("[")[0] for e in listed}
+    assert families == {"qk_norm_rope", "rope_cache", "bench_copy"}, families
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0, err
+    assert f"all {len(listed)} entries" in out
+    assert "never loaded" not in out and "cache clear" not in out, out
+
+    victim = next(e for e in listed if e.entry.kernel.startswith("qk_norm_rope"))
+    _rewrite_header(victim.path, target="sm_80")
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1, out
+    line = next(line for line in err.splitlines() if victim.key[:12] in line)
+    assert victim.entry.kernel in line and "sm_80" in line and "loader refuses" in line, line
+
+
+def test_cache_verify_never_advises_clearing_entries_in_use(capsys, tmp_path):
+    from rope_rtc.cache import Entry, encode_entry
+
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    major, minor = toolchain.nvrtc_version()
+    # A blog entry whose key this installation never computes (built from other sources).
+    stale = d / f"{'f' * 64}.bin"
+    stale.write_bytes(encode_entry(Entry("f" * 64, "blog", "sm_90", "cubin", f"{major}.{minor}", __version__,
+                                         b"\x7fELF old", 1.0)))
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0, err
+    assert "all 4 entries" in out and "1 of them are never loaded" in out, out
+    assert "cache clear" not in out, out  # it would remove the 3 entries in use as well
+    for p in d.glob("*.bin"):
+        if p != stale:
+            p.unlink()
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "1 of them are never loaded" in out and "rope-rtc cache clear" in out, out
+
+
+# -- warm under ROPE_RTC_NO_COMPILE checks, and writes nothing ------------------------------------------
+
+def test_warm_under_no_compile_checks_a_read_only_cache_and_writes_nothing(capsys, tmp_path, monkeypatch):
+    from cache_fixtures import tree_snapshot
+
+    root = tmp_path / "image"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    old = d / ".tmp-abandoned.part"
+    old.write_bytes(b"half an entry")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    # A read-only image (as root, chmod cannot refuse writes: os.access says so instead).
+    real_access = os.access
+    monkeypatch.setattr(store_mod.os, "access",
+                        lambda p, mode, **kw: False if Path(p) == d else real_access(p, mode, **kw))
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    before = tree_snapshot(tmp_path)
+    args = ("--cache-dir", str(root), "--no-progress", "--kernels", "blog", "--kernels", "tail", "--tail-heads", "1")
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", *args)
+    assert rc == 0, err
+    assert "all 3 kernels present for sm_90" in out and "compiled 0, already cached 3, failed 0" in out, out
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--arch", "sm_80", *args)
+    assert rc == 1, out
+    assert "3 of 6 kernels ready" in out, out
+    missing = [line for line in out.splitlines() if line.startswith("missing: ")]
+    assert sorted(missing) == sorted(f"missing: {s.name} for sm_80" for s in registry.all_specs((1,))
+                                     if s.family in ("blog", "tail")), out
+    assert "3 kernels are not in the cache" in err, err
+    assert tree_snapshot(tmp_path) == before, "a no-compile warm wrote, removed or created a file"
+
+
+def test_warm_under_no_compile_of_a_missing_cache_creates_nothing(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    root = tmp_path / "nowhere"
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress",
+                            "--kernels", "blog")
+    assert rc == 1 and "0 of 1 kernel" in out and "does not exist" in out, out
+    assert not root.exists()
+
+
+# -- --cache-dir follows ROPE_RTC_CACHE_DIR's rule -----------------------------------------------------
+
+@pytest.mark.parametrize("command", [["info"], ["cache", "list"], ["cache", "verify"], ["cache", "clear"],
+                                     ["warm", "--arch", "sm_90", "--kernels", "blog", "--no-progress"], ["demo"]])
+def test_a_relative_cache_dir_option_is_refused_as_the_variable_is(capsys, monkeypatch, tmp_path, no_device, command):
+    demo = types.ModuleType("rope_rtc.demo")
+    demo.main = lambda args: 0
+    monkeypatch.setitem(sys.modules, "rope_rtc.demo", demo)
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_main(capsys, *command, "--cache-dir", "relative/dir")
+    assert rc == 2, out + err
+    assert "--cache-dir" in err and "'relative/dir' is a relative path" in err and "absolute path" in err, err
+    assert not (tmp_path / "relative").exists()
+    # The same rule, in the same words, as the variable's.
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", "relative/dir")
+    from rope_rtc.errors import SettingError
+    from rope_rtc.env import settings
+
+    with pytest.raises(SettingError, match="'relative/dir' is a relative path; .*absolute path"):
+        settings().cache_dir
+
+
+# -- demo --arch --------------------------------------------------------------------------------------
+
+def test_demo_passes_arch_and_no_warm_to_the_demo(capsys, monkeypatch):
+    seen = {}
+    demo = types.ModuleType("rope_rtc.demo")
+    demo.main = lambda args: seen.setdefault("args", args) and None
+    monkeypatch.setitem(sys.modules, "rope_rtc.demo", demo)
+    assert cli.main(["demo", "--arch", "sm_80", "--no-warm"]) == 0
+    assert seen["args"].arch == "sm_80" and seen["args"].no_warm is True
+    rc, _, err = run_main(capsys, "demo", "--arch", "volta")
+    assert rc == 2 and "--arch" in err and "not an architecture" in err, err
+
+
+def test_demo_without_a_gpu_warms_the_arch_given(capsys, tmp_path, monkeypatch, no_device):
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")  # the check is enough: which arch it looked for
+    rc, out, err = run_main(capsys, "demo", "--arch", "sm_80", "--cache-dir", str(tmp_path / "c"))
+    assert rc == 1, out + err
+    assert "warming the kernel cache for sm_80" in out and "--arch sm_80" in out, out
+    assert "sm_90" not in out, out

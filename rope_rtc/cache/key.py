@@ -5,7 +5,8 @@ A ``"|".join`` key is not injective and a truncated hash can collide; so every f
 never compiler output. The key changes whenever the binary could: every source file the
 specialisation includes (rope_rtc/sources.py), the specialisation, every option, the NVRTC
 version, the CUDA headers' version, the target architecture and output kind, rope_rtc's
-version, and KEY_FORMAT.
+version, and KEY_FORMAT. Headers from a folder ROPE_RTC_CUDA_INCLUDE names are keyed by their
+bytes as well, through an option (rope_rtc/compiler.py).
 """
 
 from __future__ import annotations

@@ -93,6 +93,14 @@ class _NotAFile(Exception):
     """Something other than a regular file or a link sits at an entry's name."""
 
 
+class _OtherOwner(Exception):
+    """A file named and made as the store's own that another user owns: not ours to remove."""
+
+    def __init__(self, uid: int) -> None:
+        super().__init__(f"owned by uid {uid}")
+        self.uid = uid
+
+
 class _DirectoryError(Exception):
     """Publishing failed because of the directory, not the entry; wraps the OSError."""
 
@@ -246,9 +254,12 @@ class DiskStore:
 
     ``usable``: entries may be read; ``writable``: entries may be published; ``problem``: why
     not, in a sentence; ``missing``: the directory does not exist (and was not created).
+    ``read_only``: never create, write or delete anything (a check of what a cache holds).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, trust_shared: bool = False, create: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, *, trust_shared: bool = False, create: bool = True,
+                 read_only: bool = False) -> None:
+        create = create and not read_only
         self.directory = Path(directory)
         self.trust_shared = trust_shared
         self.usable = True
@@ -275,7 +286,9 @@ class DiskStore:
             self._unusable(f"cannot open cache directory {self.directory}: {exc.strerror}")
         else:
             os.close(fd)
-            if not os.access(self.directory, os.W_OK | os.X_OK):
+            if read_only:
+                self.writable = False
+            elif not os.access(self.directory, os.W_OK | os.X_OK):
                 self.writable = False
                 self.problem = f"cache directory {self.directory} is not writable; serving its entries read-only"
 
@@ -550,7 +563,8 @@ class DiskStore:
     def _own_kind(self, dfd: int, name: str) -> str | None:
         """"entries", "sources" or "temporary" when ``name`` is one of the store's own files
         (a regular file we own, named as the store names them, an entry in the entry format);
-        None for anything else."""
+        None for anything else. Raises _OtherOwner for a file that looks like one of them but
+        that another user owns (this user may not remove it)."""
         if _ENTRY_NAME.fullmatch(name):
             kind = "entries"
         elif _SOURCE_NAME.fullmatch(name):
@@ -559,31 +573,47 @@ class DiskStore:
             kind = "temporary"
         else:
             return None
-        if not self._ours(_lstat_at(name, dfd)):
+        st = _lstat_at(name, dfd)
+        if not stat.S_ISREG(st.st_mode):
             return None
         head = {"entries": MAGIC, "sources": SOURCE_HEAD}.get(kind)
         if head is not None:
-            fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+            except PermissionError:
+                if self._ours(st):
+                    raise
+                raise _OtherOwner(st.st_uid) from None
             try:
                 if os.read(fd, len(head)) != head:
                     return None
             finally:
                 os.close(fd)
+        if not self._ours(st):
+            raise _OtherOwner(st.st_uid)
         return kind
 
     def clear(self) -> Cleared:
         """Remove the store's own files (entries, saved sources, temporary files); leave the rest,
         and the temporary files a publish may be writing now (younger than STALE_TEMP_SECONDS:
-        removing one would fail that publish)."""
+        removing one would fail that publish). A file of the cache that another user owns is not
+        removed, and is reported as a failure. Raises Refused, removing nothing, when this user
+        may not remove files from the directory (a cache warmed by root into an image)."""
         done = Cleared()
         cutoff = time.time() - STALE_TEMP_SECONDS
         with self._dir() as dfd:
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise Refused(self._not_writable_reason(dfd))
             for name in self._names(dfd):
                 try:
                     kind = self._own_kind(dfd, name)
                     if kind == "temporary" and _lstat_at(name, dfd).st_mtime >= cutoff:
                         done.in_progress.append(name)
                         continue
+                except _OtherOwner as exc:
+                    done.failed.append((name, f"owned by uid {exc.uid}, not this user (uid {os.getuid()}): "
+                                              "only its owner may remove it"))
+                    continue
                 except OSError as exc:
                     done.failed.append((name, exc.strerror or str(exc)))
                     continue
@@ -597,6 +627,15 @@ class DiskStore:
                 else:
                     setattr(done, kind, getattr(done, kind) + 1)
         return done
+
+    def _not_writable_reason(self, dfd: int) -> str:
+        st = os.fstat(dfd)
+        if hasattr(os, "getuid") and st.st_uid != os.getuid():
+            why = (f"it belongs to uid {st.st_uid} and this user (uid {os.getuid()}) may not remove files from it: "
+                   f"clear it as uid {st.st_uid}, or give --cache-dir a cache of your own")
+        else:
+            why = f"mode {stat.S_IMODE(st.st_mode):o}, or a read-only filesystem"
+        return f"cache directory {self.directory} is not writable ({why})"
 
     def remove_stale_temporaries(self, max_age_s: float = STALE_TEMP_SECONDS) -> int:
         """Remove our temporary files older than ``max_age_s`` (left by killed processes); a
