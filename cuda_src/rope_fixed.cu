@@ -22,7 +22,8 @@
 //                     inverse frequencies (float64 or float32) in the cos field (angles.cuh)
 //   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
 //                     absent or -1: read from the block (the multimodal builds, which read their
-//                     own position streams)
+//                     own position streams; the angle builds for large launches; the table
+//                     builds of bf16 interleaved pairs in bhsd order: rope_rtc/registry.py)
 //   FIX_DENSE         optional: 1 for arrays whose heads (token-major order) or rows (bhsd) are
 //                     head_dim apart and whose batches follow each other: one run-time stride per
 //                     array (dense_in, dense_out); with an offset, offsets or positions compiled
@@ -32,8 +33,10 @@
 // call with a partial window (the outside copied) runs the generic kernel.
 //
 // Work split: one thread per (token, group of FIX_HB heads, vector unit), in FIX_ORDER. A thread
-// issues its q/k loads first, then the position and table loads (so the q/k loads do not wait
-// on the position), then rotates and stores; the table slice is read once for the thread's heads.
+// issues its q/k loads and its position load independently (with the scheme compiled in, the
+// compiler issues the position load first; the gathered multimodal build loads its first merged
+// value's position before the q/k loads), then the table loads, then rotates and stores; the
+// table slice is read once for the thread's heads.
 // The vector width, heads per thread, orders and cache hints kept here are the ones that
 // measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
 // its partner half through a warp shuffle measured slower and is not kept.
@@ -140,17 +143,41 @@ constexpr unsigned TOKEN_THREADS = GROUPS * CHUNKS;
 // Tokens one block can touch: its threads may start and end inside a token.
 constexpr unsigned MERGED_TOKENS = (MAX_BLOCK + TOKEN_THREADS - 1) / TOKEN_THREADS + 1;
 
-// Fill merged[slot][0 cos | 1 sin][column] for the tokens of this block (sign applied to sin; NaN
-// for a position outside the table). Every thread of the block takes part.
-__device__ __forceinline__ void gather_merged(const FixedParams& p, float (*merged)[2][HALF]) {
+// The block's first token, its token count, and the position of this thread's first merged
+// value (v = threadIdx.x). The kernel calls this before it issues its
+// q/k loads, so that the position load, on which the table load and then the block's barrier wait,
+// leaves first, as a plain build's does; loaded inside the gather it issued after the q/k loads
+// and their address arithmetic (docs/performance.md).
+struct MergedStart {
+    unsigned t0, n;
+    i64 pos0;
+};
+
+__device__ __forceinline__ MergedStart gather_start(const FixedParams& p) {
     const bool wide = p.index_flags & IDX_POSITIONS_I64;
-    const float sign = p.sin_sign;
     const unsigned first = blockIdx.x * blockDim.x;
     const unsigned last = min(first + blockDim.x, (unsigned)p.total) - 1;
-    const unsigned t0 = first / TOKEN_THREADS, n = last / TOKEN_THREADS - t0 + 1;
-    for (unsigned v = threadIdx.x; v < n * HALF; v += blockDim.x) {
+    MergedStart m;
+    m.t0 = first / TOKEN_THREADS;
+    m.n = last / TOKEN_THREADS - m.t0 + 1;
+    // A thread without a value loads the first one's position (unused): a load outside the
+    // gather's loop and its branch, which the compiler then issues ahead of the q/k loads.
+    const unsigned v = threadIdx.x < m.n * HALF ? threadIdx.x : 0, slot = v / HALF, col = v - slot * HALF;
+    m.pos0 = load_index(p.positions, (i64)mrope_stream(col) * mrope_stride(p) + m.t0 + slot, wide);
+    return m;
+}
+
+// Fill merged[slot][0 cos | 1 sin][column] for the tokens of this block (sign applied to sin; NaN
+// for a position outside the table). Every thread of the block takes part; its first value's
+// position is m.pos0.
+__device__ __forceinline__ void gather_merged(const FixedParams& p, const MergedStart& m, float (*merged)[2][HALF]) {
+    const bool wide = p.index_flags & IDX_POSITIONS_I64;
+    const float sign = p.sin_sign;
+    for (unsigned v = threadIdx.x; v < m.n * HALF; v += blockDim.x) {
         const unsigned slot = v / HALF, col = v - slot * HALF;
-        const i64 r = mrope_row(p, t0 + slot, mrope_stream(col), wide);
+        const i64 pos = v == threadIdx.x ? m.pos0
+                                         : load_index(p.positions, (i64)mrope_stream(col) * mrope_stride(p) + m.t0 + slot, wide);
+        const i64 r = (pos >= 0 && pos < p.table_rows) ? pos : -1;
         float c = __int_as_float(0x7fffffff), sn = c;
         if (r >= 0) {
             c = __ldg((const float*)p.cos + r * p.table_stride + col);
@@ -160,6 +187,9 @@ __device__ __forceinline__ void gather_merged(const FixedParams& p, float (*merg
         merged[slot][1][col] = sn;
     }
 }
+#else
+struct MergedStart {};  // the other builds gather nothing
+__device__ __forceinline__ MergedStart gather_start(const FixedParams&) { return MergedStart(); }
 #endif
 
 // Token t's table row (-1 outside the table). With the scheme fixed at compile time the compiler
@@ -176,10 +206,10 @@ __device__ __forceinline__ i64 fixed_row(const FixedParams& p, unsigned t, unsig
 
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
-                                            float* c, float* sn) {
+                                            float* c, float* sn, const MergedStart& m) {
 #if MROPE_SHARED
     __shared__ __align__(16) float merged[MERGED_TOKENS][2][HALF];
-    gather_merged(p, merged);
+    gather_merged(p, m, merged);
     __syncthreads();
     const unsigned slot = t - (blockIdx.x * blockDim.x) / TOKEN_THREADS;
 #pragma unroll
@@ -240,6 +270,7 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned)p.total) return;
 #endif
+    const MergedStart m = gather_start(p);  // before the q/k loads (see gather_start)
 #if FIX_ORDER == 1
     const unsigned r = i / CHUNKS, u = i - r * CHUNKS;
     const unsigned bg = fast_div(r, p.div_seq), s = r - bg * (unsigned)p.seq_len;
@@ -274,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
     vec_t x[FIX_HB];
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) x[k] = load_stream(in + k * in_sh);
-    table_slice(p, t, b, s, u, c, sn);
+    table_slice(p, t, b, s, u, c, sn, m);
 #if MROPE_SHARED
     if (!live) return;
 #endif
@@ -296,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
         lo[k] = load_stream(in + k * in_sh);
         hi[k] = load_stream(in + k * in_sh + HALF);
     }
-    table_slice(p, t, b, s, u, c, sn);
+    table_slice(p, t, b, s, u, c, sn, m);
 #if MROPE_SHARED
     if (!live) return;
 #endif

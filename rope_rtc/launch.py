@@ -142,9 +142,9 @@ def launch_threads(prefix: tuple) -> int:
 
 
 def remember(cache: dict, key, value, limit: int = RECENT_SETS) -> None:
-    """Store ``key`` in a bounded cache, dropping the first entry (the oldest, or with ``recall``
-    the least recently used) when it is full."""
-    if len(cache) >= limit:
+    """Store ``key`` in a bounded cache as its newest entry, dropping the first entry (the oldest,
+    or with ``recall`` the least recently used) when a new key finds it full."""
+    if cache.pop(key, None) is None and len(cache) >= limit:
         del cache[next(iter(cache))]
     cache[key] = value
 
@@ -303,7 +303,7 @@ class Launcher:
                         self._last_token, self._last_graph, self._last_graph_stream = token, graph, handle
                         self._launch_graph(graph, handle, prefix)
                         return
-            if launch_threads(prefix) < REPLAY_THREADS:  # a larger set is never seen, never replayed
+            if self.replay and launch_threads(prefix) < REPLAY_THREADS:  # a larger set is never seen, never replayed
                 remember(self._seen, id(token), token)
         argv = self._argv
         if prefix is not self._prefix or handle != self._handle:
@@ -404,6 +404,7 @@ class Launcher:
         try:
             exe = self._instantiate(prefix, token)
         except CudaError as exc:
+            self.forget()  # never replayed again: their graphs and the arrays their tokens hold go now
             self.replay = False
             warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning, stacklevel=4)
             return None

@@ -173,13 +173,18 @@ def test_an_instantiation_failure_falls_back_to_plain_launches(rig, monkeypatch)
     def fail(self, prefix, token):
         raise CudaError("cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY", name="CUDA_ERROR_OUT_OF_MEMORY", code=2)
 
+    other = ("set made before",)
+    launcher(PREFIX, None, other)
+    launcher(PREFIX, None, other)  # a graph, made while the driver could
     monkeypatch.setattr(L.Launcher, "_instantiate", fail)
     token = ("set",)
     launcher(PREFIX, None, token)
     with pytest.warns(RuntimeWarning, match="without graph replay"):
         launcher(PREFIX, None, token)
     launcher(PREFIX, None, token)
-    assert [c[0] for c in calls] == ["plain"] * 3 and launcher.replay is False
+    launcher(PREFIX, None, other)
+    assert [c[0] for c in calls] == ["plain", "graph"] + ["plain"] * 4 and launcher.replay is False
+    assert not launcher._graphs and not launcher._seen  # nothing kept that will never replay
 
 
 def test_an_explicit_stream_is_used_as_its_handle(rig):
@@ -335,3 +340,16 @@ def test_one_call_launches_of_many_threads_are_kernel_launches(rig):
     assert calls == [("plain", 7), ("plain", 7)] and made == []
     launcher.launch(edge, 7)
     assert made == [id(edge)] and calls[-1] == ("graph", id(edge), 7)
+
+
+def test_remembering_a_key_already_held_drops_no_other_entry():
+    """A plan re-binds a remembered argument set whose arrays were reshaped in place under the same
+    key: the cache keeps its other entries (before: a full cache dropped its oldest one, leaving
+    15), and the key becomes the newest."""
+    cache: dict = {}
+    for i in range(L.RECENT_SETS):
+        L.remember(cache, i, str(i))
+    L.remember(cache, 5, "again")
+    assert len(cache) == L.RECENT_SETS and 0 in cache and list(cache)[-1] == 5 and cache[5] == "again"
+    L.remember(cache, "new", "x")
+    assert len(cache) == L.RECENT_SETS and 0 not in cache and 1 in cache
