@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import sys
 import threading
 import warnings
@@ -157,6 +158,19 @@ def recall(cache: dict, key):
     if value is not None:
         cache[key] = value
     return value
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning raised here at the caller's line: the first frame
+    outside rope_rtc (a plan's ``execute`` or a one-call function reaches the launcher through a
+    different number of the package's frames)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _kernel_launch() -> tuple:
@@ -361,7 +375,8 @@ class Launcher:
             message = f"status {status!r}"
         self.forget()
         self.replay = False
-        warnings.warn(f"rope_rtc: launching without graph replay from now on: {message}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"rope_rtc: launching without graph replay from now on: {message}", RuntimeWarning,
+                      stacklevel=_caller_level())
 
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
         try:
@@ -406,7 +421,8 @@ class Launcher:
         except CudaError as exc:
             self.forget()  # never replayed again: their graphs and the arrays their tokens hold go now
             self.replay = False
-            warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning,
+                          stacklevel=_caller_level())
             return None
         remember(graphs, key, exe)
         return exe

@@ -179,8 +179,9 @@ def test_an_instantiation_failure_falls_back_to_plain_launches(rig, monkeypatch)
     monkeypatch.setattr(L.Launcher, "_instantiate", fail)
     token = ("set",)
     launcher(PREFIX, None, token)
-    with pytest.warns(RuntimeWarning, match="without graph replay"):
+    with pytest.warns(RuntimeWarning, match="without graph replay") as w:
         launcher(PREFIX, None, token)
+    assert w[0].filename == __file__
     launcher(PREFIX, None, token)
     launcher(PREFIX, None, other)
     assert [c[0] for c in calls] == ["plain", "graph"] + ["plain"] * 4 and launcher.replay is False
@@ -320,8 +321,9 @@ def test_a_failed_node_update_falls_back_to_plain_launches(rig):
 
     launcher, stream, calls, made = rig
     launcher._set_node = lambda handle, node, params: (drv.CUresult.CUDA_ERROR_INVALID_VALUE,)
-    with pytest.warns(RuntimeWarning, match=r"without graph replay.*cuGraphExecKernelNodeSetParams.*INVALID_VALUE"):
+    with pytest.warns(RuntimeWarning, match=r"without graph replay.*cuGraphExecKernelNodeSetParams.*INVALID_VALUE") as w:
         launcher.launch(PREFIX, 7)
+    assert w[0].filename == __file__  # the caller's line, not the launcher's
     assert calls == [("plain", 7)]  # nothing launched with a block it did not take
     launcher.launch(PREFIX, 7)
     launcher(PREFIX, None, ("set",))
