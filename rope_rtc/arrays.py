@@ -156,10 +156,8 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
         if not allow_host:
             raise TypeError(f"{name}: a NumPy (host) array is not accepted here; pass a CuPy/device array")
         dt, size = _resolve_dtype(obj.dtype, name)
-        if any(s % size for s in obj.strides):  # as for CuPy arrays: the overlap checks need whole elements
-            raise ValueError(f"{name}: strides {tuple(obj.strides)} (bytes) are not multiples of the item size {size}")
         return ArrayInfo(name, obj.__array_interface__["data"][0], tuple(obj.shape),
-                         tuple(s // size for s in obj.strides), dt, size, None, not obj.flags.writeable, obj)
+                         _element_strides(obj.strides, size, name), dt, size, None, not obj.flags.writeable, obj)
     _requires_grad(obj, name)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
@@ -184,10 +182,16 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
 def _from_cupy(a, name: str) -> ArrayInfo:
     dt, size = _resolve_dtype(a.dtype, name)
     mem = a.data
-    strides = a.strides
-    if any(s % size for s in strides):  # CuPy builds such views (as_strided); no kernel addresses them
-        raise ValueError(f"{name}: strides {tuple(strides)} (bytes) are not multiples of the item size {size}")
-    return ArrayInfo(name, mem.ptr, a.shape, tuple(s // size for s in strides), dt, size, mem.device_id, False, a)
+    return ArrayInfo(name, mem.ptr, a.shape, _element_strides(a.strides, size, name), dt, size, mem.device_id, False, a)
+
+
+def _element_strides(byte_strides, size: int, name: str) -> tuple[int, ...]:
+    """Byte strides in elements; ValueError when one is not a whole number of elements (NumPy and
+    CuPy build such views, ``as_strided``): no kernel addresses them, and the overlap checks
+    count whole elements."""
+    if any(int(s) % size for s in byte_strides):
+        raise ValueError(f"{name}: strides {tuple(byte_strides)} (bytes) are not multiples of the item size {size}")
+    return tuple(int(s) // size for s in byte_strides)
 
 
 def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
@@ -211,9 +215,7 @@ def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
     else:
         if len(strides) != len(shape):
             raise TypeError(f"{name}: malformed __cuda_array_interface__ (strides {tuple(strides)} for shape {shape})")
-        if any(int(s) % size for s in strides):
-            raise ValueError(f"{name}: strides {tuple(strides)} are not multiples of the item size {size}")
-        estrides = tuple(int(s) // size for s in strides)
+        estrides = _element_strides(strides, size, name)
     ptr = int(ptr or 0)
     device = _cupy_device_of(ptr) if ptr else None
     if device is None:

@@ -7,8 +7,6 @@ bit-exact, and the general contract promises FP32 arithmetic.
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 
 from . import sources
@@ -25,20 +23,11 @@ BASE_OPTIONS = ("-std=c++17",)
 # in every compile log.
 HEADERS_DIGEST_MACRO = "ROPE_RTC_CUDA_HEADERS_SHA256"
 
-_ANGLE_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*<([^>\r\n]+)>', re.MULTILINE)
-
-
-@functools.lru_cache(maxsize=2)
-def _cuda_includes(all_sources: tuple[tuple[str, bytes], ...]) -> tuple[str, ...]:
-    """The CUDA headers (``<name>`` includes) the device sources include."""
-    return tuple(sorted({m.decode(errors="replace") for _, data in all_sources for m in _ANGLE_INCLUDE.findall(data)}))
-
-
 def _headers_options() -> tuple[str, ...]:
     h = cuda_headers()
     if h.origin != "ROPE_RTC_CUDA_INCLUDE":
         return ()
-    return (f"-D{HEADERS_DIGEST_MACRO}={headers_digest(h.path, _cuda_includes(sources.all_sources()))}",)
+    return (f"-D{HEADERS_DIGEST_MACRO}={headers_digest(h.path, sources.cuda_includes())}",)
 
 
 @dataclass(frozen=True)

@@ -370,12 +370,14 @@ class Launcher:
         try:
             driver.check((status,), f"cuGraphExecKernelNodeSetParams(grid={prefix[1:4]}, block={prefix[4:7]})")
         except CudaError as exc:
-            message = str(exc)
-        else:  # pragma: no cover - a non-zero status always fails the check
-            message = f"status {status!r}"
+            self._stop_replay(exc)
+
+    def _stop_replay(self, exc: CudaError) -> None:
+        """Launch plainly from now on, after the driver could not make or update a graph (``exc``):
+        the graphs and the tokens' arrays, never replayed again, go now."""
         self.forget()
         self.replay = False
-        warnings.warn(f"rope_rtc: launching without graph replay from now on: {message}", RuntimeWarning,
+        warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning,
                       stacklevel=_caller_level())
 
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
@@ -419,10 +421,7 @@ class Launcher:
         try:
             exe = self._instantiate(prefix, token)
         except CudaError as exc:
-            self.forget()  # never replayed again: their graphs and the arrays their tokens hold go now
-            self.replay = False
-            warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning,
-                          stacklevel=_caller_level())
+            self._stop_replay(exc)
             return None
         remember(graphs, key, exe)
         return exe

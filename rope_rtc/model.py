@@ -270,9 +270,8 @@ def _read_config(path: Path) -> str:
     ``MAX_CONFIG_BYTES``: reading a FIFO waits for a writer that may never come, a device may
     never end."""
     try:
-        _regular_file(path, os.stat(path))  # before opening: opening a FIFO itself waits for a writer
-        # O_NONBLOCK: should the path become a FIFO after that check, opening it returns at once,
-        # and the descriptor's own kind is checked again.
+        # O_NONBLOCK: opening a FIFO for reading then returns at once instead of waiting for a
+        # writer; what was opened is checked next, on the descriptor itself.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ValueError(f"--model: cannot read {path}: {exc.strerror or exc}") from None

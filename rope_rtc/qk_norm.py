@@ -39,7 +39,7 @@ from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, nor
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
 from .rope_plan import K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, split_offset
-from .rope_request import Request, validate
+from .rope_request import Request, float_or_inf, validate
 
 NUMERICS = tuple(NORM_MODES)
 # The weights follow the general plan's nine arguments in the core's calls.
@@ -58,10 +58,7 @@ def check_norm_options(eps, numerics) -> float:
     """``eps`` as the float32 the kernel adds, after checking both options."""
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating)):
         raise TypeError(f"eps: expected a float, got {type(eps).__name__}")
-    try:
-        value = float(eps)
-    except OverflowError:  # an int past float's range
-        value = math.inf
+    value = float_or_inf(eps)
     with np.errstate(over="ignore"):
         eps32 = np.float32(value)  # what the kernel adds: finite as a float32 too
     if not math.isfinite(value) or value < 0 or not np.isfinite(eps32):

@@ -178,6 +178,15 @@ def check_tables(cos, sin, rdim: int, rotary_dim_given: bool, D: int, allow_host
     return ci, si
 
 
+def float_or_inf(value) -> float:
+    """``float(value)``, infinite for an int past float's range (so that a range check names it
+    rather than Python raising OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool) -> tuple[A.ArrayInfo, int, float]:
     """``(info, angle mode, attention factor)`` of a call that computes cos and sin from
     ``inv_freq`` (passed in the cos slot; ``sin`` must be absent)."""
@@ -205,10 +214,7 @@ def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool
     if isinstance(attention_scaling, (bool, np.bool_)) or not isinstance(attention_scaling, (int, float, np.integer,
                                                                                            np.floating)):
         raise TypeError(f"attention_scaling: expected a float, got {type(attention_scaling).__name__}")
-    try:
-        att = float(attention_scaling)
-    except OverflowError:  # an int past float's range
-        att = math.inf
+    att = float_or_inf(attention_scaling)
     f32 = np.finfo(np.float32)
     # Normal float32 magnitudes only: a smaller factor rounds every cos and sin to (nearly) zero.
     if not (float(f32.tiny) <= att <= float(f32.max)):  # also false for NaN

@@ -17,10 +17,16 @@ from pathlib import Path
 
 SOURCE_SUFFIXES = (".cu", ".cuh")
 
-# A quoted include on a line of its own. Conditional includes count whether or not the condition
-# holds (keying one file too many is harmless); <angle> includes are CUDA's headers, keyed by
-# their version (rope_rtc/toolchain.py), not by their bytes.
-_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"\r\n]+)"', re.MULTILINE)
+# An include on a line of its own, quoted or <angled>. Conditional includes count whether or not
+# the condition holds (keying one file too many is harmless). Quoted ones name project headers,
+# keyed by their bytes; <angle> ones are CUDA's headers, keyed by their version
+# (rope_rtc/toolchain.py), and by their bytes too when ROPE_RTC_CUDA_INCLUDE names them.
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*(?:"([^"\r\n]+)"|<([^>\r\n]+)>)', re.MULTILINE)
+
+
+def includes(data: bytes) -> list[tuple[bool, str]]:
+    """``(quoted, name)`` for each include line of a source or header, in order."""
+    return [(bool(q), (q or a).decode(errors="replace")) for q, a in _INCLUDE.findall(data)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,9 +65,8 @@ def included_sources(name: str) -> tuple[tuple[str, bytes], ...]:
     seen = {name}
     pending = [name]
     while pending:
-        for match in _INCLUDE.finditer(files[pending.pop()]):
-            header = match.group(1).decode(errors="replace")
-            if header in files and header not in seen:
+        for quoted, header in includes(files[pending.pop()]):
+            if quoted and header in files and header not in seen:
                 seen.add(header)
                 pending.append(header)
     return tuple((n, files[n]) for n in sorted(seen))
@@ -70,3 +75,9 @@ def included_sources(name: str) -> tuple[tuple[str, bytes], ...]:
 def included_headers(name: str) -> dict[str, bytes]:
     """The project headers ``name`` includes, handed to NVRTC by name (no include path into the install)."""
     return {n: data for n, data in included_sources(name) if n != name}
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_includes() -> tuple[str, ...]:
+    """The CUDA headers (``<name>`` includes) the device sources include, sorted."""
+    return tuple(sorted({name for _, data in all_sources() for quoted, name in includes(data) if not quoted}))

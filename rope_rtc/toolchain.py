@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import sources
 from .env import settings
 from .errors import ToolchainError
 
@@ -258,11 +259,6 @@ def cuda_headers() -> CudaHeaders:
     return _find_headers(settings().cuda_include)
 
 
-# Any include line, quoted or angled. Conditional includes count whether or not the condition
-# holds: keying a header too many is harmless, missing one is not.
-_ANY_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\r\n]+)[>"]', re.MULTILINE)
-
-
 @functools.lru_cache(maxsize=8)
 def headers_digest(folder: str, roots: tuple[str, ...]) -> str:
     """SHA-256 of the headers in ``folder`` that a compile including ``roots`` (``cuda_fp16.h``,
@@ -292,9 +288,8 @@ def headers_digest(folder: str, roots: tuple[str, ...]) -> str:
             data = f"unreadable: {exc.strerror}".encode()
         name = os.path.relpath(path, base).encode()
         h.update(len(name).to_bytes(8, "little") + name + len(data).to_bytes(8, "little") + data)
-        for quote, inc in _ANY_INCLUDE.findall(data):
-            inc = inc.decode(errors="replace")
-            if quote == b'"':
+        for quoted, inc in sources.includes(data):
+            if quoted:
                 beside = os.path.join(os.path.dirname(path), inc)
                 if os.path.isfile(beside):
                     pending.append(beside)
