@@ -264,3 +264,44 @@ def test_sections_off_vector_boundaries_and_positions_outside_the_table(interlea
     expect_nan = np.zeros(D, bool)
     expect_nan[nan_pairs] = expect_nan[nan_pairs + D // 2] = True
     assert np.isnan(row[:, expect_nan]).all() and not np.isnan(row[:, ~expect_nan]).any()
+
+
+@pytest.mark.parametrize("interleaved_sections", [False, True])
+@pytest.mark.parametrize("layout", ["thd", "bshd", "bhsd"])
+@pytest.mark.parametrize("S", [7, 600])
+def test_text_tokens_with_one_position_in_the_three_streams(interleaved_sections, layout, S):
+    """Text tokens (temporal == height == width) read one row per thread; a block of only such
+    tokens skips the gather. Runs of text tokens, vision tokens, a text token past the table (NaN
+    on every pair) and a single vision token among text ones, at decode and prefill sizes: the
+    same bits as the kernel-arithmetic reference everywhere, outputs poisoned first."""
+    import cupy as cp
+
+    import rope_rtc
+
+    B = 1 if layout == "thd" else 2
+    section = SECTIONS[interleaved_sections]
+    qh, kh = host_random((B, S, HQ, D), DTYPES["bfloat16"], 71, 2.0), host_random((B, S, HK, D), DTYPES["bfloat16"],
+                                                                                  72, 2.0)
+    cos, sin = host_tables(P, D // 2, 73)
+    rng = np.random.default_rng(74)
+    flat = np.repeat(rng.integers(0, P, (1, B * S)), 3, axis=0)  # text: one position in all three streams
+    vision = rng.random(B * S) < 0.5
+    vision[: B * S // 3] = False                # a leading run of text tokens only (whole blocks of them)
+    vision[B * S // 3 + 1: B * S // 2] = False  # one vision token among text ones
+    vision[B * S // 3] = True
+    flat[1:, vision] = rng.integers(0, P, (2, int(vision.sum())))
+    flat[:, 2] = P + 3                          # a text token past the table: NaN on every pair
+    pos = flat.reshape(3, B, S).astype(np.int32)
+    q, k = cp.asarray(_to_layout(qh, layout)), cp.asarray(_to_layout(kh, layout))
+    dpos = cp.asarray(pos[:, 0] if layout == "thd" else pos)
+    q_out, k_out = poisoned(cp, q.shape, DTYPES["bfloat16"]), poisoned(cp, k.shape, DTYPES["bfloat16"])
+    rope_rtc.apply_mrope_qk(q, k, cp.asarray(cos), cp.asarray(sin), dpos, section,
+                            interleaved_sections=interleaved_sections, layout=layout, q_out=q_out, k_out=k_out)
+    good = np.ones(B * S, bool)
+    good[2] = False
+    for out, host, h in ((q_out, qh, HQ), (k_out, kh, HK)):
+        actual = _from_layout(cp.asnumpy(out), layout, B, S).reshape(B * S, h, D)
+        want = mrope_kernel_arithmetic(host.reshape(B * S, h, D)[good], cos, sin, flat[:, good], section,
+                                       interleaved_sections=interleaved_sections)
+        np.testing.assert_array_equal(bits(actual[good]), bits(want))
+        assert np.isnan(actual[2]).all()
