@@ -270,10 +270,12 @@ def test_sections_off_vector_boundaries_and_positions_outside_the_table(interlea
 @pytest.mark.parametrize("layout", ["thd", "bshd", "bhsd"])
 @pytest.mark.parametrize("S", [7, 600])
 def test_text_tokens_with_one_position_in_the_three_streams(interleaved_sections, layout, S):
-    """Text tokens (temporal == height == width) read one row per thread; a block of only such
-    tokens skips the gather. Runs of text tokens, vision tokens, a text token past the table (NaN
-    on every pair) and a single vision token among text ones, at decode and prefill sizes: the
-    same bits as the kernel-arithmetic reference everywhere, outputs poisoned first."""
+    """Text tokens (temporal == height == width: a generation step's positions) among vision
+    tokens: a leading run of text tokens (whole blocks of them), a single vision token among text
+    ones, a text token past the table (NaN on every pair), at decode and prefill sizes: the same
+    bits as the kernel-arithmetic reference everywhere, outputs poisoned first. (A build that
+    reads such tokens' rows directly, skipping the gather, was measured and not kept:
+    docs/performance.md, "Text tokens, tried".)"""
     import cupy as cp
 
     import rope_rtc
