@@ -362,6 +362,15 @@ class Launcher:
             argv = self._pack(prefix, handle)
         self._plain(argv, prefix, handle)
 
+    def launch_on(self, prefix: tuple, stream=None) -> None:
+        """``launch`` on ``stream`` as a plan's ``execute`` takes it (None: the current stream of
+        the plan's device; a CuPy stream or a raw handle): a plan's launch of a block written for
+        one call and not remembered (``Prepared.execute``)."""
+        if self._check_device and self._get_device() != self.device:
+            self(prefix, stream)
+            return
+        self.launch(prefix, self._current_stream(self._stream_device).ptr if stream is None else self._resolve(stream))
+
     def _stop_updating(self, prefix: tuple, status) -> None:
         """A node that did not take the block (``status``): its graph is never launched with
         values it does not hold. As when a graph cannot be instantiated, this launcher stops

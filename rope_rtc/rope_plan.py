@@ -9,7 +9,7 @@ import ctypes
 import struct
 import warnings
 from dataclasses import replace
-from operator import is_
+from operator import is_, itemgetter
 
 import numpy as np
 
@@ -307,6 +307,27 @@ def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
     check_device_positions(req)
 
 
+def one_call_signature(arrays: tuple) -> tuple:
+    """The one-call functions' signature of a call's CuPy arrays (rope.py:
+    ``_signature_and_pointers`` writes the same out argument by argument): each argument's
+    (shape, dtype, device), with its strides before the dtype when it is not C-contiguous; None
+    when absent; True for an output that is its own input."""
+    entries = []
+    for i, a in enumerate(arrays):
+        if a is None:
+            entries.append(None)
+        elif (i == Q_OUT and a is arrays[Q]) or (i == K_OUT and a is arrays[K]):
+            entries.append(True)
+        else:
+            d = a.data
+            entries.append((a.shape, a.dtype, d.device_id) if a._c_contiguous
+                           else (a.shape, a.strides, a.dtype, d.device_id))
+    return tuple(entries)
+
+
+_RESULT = itemgetter(Q_OUT, K_OUT)  # what a RopePlan call returns: (q_out, k_out)
+
+
 class _RopeOp(Op):
     """What a RopePlan fixes and checks."""
 
@@ -318,6 +339,18 @@ class _RopeOp(Op):
         if sig is None:
             return None
         return sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K]
+
+    def quick_path(self, template, arrays: tuple):
+        """The one-call functions' generated repeat path of ``template`` for ``arrays``' signature
+        (``_RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
+        takes the same checks and block write as ``apply_rope_qk``, where a bind, a remembered
+        set and a token the launcher has never seen cost it about 1.7 times as much on the host
+        (docs/performance.md). None where the template has none (no specialised build) or CuPy
+        does not expose its contiguity flag."""
+        if type(template) is not _RopeTemplate or not hasattr(cupy_ndarray(), "_c_contiguous"):
+            return None
+        fn = template.one_call(one_call_signature(arrays))
+        return None if fn is None else (fn, _RESULT)
 
     def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
         plan = self.plan

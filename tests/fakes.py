@@ -418,6 +418,10 @@ class _RecordingLauncher:
         """The one-call functions' launch (no token), recorded the same way."""
         self(prefix, handle)
 
+    def launch_on(self, prefix, stream=None) -> None:
+        """A plan's launch of a block bound for one call (no token), recorded the same way."""
+        self(prefix, stream)
+
     def forget(self) -> None:
         """No graphs to drop."""
 

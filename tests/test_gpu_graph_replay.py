@@ -191,3 +191,47 @@ def test_alternating_argument_sets_each_replay(cp):
             cp.cuda.get_current_stream().synchronize()
             _exact(cp, host, arrays[3])
     assert len(plan._core.launcher._graphs) == 2
+
+
+def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
+    """A plan called with ever new arrays of its signature (the quick path: the block written
+    per call, launched through the prefix's graph node), a rotation of a few sets (remembered on
+    their second call, replayed from their third) and new views each call, interleaved, out of
+    place into outputs poisoned before every call: every output bit for bit the kernel
+    arithmetic of its own inputs and per-sequence offsets, the inputs untouched."""
+    import rope_rtc
+    from rope_rtc.reference import rope_kernel_arithmetic
+
+    Bq, hq, hk, d, rows = 4, 8, 2, 128, 512
+    cos_h, sin_h = host_tables(rows, d // 2, 71)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    rng = np.random.default_rng(72)
+
+    def new_set(seed):
+        qh = host_random((Bq, 1, hq, d), DTYPES["bfloat16"], seed, 2.0)
+        kh = host_random((Bq, 1, hk, d), DTYPES["bfloat16"], seed + 1, 2.0)
+        oh = rng.integers(0, rows - 1, Bq).astype(np.int32)
+        dev = (cp.asarray(qh), cp.asarray(kh), cp.asarray(oh))
+        outs = (cp.empty_like(dev[0]), cp.empty_like(dev[1]))
+        return (qh, kh, oh), dev, outs
+
+    first = new_set(0)
+    (_, (q0, k0, o0), (qo0, ko0)) = first
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, q_out=qo0, k_out=ko0).compile()
+    rotation = [new_set(10 + 2 * i) for i in range(3)]
+    calls = 0
+    for step in range(6):
+        fresh = [new_set(100 + 10 * step + 2 * i) for i in range(3)]
+        for (qh, kh, oh), dev, outs in fresh + rotation + [first]:
+            for o in outs:
+                o.fill(cp.nan)
+            q, k = (dev[0][:], dev[1][:]) if calls % 4 == 3 else dev[:2]  # new views now and then
+            got = plan.execute(q, k, cos, sin, offset=dev[2], q_out=outs[0], k_out=outs[1])
+            assert got[0] is outs[0] and got[1] is outs[1]
+            cp.cuda.get_current_stream().synchronize()
+            for x, out in zip((qh, kh), outs):
+                want = rope_kernel_arithmetic(x.reshape(Bq, x.shape[2], d), cos_h, sin_h, oh, interleaved=False)
+                np.testing.assert_array_equal(bits(cp.asnumpy(out).reshape(want.shape)), bits(want))
+            np.testing.assert_array_equal(bits(cp.asnumpy(dev[0])), bits(qh))
+            calls += 1
+    assert len(plan._core.recent) >= 2  # the rotation's sets were remembered
