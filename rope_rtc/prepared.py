@@ -197,6 +197,11 @@ class Call:
         return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.shape)
 
 
+def _ABSENT() -> None:
+    """The weak reference of an absent argument (``Prepared._seen_again``): it names None."""
+    return None
+
+
 class Op:
     """What one kind of launch fixes and checks. Subclasses implement ``validate``."""
 
@@ -250,7 +255,7 @@ class Prepared:
         # signature take it instead of a bind, a remembered set and a token never seen before,
         # on their first call (``_seen_again``).
         self.quick = None
-        self._sightings: dict = {}  # identities of the sets the quick path served -> their first array, weakly
+        self._sightings: dict = {}  # identities of the sets the quick path served -> their arrays, weakly
         self._nd = None
 
     @staticmethod
@@ -310,16 +315,20 @@ class Prepared:
     def _seen_again(self, key: tuple, arrays: tuple) -> bool:
         """Whether the set ``key`` (its arrays' identities) came through the quick path lately:
         its second call is bound and remembered, so that a rotation among a few buffer sets
-        replays their graphs. The first array is held weakly to tell a set seen again from new
-        arrays at the addresses of freed ones (views made on every call)."""
+        replays their graphs. Every argument is held weakly, to tell a set seen again from new
+        arrays at the identities of freed ones (views, or an offsets array, made on every call)."""
         seen = self._sightings
-        ref = seen.get(key)
-        if ref is not None and ref() is arrays[0]:
+        refs = seen.get(key)
+        if refs is not None and all([r() is a for r, a in zip(refs, arrays)]):
             return True
         if type(arrays[0]) is self._nd:  # the quick path takes CuPy arrays only
-            if ref is None and len(seen) >= RECENT_SETS:
+            try:
+                new = tuple([_ABSENT if a is None else weakref.ref(a) for a in arrays])
+            except TypeError:  # an argument that takes no weak reference: the quick path declines it
+                return False
+            if refs is None and len(seen) >= RECENT_SETS:
                 del seen[next(iter(seen))]  # the oldest sighting
-            seen[key] = weakref.ref(arrays[0])
+            seen[key] = new
         return False
 
     def _prepare(self, arrays: tuple, scalar: int, key: tuple) -> Call:

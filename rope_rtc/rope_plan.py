@@ -344,7 +344,7 @@ class _RopeOp(Op):
         """The one-call functions' generated repeat path of ``template`` for ``arrays``' signature
         (``_RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
         takes the same checks and block write as ``apply_rope_qk``, where a bind, a remembered
-        set and a token the launcher has never seen cost it about 1.7 times as much on the host
+        set and a token the launcher has never seen cost it about 1.5 times as much on the host
         (docs/performance.md). None where the template has none (no specialised build) or CuPy
         does not expose its contiguity flag."""
         if type(template) is not _RopeTemplate or not hasattr(cupy_ndarray(), "_c_contiguous"):

@@ -178,3 +178,22 @@ def test_the_plans_signature_is_the_one_call_functions(case):
     with FakeGPU():
         sig, _ = rope._signature_and_pointers(*arrays)
     assert one_call_signature(arrays) == sig
+
+
+def test_a_new_offsets_array_each_call_is_not_mistaken_for_a_set_seen_again(fixed, tables, monkeypatch):
+    """q and k kept, an offsets array made each call (the freed one's identity comes back two
+    calls later): each call takes the quick path, and no set is remembered. Failed while only
+    q was held weakly: every other call was bound in full and remembered."""
+    cos, sin = tables
+    q, k, offs = _decode_set()
+    plan = RopePlan(q, k, cos, sin, offset=offs).compile()
+    plan.execute(q, k, cos, sin, offset=offs)
+    plan.execute(*_decode_set()[:2], cos, sin, offset=offs)  # another set: the quick path from here
+    counts: dict = {}
+    _counting(monkeypatch, counts, prepared.Prepared, "_bind")
+    for _ in range(40):
+        offs = fake_cupy((B,), np.int32)
+        plan.execute(q, k, cos, sin, offset=offs)
+        assert _pointers(fixed.launches[-1]) == _expected(q, k, offs)
+        del offs
+    assert counts == {} and len(plan._core.recent) == 1
