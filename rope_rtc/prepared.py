@@ -14,8 +14,10 @@ One mechanism, which each operation configures::
   On the very CuPy arrays of the previous call it checks only that the arrays fixing the launch
   (``Op.watched``) were not reshaped in place; on one of the last ``RECENT_SETS`` argument sets
   it restores the block in one copy; on new arrays of a known signature it runs only the
-  template's address checks. Calls with other libraries' arrays (no signature: a torch tensor
-  can move its memory under the same object) are validated every time.
+  template's address checks, through the op's quick path where it has one (``Op.quick_path``:
+  the one-call functions' generated checks and block write, nothing remembered until the set
+  comes back). Calls with other libraries' arrays (no signature: a torch tensor can move its
+  memory under the same object) are validated every time.
 
 Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
 (and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without
@@ -263,7 +265,9 @@ class Prepared:
         return Launcher(args_address, device)
 
     def execute(self, arrays: tuple, scalar: int, stream):
-        """Bind (remembering the call) and launch on ``stream``; returns the call's result."""
+        """Launch ``arrays`` on ``stream``: the last call's arrays again, a remembered set, new
+        arrays through the op's quick path (remembered on their second call) or a bind
+        (remembering the call); returns the call's result."""
         last = self.last
         if last is None or not all(map(is_, arrays, last.arrays)) or self._shapes(arrays) != last.shape:
             key = tuple(map(id, arrays))
