@@ -451,3 +451,14 @@ def fake_like(shape, dtype, **kw):
     if kw:
         raise TypeError("use FakeDeviceArray / fake_strided for options")
     return FakeDeviceArray(shape, dt)
+
+
+def counted(monkeypatch, owner, name: str, counts: dict) -> None:
+    """Replace ``owner.name`` with a wrapper that counts its calls in ``counts[name]``."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)

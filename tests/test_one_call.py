@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeDeviceArray, FakeGPU, fake_alloc, fake_cupy
+from fakes import counted as _counted
 from rope_rtc import apply_rope, apply_rope_qk, env, prepared, rope, rope_plan, rope_request, tail_rope
 
 B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
@@ -55,14 +56,6 @@ class _CountingEnviron(dict):
         return super().__contains__(key)
 
 
-def _counted(monkeypatch, owner, name: str, counts: dict):
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
 
 
 def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothing(gpu, table, monkeypatch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeGPU, fake_cupy
+from fakes import BF16, FakeGPU, counted, fake_cupy
 from rope_rtc import prepared, rope, rope_plan, rope_request
 from rope_rtc.rope_plan import RopePlan, one_call_signature
 
@@ -31,16 +31,6 @@ def tables():
     return fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32)
 
 
-def _counting(monkeypatch, counts: dict, owner, name: str) -> None:
-    inner = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        counts[name] = counts.get(name, 0) + 1
-        return inner(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, wrapper)
-
-
 def _pointers(launch: dict) -> tuple:
     p = launch["fixed"]
     return p.in_[0], p.in_[1], p.out[0], p.out[1], p.offsets
@@ -59,10 +49,10 @@ def test_new_arrays_of_a_bound_signature_take_the_quick_path(fixed, tables, monk
     plan.execute(q, k, cos, sin, offset=offs)
     assert fixed.launches[-1]["fn"][0] == "rope_fixed"
     counts: dict = {}
-    _counting(monkeypatch, counts, rope_request, "validate")
-    _counting(monkeypatch, counts, rope_plan, "validate")
-    _counting(monkeypatch, counts, rope_plan._RopeTemplate, "bind")
-    _counting(monkeypatch, counts, prepared.Prepared, "_bind")
+    counted(monkeypatch, rope_request, "validate", counts)
+    counted(monkeypatch, rope_plan, "validate", counts)
+    counted(monkeypatch, rope_plan._RopeTemplate, "bind", counts)
+    counted(monkeypatch, prepared.Prepared, "_bind", counts)
     for _ in range(40):
         q, k, offs = _decode_set()
         assert plan.execute(q, k, cos, sin, offset=offs) == (q, k)
@@ -96,7 +86,7 @@ def test_views_made_on_every_call_are_not_mistaken_for_a_set_seen_again(fixed, t
     plan = RopePlan(qb[0], kb[0], cos, sin, offset=offs).compile()
     plan.execute(qb[0], kb[0], cos, sin, offset=offs)
     counts: dict = {}
-    _counting(monkeypatch, counts, prepared.Prepared, "_bind")
+    counted(monkeypatch, prepared.Prepared, "_bind", counts)
     for i in range(30):
         q, k = qb[i % 2], kb[i % 2]
         plan.execute(q, k, cos, sin, offset=offs)
@@ -190,7 +180,7 @@ def test_a_new_offsets_array_each_call_is_not_mistaken_for_a_set_seen_again(fixe
     plan.execute(q, k, cos, sin, offset=offs)
     plan.execute(*_decode_set()[:2], cos, sin, offset=offs)  # another set: the quick path from here
     counts: dict = {}
-    _counting(monkeypatch, counts, prepared.Prepared, "_bind")
+    counted(monkeypatch, prepared.Prepared, "_bind", counts)
     for _ in range(40):
         offs = fake_cupy((B,), np.int32)
         plan.execute(q, k, cos, sin, offset=offs)
