@@ -199,9 +199,14 @@ class Call:
         return Call(self.arrays, scalar, self.template, self.prefix, self.result, self.shape)
 
 
-def _ABSENT() -> None:
-    """The weak reference of an absent argument (``Prepared._seen_again``): it names None."""
-    return None
+def present_in(arrays: tuple):
+    """A function giving a call's arguments at the positions where ``arrays`` has one (not None):
+    one C-level pick, so that ``Prepared._seen_again`` makes its weak references in one ``map``."""
+    at = tuple(i for i, a in enumerate(arrays) if a is not None)
+    if len(at) == 1:
+        i = at[0]
+        return lambda a: (a[i],)
+    return itemgetter(*at) if at else (lambda a: ())
 
 
 class Op:
@@ -259,6 +264,7 @@ class Prepared:
         self.quick = None
         self._sightings: dict = {}  # identities of the sets the quick path served -> their arrays, weakly
         self._nd = None
+        self._present = present_in(())  # the quick path's arguments of a call (those not None)
 
     @staticmethod
     def _new_launcher(args_address: int, device: int) -> Launcher:
@@ -275,13 +281,14 @@ class Prepared:
             if quick is not None and key not in self.recent and not self._seen_again(key, arrays):
                 prefix = quick[0](*arrays, scalar)
                 if prefix is not None:
-                    # Written for this call alone: the block holds its values (so ``last`` may
-                    # launch it again), and the launcher gets no token for it: a graph node takes
-                    # the block, as for the one-call functions.
-                    result = quick[1](arrays)
-                    self.last = Call(arrays, scalar, quick[2], prefix, result, self._shapes(arrays))
+                    # Written for this call alone, and the launcher gets no token for it: a graph
+                    # node takes the block, as for the one-call functions. No call is the last one
+                    # now (the block no longer holds the last call's values): the same arrays
+                    # again are a set seen again, bound and remembered. Recording a Call here
+                    # cost about 1 µs per call of the device host's time.
+                    self.last = None
                     self.launcher.launch_on(prefix, stream)
-                    return result
+                    return quick[1](arrays)
             last = self._prepare(arrays, scalar, key)
         elif scalar != last.scalar:
             last = self._rescalar(last, scalar)
@@ -323,13 +330,14 @@ class Prepared:
         arrays at the identities of freed ones (views, or an offsets array, made on every call)."""
         seen = self._sightings
         refs = seen.get(key)
-        if refs is not None and all([r() is a for r, a in zip(refs, arrays)]):
+        held = self._present(arrays)  # the arguments the quick path's signature has (not None)
+        if refs is not None and all([r() is a for r, a in zip(refs, held)]):
             return True
         if type(arrays[0]) is self._nd:  # the quick path takes CuPy arrays only
             try:
-                new = tuple([_ABSENT if a is None else weakref.ref(a) for a in arrays])
-            except TypeError:  # an argument that takes no weak reference: the quick path declines it
-                return False
+                new = tuple(map(weakref.ref, held))
+            except TypeError:  # None where the signature has an array, or an argument that takes no
+                return False   # weak reference: the quick path declines such a call anyway
             if refs is None and len(seen) >= RECENT_SETS:
                 del seen[next(iter(seen))]  # the oldest sighting
             seen[key] = new
@@ -351,6 +359,7 @@ class Prepared:
         self.quick = None if quick is None else quick + (call.template,)
         if quick is not None:
             self._nd = cupy_ndarray()
+            self._present = present_in(arrays)
         call.shape = self._shapes(arrays)
         remember(self.recent, key, (bytes(self.block), call), RECENT_SETS)
         self.last = call

@@ -195,6 +195,18 @@ class _TailOp(Op):
     def __init__(self, plan: TailRoPEForward) -> None:
         self.plan = plan
 
+    def quick_path(self, template, arrays: tuple):
+        """The plan's path for new arrays of the signature ``template`` was bound for: the repeat
+        path ``tail_rope`` generates, with the output checked like the inputs (it is the caller's
+        here, not a fresh allocation): new arrays, or new views each call, take those checks and
+        the block write instead of a bind and a launcher token never seen before. None where the
+        template launches nothing or CuPy does not expose its contiguity flag."""
+        if type(template) is not _TailTemplate or template.prefix is None or \
+                not hasattr(cupy_ndarray(), "_c_contiguous"):
+            return None
+        key = tuple([(a.shape, None, a.dtype, a.data.device_id) for a in arrays])
+        return template.one_call(key, self.plan._core), _result
+
     def validate(self, arrays: tuple, scalar: int) -> "_TailTemplate":
         plan = self.plan
         infos = plan._describe(arrays, declarations=False)
@@ -264,7 +276,11 @@ class _TailTemplate:
         checks that the inputs are of the signature, the alignment and that the output (the
         function's own allocation, of x's shape) is disjoint from every input, writes the block
         and returns the launch prefix; None sends the call to the dictionary and full
-        validation. None when the template launches nothing."""
+        validation. None when the template launches nothing.
+
+        A ``key`` of four entries (the output's too: ``_TailOp.quick_path``) gives the plan's
+        path for new arrays, ``fn(x, cosine, sine, out, scalar)``, which checks the output's
+        signature as well."""
         fn = self._one_calls.get(key, _NO_FUNCTION)
         if fn is _NO_FUNCTION:
             fn = self._one_call_function(key, core) if self.prefix is not None else None
@@ -272,14 +288,15 @@ class _TailTemplate:
         return fn
 
     def _one_call_function(self, key: tuple, core: Prepared):
-        names = ("x", "cosine", "sine")
+        names = ("x", "cosine", "sine", "out")[:len(key)]
         several = not launch.single_device()
         namespace: dict = {"nd": cupy_ndarray(), "pack": _ARGS.pack_into, "block": core.block_bytes,
                            "prefix": self.prefix}
         conds, reads = [], []
         for i, (name, (shape, _, dtype, device)) in enumerate(zip(names, key)):
             # Validated contiguous (the contract): C-contiguous arrays of the shape are the signature's.
-            cond, read = array_checks(name, f"p{i}", (shape, None, dtype, device), several, namespace)
+            ref = "po" if name == "out" else f"p{i}"
+            cond, read = array_checks(name, ref, (shape, None, dtype, device), several, namespace)
             conds.append(cond)
             reads.append(read)
         nx, nc, ns, no = self.nbytes
@@ -291,12 +308,17 @@ class _TailTemplate:
             terms += [f"(p{i} >= po + {no} or po >= p{i} + {n})" for i, n in enumerate((nx, nc, ns)) if n]
         body = (f"    if not ({' and '.join(conds)}):\n"
                 "        return None\n" + "".join(reads) +
-                "    po = out.data.ptr\n"
+                ("    po = out.data.ptr\n" if len(key) == 3 else "") +
                 f"    if not ({' and '.join(terms) or 'True'}):\n"
                 "        return None\n"
                 f"    pack(block, 0, p0, po, p1, p2, {int(self.n_vec)})\n"
                 "    return prefix\n")
-        return generated("one_call", "x, cosine, sine, out", body, namespace)
+        return generated("one_call", "x, cosine, sine, out" + (", scalar" if len(key) == 4 else ""), body, namespace)
+
+
+def _result(arrays: tuple) -> TupleDict:
+    """What a plan's call of ``arrays`` returns."""
+    return TupleDict.of_out(arrays[3])
 
 
 def _current_device() -> int:

@@ -235,3 +235,78 @@ def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
             np.testing.assert_array_equal(bits(cp.asnumpy(dev[0])), bits(qh))
             calls += 1
     assert len(plan._core.recent) >= 2  # the rotation's sets were remembered
+
+
+def test_node_updates_do_not_break_another_streams_global_capture(cp):
+    """The one-call functions and a plan's quick path (new arrays every call) write each call's
+    block into a graph node (``cuGraphExecKernelNodeSetParams``) and launch it. Done on an idle
+    stream while another stream of this thread captures in global mode, the capture still ends
+    and replays what it recorded, and every idle-stream call writes its own result."""
+    import rope_rtc
+    from rope_rtc.reference import rope_kernel_arithmetic
+
+    Bq, hq, hk, d, rows = 4, 8, 2, 128, 256
+    cos_h, sin_h = host_tables(rows, d // 2, 81)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    rng = np.random.default_rng(82)
+
+    def new_set(seed):
+        qh = host_random((Bq, 1, hq, d), DTYPES["bfloat16"], seed, 2.0)
+        kh = host_random((Bq, 1, hk, d), DTYPES["bfloat16"], seed + 1, 2.0)
+        oh = rng.integers(0, rows - 1, Bq).astype(np.int32)
+        return (qh, kh, oh), (cp.asarray(qh), cp.asarray(kh), cp.asarray(oh))
+
+    def check(host, outs):
+        for x, out in zip(host[:2], outs):
+            want = rope_kernel_arithmetic(x.reshape(Bq, x.shape[2], d), cos_h, sin_h, host[2], interleaved=False)
+            np.testing.assert_array_equal(bits(cp.asnumpy(out).reshape(want.shape)), bits(want))
+
+    idle = cp.cuda.Stream(non_blocking=True)
+    capturing = cp.cuda.Stream(non_blocking=True)
+    _, (q0, k0, o0) = new_set(0)
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0).compile()
+    with idle:  # both paths' graph nodes exist before the capture begins
+        for seed in (10, 20):
+            _, (q, k, o) = new_set(seed)
+            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+            plan.execute(q, k, cos, sin, offset=o)
+    captured_host, (cq, ck, co) = new_set(30)
+    cq_in, ck_in = cq.copy(), ck.copy()
+    cp.cuda.Device().synchronize()
+    calls = [new_set(40 + 2 * i) for i in range(4)]
+    capturing.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
+    with capturing:
+        rope_rtc.apply_rope_qk(cq, ck, cos, sin, offset=co, q_out=cq, k_out=ck)
+    for i, (_, (q, k, o)) in enumerate(calls):
+        with idle:
+            if i % 2:
+                plan.execute(q, k, cos, sin, offset=o)
+            else:
+                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+    graph = capturing.end_capture()
+    idle.synchronize()
+    for host, dev in calls:
+        check(host, dev[:2])
+    np.testing.assert_array_equal(bits(cp.asnumpy(cq)), bits(cp.asnumpy(cq_in)))  # captured, not run
+    graph.launch(capturing)
+    capturing.synchronize()
+    check(captured_host, (cq, ck))
+
+
+def test_a_tail_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
+    """TailRoPEForward called with new arrays of its signature (the quick path), a rotation of a
+    few sets (remembered on their second call, replayed from their third) and new output views,
+    interleaved, into outputs poisoned before every call: every output bit for bit the reference
+    of its own inputs."""
+    plan, first = _tail_plan(cp, seed=20)
+    rotation = [_tail_plan(cp, seed=21 + i)[1] for i in range(3)]
+    for step in range(5):
+        fresh = [_tail_plan(cp, seed=40 + 3 * step + i)[1] for i in range(3)]
+        for n, arrays in enumerate(fresh + rotation + [first]):
+            host = _refill(cp, arrays, 500 + 10 * step + n)
+            x, c, s, out = arrays
+            got = plan.execute(x, c, s, out[:] if n % 3 == 2 else out)
+            assert got["out"].data.ptr == out.data.ptr
+            cp.cuda.get_current_stream().synchronize()
+            _exact(cp, host, out)
+    assert len(plan._core.recent) >= 3

@@ -78,6 +78,26 @@ def test_a_rotation_among_a_few_sets_is_remembered(fixed, tables):
     assert len(plan._core.recent) == 3
 
 
+def test_new_arrays_then_the_same_arrays_again_are_bound_once_and_replayed(fixed, tables, monkeypatch):
+    """New arrays (the quick path), then the same arrays on every call (an engine's buffers after
+    a plan made on others): the second call binds and remembers the set, once; from the third the
+    launcher gets its token, so its graph replays. Every launch carries the set's addresses."""
+    cos, sin = tables
+    first = _decode_set()
+    plan = RopePlan(*first[:2], cos, sin, offset=first[2]).compile()
+    plan.execute(first[0], first[1], cos, sin, offset=first[2])
+    q, k, offs = _decode_set()
+    counts: dict = {}
+    counted(monkeypatch, prepared.Prepared, "_bind", counts)
+    tokens = []
+    for _ in range(6):
+        plan.execute(q, k, cos, sin, offset=offs)
+        assert _pointers(fixed.launches[-1]) == _expected(q, k, offs)
+        tokens.append(fixed.launches[-1]["token"])
+    assert counts == {"_bind": 1} and len(plan._core.recent) == 2
+    assert tokens[0] is None and None not in tokens[1:] and len({id(t) for t in tokens[1:]}) == 1
+
+
 def test_views_made_on_every_call_are_not_mistaken_for_a_set_seen_again(fixed, tables, monkeypatch):
     """New views of the same buffers on every call (the freed views' identities come back): each
     call takes the quick path with its own addresses, and none is remembered."""
@@ -187,3 +207,53 @@ def test_a_new_offsets_array_each_call_is_not_mistaken_for_a_set_seen_again(fixe
         assert _pointers(fixed.launches[-1]) == _expected(q, k, offs)
         del offs
     assert counts == {} and len(plan._core.recent) == 1
+
+
+def _tail_set(T=4, H=8, D=512):
+    return (fake_cupy((T, H, D), BF16), fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32),
+            fake_cupy((T, H, D), BF16))
+
+
+def test_a_tail_plan_with_new_arrays_takes_the_quick_path(monkeypatch):
+    """TailRoPEForward with new arrays of its signature every call (new outputs included): no
+    validation, no bind, no launcher token; each call's block holds its own addresses and the
+    call returns its own output. Before the tail op had a quick path every such call was bound,
+    copied into the remembered sets and handed to the launcher as a new token."""
+    from rope_rtc import tail
+    from rope_rtc.tail import TailRoPEForward
+
+    with FakeGPU() as gpu:
+        first = _tail_set()
+        plan = TailRoPEForward(*first).check_support().compile()
+        plan.execute(*first)
+        counts: dict = {}
+        counted(monkeypatch, tail._TailOp, "validate", counts)
+        counted(monkeypatch, prepared.Prepared, "_bind", counts)
+        v = plan._core.block
+        for _ in range(30):
+            x, c, s, o = _tail_set()
+            got = plan.execute(x, c, s, o)
+            assert got["out"] is o and len(got) == 1
+            assert (v.x, v.cos, v.sin, v.out) == (x.data.ptr, c.data.ptr, s.data.ptr, o.data.ptr)
+            assert gpu.launches[-1]["token"] is None
+        assert counts == {} and len(plan._core.recent) == 1
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "strided", "overlap"])
+def test_a_tail_plans_quick_path_checks_the_callers_output(bad):
+    """The output is the caller's here: one of another dtype, shape or layout, or over the input,
+    is declined by the quick path and refused by full validation before any launch."""
+    from rope_rtc.tail import TailRoPEForward
+
+    with FakeGPU() as gpu:
+        first = _tail_set()
+        plan = TailRoPEForward(*first).check_support().compile()
+        plan.execute(*first)
+        plan.execute(*_tail_set())  # the quick path from here
+        x, c, s, o = _tail_set()
+        out = {"dtype": fake_cupy(o.shape, np.float16), "shape": fake_cupy((4, 8, 256), BF16),
+               "strided": fake_cupy((4, 8, 1024), BF16)[:, :, ::2], "overlap": x}[bad]
+        n = len(gpu.launches)
+        with pytest.raises((TypeError, ValueError, NotImplementedError), match="out"):
+            plan.execute(x, c, s, out)
+        assert len(gpu.launches) == n

@@ -499,13 +499,17 @@ def test_recent_argument_sets_restore_their_own_pointers(gpu):
         return (fake_cupy((T, 4, 128), BF16), fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32),
                 fake_cupy((T, 4, 128), BF16))
 
-    sets = [arrays() for _ in range(tail_mod.RECENT_SETS + 2)] + [arrays(T=0)]
-    plan = TailRoPEForward(*sets[0]).check_support().compile()
+    # More sets than the plan remembers, cycled (the quick path: each call's block its own), then
+    # a rotation of as many as it remembers (bound and remembered on their second call, restored
+    # from the recent sets from their third), with a call that launches nothing among them.
+    many = [arrays() for _ in range(tail_mod.RECENT_SETS + 2)]
+    rotation = many[:tail_mod.RECENT_SETS - 1] + [arrays(T=0)]
+    plan = TailRoPEForward(*many[0]).check_support().compile()
     v = plan._core.block
-    for _ in range(2):
+    for sets in [many] * 2 + [rotation] * 3:
         for x, c, s, o in sets:
             plan.execute(x, c, s, o)
             if x.size:
                 assert (v.x, v.cos, v.sin, v.out, v.n) == (x.data.ptr, c.data.ptr, s.data.ptr, o.data.ptr, x.size // 8)
     assert len(plan._core.recent) == tail_mod.RECENT_SETS
-    assert len(gpu.launches) == 2 * (len(sets) - 1)  # T = 0 launches nothing
+    assert len(gpu.launches) == 2 * len(many) + 3 * (len(rotation) - 1)  # T = 0 launches nothing

@@ -1,8 +1,9 @@
 """Host µs per call of a plan with new arrays: RopePlan.execute with the same arrays, with 256
 array sets cycled, with 2 sets alternating and with new views each call, beside apply_rope_qk
 with 256 sets cycled and a cudaMemcpyAsync (bf16 decode q [8,1,32,128], k [8,1,8,128],
-per-sequence offsets, in place), each timed while the GPU is busy so the calls queue; the rows
-in turns, three rounds, best of 15 passes of 1,000 calls each. An optional argument labels the
+per-sequence offsets, in place); then TailRoPEForward.execute the same ways beside tail_rope
+(T=4, H=64, D=512). Each pass is timed while the GPU is busy so the calls queue; the rows in
+turns, three rounds, best of 15 passes of 1,000 calls each. An optional argument labels the
 lines (to tell two trees apart).
 
     PYTHONPATH=. python3 benchmarks/probes/plan_new_arrays_cost.py [label]
@@ -84,10 +85,34 @@ def main() -> None:
     def memcpy():
         cp.cuda.runtime.memcpyAsync(o0.data.ptr, sets[1][2].data.ptr, 32, 3, cp.cuda.get_current_stream().ptr)
 
+    xs = [(_bf16(rng, (4, 64, 512)), rng.standard_normal((4, 32), dtype=cp.float32),
+           rng.standard_normal((4, 32), dtype=cp.float32), cp.empty((4, 64, 512), ml_dtypes.bfloat16))
+          for _ in range(SETS)]
+    tail = rope_rtc.TailRoPEForward(*xs[0]).compile()
+
+    def tail_same():
+        tail.execute(*xs[0])
+
+    def tail_cycled():
+        turn[0] = (turn[0] + 1) % SETS
+        tail.execute(*xs[turn[0]])
+
+    def tail_views():
+        x, c, s, o = xs[0]
+        tail.execute(x, c, s, o[:])
+
+    def tail_one_call():
+        turn[0] = (turn[0] + 1) % SETS
+        rope_rtc.tail_rope(*xs[turn[0]][:3])
+
     rows = [("RopePlan.execute, same arrays", same), (f"RopePlan.execute, {SETS} sets cycled", cycled),
             ("RopePlan.execute, 2 sets alternating", two),
             ("RopePlan.execute, new views q[:], k[:] each call (incl. 2 slicings)", views),
-            (f"apply_rope_qk, {SETS} sets cycled", one_call), ("cudaMemcpyAsync", memcpy)]
+            (f"apply_rope_qk, {SETS} sets cycled", one_call), ("cudaMemcpyAsync", memcpy),
+            ("TailRoPEForward.execute, same arrays", tail_same),
+            (f"TailRoPEForward.execute, {SETS} sets cycled", tail_cycled),
+            ("TailRoPEForward.execute, a new view of out each call (incl. 1 slicing)", tail_views),
+            (f"tail_rope, {SETS} sets cycled (allocates the output)", tail_one_call)]
     results: dict[str, list[float]] = {name: [] for name, _ in rows}
     for _ in range(3):  # the rows in turns: each row's best covers the same stretch of time
         for name, fn in rows:
