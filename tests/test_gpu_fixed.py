@@ -171,7 +171,38 @@ def test_new_int_offset_on_remembered_arrays(cp, monkeypatch):
         np.testing.assert_allclose(cp.asnumpy(out).reshape(-1, 4, 64), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_misaligned_call_falls_back_to_generic(cp):
+@pytest.fixture
+def launched(monkeypatch):
+    """The launch prefixes of the calls that follow, in order: a spy on the launcher's entries
+    (a plan's call through the quick path keeps no Call to read them from)."""
+    from rope_rtc import launch
+
+    got: list = []
+    plain, one_call = launch.Launcher.__call__, launch.Launcher.launch
+
+    def spy_plain(self, prefix, stream=None, token=None):
+        got.append(prefix)
+        return plain(self, prefix, stream, token)
+
+    def spy_one_call(self, prefix, handle):
+        got.append(prefix)
+        return one_call(self, prefix, handle)
+
+    monkeypatch.setattr(launch.Launcher, "__call__", spy_plain)
+    monkeypatch.setattr(launch.Launcher, "launch", spy_one_call)
+    return got
+
+
+def _served(plan, launched: list) -> tuple:
+    """``(template, launch prefix)`` of the plan's last call: its Call's when it was bound or
+    remembered; the quick path's template and the prefix launched when it took the quick path."""
+    core = plan._core
+    if core.last is not None:
+        return core.last.template, core.last.prefix
+    return core.quick[2], launched[-1]
+
+
+def test_misaligned_call_falls_back_to_generic(cp, launched):
     """A view 2 bytes off the build's 8-byte vectors runs the generic kernel, on narrower ones."""
     import rope_rtc
 
@@ -181,13 +212,15 @@ def test_misaligned_call_falls_back_to_generic(cp):
     aligned = x.copy()  # a fresh, aligned buffer with the same values
     plan = rope_rtc.RopePlan(x, None, cos, sin).compile()
     plan.execute(x, None, cos, sin)
-    assert plan._core.last.prefix[0] is not plan._fixed.get(plan._core.last.template.fixed)
+    tmpl, prefix = _served(plan, launched)
+    assert prefix[0] is not plan._fixed.get(tmpl.fixed)
     plan.execute(aligned, None, cos, sin)
-    assert plan._core.last.prefix[0] is plan._fixed[plan._core.last.template.fixed]
+    tmpl, prefix = _served(plan, launched)
+    assert prefix[0] is plan._fixed[tmpl.fixed]
     np.testing.assert_array_equal(bits(cp.asnumpy(x)), bits(cp.asnumpy(aligned)))
 
 
-def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(cp):
+def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(cp, launched):
     """A dense plan's call whose tables start 4 bytes off a 16-byte boundary runs the strided
     build (which reads them a float at a time) and gives the same bits as aligned tables."""
     import rope_rtc
@@ -205,8 +238,8 @@ def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(c
     for tables, dense in (((cos, sin), True), ((c4, s4), False)):
         q = cp.asarray(q0)
         plan.execute(q, None, *tables, positions=pos)
-        assert plan._core.last.prefix[0] is plan._fixed[dataclasses.replace(plan._core.last.template.fixed,
-                                                                             dense=dense)]
+        tmpl, prefix = _served(plan, launched)
+        assert prefix[0] is plan._fixed[dataclasses.replace(tmpl.fixed, dense=dense)]
         outs.append(cp.asnumpy(q))
     np.testing.assert_array_equal(bits(outs[0]), bits(outs[1]))
 
