@@ -67,15 +67,19 @@ def test_shards_split_the_suite_once_and_keep_small_modules_whole(tmp_path):
 def test_shards_split_what_a_filter_selected(tmp_path):
     """The split is made after ``-k``/``-m``/``--deselect`` have chosen: two small modules that
     a split of the whole collection would put in one shard go to one shard each, and no shard
-    is left with nothing to run (pytest's exit code 5)."""
+    is left with nothing to run (pytest's exit code 5).
+
+    ``-k`` also matches the directories above a test, and a temporary directory's random name
+    (``tmp.ojRTNv5S1Q``) once matched ``s1``: the names matched here have underscores, which no
+    random suffix of ``mktemp`` or pytest has."""
     (tmp_path / "test_big.py").write_text("import pytest\n\n\n@pytest.mark.parametrize('i', range(120))\n"
                                           "def test_p(i):\n    pass\n")
-    for name, count in (("s1", 3), ("s2", 10), ("s3", 3)):
+    for name, count in (("only_s1", 3), ("only_s2", 10), ("only_s3", 3)):
         (tmp_path / f"test_{name}.py").write_text("".join(f"def test_{name}_{j}():\n    pass\n\n\n" for j in range(count)))
     shards = []
     for i in range(2):
-        rc, kept = _collect(tmp_path, f"{i}/2", "-k", "s1 or s3")
+        rc, kept = _collect(tmp_path, f"{i}/2", "-k", "only_s1 or only_s3")
         assert rc == 0, (i, kept)
         shards.append(kept)
-    assert sorted(sum(shards, [])) == sorted(f"test_{n}_{j}" for n in ("s1", "s3") for j in range(3))
+    assert sorted(sum(shards, [])) == sorted(f"test_{n}_{j}" for n in ("only_s1", "only_s3") for j in range(3))
     assert all(len(kept) == 3 for kept in shards), shards
