@@ -193,6 +193,28 @@ def test_alternating_argument_sets_each_replay(cp):
     assert len(plan._core.launcher._graphs) == 2
 
 
+# The decode sets of the quick-path tests: bf16 q [4,1,8,128] and k [4,1,2,128] with per-sequence
+# offsets.
+QB, QHQ, QHK, QD = 4, 8, 2, 128
+
+
+def _decode_set(cp, rng, seed: int, rows: int) -> tuple:
+    """``(host, device)`` (q, k, offsets below ``rows``) of one decode set."""
+    qh = host_random((QB, 1, QHQ, QD), DTYPES["bfloat16"], seed, 2.0)
+    kh = host_random((QB, 1, QHK, QD), DTYPES["bfloat16"], seed + 1, 2.0)
+    oh = rng.integers(0, rows - 1, QB).astype(np.int32)
+    return (qh, kh, oh), (cp.asarray(qh), cp.asarray(kh), cp.asarray(oh))
+
+
+def _assert_rotated(cp, host: tuple, outs: tuple, cos_h, sin_h) -> None:
+    """q's and k's outputs bit for bit the kernel arithmetic of the host set ``host``."""
+    from rope_rtc.reference import rope_kernel_arithmetic
+
+    for x, out in zip(host[:2], outs):
+        want = rope_kernel_arithmetic(x.reshape(QB, x.shape[2], QD), cos_h, sin_h, host[2], interleaved=False)
+        np.testing.assert_array_equal(bits(cp.asnumpy(out).reshape(want.shape)), bits(want))
+
+
 def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
     """A plan called with ever new arrays of its signature (the quick path: the block written
     per call, launched through the prefix's graph node), a rotation of a few sets (remembered on
@@ -200,20 +222,15 @@ def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
     place into outputs poisoned before every call: every output bit for bit the kernel
     arithmetic of its own inputs and per-sequence offsets, the inputs untouched."""
     import rope_rtc
-    from rope_rtc.reference import rope_kernel_arithmetic
 
-    Bq, hq, hk, d, rows = 4, 8, 2, 128, 512
-    cos_h, sin_h = host_tables(rows, d // 2, 71)
+    rows = 512
+    cos_h, sin_h = host_tables(rows, QD // 2, 71)
     cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
     rng = np.random.default_rng(72)
 
     def new_set(seed):
-        qh = host_random((Bq, 1, hq, d), DTYPES["bfloat16"], seed, 2.0)
-        kh = host_random((Bq, 1, hk, d), DTYPES["bfloat16"], seed + 1, 2.0)
-        oh = rng.integers(0, rows - 1, Bq).astype(np.int32)
-        dev = (cp.asarray(qh), cp.asarray(kh), cp.asarray(oh))
-        outs = (cp.empty_like(dev[0]), cp.empty_like(dev[1]))
-        return (qh, kh, oh), dev, outs
+        host, dev = _decode_set(cp, rng, seed, rows)
+        return host, dev, (cp.empty_like(dev[0]), cp.empty_like(dev[1]))
 
     first = new_set(0)
     (_, (q0, k0, o0), (qo0, ko0)) = first
@@ -222,17 +239,15 @@ def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
     calls = 0
     for step in range(6):
         fresh = [new_set(100 + 10 * step + 2 * i) for i in range(3)]
-        for (qh, kh, oh), dev, outs in fresh + rotation + [first]:
+        for host, dev, outs in fresh + rotation + [first]:
             for o in outs:
                 o.fill(cp.nan)
             q, k = (dev[0][:], dev[1][:]) if calls % 4 == 3 else dev[:2]  # new views now and then
             got = plan.execute(q, k, cos, sin, offset=dev[2], q_out=outs[0], k_out=outs[1])
             assert got[0] is outs[0] and got[1] is outs[1]
             cp.cuda.get_current_stream().synchronize()
-            for x, out in zip((qh, kh), outs):
-                want = rope_kernel_arithmetic(x.reshape(Bq, x.shape[2], d), cos_h, sin_h, oh, interleaved=False)
-                np.testing.assert_array_equal(bits(cp.asnumpy(out).reshape(want.shape)), bits(want))
-            np.testing.assert_array_equal(bits(cp.asnumpy(dev[0])), bits(qh))
+            _assert_rotated(cp, host, outs, cos_h, sin_h)
+            np.testing.assert_array_equal(bits(cp.asnumpy(dev[0])), bits(host[0]))
             calls += 1
     assert len(plan._core.recent) >= 2  # the rotation's sets were remembered
 
@@ -243,23 +258,17 @@ def test_node_updates_do_not_break_another_streams_global_capture(cp):
     stream while another stream of this thread captures in global mode, the capture still ends
     and replays what it recorded, and every idle-stream call writes its own result."""
     import rope_rtc
-    from rope_rtc.reference import rope_kernel_arithmetic
 
-    Bq, hq, hk, d, rows = 4, 8, 2, 128, 256
-    cos_h, sin_h = host_tables(rows, d // 2, 81)
+    rows = 256
+    cos_h, sin_h = host_tables(rows, QD // 2, 81)
     cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
     rng = np.random.default_rng(82)
 
     def new_set(seed):
-        qh = host_random((Bq, 1, hq, d), DTYPES["bfloat16"], seed, 2.0)
-        kh = host_random((Bq, 1, hk, d), DTYPES["bfloat16"], seed + 1, 2.0)
-        oh = rng.integers(0, rows - 1, Bq).astype(np.int32)
-        return (qh, kh, oh), (cp.asarray(qh), cp.asarray(kh), cp.asarray(oh))
+        return _decode_set(cp, rng, seed, rows)
 
     def check(host, outs):
-        for x, out in zip(host[:2], outs):
-            want = rope_kernel_arithmetic(x.reshape(Bq, x.shape[2], d), cos_h, sin_h, host[2], interleaved=False)
-            np.testing.assert_array_equal(bits(cp.asnumpy(out).reshape(want.shape)), bits(want))
+        _assert_rotated(cp, host, outs, cos_h, sin_h)
 
     idle = cp.cuda.Stream(non_blocking=True)
     capturing = cp.cuda.Stream(non_blocking=True)
@@ -287,7 +296,8 @@ def test_node_updates_do_not_break_another_streams_global_capture(cp):
     idle.synchronize()
     for host, dev in calls:
         check(host, dev[:2])
-    np.testing.assert_array_equal(bits(cp.asnumpy(cq)), bits(cp.asnumpy(cq_in)))  # captured, not run
+    for got, before in ((cq, cq_in), (ck, ck_in)):  # captured, not run
+        np.testing.assert_array_equal(bits(cp.asnumpy(got)), bits(cp.asnumpy(before)))
     graph.launch(capturing)
     capturing.synchronize()
     check(captured_host, (cq, ck))
