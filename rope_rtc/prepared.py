@@ -326,8 +326,9 @@ class Prepared:
     def _seen_again(self, key: tuple, arrays: tuple) -> bool:
         """Whether the set ``key`` (its arrays' identities) came through the quick path lately:
         its second call is bound and remembered, so that a rotation among a few buffer sets
-        replays their graphs. Every argument is held weakly, to tell a set seen again from new
-        arrays at the identities of freed ones (views, or an offsets array, made on every call)."""
+        replays their graphs. Every argument the quick path's signature has is held weakly, to
+        tell a set seen again from new arrays at the identities of freed ones (views, or an
+        offsets array, made on every call)."""
         seen = self._sightings
         refs = seen.get(key)
         held = self._present(arrays)  # the arguments the quick path's signature has (not None)
