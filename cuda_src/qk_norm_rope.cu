@@ -6,6 +6,8 @@
 //   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC  as in rope.cu
 //   NORM_HQ, NORM_HK   q and k head counts
 //   NORM_HB            heads per lane group (divides both counts, so a group is all q or all k)
+//   NORM_STAGED        1: the vectors pass through shared memory (half-split pairs over the whole
+//                      head in 16-byte vectors, large launches: registry.norm_staged); 0: registers
 //   NORM_D             head dim; NORM_D / ROPE_VEC is a power of two of at most 32
 //   NORM_RO, NORM_RD   rotary window [NORM_RO, NORM_RO + NORM_RD) of each head (whole vectors)
 //   NORM_WF32          1: float32 weights; 0: weights of the input dtype
@@ -36,13 +38,15 @@
 //   the same order, and so the same bits, as the one-vector-per-lane layout below.
 // - Otherwise LANES = NORM_D / ROPE_VEC, one vector of each head per lane. A half-split pair's
 //   partner vector is HALF / ROPE_VEC lanes away and comes through a warp shuffle.
+// - NORM_STAGED (the first case in 16-byte vectors, large launches): the same lanes and
+//   arithmetic, the vectors held in shared memory instead of registers.
 #include "common.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(NORM_HQ) || \
     !defined(NORM_HK) || !defined(NORM_D) || !defined(NORM_RO) || !defined(NORM_RD) || !defined(NORM_WF32) || \
-    !defined(NORM_MODE) || !defined(NORM_HB)
+    !defined(NORM_MODE) || !defined(NORM_HB) || !defined(NORM_STAGED)
 #error "qk_norm_rope.cu needs every compile-time parameter (rope_rtc/registry.py: NormGeometry)"
 #endif
 
@@ -76,7 +80,7 @@ struct NormParams {
     FixedParams f;
     u64 weight[2];  // q's, k's: NORM_D entries each
     float eps;
-    unsigned pad;
+    unsigned zero;  // always 0: the staged build's opaque zero (below)
 };
 
 __device__ __forceinline__ float round_to_dtype(float v) { return conv::to_float(conv::from_float(v)); }
@@ -125,7 +129,118 @@ __device__ __forceinline__ void rotated(float x0, float x1, float c, float s, fl
 #endif
 }
 
-#if NORM_SPLIT
+#if NORM_STAGED
+static_assert(NORM_SPLIT && sizeof(raw_t) == 16, "the staged build is for half-split pairs in 16-byte vectors");
+constexpr unsigned BLOCK = 256;
+
+// One 16-byte vector from global memory to the thread's own shared slot (cp.async: no register
+// holds it in flight), marked evict-first in L2 as the register build's __ldcs loads are (the
+// hint measured 1.6 points of a copy over none).
+__device__ __forceinline__ void stage_copy(raw_t* slot, const void* src) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(slot);
+    asm volatile(
+        "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n\t"
+        "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, pol;\n\t}" ::"r"(d), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ raw_t stage_read(const raw_t* slot) {
+    raw_t v;
+    const unsigned a = (unsigned)__cvta_generic_to_shared(slot);
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+
+// The staged build (large launches): the group's vectors go to shared memory, each thread's to
+// slots only it writes and reads (no barrier), and are read from there twice: once for every
+// head's sums, whose butterflies then run side by side, and once for the output. 64 registers
+// at Qwen3-8B's heads where the register build below holds 119-122, so twice the warps per SM
+// cover the loads' latency; the same arithmetic in the same order, so the same bits.
+extern "C" __global__ void __launch_bounds__(BLOCK) qk_norm_rope(const NormParams p) {
+    __shared__ raw_t stage[2 * NORM_HB][BLOCK];
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    // No early return: every lane of the warp takes part in the shuffles. The total is a multiple
+    // of LANES, so a head group's lanes are all in range or all out.
+    const bool live = i < (unsigned)p.f.total;
+    const unsigned j = i % LANES, tg = i / LANES;
+    const unsigned t = tg / GROUPS, g = tg - t * GROUPS;
+    const int which = g * NORM_HB >= NORM_HQ ? 1 : 0;  // the group is all q or all k
+    const unsigned hh = g * NORM_HB - (which ? NORM_HQ : 0);
+    const unsigned b = fast_div(t, p.f.div_seq), s = t - b * (unsigned)p.f.seq_len;
+    const unsigned c0 = j * VEC;  // the lane's low channels; its high ones are HALF further
+    const i64 in_sh = p.f.in_sh[which], out_sh = p.f.out_sh[which];
+    const unsigned me = threadIdx.x;
+
+    // The copies first, then the weights, the position and its table slice while they fly.
+    float wl[VEC], wh[VEC], c[VEC], sn[VEC];
+    if (live) {
+        const bits_t* in = (const bits_t*)p.f.in[which] + (b * p.f.in_sb[which] + s * p.f.in_ss[which] + hh * in_sh + c0);
+#pragma unroll
+        for (int k = 0; k < NORM_HB; ++k) {
+            stage_copy(&stage[2 * k][me], in + k * in_sh);
+            stage_copy(&stage[2 * k + 1][me], in + k * in_sh + HALF);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        load_weights(p.weight[which], c0, wl);
+        load_weights(p.weight[which], c0 + HALF, wh);
+        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.sin_sign, c, sn);
+#if NORM_MODE == 1
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
+            c[e] = round_to_dtype(c[e]);
+            sn[e] = round_to_dtype(sn[e]);
+        }
+#endif
+        asm volatile("cp.async.wait_all;" ::: "memory");  // the thread's own copies have landed
+    } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) wl[e] = wh[e] = c[e] = sn[e] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 2 * NORM_HB; ++k) stage[k][me] = raw_t{};
+    }
+    bits_t* out = (bits_t*)p.f.out[which] + (b * p.f.out_sb[which] + s * p.f.out_ss[which] + hh * out_sh + c0);
+    // Each head's scale: the two vectors' sums of squares (channel order), then their sum, then
+    // the butterfly, as the register build below adds them.
+    float r[NORM_HB];
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        vec_t lo, hi;
+        lo.raw = stage_read(&stage[2 * k][me]);
+        hi.raw = stage_read(&stage[2 * k + 1][me]);
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float a = conv::to_float(lo.v[e]), z = conv::to_float(hi.v[e]);
+            s0 = __fadd_rn(s0, __fmul_rn(a, a));
+            s1 = __fadd_rn(s1, __fmul_rn(z, z));
+        }
+        r[k] = __fadd_rn(s0, s1);
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) r[k] = head_scale(r[k], p.eps);
+#pragma unroll
+    for (int k = 0; k < NORM_HB; ++k) {
+        // The second reads' address depends on the head's scale (p.zero is 0): ptxas cannot move
+        // them above the reductions, where every head's words would again live in registers.
+        const unsigned slot = me + (__float_as_uint(r[k]) & p.zero);
+        vec_t lo, hi;
+        lo.raw = stage_read(&stage[2 * k][slot]);
+        hi.raw = stage_read(&stage[2 * k + 1][slot]);
+        vec_t olo, ohi;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            float re, im;
+            rotated(normalised(conv::to_float(lo.v[e]), r[k], wl[e]), normalised(conv::to_float(hi.v[e]), r[k], wh[e]),
+                    c[e], sn[e], re, im);
+            olo.v[e] = conv::from_float(re);
+            ohi.v[e] = conv::from_float(im);
+        }
+        if (live) {
+            __stcs((raw_t*)(out + k * out_sh), olo.raw);
+            __stcs((raw_t*)(out + k * out_sh + HALF), ohi.raw);
+        }
+    }
+}
+#elif NORM_SPLIT
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams p) {
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     // No early return: every lane of the warp takes part in the shuffles. The total is a multiple

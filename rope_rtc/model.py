@@ -19,9 +19,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, NormGeometry, angle_geometries, both_strides, cache_spec,
-                       cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_head_batch, norm_vector_widths, rope_head_batches, rope_spec,
-                       rope_vector_widths)
+from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
+                       cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
+                       rope_head_batches, rope_spec, rope_vector_widths)
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
 # head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.qk_norm).
@@ -126,17 +126,17 @@ class ModelRope:
 
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
-        every vector width the geometry allows, for weights of the model's dtype in both numerics
+        every vector width the geometry allows and the staged twins (large launches), for weights
+        of the model's dtype in both numerics
         and for float32 weights in the exact one (Gemma 3's ``1 + weight``)."""
         if not self.qk_norm:
             return []
         kinds = [(numerics, False) for numerics in NORM_MODES]
         if self.dtype != "float32":
             kinds.append(("exact", True))
-        return [NormGeometry(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, 0,
-                             self.rotary_dim, vec, f32, numerics, norm_head_batch(self.q_heads, self.kv_heads)).spec()
-                for numerics, f32 in kinds
-                for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, 0, self.rotary_dim)]
+        return [g.spec() for numerics, f32 in kinds
+                for g in norm_builds(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim, 0,
+                                     self.rotary_dim, f32, numerics)]
 
     def mrope_specs(self) -> list[KernelSpec]:
         """The multimodal RoPE builds (rope_rtc.mrope) of a model with ``mrope_section``: q with k,

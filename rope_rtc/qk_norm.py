@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+from dataclasses import replace
 
 import numpy as np
 
@@ -35,7 +36,8 @@ from . import launch, rope_plan
 from .errors import UnsupportedLayoutError
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature
-from .registry import NORM_ENTRIES, NORM_MODES, FixedGeometry, NormGeometry, norm_head_batch, norm_vector_widths
+from .registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
+                       norm_head_batch, norm_stageable, norm_vector_widths)
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
 from .rope_plan import K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, split_offset
@@ -138,8 +140,11 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
     g = NormGeometry(req.dtype, req.interleaved, req.cq.H, req.ck.H, D, req.rotary_offset, req.rotary_dim, vec,
                      weights[0].dtype == "float32" and req.dtype != "float32", numerics,
                      norm_head_batch(req.cq.H, req.ck.H))
-    if norm_threads(req, g) >= 2**31:
+    threads = norm_threads(req, g)
+    if threads >= 2**31:
         raise ValueError(f"{req.q.name}: {req.num_tokens} tokens need 2^31 threads or more; split the call")
+    if threads >= NORM_STAGED_THREADS and norm_stageable(g):
+        g = replace(g, staged=True)
     check_fixed_block(req, "the fused QK-norm kernel")
     return g
 
@@ -257,15 +262,14 @@ class QKNormRopePlan(RopePlan):
         return fn
 
     def compile(self) -> "QKNormRopePlan":
-        """Load every build this plan's calls can take (one per vector width the geometry allows;
-        the widest serves aligned arrays), compiling on a cache miss. After this, ``execute``
+        """Load every build this plan's calls can take (one per vector width the geometry allows,
+        the widest serving aligned arrays, and the staged twins for large launches), compiling on a
+        cache miss. After this, ``execute``
         never compiles."""
         f32 = self.weight_dtype == "float32" and self.dtype != "float32"
-        for vec in norm_vector_widths(self.dtype, self.interleaved, self.head_dim, self.rotary_offset,
-                                      self.rotary_dim):
-            self.fixed_kernel(NormGeometry(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
-                                           self.rotary_offset, self.rotary_dim, vec, f32, self.numerics,
-                                           norm_head_batch(self.q_heads, self.k_heads)))
+        for g in norm_builds(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
+                             self.rotary_offset, self.rotary_dim, f32, self.numerics):
+            self.fixed_kernel(g)
         self._ensure_core()
         return self
 

@@ -156,6 +156,7 @@ class NormGeometry:
     weights_f32: bool
     numerics: str
     head_batch: int = 1  # heads per lane group (norm_head_batch)
+    staged: bool = False  # the vectors through shared memory (norm_stageable; large launches)
 
     @property
     def split(self) -> bool:
@@ -174,7 +175,31 @@ class NormGeometry:
              ("ROPE_VEC", str(self.vec)), ("NORM_HQ", str(self.q_heads)), ("NORM_HK", str(self.k_heads)),
              ("NORM_D", str(self.head_dim)), ("NORM_RO", str(self.rotary_offset)), ("NORM_RD", str(self.rotary_dim)),
              ("NORM_WF32", str(int(self.weights_f32))), ("NORM_MODE", str(NORM_MODES[self.numerics])),
-             ("NORM_HB", str(self.head_batch))))
+             ("NORM_HB", str(self.head_batch)), ("NORM_STAGED", str(int(self.staged)))))
+
+
+# Threads from which a fused QK-norm launch takes the staged build: at Qwen3-8B's heads it
+# measured 1.5-3 points of a copy faster from 4096 tokens (2^18.3 threads), level at 2048 and
+# slower below (the trip through shared memory lengthens a small launch; docs/performance.md).
+NORM_STAGED_THREADS = 2**18
+
+
+def norm_stageable(g: NormGeometry) -> bool:
+    """Whether build ``g`` has a staged twin: half-split pairs over the whole head, 16-byte vectors
+    (cp.async's widest copy, one per vector)."""
+    return g.split and g.vec * ITEMSIZE[g.dtype] == 16
+
+
+def norm_builds(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_dim: int, rotary_offset: int,
+                rotary_dim: int, weights_f32: bool, numerics: str) -> list[NormGeometry]:
+    """Every build a fused QK-norm plan of this geometry can launch: one per vector width the
+    geometry allows, and the staged twin of each that has one."""
+    out = []
+    for vec in norm_vector_widths(dtype, interleaved, head_dim, rotary_offset, rotary_dim):
+        g = NormGeometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, vec, weights_f32,
+                         numerics, norm_head_batch(q_heads, k_heads))
+        out += [g, replace(g, staged=True)] if norm_stageable(g) else [g]
+    return out
 
 
 def norm_head_batch(q_heads: int, k_heads: int) -> int:

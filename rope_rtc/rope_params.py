@@ -90,7 +90,8 @@ assert ctypes.sizeof(FixedParams) <= ctypes.sizeof(RopeParams)  # they share a p
 
 # The host mirror of ``struct NormParams`` in cuda_src/qk_norm_rope.cu: FixedParams, then the
 # weights (q's, k's) and eps. The same field names, so what fills a FixedParams fills its start.
-NORM_FIELDS = FIXED_FIELDS + [("weight", _U64 * 2), ("eps", ctypes.c_float), ("pad", ctypes.c_uint32)]
+NORM_FIELDS = FIXED_FIELDS + [("weight", _U64 * 2), ("eps", ctypes.c_float),
+                              ("zero", ctypes.c_uint32)]  # never written: the staged build reads it as 0
 
 
 class NormParams(ctypes.Structure):

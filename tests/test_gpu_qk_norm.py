@@ -208,3 +208,57 @@ def test_plan_new_arrays_graph_capture_and_exact_repeat():
     stream.synchronize()
     np.testing.assert_array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(want[1][0])))
     np.testing.assert_array_equal(bits(cp.asnumpy(ko)), bits(cp.asnumpy(want[1][1])))
+
+
+@pytest.mark.parametrize("dtype,d,layout,numerics,in_place,f32_weights", [
+    ("bfloat16", 128, "thd", "exact", False, False), ("bfloat16", 128, "bshd", "transformers", True, False),
+    ("bfloat16", 256, "sbhd", "exact", False, True), ("float16", 256, "bhsd", "exact", True, False),
+    ("float16", 128, "sbhd", "transformers", False, False), ("float32", 128, "thd", "exact", True, False),
+    ("float32", 256, "bshd", "transformers", False, False)])
+def test_the_staged_build_writes_the_register_builds_bits(monkeypatch, dtype, d, layout, numerics, in_place,
+                                                          f32_weights):
+    """A launch of 2^18 threads or more takes the staged build (the vectors through shared
+    memory). Every token is independent, so its output must equal bit for bit what the register
+    build (which the matrix above checks against the references) writes for the same tokens in
+    calls small enough to take it: 12288 tokens in one call, then in chunks of 768 per sequence."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc.qk_norm import QKNormRopePlan
+
+    B, S = (1, 12288) if layout == "thd" else (2, 6144)
+    dt = DTYPES[dtype]
+    qh, kh = host_random((B, S, HQ, d), dt, 61, 2.0), host_random((B, S, HK, d), dt, 62, 0.5)
+    wdt = np.float32 if f32_weights else dt
+    qw, kw, (cos, sin) = cp.asarray(_weight(d, wdt, 63)), cp.asarray(_weight(d, wdt, 64)), host_tables(P, d // 2, 65)
+    cos, sin = cp.asarray(cos), cp.asarray(sin)
+    pos = np.random.default_rng(66).integers(0, P, (B, S)).astype(np.int32)
+    positions = cp.asarray(pos[0] if layout == "thd" else pos)
+    axis = {"thd": 0, "bshd": 1, "bhsd": 2, "sbhd": 0}[layout]
+
+    def arrays():
+        q, k = cp.asarray(_to_layout(qh, layout)), cp.asarray(_to_layout(kh, layout))
+        return q, k, (q if in_place else poisoned(cp, q.shape, dt)), (k if in_place else poisoned(cp, k.shape, dt))
+
+    def outputs(q_out, k_out):  # in place: the plan's default
+        return {} if in_place else dict(q_out=q_out, k_out=k_out)
+
+    served = []
+    real = QKNormRopePlan.fixed_kernel
+    q, k, q_out, k_out = arrays()
+    plan = rope_rtc.QKNormRopePlan(q, k, qw, kw, cos, sin, eps=EPS, numerics=numerics, positions=positions,
+                                   layout=layout, **outputs(q_out, k_out)).compile()
+    monkeypatch.setattr(QKNormRopePlan, "fixed_kernel", lambda self, g: served.append(g) or real(self, g))
+    plan.execute(q, k, qw, kw, cos, sin, positions=positions, **outputs(q_out, k_out))
+    q2, k2, q2_out, k2_out = arrays()
+    step = 768
+    for s0 in range(0, S, step):
+        part = (slice(None),) * axis + (slice(s0, s0 + step),)
+        plan.execute(q2[part], k2[part], qw, kw, cos, sin, positions=cp.ascontiguousarray(positions[..., s0:s0 + step]),
+                     **outputs(q2_out[part], k2_out[part]))
+    cp.cuda.Device().synchronize()
+    assert list(dict.fromkeys(g.staged for g in served)) == [True, False], "the whole call staged, the chunks not"
+    for got, want in ((q_out, q2_out), (k_out, k2_out)):
+        got, want = cp.asnumpy(got), cp.asnumpy(want)
+        assert not np.isnan(got.astype(np.float32)).any(), "an output element was not written (NaN poison left)"
+        np.testing.assert_array_equal(bits(got), bits(want))

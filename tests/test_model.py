@@ -286,7 +286,7 @@ def test_a_bad_mrope_section_is_named():
     ({"model_type": "llama"}, False)])
 def test_a_qk_norm_model_warms_its_fused_builds(config, want):
     """Qwen3 and Gemma 3 normalise each q and k head: their warm set holds the fused QK-norm
-    builds a QKNormRopePlan loads (every vector width, both numerics)."""
+    builds a QKNormRopePlan loads (every vector width and the staged twin, both numerics)."""
     from rope_rtc.registry import NormGeometry, norm_vector_widths
 
     base = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -298,8 +298,10 @@ def test_a_qk_norm_model_warms_its_fused_builds(config, want):
         assert specs == [] and from_config({**base, **config}, qk_norm=True).qk_norm_specs()
         return
     widths = norm_vector_widths("bfloat16", False, 128, 0, 128)
-    assert len(specs) == 3 * len(widths) and all(s in model.specs() for s in specs)  # float32 weights: exact
+    # float32 weights: exact alone; the widest vector (16 bytes) has a staged twin for large launches
+    assert len(specs) == 3 * (len(widths) + 1) and all(s in model.specs() for s in specs)
     assert NormGeometry("bfloat16", False, 32, 8, 128, 0, 128, widths[0], False, "exact", 4).spec() in specs
+    assert NormGeometry("bfloat16", False, 32, 8, 128, 0, 128, 8, False, "exact", 4, staged=True).spec() in specs
 
 
 def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch, capsys):

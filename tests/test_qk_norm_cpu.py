@@ -4,6 +4,8 @@ address checks (weights included), and the builds compiling for several architec
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,31 @@ def test_a_call_launches_the_fused_build_with_its_block(gpu):
     assert p.total == B * S * (HQ + HK) // 2 * 8 and rec["grid"] == (-(-p.total // 256), 1, 1)
     assert (p.weight[0], p.weight[1]) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
     assert p.eps == np.float32(1e-5) and p.offset == 3 and p.in_[0] == kw["q"].data.ptr
+
+
+@pytest.mark.parametrize("tokens,dtype,interleaved,weight_offset,staged", [
+    (10923, BF16, False, 0, True),  # 24 threads a token (3 groups of 8 lanes): 2^18 threads and up
+    (10922, BF16, False, 0, False),
+    (10923, BF16, True, 0, False),  # interleaved pairs: no staged twin
+    (10923, BF16, False, 8, False),  # weights 8 bytes off 16: 8-byte vectors, no staged twin
+    (5462, np.float32, False, 0, True),  # FP32: 16-byte vectors of 4, 48 threads a token
+])
+def test_large_launches_take_the_staged_build(gpu, tokens, dtype, interleaved, weight_offset, staged):
+    """The staged build (vectors through shared memory) serves launches of 2^18 threads and more
+    with half-split pairs over the whole head in 16-byte vectors; everything else, and smaller
+    launches, take the register build."""
+    import rope_rtc
+    from rope_rtc.registry import NORM_STAGED_THREADS
+
+    w = dict(q_weight=fake_cupy((D,), dtype, byte_offset=weight_offset),
+             k_weight=fake_cupy((D,), dtype, byte_offset=weight_offset))
+    kw = _call(q=fake_cupy((1, tokens, HQ, D), dtype), k=fake_cupy((1, tokens, HK, D), dtype), **w,
+               cos=fake_cupy((tokens, D // 2), np.float32), sin=fake_cupy((tokens, D // 2), np.float32))
+    rope_rtc.apply_qk_norm_rope(**kw, interleaved=interleaved)
+    rec = gpu.launches[-1]
+    assert rec["geometry"].staged is staged and rec["norm"].zero == 0  # the staged build's opaque zero
+    if not interleaved and not weight_offset:
+        assert (rec["norm"].total >= NORM_STAGED_THREADS) is staged
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -141,15 +168,18 @@ def test_lanes_per_head_by_pair_style_and_window():
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_the_builds_compile(arch, tmp_path, monkeypatch):
     from rope_rtc import compiler, toolchain
-    from rope_rtc.registry import NormGeometry, norm_vector_widths
+    from rope_rtc.registry import NormGeometry, norm_stageable, norm_vector_widths
 
     if arch not in toolchain.supported_archs():
         pytest.skip(f"this NVRTC does not know sm_{arch}")
     for dtype, interleaved, numerics in (("bfloat16", False, "exact"), ("float16", True, "transformers"),
                                          ("float32", False, "transformers")):
         vec = norm_vector_widths(dtype, interleaved, D, 0, D)[0]
-        spec = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics, 4).spec()
-        assert compiler.compile_source(spec.name, spec.source, spec.defines, toolchain.Target(arch, "cubin")).binary
+        g = NormGeometry(dtype, interleaved, 32, 8, D, 0, D, vec, False, numerics, 4)
+        for build in (g, replace(g, staged=True)) if norm_stageable(g) else (g,):
+            spec = build.spec()
+            assert compiler.compile_source(spec.name, spec.source, spec.defines,
+                                           toolchain.Target(arch, "cubin")).binary
 
 
 @pytest.mark.parametrize("tokens", [2, 0])
