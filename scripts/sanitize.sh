@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the GPU tests that cover every build: memcheck over the specialised and
 # generic RoPE builds (every dtype, layout, pair style and position scheme, prefill and decode,
-# in and out of place), MRoPE, QK-norm and the tail kernel; racecheck and synccheck over the one
-# kernel that uses shared memory (MRoPE with interleaved sections, gathered per block). Run from
+# in and out of place), MRoPE, QK-norm and the tail kernel; racecheck and synccheck over the
+# kernels that use shared memory (MRoPE with interleaved sections, gathered per block; the staged
+# QK-norm build, whose threads each keep their own slots). Run from
 # the repository root on a GPU machine:
 #     bash scripts/sanitize.sh [scale]
 # SANITIZE_ONLY=<regex> runs only the tool runs whose "<tool> <name>" matches (say 'mrope' for the
@@ -42,4 +43,5 @@ run() {  # run <seconds> <tool> <log name> <pytest args...>
     run 40 memcheck tail tests/test_gpu_tail.py
     run 90 racecheck mrope-shared tests/test_gpu_mrope.py
     run 50 synccheck mrope-shared tests/test_gpu_mrope.py
+    run 90 racecheck qk-norm-staged tests/test_gpu_qk_norm.py -k staged
 } | tee "$OUT/sanitize-summary.txt"
