@@ -129,6 +129,38 @@ __device__ __forceinline__ void rotated(float x0, float x1, float c, float s, fl
 #endif
 }
 
+#if NORM_SPLIT
+// A head's sum of squares in this lane: each vector's squares in channel order, then the two
+// sums: the order of the one-vector-per-lane layout, whose first butterfly step adds exactly
+// these two (HALF / VEC lanes apart), so both layouts give the same bits.
+__device__ __forceinline__ float split_squares(const vec_t& lo, const vec_t& hi) {
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+        const float a = conv::to_float(lo.v[e]), z = conv::to_float(hi.v[e]);
+        s0 = __fadd_rn(s0, __fmul_rn(a, a));
+        s1 = __fadd_rn(s1, __fmul_rn(z, z));
+    }
+    return __fadd_rn(s0, s1);
+}
+
+// The lane's weights of both halves and its table slice: once for the group's heads.
+__device__ __forceinline__ void split_constants(const NormParams& p, int which, unsigned t, unsigned b, unsigned s,
+                                                unsigned c0, float* wl, float* wh, float* c, float* sn) {
+    load_weights(p.weight[which], c0, wl);
+    load_weights(p.weight[which], c0 + HALF, wh);
+    table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.sin_sign, c, sn);
+#if NORM_MODE == 1
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
+        c[e] = round_to_dtype(c[e]);
+        sn[e] = round_to_dtype(sn[e]);
+    }
+#endif
+}
+
+#endif
+
 #if NORM_STAGED
 static_assert(NORM_SPLIT && sizeof(raw_t) == 16, "the staged build is for half-split pairs in 16-byte vectors");
 constexpr unsigned BLOCK = 256;
@@ -155,6 +187,11 @@ __device__ __forceinline__ raw_t stage_read(const raw_t* slot) {
 // head's sums, whose butterflies then run side by side, and once for the output. 64 registers
 // at Qwen3-8B's heads where the register build below holds 119-122, so twice the warps per SM
 // cover the loads' latency; the same arithmetic in the same order, so the same bits.
+//
+// Its index prologue and output loop repeat the register build's: written as shared helpers
+// (a struct of the lane's indices, one store function), ptxas allocated registers differently in
+// 60 of 184 builds (fp16's staged build 64 -> 68: one block per SM fewer), so each kernel keeps
+// its own; the shared helpers above compile to the same machine code.
 extern "C" __global__ void __launch_bounds__(BLOCK) qk_norm_rope(const NormParams p) {
     __shared__ raw_t stage[2 * NORM_HB][BLOCK];
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -180,16 +217,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) qk_norm_rope(const NormParam
             stage_copy(&stage[2 * k + 1][me], in + k * in_sh + HALF);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
-        load_weights(p.weight[which], c0, wl);
-        load_weights(p.weight[which], c0 + HALF, wh);
-        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.sin_sign, c, sn);
-#if NORM_MODE == 1
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
-            c[e] = round_to_dtype(c[e]);
-            sn[e] = round_to_dtype(sn[e]);
-        }
-#endif
+        split_constants(p, which, t, b, s, c0, wl, wh, c, sn);
         asm volatile("cp.async.wait_all;" ::: "memory");  // the thread's own copies have landed
     } else {
 #pragma unroll
@@ -206,14 +234,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK) qk_norm_rope(const NormParam
         vec_t lo, hi;
         lo.raw = stage_read(&stage[2 * k][me]);
         hi.raw = stage_read(&stage[2 * k + 1][me]);
-        float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            const float a = conv::to_float(lo.v[e]), z = conv::to_float(hi.v[e]);
-            s0 = __fadd_rn(s0, __fmul_rn(a, a));
-            s1 = __fadd_rn(s1, __fmul_rn(z, z));
-        }
-        r[k] = __fadd_rn(s0, s1);
+        r[k] = split_squares(lo, hi);
     }
 #pragma unroll
     for (int k = 0; k < NORM_HB; ++k) r[k] = head_scale(r[k], p.eps);
@@ -264,16 +285,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
             lo[k].raw = __ldcs((const raw_t*)(in + k * in_sh));
             hi[k].raw = __ldcs((const raw_t*)(in + k * in_sh + HALF));
         }
-        load_weights(p.weight[which], c0, wl);
-        load_weights(p.weight[which], c0 + HALF, wh);
-        table_slice_at<VEC>(p.f, token_row(p.f, t, b, s), c0, p.f.table_vec, p.f.sin_sign, c, sn);
-#if NORM_MODE == 1
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {  // the tables in the input dtype, once for the group
-            c[e] = round_to_dtype(c[e]);
-            sn[e] = round_to_dtype(sn[e]);
-        }
-#endif
+        split_constants(p, which, t, b, s, c0, wl, wh, c, sn);
     } else {
 #pragma unroll
         for (int k = 0; k < NORM_HB; ++k) lo[k].raw = hi[k].raw = raw_t{};
@@ -291,16 +303,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope(const NormParams 
     // the compiler keeps them packed across the reductions instead of every head's FP32 values:
     // 3 points of a copy faster at Qwen3-8B's heads, the same bits (docs/performance.md).
 #pragma unroll
-    for (int k = 0; k < NORM_HB; ++k) {
-        float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-            const float a = conv::to_float(lo[k].v[e]), z = conv::to_float(hi[k].v[e]);
-            s0 = __fadd_rn(s0, __fmul_rn(a, a));
-            s1 = __fadd_rn(s1, __fmul_rn(z, z));
-        }
-        r[k] = __fadd_rn(s0, s1);
-    }
+    for (int k = 0; k < NORM_HB; ++k) r[k] = split_squares(lo[k], hi[k]);
 #pragma unroll
     for (int k = 0; k < NORM_HB; ++k) {
         r[k] = head_scale(r[k], p.eps);
