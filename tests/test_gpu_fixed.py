@@ -23,6 +23,37 @@ def cp():
     return cupy
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The launch prefixes of the calls that follow, in order: a spy on the launcher's entries
+    (a plan's call through the quick path keeps no Call to read them from)."""
+    from rope_rtc import launch
+
+    got: list = []
+    plain, one_call = launch.Launcher.__call__, launch.Launcher.launch
+
+    def spy_plain(self, prefix, stream=None, token=None):
+        got.append(prefix)
+        return plain(self, prefix, stream, token)
+
+    def spy_one_call(self, prefix, handle):
+        got.append(prefix)
+        return one_call(self, prefix, handle)
+
+    monkeypatch.setattr(launch.Launcher, "__call__", spy_plain)
+    monkeypatch.setattr(launch.Launcher, "launch", spy_one_call)
+    return got
+
+
+def _served(plan, launched: list) -> tuple:
+    """``(template, launch prefix)`` of the plan's last call: its Call's when it was bound or
+    remembered; the quick path's template and the prefix launched when it took the quick path."""
+    core = plan._core
+    if core.last is not None:
+        return core.last.template, core.last.prefix
+    return core.quick[2], launched[-1]
+
+
 def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_place, rotary_dim=None, with_k=True,
          Hq=32, Hk=8, D=128, dense=True):
     """One RopePlan call; returns (q_out, k_out) on the host and the plan. ``dense``: whether dense
@@ -65,35 +96,36 @@ CASES = [c for c in itertools.product(["float32", "float16", "bfloat16"], ["bshd
 
 
 @pytest.mark.parametrize("dtype,layout,interleaved,scheme,in_place", CASES)
-def test_fixed_build_equals_generic_bits(cp, monkeypatch, dtype, layout, interleaved, scheme, in_place):
+def test_fixed_build_equals_generic_bits(cp, monkeypatch, launched, dtype, layout, interleaved, scheme, in_place):
     fq, fk, plan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place)
-    tmpl = plan._core.last.template
+    tmpl, prefix = _served(plan, launched)
     assert tmpl.fixed is not None, "the specialised build should serve this call"
-    assert plan._core.last.prefix[0] is plan._fixed[tmpl.fixed]
+    assert prefix[0] is plan._fixed[tmpl.fixed]
     gq, gk, gplan = _run(cp, monkeypatch, False, dtype, layout, interleaved, scheme, in_place)
-    assert gplan._core.last.template.fixed is None
+    assert _served(gplan, launched)[0].fixed is None
     assert not np.isnan(fq.astype(np.float32)).any() and not np.isnan(fk.astype(np.float32)).any()
     np.testing.assert_array_equal(bits(fq), bits(gq))
     np.testing.assert_array_equal(bits(fk), bits(gk))
 
 
 @pytest.mark.parametrize("dtype,layout,interleaved,scheme,in_place", CASES)
-def test_dense_build_equals_strided_bits(cp, monkeypatch, dtype, layout, interleaved, scheme, in_place):
+def test_dense_build_equals_strided_bits(cp, monkeypatch, launched, dtype, layout, interleaved, scheme, in_place):
     """Contiguous arrays take the dense build (sbhd's batches are not one after another: the
     strided one); it gives the strided build's bits."""
     dq, dk, plan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place)
-    g = plan._core.last.template.fixed
+    tmpl, prefix = _served(plan, launched)
+    g = tmpl.fixed
     assert g is not None and g.dense is (layout != "sbhd")
-    assert plan._core.last.prefix[0] is plan._fixed[g]
+    assert prefix[0] is plan._fixed[g]
     sq, sk, splan = _run(cp, monkeypatch, True, dtype, layout, interleaved, scheme, in_place, dense=False)
-    assert not splan._core.last.template.fixed.dense
+    assert not _served(splan, launched)[0].fixed.dense
     assert not np.isnan(dq.astype(np.float32)).any() and not np.isnan(dk.astype(np.float32)).any()
     np.testing.assert_array_equal(bits(dq), bits(sq))
     np.testing.assert_array_equal(bits(dk), bits(sk))
 
 
 @pytest.mark.parametrize("layout", ["thd", "bshd", "bhsd"])
-def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, layout):
+def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, launched, layout):
     """Token-major q and k as views of one fused q|k|v buffer (dense, with the buffer's token
     stride), and bhsd q and k whose rows are padded to a longer sequence (dense, with the padded
     head stride), in place and into fresh outputs, equal the generic kernel bit for bit."""
@@ -122,7 +154,7 @@ def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, layout)
             plan = rope_rtc.RopePlan(q, k, cos, sin, layout=layout, positions=pos,
                                      q_out=None if in_place else qo, k_out=None if in_place else ko).compile()
             plan.execute(q, k, cos, sin, positions=pos, q_out=qo, k_out=ko)
-            g = plan._core.last.template.fixed
+            g = _served(plan, launched)[0].fixed
             assert (g is not None and g.dense) if use_fixed else g is None
             results.append([cp.asnumpy(qo), cp.asnumpy(ko)] + [cp.asnumpy(b) for b in bufs])
     for a, b in zip(results[:2], results[2:]):
@@ -133,12 +165,12 @@ def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, layout)
 
 @pytest.mark.parametrize("with_k,Hq,Hk", [(True, 6, 3), (False, 5, 0), (True, 32, 32)])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_fixed_build_head_counts_and_partial_window(cp, monkeypatch, with_k, Hq, Hk, layout):
+def test_fixed_build_head_counts_and_partial_window(cp, monkeypatch, launched, with_k, Hq, Hk, layout):
     """Odd head counts (one head per thread in bhsd), q alone, a partial window in place."""
     for rotary_dim in (None, 64):
         fq, fk, plan = _run(cp, monkeypatch, True, "bfloat16", layout, False, "positions", True,
                             rotary_dim=rotary_dim, with_k=with_k, Hq=Hq, Hk=Hk or 8)
-        assert plan._core.last.template.fixed is not None
+        assert _served(plan, launched)[0].fixed is not None
         gq, gk, _ = _run(cp, monkeypatch, False, "bfloat16", layout, False, "positions", True,
                          rotary_dim=rotary_dim, with_k=with_k, Hq=Hq, Hk=Hk or 8)
         np.testing.assert_array_equal(bits(fq), bits(gq))
@@ -146,13 +178,13 @@ def test_fixed_build_head_counts_and_partial_window(cp, monkeypatch, with_k, Hq,
             np.testing.assert_array_equal(bits(fk), bits(gk))
 
 
-def test_partial_window_out_of_place_runs_generic(cp, monkeypatch):
+def test_partial_window_out_of_place_runs_generic(cp, monkeypatch, launched):
     fq, fk, plan = _run(cp, monkeypatch, True, "bfloat16", "bshd", False, "offset", False, rotary_dim=64)
-    assert plan._core.last.template.fixed is None  # the channels outside the window are copied
+    assert _served(plan, launched)[0].fixed is None  # the channels outside the window are copied
     assert not np.isnan(fq.astype(np.float32)).any()
 
 
-def test_new_int_offset_on_remembered_arrays(cp, monkeypatch):
+def test_new_int_offset_on_remembered_arrays(cp, monkeypatch, launched):
     """A new scalar offset on the same arrays rewrites the specialised block's own offset field."""
     import rope_rtc
     from rope_rtc.reference import rope_reference
@@ -165,41 +197,10 @@ def test_new_int_offset_on_remembered_arrays(cp, monkeypatch):
     for offset in (0, 7, 20, 7):
         out.fill(np.nan)
         plan.execute(q, None, cos, sin, q_out=out, offset=offset)
-        assert plan._core.last.template.fixed is not None
+        assert _served(plan, launched)[0].fixed is not None
         pos = np.arange(9) + offset
         ref = rope_reference(q0.reshape(-1, 4, 64), cp.asnumpy(cos), cp.asnumpy(sin), pos, interleaved=False)
         np.testing.assert_allclose(cp.asnumpy(out).reshape(-1, 4, 64), ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture
-def launched(monkeypatch):
-    """The launch prefixes of the calls that follow, in order: a spy on the launcher's entries
-    (a plan's call through the quick path keeps no Call to read them from)."""
-    from rope_rtc import launch
-
-    got: list = []
-    plain, one_call = launch.Launcher.__call__, launch.Launcher.launch
-
-    def spy_plain(self, prefix, stream=None, token=None):
-        got.append(prefix)
-        return plain(self, prefix, stream, token)
-
-    def spy_one_call(self, prefix, handle):
-        got.append(prefix)
-        return one_call(self, prefix, handle)
-
-    monkeypatch.setattr(launch.Launcher, "__call__", spy_plain)
-    monkeypatch.setattr(launch.Launcher, "launch", spy_one_call)
-    return got
-
-
-def _served(plan, launched: list) -> tuple:
-    """``(template, launch prefix)`` of the plan's last call: its Call's when it was bound or
-    remembered; the quick path's template and the prefix launched when it took the quick path."""
-    core = plan._core
-    if core.last is not None:
-        return core.last.template, core.last.prefix
-    return core.quick[2], launched[-1]
 
 
 def test_misaligned_call_falls_back_to_generic(cp, launched):
