@@ -127,8 +127,8 @@ class ModelRope:
     def qk_norm_specs(self) -> list[KernelSpec]:
         """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
         every vector width the geometry allows and the staged twins (large launches), for weights
-        of the model's dtype in both numerics
-        and for float32 weights in the exact one (Gemma 3's ``1 + weight``)."""
+        of the model's dtype in both numerics and for float32 weights in the exact one (Gemma 3's
+        ``1 + weight``)."""
         if not self.qk_norm:
             return []
         kinds = [(numerics, False) for numerics in NORM_MODES]

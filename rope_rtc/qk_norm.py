@@ -264,8 +264,7 @@ class QKNormRopePlan(RopePlan):
     def compile(self) -> "QKNormRopePlan":
         """Load every build this plan's calls can take (one per vector width the geometry allows,
         the widest serving aligned arrays, and the staged twins for large launches), compiling on a
-        cache miss. After this, ``execute``
-        never compiles."""
+        cache miss. After this, ``execute`` never compiles."""
         f32 = self.weight_dtype == "float32" and self.dtype != "float32"
         for g in norm_builds(self.dtype, self.interleaved, self.q_heads, self.k_heads, self.head_dim,
                              self.rotary_offset, self.rotary_dim, f32, self.numerics):
