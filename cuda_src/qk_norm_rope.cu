@@ -7,7 +7,8 @@
 //   NORM_HQ, NORM_HK   q and k head counts
 //   NORM_HB            heads per lane group (divides both counts, so a group is all q or all k)
 //   NORM_STAGED        1: the vectors pass through shared memory (half-split pairs over the whole
-//                      head in 16-byte vectors, large launches: registry.norm_staged); 0: registers
+//                      head in 16-byte vectors, launches of registry.NORM_STAGED_THREADS and more:
+//                      registry.norm_stageable); 0: registers
 //   NORM_D             head dim; NORM_D / ROPE_VEC is a power of two of at most 32
 //   NORM_RO, NORM_RD   rotary window [NORM_RO, NORM_RO + NORM_RD) of each head (whole vectors)
 //   NORM_WF32          1: float32 weights; 0: weights of the input dtype
@@ -158,7 +159,6 @@ __device__ __forceinline__ void split_constants(const NormParams& p, int which, 
     }
 #endif
 }
-
 #endif
 
 #if NORM_STAGED
