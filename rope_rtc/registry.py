@@ -280,9 +280,10 @@ def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, sma
     whose pairs read up to three rows each), one head (two for interleaved sections) on small
     launches such as decode. ``gathered``: interleaved sections whose block gathers its tokens'
     merged rows in shared memory first (token-major order, cuda_src/rope_fixed.cu): two heads on
-    every launch. Measured (docs/performance.md); always a divisor of both head counts."""
+    prefill, one on small launches (twice the threads share the gather's wait at decode).
+    Measured (docs/performance.md); always a divisor of both head counts."""
     if gathered:
-        want = 2
+        want = 1 if small else 2
     else:
         want = (2 if interleaved_sections else 1) if small else (4 if interleaved_sections else 2)
     while want > 1 and (q_heads % want or k_heads % want):

@@ -1080,3 +1080,113 @@ def test_capture_keeps_a_result_per_buffer_set(which):
     launch, keep = capture(_FakeCapture(), [sets[0]] * 6)
     gc.collect()
     assert [ref() is not None for _, ref in made] == [False] * 5 + [True]
+
+
+# --- the device state read beside the timed bursts ----------------------------------------------
+
+
+class _FakeNvml:
+    """The few NVML calls the monitor makes; ``broken`` names fields that raise."""
+
+    ClockType = types.SimpleNamespace(CLOCK_SM="sm", CLOCK_MEM="mem")
+    TemperatureSensors = types.SimpleNamespace(TEMPERATURE_GPU="gpu")
+
+    def __init__(self, broken=(), reasons=0):
+        self.broken, self.reasons, self.calls = set(broken), reasons, []
+        self.sm = 1980
+
+    def _get(self, name, value):
+        self.calls.append(name)
+        if name in self.broken:
+            raise RuntimeError(f"{name} not supported")
+        return value
+
+    def init_v2(self):
+        self.calls.append("init")
+
+    def device_get_handle_by_pci_bus_id_v2(self, bus_id):
+        assert bus_id == "0000:19:00.0"
+        return 7
+
+    def device_get_clock_info(self, h, kind):
+        assert h == 7
+        return self._get(kind, self.sm if kind == "sm" else 3201)
+
+    def device_get_temperature_v(self, h, sensor):
+        return self._get("gpu_c", 51)
+
+    def device_get_power_usage(self, h):
+        return self._get("power", 612_500)
+
+    def device_get_current_clocks_event_reasons(self, h):
+        return self._get("reasons", self.reasons)
+
+
+_FAKE_CP = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(
+    deviceGetPCIBusId=lambda ordinal: "0000:19:00.0")))
+
+
+def test_the_monitor_reads_what_nvml_answers_and_leaves_out_the_rest():
+    from rope_rtc.benchmark.device_state import DeviceMonitor
+
+    nvml = _FakeNvml(broken={"gpu_c"})
+    monitor, note = DeviceMonitor.open(_FAKE_CP, 0, nvml=nvml)
+    assert note == "NVML" and nvml.calls[0] == "init"
+    assert monitor.read() == {"sm_mhz": 1980, "mem_mhz": 3201, "power_w": 612.5, "reasons": 0}
+
+
+@pytest.mark.parametrize("nvml,why", [
+    (types.SimpleNamespace(init_v2=lambda: (_ for _ in ()).throw(RuntimeError("no driver"))), "no driver"),
+    (_FakeNvml(broken={"sm", "mem", "gpu_c", "power", "reasons"}), "no field"),
+])
+def test_a_monitor_that_cannot_read_is_none_with_the_reason(nvml, why):
+    from rope_rtc.benchmark.device_state import DeviceMonitor
+
+    monitor, note = DeviceMonitor.open(_FAKE_CP, 0, nvml=nvml)
+    assert monitor is None and note.startswith("unavailable") and why in note
+
+
+def test_device_summaries_keep_ranges_and_every_slowdown_reason():
+    from rope_rtc.benchmark.device_state import describe, run_summary, summarize
+
+    row = summarize([{"sm_mhz": 1980, "gpu_c": 50, "power_w": 600.0, "reasons": 0x1},
+                     {"sm_mhz": 1755, "gpu_c": 53, "power_w": 690.0, "reasons": 0x4},
+                     {"sm_mhz": 1980, "gpu_c": 52, "reasons": 0x0}])
+    assert row == {"readings": 3, "sm_mhz": [1755, 1980], "gpu_c": [50, 53], "power_w": [600.0, 690.0],
+                   "slowdowns": ["software power cap"]}  # GPU idle (0x1) is not a slowdown
+    quiet = summarize([{"sm_mhz": 1980, "gpu_c": 45, "power_w": 300.0, "reasons": 0}])
+    run = run_summary([row, quiet, None, {"readings": 0}])
+    assert run == {"rows": 2, "sm_mhz": [1755, 1980], "gpu_c": [45, 53], "power_w": [300.0, 690.0],
+                   "slowdowns": ["software power cap"]}
+    text = describe(run)
+    assert "1755-1980 MHz SM clock" in text and "45-53 °C" in text and "software power cap" in text
+    assert describe(run_summary([quiet])).endswith("slowdown reasons seen: none.")
+    assert run_summary([]) is None and describe(None) == ""
+
+
+def test_each_figure_timed_in_turns_keeps_its_device_readings():
+    clock = timing.Clock(None, types.SimpleNamespace(synchronize=lambda: None), quick=True)
+    clock._gpu_seconds = lambda lead, seq: 1e-3 * len(seq)
+    clock._warm = lambda rot: None
+    reads = iter(range(1000))
+    clock.monitor = types.SimpleNamespace(read=lambda: {"sm_mhz": 1900 + next(reads), "reasons": 0})
+    a, b = clock.events_in_turns([[lambda: 0], [lambda: 1]])
+    # the rows' bursts alternate, and so do the readings taken after them
+    assert a["device"]["readings"] == b["device"]["readings"] == clock.reps
+    assert a["device"]["sm_mhz"] == [1900, 1900 + 2 * (clock.reps - 1)]
+    assert b["device"]["sm_mhz"] == [1901, 1901 + 2 * (clock.reps - 1)]
+    clock.monitor = None
+    assert "device" not in clock.events([lambda: 0])
+
+
+def test_the_page_gives_the_device_state_of_a_run_that_has_it():
+    res = synthetic_result(True)
+    assert "Device state after every timed burst" not in report.render_markdown(res)
+    case = next(c for c in res["cases"] if c["group"] == "general")
+    for row in case["rows"]:
+        for t in row["timings"].values():
+            if isinstance(t, dict) and "us" in t:
+                t["device"] = {"readings": 3, "sm_mhz": [1980, 1980], "gpu_c": [48, 52], "slowdowns": []}
+    page = report.render_markdown(res)
+    assert "Device state after every timed burst (NVML, " in page
+    assert "1980 MHz SM clock, 48-52 °C; clock slowdown reasons seen: none." in page

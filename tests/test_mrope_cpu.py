@@ -173,7 +173,7 @@ def test_sectioned_builds_compile(arch, dtype, tmp_path, monkeypatch):
                 assert get_binary(build.spec(), target_for(arch)).data
 
 
-@pytest.mark.parametrize("interleaved,tokens,want", [(False, T, 1), (True, T, 2), (False, 400, 2), (True, 400, 2)])
+@pytest.mark.parametrize("interleaved,tokens,want", [(False, T, 1), (True, T, 1), (False, 400, 2), (True, 400, 2)])
 def test_heads_per_thread(gpu, interleaved, tokens, want):
     kw = _call(q=fake_cupy((tokens, HQ, D), BF16), k=fake_cupy((tokens, HK, D), BF16),
                positions=fake_cupy((3, tokens), np.int64))
@@ -181,14 +181,14 @@ def test_heads_per_thread(gpu, interleaved, tokens, want):
     assert gpu.launches[-1]["geometry"].head_batch == want
     assert registry.mrope_head_batch(28, 4, True, False) == 4 and registry.mrope_head_batch(28, 4, False, False) == 2
     assert registry.mrope_head_batch(3, 1, True, False) == 1
-    # interleaved sections gathered in shared memory (token-major order): two heads, decode and prefill
+    # interleaved sections gathered in shared memory (token-major order): two heads on prefill, one at decode
     assert registry.mrope_head_batch(28, 4, True, False, gathered=True) == 2
-    assert registry.mrope_head_batch(28, 4, True, True, gathered=True) == 2
+    assert registry.mrope_head_batch(28, 4, True, True, gathered=True) == 1
 
 
 def test_interleaved_sections_in_token_major_order_gather_in_shared_memory():
     g = registry.mrope_geometries("bfloat16", 28, 4, 128, 128, (24, 20, 20), True, tokens_denser=False)
-    assert {x.order for x in g} == {0} and {x.head_batch for x in g} == {2}
+    assert {x.order for x in g} == {0} and [x.head_batch for x in g] == [1, 2]  # [small launches, large ones]
     g = registry.mrope_geometries("bfloat16", 28, 4, 128, 128, (24, 20, 20), True, tokens_denser=True)
     assert {x.order for x in g} == {1} and sorted(x.head_batch for x in g) == [2, 4]
 

@@ -26,6 +26,7 @@ from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_h
 from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
                     GRAPH_HOT_CALLS, HOST_PROCESSES, ONE_CALL, ONE_CALL_POOL, OURS, SCHEMA,
                     SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
+from .device_state import DeviceMonitor
 from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
 from .report import ROW_HEADER, format_row, write_json
 from .timing import Clock
@@ -578,6 +579,7 @@ class Context:
         self.l2 = _l2_bytes(cp, args.device)
         self.clock = Clock(cp, self.stream, args.quick)
         self.clock.hold = GpuHold(self.stream, args.device)
+        self.clock.monitor, self.monitor_note = DeviceMonitor.open(cp, args.device)
         self.seed = args.seed
         self.peers: Peers | None = None
 
@@ -651,6 +653,7 @@ def environment(ctx) -> dict:
         if v:
             env[dist] = v
     env["nvidia_smi"] = _nvidia_smi()
+    env["device_state"] = getattr(ctx, "monitor_note", "not read")
     return env
 
 

@@ -10,6 +10,8 @@ import statistics
 import time
 from functools import partial
 
+from .device_state import summarize
+
 
 # =============================================================================================
 # timing
@@ -53,6 +55,9 @@ class Clock:
         self.min_total = 50 if quick else 200         # timed calls per figure, when affordable
         self.max_s = 0.15 if quick else 0.4           # cap on one figure's timed calls
         self.max_calls = 5000
+        # ``monitor.read()`` after every timed burst, outside the timed window
+        # (device_state.DeviceMonitor); None: no readings.
+        self.monitor = None
 
     def _gpu_seconds(self, lead, seq: list) -> float:
         """GPU seconds of the calls of ``seq``, after an untimed call of ``lead``: the GPU works on
@@ -106,11 +111,18 @@ class Clock:
                 seq = rot.take(4)
                 counts.append(self._calls(self._gpu_seconds(seq[0], seq[1:]) / 3))
             samples: list[list[float]] = [[] for _ in rots]
+            readings: list[list[dict]] = [[] for _ in rots]
             for _ in range(self.reps):
-                for rot, calls, out in zip(rots, counts, samples):
+                for rot, calls, out, seen in zip(rots, counts, samples, readings):
                     seq = rot.take(calls + 1)
                     out.append(self._gpu_seconds(seq[0], seq[1:]) / calls)
-        return [self._stats(s, c, self.reps, divisor, sets or len(fns)) for s, c, fns in zip(samples, counts, rows)]
+                    if self.monitor is not None:
+                        seen.append(self.monitor.read())
+        stats = [self._stats(s, c, self.reps, divisor, sets or len(fns)) for s, c, fns in zip(samples, counts, rows)]
+        if self.monitor is not None:
+            for st, seen in zip(stats, readings):
+                st["device"] = summarize(seen)
+        return stats
 
     # Calls per timed burst of a host measurement.
     HOST_BURST = 100
