@@ -228,6 +228,13 @@ def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
 # ---------------------------------------------------------------------------------------------
 # checks: each raises TypeError/ValueError naming the argument, before anything is launched
 
+def check_holds_memory(info: ArrayInfo) -> None:
+    """A TensorDesc declares an array but holds no memory: launching with it would use address 0."""
+    if isinstance(info.array, TensorDesc):
+        raise TypeError(f"{info.name}: a TensorDesc declares an array but holds none; pass arrays here "
+                        "(declarations are for building a RopePlan)")
+
+
 def check_dtype(info: ArrayInfo, allowed: tuple[str, ...], what: str = "") -> None:
     if info.dtype not in allowed:
         raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected one of {', '.join(allowed)}")

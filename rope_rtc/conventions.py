@@ -10,10 +10,13 @@ general API without a copy:
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from . import arrays as A
 from .descriptors import TensorDesc
+from .errors import UnsupportedLayoutError, rename_arguments
 
 
 class _InterfaceView:
@@ -65,34 +68,87 @@ def shape_of(x, name: str):
     return shape
 
 
-def split_cos_sin_cache(cache, cos, sin) -> tuple:
-    """``(cos, sin)``: the tables given, or the two halves of ``cache`` as views."""
+# The names the checks give the halves of a cos_sin_cache, and the argument the caller passed.
+CACHE_NAMES = {"cos": "cos_sin_cache", "sin": "cos_sin_cache"}
+
+
+def split_cos_sin_cache(cache, cos, sin, rotary_dim=None, head_dim=None) -> tuple:
+    """``(cos, sin)``: the tables given, or the two halves of ``cache`` as views. With the call's
+    ``rotary_dim`` (None: the head dim) and its head dim, where known, the cache's width is checked
+    here, in the cache's terms (the general checks of the halves speak of cos and sin)."""
     if cache is None:
         if cos is None or sin is None:
             raise TypeError("cos, sin: pass both tables, or one combined table as cos_sin_cache=")
         return cos, sin
     if cos is not None or sin is not None:
         raise TypeError("cos_sin_cache: pass it instead of cos and sin, not with them")
-    info = _described(cache, "cos_sin_cache")  # an interface-only cache; None for any other object
-    shape = getattr(cache, "shape", None) if info is None else info.shape
-    if shape is None or len(shape) != 2:
-        raise ValueError("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first "
-                         f"half of each row, sin in the second), got {'shape ' + str(tuple(shape)) if shape is not None else type(cache).__name__}")
-    dtype = getattr(cache, "dtype", None) if info is None else info.dtype
-    if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
-        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")
+    what = ("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first half of each "
+            "row, sin in the second), got ")
+    try:
+        info = A.describe(cache, "cos_sin_cache")
+    except TypeError:
+        raise TypeError(what + type(cache).__name__) from None
+    shape = info.shape
+    if len(shape) != 2:
+        raise ValueError(what + f"shape {tuple(shape)}")
+    if info.dtype != "float32":
+        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {info.dtype}")
     width = int(shape[1])
     if width == 0 or width % 2:
         raise ValueError(f"cos_sin_cache: its rows hold cos then sin, so their width must be even and positive, got "
                          f"{width}")
+    A.check_last_dim_contiguous(info)
+    _check_cache_width(width, rotary_dim, head_dim)
     half = width // 2
     if isinstance(cache, TensorDesc):  # a declaration: two declared views of one buffer
         return (TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device),
                 TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device))
-    if info is not None:
+    if not hasattr(cache, "shape"):  # an interface-only cache
         return (_view(cache, info, 0, (shape[0], half), info.strides),
                 _view(cache, info, half, (shape[0], half), info.strides))
     return cache[:, :half], cache[:, half:]
+
+
+def _check_cache_width(width: int, rotary_dim, head_dim) -> None:
+    """Rows of ``width`` values serve ``rotary_dim`` (the head dim when None) when they are as wide;
+    an option of another type is left to validation, which names it."""
+    plain = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) and v > 0
+    want = rotary_dim if rotary_dim is not None else head_dim
+    if not plain(want) or int(want) == width:
+        return
+    want = int(want)
+    hint = ""
+    if rotary_dim is None and width < want:
+        hint = (f" (rotary_dim defaults to the head dim {want}; to rotate only the first {width} channels pass "
+                f"rotary_dim={width})")
+    raise ValueError(f"cos_sin_cache: rows of {width} values (cos then sin of {width // 2} frequencies), but rotary_dim "
+                     f"{want} needs rows of {want}{hint}")
+
+
+@contextlib.contextmanager
+def cache_names(cache):
+    """Around the checks of a call whose tables are ``cache``'s halves (None: tables given): their
+    messages name the cache, not ``cos`` and ``sin``."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:  # raised before anything is launched or written
+        if cache is not None:
+            rename_arguments(exc, CACHE_NAMES)
+        raise
+
+
+def head_dim_of(x, head_dim, layout):
+    """The head dim of ``x`` as the call will see it (``head_dim`` for a flat array it divides), or
+    None when it cannot be told yet (the checks of ``x`` and ``head_dim`` then name the problem)."""
+    shape = shape_of(x, "q")
+    if not shape:
+        return None
+    if head_dim is None:
+        return shape[-1]
+    if isinstance(head_dim, (int, np.integer)) and not isinstance(head_dim, (bool, np.bool_)) and head_dim > 0 and (
+            len(shape) == 2 and shape[1] % head_dim == 0 or len(shape) == 3 and shape[2] == head_dim):
+        return int(head_dim)
+    return None
 
 
 def unflatten_heads(x, head_dim, layout: str, name: str):
@@ -120,9 +176,9 @@ def unflatten_heads(x, head_dim, layout: str, name: str):
         st = x.strides
         return TensorDesc(x.dtype_name, (T, width // head_dim, head_dim), (st[0], head_dim * st[1], st[1]), x.device)
     before = A.describe(x, name)
-    if before.strides[-1] != 1 and width > 1:
-        raise ValueError(f"{name}: a flat [T, H * head_dim] array needs a contiguous last axis (stride 1), got "
-                         f"element strides {before.strides}")
+    if before.strides[-1] != 1 and width > 1:  # a layout, as for a [T, H, D] array
+        raise UnsupportedLayoutError(f"{name}: a flat [T, H * head_dim] array needs a contiguous last axis (stride 1), "
+                                     f"got element strides {before.strides}")
     y = _view(x, before, 0, (T, width // head_dim, head_dim), (before.strides[0], head_dim, 1))
     after = A.describe(y, name)
     if after.ptr != before.ptr or (T > 1 and after.strides[0] != before.strides[0]):

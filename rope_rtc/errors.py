@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import re
+
 
 class RopeRtcError(RuntimeError):
     """Base class of rope_rtc's run-time failures (bad arguments raise TypeError/ValueError)."""
@@ -50,3 +53,22 @@ class SettingError(ValueError):
 
 class NoDeviceError(RopeRtcError):
     """The GPU backend was asked for on a machine with no usable CUDA driver or device."""
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_names(names: frozenset) -> re.Pattern:
+    # A name where a message uses it as an argument's: leading the message or a list of names
+    # ("x, positions: ..."), after "overlaps", "but" or "from" ("out overlaps x", "from cos's"),
+    # followed by ":", ",", "'s", " (", " is " or the end; never a word of the prose around it.
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    return re.compile(rf"(?:^|(?<=, )|(?<=overlaps )|(?<=but )|(?<=from ))({alternatives})\b"
+                      r"(?=:|,|'s| \(| is |$)")
+
+
+def rename_arguments(exc: Exception, names: dict) -> None:
+    """Rename, in place, the argument names of ``exc``'s message (``names``: the checks' name ->
+    the caller's): for an API that hands its arguments to checks written for other names (ONNX's
+    inputs, the halves of a ``cos_sin_cache``), so that the message names what the caller passed."""
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        pattern = _argument_names(frozenset(names))
+        exc.args = (pattern.sub(lambda m: names[m.group(1)], exc.args[0]),)

@@ -29,7 +29,7 @@ import numpy as np
 from . import arrays as A
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
 from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicate, disjoint_pairs, pointers,
-                       signature)
+                       signature, preferred_predicate)
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
@@ -43,6 +43,8 @@ BLOCK_THREADS = 128  # measured 0-1 point above 256 on prefill (docs/performance
 # Argument order of the core's calls.
 ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache", "k_scale", "v_scale",
         "q_out", "k_out", "cu_seqlens", "offsets")
+(Q, K, V, COS, SIN, POSITIONS, SLOTS, K_CACHE, V_CACHE, K_SCALE, V_SCALE, Q_OUT, K_OUT, CU_SEQLENS,
+ OFFSETS) = range(len(ARGS))
 
 
 @dataclass
@@ -171,7 +173,19 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
             i = int(np.argmax(bad))
             raise ValueError(f"slot_mapping: entry {i} is {int(s[i])}, past the cache's {num_slots} slots "
                              f"(a negative slot skips its token)")
+        # Two tokens writing one slot would race in the kernel: each slot is one token's.
+        used = np.flatnonzero(s >= 0)
+        order = used[np.argsort(s[used], kind="stable")]
+        same = np.flatnonzero(s[order[1:]] == s[order[:-1]])
+        if same.size:
+            pairs = sorted((int(order[j]), int(order[j + 1])) for j in same)
+            i, j = pairs[0]
+            raise ValueError(f"slot_mapping: entries {i} and {j} both name slot {int(s[i])}; each slot takes one "
+                             "token's k and v (a negative slot skips its token)")
     everything = [i for i in (*req.infos(), vi, si, *scales) if i is not None]
+    for info in (vi, si, *caches, *scales):  # the RoPE part's arguments were checked by validate
+        if info is not None:
+            A.check_holds_memory(info)
     A.check_same_device(everything + caches)
     for ci in caches:
         for other in everything + [c for c in caches if c is not ci]:
@@ -194,28 +208,60 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     return creq, args
 
 
-def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kind: int) -> int:
-    """The first vector of :func:`cache_vector_widths` that every address, stride and channel
-    split allows (FP8 entries: >= 2 bytes)."""
+def _widths(req: Request, kind: int) -> list[int]:
+    """The vectors of :func:`cache_vector_widths` (widest first) that the channel split allows
+    (FP8 entries: >= 2 bytes)."""
     D, R = req.cq.D, req.rotary_dim
-    size = req.q.itemsize
-    infos = [i for i in (req.q, req.k, req.q_out, req.k_out, vi) if i is not None]
-    fits = [vec for vec in cache_vector_widths(req.dtype, req.interleaved, kind)
+    return [vec for vec in cache_vector_widths(req.dtype, req.interleaved, kind)
             if not (kind and vec < 2) and not ((R if req.interleaved else R // 2) % vec or (D - R) % vec)]
+
+
+def _vector_arrays(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo) -> tuple:
+    """``(argument index, info)`` of every array the kernel reads or writes in vectors: q, k, v,
+    the outputs (q and k themselves in place) and the caches."""
+    return ((Q, req.q), (K, req.k), (V, vi), (Q_OUT, req.q_out or req.q), (K_OUT, req.k_out or req.k),
+            (K_CACHE, kc), (V_CACHE, vc))
+
+
+def _strides_allow(info: A.ArrayInfo, vec: int) -> bool:
+    return not any(s % vec for d, s in zip(info.shape[:-1], info.strides[:-1]) if d > 1)
+
+
+def _fits(info: A.ArrayInfo, vec: int) -> bool:
+    """Whether ``info``'s address and strides allow accesses of ``vec`` elements."""
+    return not info.ptr % (vec * info.itemsize) and _strides_allow(info, vec)
+
+
+def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kind: int) -> int:
+    """The first vector of :func:`_widths` that every address and stride allows."""
+    D, R = req.cq.D, req.rotary_dim
+    fits = _widths(req, kind)
     if not fits:
         raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "
                                   f"the head to be whole vectors of at least {2 if kind else 1} elements"
                                   f"{' for FP8 entries' if kind else ''}; use apply_rope_qk and a separate cache write")
+    arrays = [info for _, info in _vector_arrays(req, vi, kc, vc)]
     for vec in fits:
-        if any(i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
-               for i in infos):
-            continue
-        if any(c.ptr % (vec * c.itemsize) for c in (kc, vc)) or any(
-                s % vec for d, s in zip(kc.shape[:-1], kc.strides[:-1]) if d > 1):
-            continue
-        return vec
-    raise ValueError("q/k/v/caches: addresses or strides are not aligned to the smallest access the kernel can use "
-                     f"for {req.dtype}{' with an FP8 cache' if kind else ''}; pass aligned arrays")
+        if all(_fits(info, vec) for info in arrays):
+            return vec
+    least = fits[-1]
+    bad = next(info for info in arrays if not _fits(info, least))
+    raise ValueError(f"{bad.name}: address {bad.ptr:#x} or element strides {bad.strides} are not aligned to the "
+                     f"{least * bad.itemsize}-byte accesses the kernel needs at least for {req.dtype}"
+                     f"{' with an FP8 cache' if kind else ''}; pass aligned arrays (a fresh allocation is)")
+
+
+def preferred_masks(creq: CacheRequest) -> tuple:
+    """``(argument index, mask)`` of the least demanding vector that :func:`_widths` prefers to the
+    request's and its signature (strides) allows, for ``prepared.preferred_predicate``; empty when
+    none is preferred."""
+    arrays = _vector_arrays(creq.rope, creq.v, creq.k_cache, creq.v_cache)
+    widths = _widths(creq.rope, creq.kind)
+    better = [vec for vec in widths[:widths.index(creq.vec)] if all(_strides_allow(info, vec) for _, info in arrays)]
+    if not better:
+        return ()
+    vec = min(better)
+    return tuple((i, vec * info.itemsize - 1) for i, info in arrays)
 
 
 def fill_cache_params(p: CacheParams, creq: CacheRequest) -> None:
@@ -259,8 +305,6 @@ def load_cache_function(creq: CacheRequest, device: int):
 
 
 # The core's argument indices (ARGS order).
-(Q, K, V, COS, SIN, POSITIONS, SLOTS, K_CACHE, V_CACHE, K_SCALE, V_SCALE, Q_OUT, K_OUT, CU_SEQLENS,
- OFFSETS) = range(len(ARGS))
 _VECTOR_ARGS = (Q, K, V, Q_OUT, K_OUT)  # read or written as vectors of the input dtype
 _NATURAL_ARGS = (COS, SIN, POSITIONS, SLOTS, K_SCALE, V_SCALE, CU_SEQLENS, OFFSETS)  # aligned 4/8-byte scalars
 
@@ -294,6 +338,8 @@ class _CacheTemplate:
             (i, cache_bytes - 1) for i in (K_CACHE, V_CACHE)) + tuple(
             (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
         self._addresses = address_predicate(self.same_view, self.disjoint, self.masks)
+        # Built for a call off a preferred build's alignment: aligned calls go back to validation.
+        self._preferred = preferred_predicate(preferred_masks(creq))
         self.has_positions = r.positions is not None
         # Tokens read from the offset on: all of them (offset scheme); with cu_seqlens each sequence
         # starts there, so a call with tokens reads that row at least.
@@ -334,6 +380,8 @@ class _CacheTemplate:
         # validated, an address off its alignment (narrower vectors: a new template; or a real
         # misalignment), an offset off the table: full validation decides.
         if not self._addresses(ptrs) or not self._offset_ok(scalar):
+            return None
+        if self._preferred is not None and self._preferred(ptrs):
             return None
         p = core.block
         if core.filled is not self:
@@ -440,9 +488,11 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     positions : int array ``[T]``, or None with ``offset`` / ``cu_seqlens`` (as :func:`apply_rope_qk`).
     slot_mapping : int32/int64 ``[T]``
         Cache slot of each token, ``block * block_size + offset``; a negative slot writes no cache
-        entry for its token (q and k are still rotated). NumPy slots are checked on the host and
-        copied to the device (on ``stream``); device slots past the cache are skipped by the
-        kernel, which never writes outside it.
+        entry for its token (q and k are still rotated). Each slot takes one token: two tokens
+        naming one slot would race. NumPy slots are checked on the host (range, and no slot twice)
+        and copied to the device (on ``stream``); device slots are not read back: one past the
+        cache is skipped by the kernel, which never writes outside it, and a slot named twice
+        holds one of its tokens' entries, which one undefined.
     k_cache, v_cache : device arrays ``[num_blocks, block_size, Hkv, D]`` (``kv_layout="nhd"``) or
         ``[num_blocks, Hkv, block_size, D]`` (``"hnd"``): q's dtype, or uint8 holding FP8 with
         ``kv_cache_dtype="fp8_e4m3"`` / ``"fp8_e5m2"``.

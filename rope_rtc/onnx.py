@@ -27,12 +27,11 @@ ulps of the rotated value, float32 within a few float32 ulps.
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 
 from . import arrays as A
-from .errors import UnsupportedLayoutError
+from .errors import UnsupportedLayoutError, rename_arguments
 
 
 def _int_attr(name: str, value) -> int:
@@ -94,17 +93,11 @@ def _where_X_is(info: A.ArrayInfo, xi: A.ArrayInfo) -> None:
 # as its arguments are named; the operator's caller passed them as these inputs. Its checks stay
 # where they are, called rather than copied here, and their messages are renamed on the way out.
 _ONNX_NAMES = {"x": "X", "q": "X", "cos": "cos_cache", "sin": "sin_cache", "positions": "position_ids"}
-# A general name where a message uses it as an argument's: leading the message or a list of names
-# ("x, positions: ..."), after "overlaps", "but" or "from" ("out overlaps x", "from cos's"),
-# followed by ":", ",", "'s", " (", " is " or the end; never a word of the prose around it.
-_ARGUMENT_NAME = re.compile(r"(?:^|(?<=, )|(?<=overlaps )|(?<=but )|(?<=from ))(x|q|cos|sin|positions)\b"
-                            r"(?=:|,|'s| \(| is |$)")
 
 
 def _in_onnx_names(exc: Exception) -> None:
     """Rename, in place, the general API's argument names in ``exc``'s message to the operator's."""
-    if len(exc.args) == 1 and isinstance(exc.args[0], str):
-        exc.args = (_ARGUMENT_NAME.sub(lambda m: _ONNX_NAMES[m.group(1)], exc.args[0]),)
+    rename_arguments(exc, _ONNX_NAMES)
 
 
 def _module_of(x):

@@ -127,19 +127,37 @@ def address_terms(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple
         lo, hi, v = int(lo), int(hi), int(v)
         terms.append(f"not {lo} < {ref(j)} - {ref(o)} < {hi}" if not lo < v < hi else
                      f"not ({lo} < (d := {ref(j)} - {ref(o)}) < {hi} and d != {v})")
-    # Alignment: one mask per group of arguments (alignments are powers of two), in one term.
-    groups: dict[int, list[int]] = {}
-    for i, mask in natural:
-        groups.setdefault(int(mask), []).append(i)
     if align and aligned:
         if align & (align - 1):
             raise ValueError(f"align: {align} is not a power of two")
-        groups.setdefault(int(align) - 1, []).extend(aligned)
+        natural = tuple(natural) + tuple((i, int(align) - 1) for i in aligned)
+    term = aligned_term(natural, ref)
+    if term:
+        terms.append(term)
+    return terms
+
+
+def aligned_term(masks, ref=lambda i: f"p[{i}]") -> str:
+    """One expression, true when every ``(argument, mask)`` of ``masks`` has its pointer on that
+    alignment (masks are alignments less one: powers of two less one); '' when there is nothing to
+    check. One mask per group of arguments, in one term."""
+    groups: dict[int, list[int]] = {}
+    for i, mask in masks:
+        groups.setdefault(int(mask), []).append(i)
     masked = [f"({' | '.join(ref(i) for i in dict.fromkeys(args))}) & {mask}"
               for mask, args in groups.items() if mask]
-    if masked:
-        terms.append(f"not ({' | '.join(masked)})")
-    return terms
+    return f"not ({' | '.join(masked)})" if masked else ""
+
+
+def preferred_predicate(masks: tuple):
+    """``fits(ptrs) -> bool`` for a template whose build is not the one its signature prefers (its
+    first call was off the preferred builds' alignment), or None when no build is preferred to it:
+    whether a call's pointers are on every ``(argument, mask)`` of the least demanding preferred
+    build (an address on one alignment is on every smaller one). Such a call is declined, so that
+    full validation makes the preferred template, which then serves the aligned calls of the
+    signature; without it a misaligned first call kept every later aligned one on its build."""
+    term = aligned_term(masks)
+    return generated("fits", "p", f"    return {term}\n") if term else None
 
 
 def generated(name: str, params: str, body: str, namespace: dict | None = None):

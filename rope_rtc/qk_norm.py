@@ -35,7 +35,7 @@ from . import arrays as A
 from . import launch, rope_plan
 from .errors import UnsupportedLayoutError
 from .launch import launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature
+from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature, preferred_predicate
 from .registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
                        norm_head_batch, norm_stageable, norm_vector_widths)
 from .rope_launch import check_fixed_block, fill_fixed
@@ -120,13 +120,8 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
             f"head_dim {D} with rotary_dim {req.rotary_dim} at rotary_offset {req.rotary_offset}: the fused QK-norm "
             "kernel needs head_dim to be a power-of-two number (at most 32) of its vectors and the window whole "
             "vectors; normalise separately, then call apply_rope_qk")
-    views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
-    size = req.q.itemsize
     for vec in widths:  # q/k/outputs and the weights are read in vectors (with or without tokens)
-        views_ok = not req.num_tokens or not any(
-            i.ptr % (vec * size) or any(s % vec for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
-            for i in views)
-        if views_ok and not any(w.ptr % weight_alignment(vec, w.itemsize) for w in weights):
+        if _strides_allow(req, vec) and not any(ptr & mask for ptr, mask in _vector_masks(req, weights, vec)):
             break
     else:
         for w in weights:
@@ -147,6 +142,38 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
         g = replace(g, staged=True)
     check_fixed_block(req, "the fused QK-norm kernel")
     return g
+
+
+def _views(req: Request) -> tuple:
+    """``(argument index, info)`` of what the build reads and writes in vectors of the input dtype:
+    none without tokens."""
+    if not req.num_tokens:
+        return ()
+    return tuple((i, info) for i, info in ((Q, req.q), (K, req.k), (Q_OUT, req.q_out), (K_OUT, req.k_out))
+                 if info is not None)
+
+
+def _strides_allow(req: Request, vec: int) -> bool:
+    """Whether the arrays' strides (fixed by a call's signature) allow ``vec``-element vectors."""
+    return not any(s % vec for _, i in _views(req) for d, s in zip(i.shape[:-1], i.strides[:-1]) if d > 1)
+
+
+def _vector_masks(req: Request, weights: tuple, vec: int, *, indices: bool = False) -> tuple:
+    """``(pointer, mask)`` (``indices``: ``(argument index, mask)``) of each address a build of
+    ``vec``-element vectors reads or writes in vectors: the views and the weights."""
+    size = req.q.itemsize
+    views = tuple((i if indices else info.ptr, vec * size - 1) for i, info in _views(req))
+    return views + tuple((i if indices else w.ptr, weight_alignment(vec, w.itemsize) - 1)
+                         for i, w in zip((Q_WEIGHT, K_WEIGHT), weights))
+
+
+def preferred_masks(req: Request, weights: tuple, g: NormGeometry) -> tuple:
+    """``(argument index, mask)`` of the narrowest build wider than ``g`` (widths are preferred
+    widest first) that the call's signature allows, for ``prepared.preferred_predicate``; empty
+    when ``g`` is the widest."""
+    widths = norm_vector_widths(req.dtype, req.interleaved, req.cq.D, req.rotary_offset, req.rotary_dim)
+    wider = [vec for vec in widths if vec > g.vec and _strides_allow(req, vec)]
+    return _vector_masks(req, weights, min(wider), indices=True) if wider else ()
 
 
 def weight_alignment(vec: int, itemsize: int) -> int:
@@ -174,6 +201,8 @@ class _NormTemplate(_RopeTemplate):
         self.natural = self.natural + ((Q_WEIGHT, weight_alignment(g.vec, qw.itemsize) - 1),
                                        (K_WEIGHT, weight_alignment(g.vec, kw.itemsize) - 1))
         self.prepare_checks()
+        # Built for a call off a wider build's alignment: aligned calls go back to validation.
+        self._preferred = preferred_predicate(preferred_masks(req, (qw, kw), g))
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)
@@ -188,6 +217,12 @@ class _NormTemplate(_RopeTemplate):
         fill_fixed(p, self.req, self._as_fixed)
         p.total = norm_threads(self.req, self._g)
         p.eps = self.plan.eps
+
+    def bind(self, core: Prepared, arrays: tuple, offset: int, ptrs: tuple):
+        """The general template's bind, after declining a call a wider build can take."""
+        if self._preferred is not None and self._preferred(ptrs):
+            return None
+        return super().bind(core, arrays, offset, ptrs)
 
     def _write_fixed(self, core: Prepared, ptrs: tuple, offset: int) -> tuple:
         """The general build's block, then the weights' addresses after it."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
-from .conventions import flatten_like, shape_of, split_cos_sin_cache, unflatten_heads
+from .conventions import cache_names, flatten_like, head_dim_of, shape_of, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
@@ -503,12 +503,13 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
-    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
+    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(q, head_dim, layout))
     flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
     flat_k = shape_of(k, "k") if head_dim is not None and k_out is None else None
-    qo, ko = _apply(_QK, unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
-                    cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
-                    unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
+    with cache_names(cos_sin_cache):
+        qo, ko = _apply(_QK, unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
+                        cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
+                        unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
     return (q_out if q_out is not None else flatten_like(qo, flat_q),
             k_out if k_out is not None else flatten_like(ko, flat_k))
 
@@ -546,10 +547,11 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
         return q
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
-    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache)
+    cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(x, head_dim, layout))
     flat = shape_of(x, "x") if head_dim is not None and out is None else None
-    q, _ = _apply(_X, unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
-                  cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
+    with cache_names(cos_sin_cache):
+        q, _ = _apply(_X, unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
+                      cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
     return out if out is not None else flatten_like(q, flat)
 
 
@@ -572,9 +574,9 @@ def _attention_option(inv_freq, attention_scaling):
     return attention_scaling  # validation names the wrong type
 
 
-def _tables_or_angles(inv_freq, cos, sin, cos_sin_cache) -> tuple:
+def _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim) -> tuple:
     """The (cos slot, sin slot) of a call: the tables, or inv_freq and None."""
     if inv_freq is not None:
         check_no_tables(cos, sin, cos_sin_cache)
         return inv_freq, None
-    return split_cos_sin_cache(cos_sin_cache, cos, sin)
+    return split_cos_sin_cache(cos_sin_cache, cos, sin, rotary_dim, head_dim)

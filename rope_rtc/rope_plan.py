@@ -19,7 +19,7 @@ from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predi
     cupy_ndarray, disjoint_pairs, generated, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
-from .conventions import split_cos_sin_cache, unflatten_heads
+from .conventions import cache_names, head_dim_of, split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
@@ -92,14 +92,19 @@ class RopePlan:
                             "applies it)")
         # Engine conventions (rope_rtc.conventions): a combined cos|sin table, flat [T, H * D] q/k.
         if inv_freq is None:
-            cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin)
+            cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin, rotary_dim, head_dim_of(q, head_dim, layout))
         self._flat_head_dim = head_dim
         self._converted = None  # (arguments, their shapes, their views) of the last converted call
         if head_dim is not None:
             q, k = unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k")
             q_out, k_out = unflatten_heads(q_out, head_dim, layout, "q_out"), unflatten_heads(k_out, head_dim, layout, "k_out")
-        req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
-                       q_out=q_out, k_out=k_out, allow_host=False, allow_desc=True, **self._opts)
+        # Omitted outputs mean in place: checked as the in-place call execute makes, so that what
+        # every execute would refuse (a table inside q, say) is refused here.
+        omitted = q_out is None and (k is None or k_out is None)
+        with cache_names(cos_sin_cache):
+            req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
+                           q_out=q if omitted else q_out, k_out=k if omitted else k_out, allow_host=False,
+                           allow_desc=True, **self._opts)
         # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
         self.in_place = ((q_out is None or A.same_view(req.q_out, req.q))
                          and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
@@ -167,14 +172,16 @@ class RopePlan:
             views = last[2]
         else:
             hd, layout = self._flat_head_dim, self.layout
-            c, s = (cos, sin) if self.angles else split_cos_sin_cache(cache, cos, sin)
+            c, s = (cos, sin) if self.angles else split_cos_sin_cache(cache, cos, sin, self._opts["rotary_dim"],
+                                                                      head_dim_of(q, hd, layout))
             views = (unflatten_heads(q, hd, layout, "q"), unflatten_heads(k, hd, layout, "k"), c, s,
                      unflatten_heads(q_out, hd, layout, "q_out"), unflatten_heads(k_out, hd, layout, "k_out"))
             nd = cupy_ndarray()
             self._converted = ((given, tuple(getattr(a, "shape", None) for a in given), views)
                                if all(a is None or type(a) is nd for a in given) else None)
         vq, vk, vc, vs, vqo, vko = views
-        self._execute(vq, vk, vc, vs, positions, vqo, vko, stream, offset, cu_seqlens)
+        with cache_names(cache):
+            self._execute(vq, vk, vc, vs, positions, vqo, vko, stream, offset, cu_seqlens)
         return q_out, k_out
 
     def fixed_kernel(self, g: FixedGeometry):

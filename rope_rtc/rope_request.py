@@ -301,9 +301,7 @@ def _check_kinds(everything: list[A.ArrayInfo], allow_desc: bool) -> int | None:
     """Arrays (not declarations, unless allowed), all on the host or all on one device."""
     if not allow_desc:
         for x in everything:
-            if isinstance(x.array, TensorDesc):  # no address: launching would read address 0
-                raise TypeError(f"{x.name}: a TensorDesc declares an array but holds none; pass arrays here "
-                                "(declarations are for building a RopePlan)")
+            A.check_holds_memory(x)
     hosts = {x.device is None for x in everything if not isinstance(x.array, TensorDesc)}
     if len(hosts) > 1:
         host = [x.name for x in everything if x.device is None]

@@ -102,9 +102,59 @@ def test_a_numpy_integer_head_dim_is_an_int():
 
 
 def test_a_flat_array_without_a_contiguous_last_axis_is_refused():
+    # UnsupportedLayoutError, as for the same [T, H, D] array and every other layout refusal (it
+    # was a plain ValueError here).
+    from rope_rtc.errors import UnsupportedLayoutError
+
     x = np.ones((4, 256), np.float32)[:, ::2]
-    with pytest.raises(ValueError, match="contiguous last axis"):
+    with pytest.raises(UnsupportedLayoutError, match="contiguous last axis"):
         apply_rope(x, cos_sin_cache=np.ones((8, 64), np.float32), layout="thd", head_dim=64, backend="numpy")
+    with FakeGPU() as gpu:
+        q, k = fake_cupy((6, 512), BF16)[:, ::2], fake_cupy((6, 128), BF16)
+        cache, pos = fake_cupy((128, 64), np.float32), fake_cupy((6,), np.int64)
+        with pytest.raises(UnsupportedLayoutError, match="q: a flat"):
+            apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64)
+        with pytest.raises(UnsupportedLayoutError, match="q: a flat"):
+            RopePlan(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64)
+        assert gpu.launches == []
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("a list", TypeError, "cos_sin_cache: expected a 2-d float32 array"),
+    ("rows of 64, rotary_dim 32", ValueError,
+     r"^cos_sin_cache: rows of 64 values \(cos then sin of 32 frequencies\), but rotary_dim 32 needs rows of 32$"),
+    ("rows of 32, head dim 64", ValueError,
+     r"^cos_sin_cache: rows of 32 values .*rotary_dim 64 needs rows of 64 \(rotary_dim defaults to the head dim 64; "
+     r"to rotate only the first 32 channels pass rotary_dim=32\)$"),
+    ("columns strided", ValueError, "^cos_sin_cache: the last dimension must be contiguous"),
+    ("on the host", TypeError, r"^cos_sin_cache: a NumPy \(host\) array"),
+    ("inside q", ValueError, "q_out overlaps cos_sin_cache"),
+])
+def test_cos_sin_cache_errors_name_the_cache(case, exc, match):
+    """The cache is split into cos and sin views before validation, whose messages named those
+    (and suggested slicing tables the caller never passed)."""
+    with FakeGPU() as gpu:
+        q, k, pos = fake_cupy((6, 4 * 64), BF16), fake_cupy((6, 2 * 64), BF16), fake_cupy((6,), np.int64)
+        rotary_dim = None
+        if case == "a list":
+            cache = [[0.0] * 64] * 128
+        elif case == "rows of 64, rotary_dim 32":
+            cache, rotary_dim = fake_cupy((128, 64), np.float32), 32
+        elif case == "rows of 32, head dim 64":
+            cache = fake_cupy((128, 32), np.float32)
+        elif case == "columns strided":
+            cache = fake_cupy((128, 128), np.float32)[:, ::2]
+        elif case == "on the host":
+            cache = np.zeros((128, 64), np.float32)
+        else:
+            cache = fake_cupy((128, 64), np.float32, ptr=q.data.ptr)  # in q's own memory
+        for call in (lambda: apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64,
+                                           rotary_dim=rotary_dim, q_out=q, k_out=k),
+                     lambda: RopePlan(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64,
+                                      rotary_dim=rotary_dim)):
+            with pytest.raises(exc, match=match):
+                call()
+        assert gpu.launches == []
 
 
 def test_the_cache_is_read_in_place_on_the_device():
@@ -182,3 +232,17 @@ def test_a_plan_declared_with_the_engines_conventions():
         plan.execute(q, k, positions=pos, cos_sin_cache=cache)
         p = gpu.launches[-1]["fixed"]
         assert (p.cos, p.sin, p.table_stride, p.in_[0]) == (cache.data.ptr, cache.data.ptr + 256, 128, q.data.ptr)
+
+
+def test_an_in_place_plan_refuses_at_construction_what_every_execute_would_refuse():
+    """Omitted outputs mean in place: a table inside q was accepted by RopePlan(...) and refused by
+    every execute (rope_and_cache's and the multimodal plans refused it when made)."""
+    with FakeGPU() as gpu:
+        q, k, pos = fake_cupy((6, 4, 64), BF16), fake_cupy((6, 2, 64), BF16), fake_cupy((6,), np.int64)
+        table = fake_cupy((128, 32), np.float32, ptr=q.data.ptr)
+        with pytest.raises(ValueError, match="q_out overlaps cos"):
+            RopePlan(q, k, table, fake_cupy((128, 32), np.float32), positions=pos, layout="thd")
+        RopePlan(q, k, fake_cupy((128, 32), np.float32), fake_cupy((128, 32), np.float32), positions=pos,
+                 layout="thd").execute(q, k, fake_cupy((128, 32), np.float32), fake_cupy((128, 32), np.float32),
+                                       positions=pos)
+        assert len(gpu.launches) == 1

@@ -458,3 +458,80 @@ def test_one_misaligned_call_does_not_pin_later_calls_to_narrower_vectors():
         assert gpu.launches[-1]["request"].vec == 1
         plan.execute(**_call())  # new aligned arrays of the same signature
         assert gpu.launches[-1]["request"].vec == wide
+
+
+@pytest.mark.parametrize("name", ["v", "slot_mapping", "k_cache", "v_cache", "k_scale"])
+def test_a_declaration_in_place_of_an_array_is_refused_before_any_launch(name):
+    """A TensorDesc declares an array but holds no memory: in v, the slots, a cache or a scale it
+    was launched with a null pointer (the RoPE arguments were already refused)."""
+    from rope_rtc import RopeCachePlan, TensorDesc
+
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", k_cache=fake_cupy((3, 16, HK, D), np.uint8),
+               v_cache=fake_cupy((3, 16, HK, D), np.uint8), k_scale=fake_cupy((1,), np.float32),
+               v_scale=fake_cupy((1,), np.float32))
+    kw = _call(**fp8)
+    real = kw[name]
+    kw[name] = TensorDesc(np.dtype(real.dtype), real.shape, device=0)
+    with FakeGPU() as gpu:
+        with pytest.raises(TypeError, match=f"{name}: a TensorDesc declares an array"):
+            rope_and_cache(**kw)
+        with pytest.raises(TypeError, match=f"{name}: a TensorDesc declares an array"):
+            RopeCachePlan(**kw)
+        good = _call(**fp8)
+        plan = RopeCachePlan(**good)
+        del good["kv_cache_dtype"]  # fixed by the plan
+        with pytest.raises(TypeError, match=f"{name}: a TensorDesc declares an array"):
+            plan.execute(**dict(good, **{name: kw[name]}))
+        assert gpu.launches == []
+
+
+@pytest.mark.parametrize("case,culprit", [
+    ("v_cache", "v_cache"),
+    ("v", "v"),
+    ("fp8_row_stride", "k_cache"),
+])
+def test_a_misalignment_error_names_the_array(case, culprit):
+    with FakeGPU() as gpu:
+        if case == "v_cache":
+            kw = _call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=1))
+        elif case == "v":
+            kw = _call(v=fake_cupy((T, HK, D), BF16, byte_offset=1))
+        else:  # uint8 entries with rows 65 bytes apart: no 2-byte access fits
+            kw = _call(kv_cache_dtype="fp8_e4m3", k_cache=fake_cupy((3, 16, HK, D + 1), np.uint8)[..., :D],
+                       v_cache=fake_cupy((3, 16, HK, D + 1), np.uint8)[..., :D], k_scale=fake_cupy((1,), np.float32),
+                       v_scale=fake_cupy((1,), np.float32))
+        with pytest.raises(ValueError, match=rf"^{culprit}: "):
+            rope_and_cache(**kw)
+        assert gpu.launches == []
+
+
+def test_two_tokens_writing_one_slot_are_refused_when_the_slots_come_from_the_host():
+    """Tokens that share a slot race in the kernel (the reference lets the last one win): a host
+    slot_mapping is checked for it like for its range; negative slots (skipped) may repeat."""
+    with FakeGPU() as gpu:
+        with pytest.raises(ValueError, match=r"slot_mapping: entries 1 and 3 both name slot 7"):
+            rope_and_cache(**_call(slot_mapping=np.array([0, 7, -1, 7, 9])))
+        assert gpu.launches == []
+        # The checks alone (the one-call function then copies the slots to the device).
+        from rope_rtc.kv_cache import validate_cache_call
+
+        creq, _ = validate_cache_call(**_call(slot_mapping=np.array([0, -1, 2, -1, 9])), allow_host_slots=True)
+        assert creq.slots.shape == (T,)
+
+
+def test_a_misaligned_first_call_does_not_pin_later_aligned_calls():
+    # The other order of test_one_misaligned_call_does_not_pin_later_calls_to_narrower_vectors.
+    from rope_rtc import RopeCachePlan
+
+    with FakeGPU() as gpu:
+        rope_and_cache(**_call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=2)))
+        assert gpu.launches[-1]["request"].vec == 1
+        rope_and_cache(**_call())
+        wide = gpu.launches[-1]["request"].vec
+        assert wide > 1
+        kw = _call(v_cache=fake_cupy((3, 16, HK, D), BF16, byte_offset=2))
+        plan = RopeCachePlan(**kw)
+        plan.execute(**kw)
+        assert gpu.launches[-1]["request"].vec == 1
+        plan.execute(**_call())
+        assert gpu.launches[-1]["request"].vec == wide

@@ -234,3 +234,38 @@ def test_one_misaligned_call_does_not_pin_later_calls_to_a_narrower_build(gpu):
     assert gpu.launches[-1]["geometry"].vec < wide
     apply_qk_norm_rope(**_call(), eps=1e-6)
     assert gpu.launches[-1]["geometry"].vec == wide
+
+
+@pytest.mark.parametrize("first", ["q", "weights"])
+def test_a_misaligned_first_call_does_not_pin_later_aligned_calls(gpu, first):
+    """The other order: a signature whose first call was off the widest build's alignment (q 8
+    bytes off, or the weights 4 bytes off) kept that narrower build for every later aligned call,
+    one-call and plan alike, and large launches lost the staged build with it."""
+    import rope_rtc
+
+    off = (dict(q=fake_cupy((B, S, HQ, D), BF16, byte_offset=8)) if first == "q" else
+           dict(q_weight=fake_cupy((D + 2,), BF16)[2:]))
+    rope_rtc.apply_qk_norm_rope(**_call(**off))
+    narrow = gpu.launches[-1]["geometry"].vec
+    rope_rtc.apply_qk_norm_rope(**_call())
+    wide = gpu.launches[-1]["geometry"].vec
+    assert narrow < wide == 8
+    rope_rtc.apply_qk_norm_rope(**_call(**off))  # the narrow build again, beside the wide one
+    assert gpu.launches[-1]["geometry"].vec == narrow
+    plan = rope_rtc.QKNormRopePlan(**_call(**off))
+    plan.execute(**_call(**off))
+    assert gpu.launches[-1]["geometry"].vec == narrow
+    plan.execute(**_call())
+    assert gpu.launches[-1]["geometry"].vec == wide
+    T = 10923  # large enough for the staged build (test_large_launches_take_the_staged_build)
+
+    def big(offset=0):
+        return _call(q=fake_cupy((1, T, HQ, D), BF16, byte_offset=offset),
+                     k=fake_cupy((1, T, HK, D), BF16, byte_offset=offset),
+                     cos=fake_cupy((T, D // 2), np.float32), sin=fake_cupy((T, D // 2), np.float32))
+
+    rope_rtc.apply_qk_norm_rope(**big(8))
+    assert not gpu.launches[-1]["geometry"].staged
+    rope_rtc.apply_qk_norm_rope(**big())
+    g = gpu.launches[-1]["geometry"]
+    assert (g.vec, g.staged) == (8, True)
