@@ -34,6 +34,12 @@ class _InterfaceView:
         }
 
 
+def interface_view(owner, info: A.ArrayInfo, offset: int, shape: tuple, strides: tuple):
+    """Elements of an interface-only ``owner`` (described by ``info``) from ``offset`` as an array of
+    ``shape`` and element ``strides``, through ``__cuda_array_interface__``, without a copy."""
+    return _InterfaceView(owner, info, offset, shape, strides)
+
+
 def _view(x, info: A.ArrayInfo, offset: int, shape: tuple, strides: tuple):
     """``x``'s elements from ``offset`` as an array of ``shape`` and element ``strides``, without
     a copy: a view of the caller's own kind where it can make one (CuPy, NumPy, torch), of the

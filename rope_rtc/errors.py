@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import numbers
 import re
+from typing import Any
 
 
 class RopeRtcError(RuntimeError):
@@ -72,3 +74,12 @@ def rename_arguments(exc: Exception, names: dict) -> None:
     if len(exc.args) == 1 and isinstance(exc.args[0], str):
         pattern = _argument_names(frozenset(names))
         exc.args = (pattern.sub(lambda m: names[m.group(1)], exc.args[0]),)
+
+
+def shown(value: Any) -> str:
+    """``repr`` of an argument for a message, except that an enormous int is described, not
+    spelled out (a 400-digit number would bury the message), and a long repr is cut."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**20:
+        return f"{'-' if value < 0 else ''}an int of {int(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -25,11 +25,13 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
+from .conventions import interface_view, shape_of
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, bind_once, signature
 from .reference import mrope_streams
 from .registry import FixedGeometry, both_strides, mrope_geometries
-from .rope_launch import FIXED_SMALL_THREADS, NARROW_LIMIT, allowed_vectors, check_fixed_block, fixed_threads, with_dense
+from .rope_launch import (FIXED_SMALL_THREADS, NARROW_LIMIT, check_fixed_block, fixed_threads, misaligned_view,
+                          with_dense)
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate
 from .rope_request import Request, validate
 
@@ -37,16 +39,36 @@ from .rope_request import Request, validate
 MROPE_STRIDE_LIMIT = 2**31
 
 
-def _stream_zero(positions):
-    """The temporal stream of ``positions`` (a view: its address is the array's)."""
-    shape = getattr(positions, "shape", None)
-    if shape is None:
-        raise TypeError(f"positions: expected a device array [3, T] or [3, B, S] of int32/int64, got "
-                        f"{type(positions).__name__}")
-    if len(shape) < 2 or shape[0] != 3:
-        raise ValueError(f"positions: expected [3, T] (thd) or [3, B, S] (temporal, height, width positions of "
-                         f"each token), got shape {tuple(shape)}")
-    return positions[0]
+def _positions(positions, q, layout) -> tuple:
+    """``(info, temporal stream)`` of ``positions``: its ArrayInfo and a view of its first stream
+    (its address is the array's), which the general checks take as one position per token."""
+    pi = A.describe(positions, "positions", allow_host=False)
+    want = _streams_shape(q, layout)
+    if want is not None and pi.shape != want or len(pi.shape) < 2 or pi.shape[0] != 3:
+        what = "[3, T]" if layout == "thd" else "[3, B, S]"
+        expected = f"shape {want} ({what}" if want is not None else f"{what} ("
+        raise ValueError(f"positions: expected {expected}: the temporal, height and width positions of each token), "
+                         f"got {pi.shape}")
+    base = pi.array
+    if hasattr(base, "__getitem__"):
+        return pi, base[0]
+    return pi, interface_view(positions, pi, 0, pi.shape[1:], pi.strides[1:])  # interface-only
+
+
+def _streams_shape(q, layout) -> tuple | None:
+    """The shape ``positions`` has for ``q`` in ``layout``: ``(3, T)`` or ``(3, B, S)``; None when q's
+    shape cannot tell (its own checks then name it)."""
+    shape = shape_of(q, "q")
+    axes = {"thd": (3, (0,)), "bshd": (4, (0, 1)), "bhsd": (4, (0, 2)), "sbhd": (4, (1, 0))}.get(layout)
+    if shape is None or axes is None or len(shape) != axes[0]:
+        return None
+    return (3,) + tuple(int(shape[i]) for i in axes[1])
+
+
+def _interleaved_option(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"interleaved_sections: expected a bool, got {value!r}")
+    return bool(value)
 
 
 def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sections=False, layout="thd",
@@ -54,15 +76,14 @@ def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sect
     """Every check of an MRoPE call, before anything is launched or written. Returns the general
     request (validated with the temporal stream as its positions), the info of the whole
     ``positions`` array and the specialised build that runs the call."""
-    if not isinstance(interleaved_sections, bool):
-        raise TypeError(f"interleaved_sections: expected a bool, got {interleaved_sections!r}")
-    req = validate(q, k, cos, sin, positions=_stream_zero(positions), layout=layout, rotary_dim=rotary_dim,
+    interleaved_sections = _interleaved_option(interleaved_sections)
+    pi, stream_zero = _positions(positions, q, layout)
+    req = validate(q, k, cos, sin, positions=stream_zero, layout=layout, rotary_dim=rotary_dim,
                    inverse=inverse, q_out=q_out, k_out=k_out, allow_host=False, names=names)
     if req.rotary_offset:  # pragma: no cover - validate's rotary_offset is 0 here
         raise NotImplementedError("rotary_offset: multimodal RoPE rotates the window at channel 0")
     mrope_streams(mrope_section, req.rotary_dim, interleaved_sections=interleaved_sections)  # checks the sections
     sections = tuple(int(v) for v in mrope_section)
-    pi = A.describe(positions, "positions", allow_host=False)
     if pi.strides[0] < 0:
         raise ValueError(f"positions: a negative stride between streams ({pi.strides[0]} elements) is not supported")
     if pi.strides[0] >= MROPE_STRIDE_LIMIT:  # the block's field is 32-bit (cuda_src/fixed_params.cuh)
@@ -82,21 +103,23 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     apart (a [3, T] or [3, B, S] array of its own): it derives that stride from the thread count
     instead of reading ``mrope_stride`` from the block's third line."""
     if not req.in_place and req.rotary_dim < req.cq.D:
+        fix = "out=x" if req.k is None else f"{req.q.name}_out={req.q.name}, {req.k.name}_out={req.k.name}"
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} of {req.cq.D} channels out of place; multimodal "
-                                  "RoPE rotates a partial window in place only (pass q_out=q, k_out=k, or the whole "
-                                  "head)")
+                                  f"RoPE rotates a partial window in place only (pass {fix}, or the whole head)")
+    if req.cq.H == 0:
+        raise NotImplementedError(f"{req.q.name}: shape {req.q.shape} has no heads; multimodal RoPE rotates at least "
+                                  "one q head")
     builds = mrope_geometries(req.dtype, req.cq.H, req.ck.H if req.ck is not None else 0, req.cq.D, req.rotary_dim,
                               sections, interleaved_sections, layout == "bhsd")  # [small launches, large ones]
     if not builds:
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} is not a whole number of the kernel's vectors per "
                                   f"half for {req.dtype}")
     g = builds[0]
-    views = [i for i in (req.q, req.k, req.q_out, req.k_out) if i is not None]
-    if req.num_tokens and (g.vec not in allowed_vectors(req)
-                           or any(i.ptr % (g.vec * req.q.itemsize) for i in views)):
-        raise ValueError(f"{req.q.name}/{req.k.name if req.k is not None else 'k'}/outputs: addresses or strides are "
-                         f"not aligned to {g.vec * req.q.itemsize} bytes, which multimodal RoPE reads; pass aligned "
-                         "arrays (a contiguous array is)")
+    bad = misaligned_view(req, g.vec) if req.num_tokens else None
+    if bad is not None:
+        raise ValueError(f"{bad.name}: address {bad.ptr:#x} or element strides {bad.strides} are not aligned to "
+                         f"{g.vec * req.q.itemsize} bytes, which multimodal RoPE reads; pass aligned arrays (a "
+                         "contiguous array is)")
     small = fixed_threads(req, dataclasses.replace(g, head_batch=1)) < FIXED_SMALL_THREADS
     chosen = builds[0] if small else builds[1]
     if fixed_threads(req, chosen) >= NARROW_LIMIT:
@@ -171,10 +194,10 @@ class MRopePlan(RopePlan):
         validate_mrope(q, k, cos, sin, positions, mrope_section, interleaved_sections=interleaved_sections,
                        layout=layout, rotary_dim=rotary_dim, inverse=inverse,
                        q_out=q if q_out is None else q_out, k_out=k if k_out is None and k is not None else k_out)
-        super().__init__(q, k, cos, sin, positions=_stream_zero(positions), layout=layout, rotary_dim=rotary_dim,
-                         inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+        super().__init__(q, k, cos, sin, positions=_positions(positions, q, layout)[1], layout=layout,
+                         rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         self.mrope_section = tuple(int(v) for v in mrope_section)
-        self.interleaved_sections = interleaved_sections
+        self.interleaved_sections = bool(interleaved_sections)
 
     def _op(self) -> Op:
         return _MRopeOp(self)
@@ -204,17 +227,26 @@ class MRopePlan(RopePlan):
             q_out = q if q_out is None else q_out
             k_out = k if k_out is None else k_out
         arrays = (q, k, cos, sin, positions, q_out, k_out, None, None)
-        if self._check_positions:
+        if self._check_positions:  # the call's checks first: only then are its positions read back
+            validate_mrope(q, k, cos, sin, positions, self.mrope_section,
+                           interleaved_sections=self.interleaved_sections, layout=self.layout,
+                           rotary_dim=self._opts["rotary_dim"], inverse=self.inverse, q_out=q_out, k_out=k_out,
+                           names=self._names)
             check_mrope_positions(positions, cos)
         return core.execute(arrays, 0, stream)
 
 
-def check_mrope_positions(positions, cos) -> None:
-    """``ROPE_RTC_CHECK_POSITIONS=1``: read the positions back (synchronising) and raise on one
-    outside the table."""
+def _positions_read_back(positions) -> np.ndarray:
+    """The values of device ``positions`` on the host (synchronising)."""
     import cupy
 
-    host = cupy.asnumpy(cupy.asarray(positions))
+    return cupy.asnumpy(cupy.asarray(positions))
+
+
+def check_mrope_positions(positions, cos) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read the positions of a validated call back (synchronising)
+    and raise on one outside the table."""
+    host = _positions_read_back(positions)
     rows = int(cos.shape[0])
     bad = np.argwhere((host < 0) | (host >= rows))
     if len(bad):
@@ -268,8 +300,10 @@ def apply_mrope(x, cos, sin, positions, mrope_section, *, interleaved_sections: 
 
 def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
            k_out, stream):
-    if isinstance(section, np.ndarray):  # hashable, as the plan cache's key needs (its values checked later)
-        section = tuple(section.tolist())
+    if isinstance(section, np.ndarray) and section.ndim == 1:  # hashable, as the plan cache's key needs
+        section = tuple(section.tolist())  # (its values checked later; another rank is named there)
+    if isinstance(interleaved_sections, np.bool_):
+        interleaved_sections = bool(interleaved_sections)
     qi = A.describe(q, names[0], allow_host=False)
     device = qi.device
     handle = stream_handle(stream, device)

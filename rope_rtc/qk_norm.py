@@ -33,7 +33,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
-from .errors import UnsupportedLayoutError
+from .errors import UnsupportedLayoutError, shown
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, Op, Prepared, bind_once, signature, preferred_predicate
 from .registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
@@ -64,7 +64,7 @@ def check_norm_options(eps, numerics) -> float:
     with np.errstate(over="ignore"):
         eps32 = np.float32(value)  # what the kernel adds: finite as a float32 too
     if not math.isfinite(value) or value < 0 or not np.isfinite(eps32):
-        raise ValueError(f"eps: expected a finite value >= 0 (as a float32), got {eps!r}")
+        raise ValueError(f"eps: expected a finite value >= 0 (as a float32), got {shown(eps)}")
     if not isinstance(numerics, str) or numerics not in NUMERICS:
         raise ValueError(f"numerics: expected one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
     return float(eps32)

@@ -663,15 +663,15 @@ def mrope_streams(mrope_section, rotary_dim: int, *, interleaved_sections: bool 
     larger than the pattern has room for (``len(range(1, R/2, 3))`` and ``len(range(2, R/2, 3))``
     pairs) is not refused: its excess pairs take T.
     """
-    sec = list(mrope_section) if isinstance(mrope_section, (list, tuple, np.ndarray)) else None
-    if sec is None or len(sec) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
-                                            for v in sec):
+    sec = (list(mrope_section) if isinstance(mrope_section, (list, tuple))
+           or isinstance(mrope_section, np.ndarray) and mrope_section.ndim == 1 else None)
+    if sec is None or len(sec) != 3 or any(isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+                                            or v < 0 for v in sec):
         raise TypeError(f"mrope_section: expected three non-negative ints [t, h, w], got {mrope_section!r}")
+    t, h, w = (int(v) for v in sec)  # Python ints: a NumPy sum can wrap
     half = int(rotary_dim) // 2
-    if sum(sec) != half:
-        raise ValueError(f"mrope_section: {list(map(int, sec))} sums to {sum(sec)}; it must sum to rotary_dim / 2 = "
-                         f"{half}")
-    t, h, w = (int(v) for v in sec)
+    if t + h + w != half:
+        raise ValueError(f"mrope_section: {[t, h, w]} sums to {t + h + w}; it must sum to rotary_dim / 2 = {half}")
     i = np.arange(half)
     if not interleaved_sections:
         return np.where(i < t, 0, np.where(i < t + h, 1, 2))

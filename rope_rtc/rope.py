@@ -435,8 +435,11 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         in float64, one rounding: within one float32 ulp of the ``rope_tables(numerics="exact")``
         entry (equal to it at every position to 2^20, as measured). float32
         (``numerics="transformers"``): torch's float32 angle ``float32(position) * inv_freq``.
-        Positions may be any of 0 .. 2**31 - 1, with no table to hold. Runs the specialised
-        kernel only: the window a whole number of its vectors, rotated in place when partial.
+        Positions may be any of 0 .. 2**31 - 1, with no table to hold. Entries must be finite and
+        at most 2**20 in magnitude (what the kernel's angle reduction serves at every position;
+        every model's are below 1): host values are checked, device ones are not read back. Runs
+        the specialised kernel only: the window a whole number of its vectors, rotated in place
+        when partial.
     attention_scaling : float, optional
         With ``inv_freq``: the factor that multiplies cos and sin (the second value
         ``inverse_frequencies`` returns; 1.0 when omitted).

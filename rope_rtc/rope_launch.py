@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from . import arrays as A
 from .layouts import canonical
 from .registry import FixedGeometry, angle_geometries, fixed_geometry, rope_head_batch, rope_vector_widths
 from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, FixedParams, RopeParams, fast_divisor
@@ -60,12 +61,22 @@ def allowed_vectors(req: Request) -> tuple[int, ...]:
     return tuple(out)
 
 
+def misaligned_view(req: Request, vec: int) -> A.ArrayInfo | None:
+    """The first of q, its output, k and its output whose address or strides do not allow
+    ``vec``-element accesses; None when all do."""
+    size = req.q.itemsize
+    for info, c in _views(req):
+        if info.ptr % (vec * size) or any(extent > 1 and stride % vec
+                                          for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh))):
+            return info
+    return None
+
+
 def choose_vector(req: Request) -> int:
     """The widest vector (elements) every address the kernel forms is aligned to."""
     size = req.q.itemsize
     D, R, ro = req.cq.D, req.rotary_dim, req.rotary_offset
     half = R // 2
-    views = _views(req)
     copy = not req.in_place and R < D
     culprit = req.q.name  # what stopped the narrowest width: the error names it
     for vec in rope_vector_widths(req.dtype, req.interleaved):
@@ -75,18 +86,10 @@ def choose_vector(req: Request) -> int:
         if copy and (D % vec):
             culprit = f"{req.q.name} (head dim {D})"
             continue
-        ok = True
-        for info, c in views:
-            if info.ptr % (vec * size):
-                ok = False
-            for extent, stride in ((c.B, c.sb), (c.S, c.ss), (c.H, c.sh)):
-                if extent > 1 and stride % vec:
-                    ok = False
-            if not ok:
-                culprit = info.name
-                break
-        if ok:
+        bad = misaligned_view(req, vec)
+        if bad is None:
             return vec
+        culprit = bad.name
     worst = min(rope_vector_widths(req.dtype, req.interleaved))
     raise ValueError(
         f"{culprit}: addresses or strides are not aligned to {worst * size} bytes, the smallest access "

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import arrays as A
 from .descriptors import TensorDesc
+from .errors import shown
 from .layouts import Canonical, canonical, check_layout
 from .registry import ANGLE_MODES
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
@@ -219,7 +220,7 @@ def check_inv_freq(inv_freq, sin, rdim: int, attention_scaling, allow_host: bool
     # Normal float32 magnitudes only: a smaller factor rounds every cos and sin to (nearly) zero.
     if not (float(f32.tiny) <= att <= float(f32.max)):  # also false for NaN
         raise ValueError(f"attention_scaling: expected a finite positive factor within float32's normal range "
-                         f"({float(f32.tiny):.3g}..{float(f32.max):.3g}), got {attention_scaling!r}")
+                         f"({float(f32.tiny):.3g}..{float(f32.max):.3g}), got {shown(attention_scaling)}")
     return fi, ANGLE_MODES[fi.dtype], att
 
 

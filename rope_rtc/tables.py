@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import shown
+
 __all__ = ["MAX_POSITIONS", "MAX_ROTARY_DIM", "MAX_TABLE_ENTRIES", "NUMERICS", "ROPE_TYPES", "inverse_frequencies",
            "rope_tables"]
 
@@ -57,21 +59,13 @@ _ROWS_PER_CHUNK = 1 << 15
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _show(value: Any) -> str:
-    """``repr`` of an argument, except that an enormous int is described, not spelled out."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**20:
-        return f"{'-' if value < 0 else ''}an int of {int(value).bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 def _positive_int(name: str, value: Any, limit: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {_show(value)}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {shown(value)}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {_show(value)}")
+        raise ValueError(f"{name} must be positive, got {shown(value)}")
     if value > limit:
-        raise ValueError(f"{name} must be at most {limit}, got {_show(value)}")
+        raise ValueError(f"{name} must be at most {limit}, got {shown(value)}")
     return int(value)
 
 
@@ -85,11 +79,11 @@ def _rotary_dim(value: Any) -> int:
 def _real(name: str, value: Any, what: str = "finite and positive") -> float:
     """``value`` as a finite float; TypeError unless it is a real number (bool is not)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {_show(value)}")
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {shown(value)}")
     try:
         result = float(value)
     except OverflowError:  # an int beyond the float range
-        raise ValueError(f"{name} must be {what}, got {_show(value)}") from None
+        raise ValueError(f"{name} must be {what}, got {shown(value)}") from None
     if not math.isfinite(result):
         raise ValueError(f"{name} must be {what}, got {result}")
     return result
@@ -304,7 +298,7 @@ def _unset_or(params: Mapping, key: str, default: Any, check: Callable[[str, Any
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"scaling[{key!r}] must be a real number, got {type(value).__name__} {_show(value)}")
+        raise TypeError(f"scaling[{key!r}] must be a real number, got {type(value).__name__} {shown(value)}")
     return check(f"scaling[{key!r}]", value) or default
 
 
@@ -340,7 +334,7 @@ def _yarn(params: Mapping, dim: int, base: float, seq_len: int | None, ft: type)
     beta_slow = _unset_or(params, "beta_slow", 1, _finite_positive)
     truncate = params.get("truncate", True)
     if truncate is not None and not isinstance(truncate, (bool, np.bool_)):
-        raise TypeError(f"scaling['truncate'] must be a bool, got {type(truncate).__name__} {_show(truncate)}")
+        raise TypeError(f"scaling['truncate'] must be a bool, got {type(truncate).__name__} {shown(truncate)}")
 
     def correction_dim(key: str, rotations: float) -> float:
         # The (fractional) dimension whose wavelength fits `rotations` times in `original`.
@@ -382,7 +376,7 @@ def _longrope_factors(params: Mapping, key: str, dim: int) -> np.ndarray:
     except (TypeError, ValueError):
         ext = None
     if ext is None:
-        raise TypeError(f"scaling[{key!r}] must be a list of numbers, got {_show(factors)}")
+        raise TypeError(f"scaling[{key!r}] must be a list of numbers, got {shown(factors)}")
     if ext.shape != (dim // 2,):
         raise ValueError(f"scaling[{key!r}] must have rotary_dim // 2 = {dim // 2} entries, got shape {ext.shape}")
     if not np.all(np.isfinite(ext) & (ext > 0)):
@@ -539,7 +533,7 @@ def _frequencies(dim: int, base: Any, scaling: Any, max_positions: int | None, n
                 culprit = f"{base_name}={theta}"
             else:
                 culprit = " / ".join(f"scaling[{k!r}]" + ("" if isinstance(params[k], (list, tuple, np.ndarray))
-                                                           else f"={_show(params[k])}")
+                                                           else f"={shown(params[k])}")
                                      for k in _SCALES[rope_type] if params.get(k) is not None)
             raise ValueError(
                 f"{culprit} gives {why} with rope_type {rope_type!r}, numerics {numerics!r} and rotary_dim {dim}: "

@@ -62,8 +62,8 @@ def test_batched_layouts_and_a_strided_positions_view(gpu):
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (dict(positions=fake_cupy((T,), np.int64)), ValueError, r"positions: expected \[3, T\]"),
-    (dict(positions=fake_cupy((2, T), np.int64)), ValueError, r"positions: expected \[3, T\]"),
+    (dict(positions=fake_cupy((T,), np.int64)), ValueError, r"positions: expected shape \(3, 6\) \(\[3, T\]"),
+    (dict(positions=fake_cupy((2, T), np.int64)), ValueError, r"positions: expected shape \(3, 6\) \(\[3, T\]"),
     (dict(positions=fake_cupy((3, T + 1), np.int64)), ValueError, "positions"),
     (dict(positions=fake_cupy((3, T), np.float32)), TypeError, "positions"),
     (dict(positions=np.zeros((3, T), np.int64)), TypeError, "positions"),
@@ -96,7 +96,7 @@ def test_positions_reshaped_in_place_are_validated_again(gpu):
     plan.execute(*args)
     plan.execute(*args)  # remembered
     kw["positions"].shape = (T, 3)  # the same object, token-major now
-    with pytest.raises(ValueError, match=r"positions: expected \[3, T\]"):
+    with pytest.raises(ValueError, match=r"positions: expected shape \(3, 6\) \(\[3, T\]"):
         plan.execute(*args)
     assert len(gpu.launches) == 2
 
@@ -228,4 +228,103 @@ def test_a_plan_refuses_calls_that_do_not_fit_it(gpu):
         plan.execute(kw["q"], None, kw["cos"], kw["sin"], kw["positions"])
     with pytest.raises(ValueError, match="q_out: this plan rotates in place"):
         plan.execute(kw["q"], kw["k"], kw["cos"], kw["sin"], kw["positions"], q_out=fake_cupy((T, HQ, D), BF16))
+    assert gpu.launches == []
+
+
+def test_a_section_whose_numpy_sum_wraps_is_refused_when_made(gpu):
+    """int64 sections summing past 2^63 wrapped to rotary_dim / 2 in NumPy's sum: the plan was made,
+    then every execute raised and its build's defines did not compile."""
+    wrapping = [np.int64(2**63 - 1), np.int64(2**63 - 1), np.int64(66)]
+    for make in (lambda: MRopePlan(**_call(mrope_section=wrapping)), lambda: apply_mrope_qk(**_call(mrope_section=wrapping))):
+        with pytest.raises(ValueError, match="mrope_section: .* sums to 18446744073709551680"):
+            make()
+    assert gpu.launches == []
+
+
+def test_the_check_positions_switch_validates_the_call_before_reading_positions_back(gpu, monkeypatch):
+    """ROPE_RTC_CHECK_POSITIONS=1: MRopePlan.execute read the positions and cos back before
+    validating them (AttributeError for cos=None; a synchronising read of anything passed)."""
+    read = []
+    monkeypatch.setattr(mrope, "_positions_read_back", lambda positions: read.append(positions) or np.zeros((3, T)))
+    monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+    kw = _call()
+    plan = MRopePlan(**kw)
+    with pytest.raises(TypeError, match="cos: expected an array, got None"):
+        plan.execute(kw["q"], kw["k"], None, kw["sin"], kw["positions"])
+    with pytest.raises(TypeError, match="cos: expected a CuPy or NumPy array"):
+        plan.execute(kw["q"], kw["k"], [[0.0] * 64] * 64, kw["sin"], kw["positions"])
+    assert read == [] and gpu.launches == []
+    plan.execute(kw["q"], kw["k"], kw["cos"], kw["sin"], kw["positions"])
+    assert read == [kw["positions"]] and len(gpu.launches) == 1
+
+
+def test_a_numpy_bool_is_a_bool_for_interleaved_sections_too(gpu):
+    """As interleaved= and inverse= of the general API take np.bool_."""
+    apply_mrope_qk(**_call(), interleaved_sections=np.True_)
+    MRopePlan(**_call(), interleaved_sections=np.False_).execute(**{n: v for n, v in _call().items()
+                                                                     if n != "mrope_section"})
+    assert [rec["geometry"].mrope[0] for rec in gpu.launches] == [2, 1]
+    with pytest.raises(TypeError, match="interleaved_sections: expected a bool"):
+        apply_mrope_qk(**_call(), interleaved_sections=1)
+
+
+@pytest.mark.parametrize("layout,shape,match", [
+    ("bshd", (3, 6), r"positions: expected shape \(3, 2, 3\) \(\[3, B, S\]: .*\), got \(3, 6\)$"),
+    ("bshd", (2, 3), r"positions: expected shape \(3, 2, 3\) \(\[3, B, S\]: .*\), got \(2, 3\)$"),
+    ("thd", (3, 1, 6), r"positions: expected shape \(3, 6\) \(\[3, T\]: .*\), got \(3, 1, 6\)$"),
+])
+def test_a_positions_shape_error_names_the_array_passed(gpu, layout, shape, match):
+    """The message described positions[0] (and, for bshd, asked for the shape of one stream)."""
+    x = fake_cupy((2, 3, HQ, D), BF16) if layout == "bshd" else fake_cupy((T, HQ, D), BF16)
+    kw = _call()
+    with pytest.raises(ValueError, match=match):
+        apply_mrope(x, kw["cos"], kw["sin"], fake_cupy(shape, np.int64), SECTION, layout=layout)
+    assert gpu.launches == []
+
+
+def test_apply_mrope_names_its_own_arguments(gpu):
+    kw = _call(cos=fake_cupy((64, 32), np.float32), sin=fake_cupy((64, 32), np.float32))
+    with pytest.raises(NotImplementedError, match=r"pass out=x, or the whole head\)$"):
+        apply_mrope(kw["q"], kw["cos"], kw["sin"], kw["positions"], [8, 12, 12], rotary_dim=64)
+    kw = _call()
+    with pytest.raises(ValueError, match=r"^x: address"):
+        apply_mrope(fake_cupy((T, HQ, D), BF16, byte_offset=2), kw["cos"], kw["sin"], kw["positions"], SECTION)
+    with pytest.raises(ValueError, match=r"^k: address"):
+        apply_mrope_qk(**_call(k=fake_cupy((T, HK, D), BF16, byte_offset=2)))
+    assert gpu.launches == []
+
+
+def test_positions_through_the_cuda_array_interface_alone(gpu):
+    """Any object with __cuda_array_interface__ is an array (arrays.py): positions of that kind
+    were refused as "not a device array", or failed on the missing indexing."""
+    from fakes import FakeDeviceArray
+
+    class InterfaceOnly:
+        def __init__(self, fake):
+            self._fake = fake
+
+        @property
+        def __cuda_array_interface__(self):
+            return self._fake.__cuda_array_interface__
+
+    pos = FakeDeviceArray((3, T), np.int64)
+    apply_mrope_qk(**_call(positions=InterfaceOnly(pos)))
+    (rec,) = gpu.launches
+    assert rec["fixed"].positions == pos.ptr
+    with pytest.raises(ValueError, match=r"positions: expected shape \(3, 6\)"):
+        apply_mrope_qk(**_call(positions=InterfaceOnly(FakeDeviceArray((T, 3), np.int64))))
+
+
+@pytest.mark.parametrize("section", [np.array(64), np.zeros((1, 3), np.int64)])
+def test_a_section_array_of_another_rank_is_named(gpu, section):
+    for make in (lambda: apply_mrope_qk(**_call(mrope_section=section)), lambda: MRopePlan(**_call(mrope_section=section))):
+        with pytest.raises(TypeError, match="mrope_section: expected three non-negative ints"):
+            make()
+    assert gpu.launches == []
+
+
+def test_q_without_heads_is_named(gpu):
+    """The message said the rotary window was not whole vectors; the cause is q's head count."""
+    with pytest.raises(NotImplementedError, match=r"q: shape \(6, 0, 128\) has no heads"):
+        apply_mrope_qk(**_call(q=fake_cupy((T, 0, D), BF16)))
     assert gpu.launches == []

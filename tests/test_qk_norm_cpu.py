@@ -269,3 +269,16 @@ def test_a_misaligned_first_call_does_not_pin_later_aligned_calls(gpu, first):
     rope_rtc.apply_qk_norm_rope(**big())
     g = gpu.launches[-1]["geometry"]
     assert (g.vec, g.staged) == (8, True)
+
+
+def test_an_enormous_eps_or_attention_factor_is_described_not_spelled_out(gpu):
+    """A 401-digit int was printed whole in the message (rope_tables already describes such a
+    value by its bits)."""
+    import rope_rtc
+
+    with pytest.raises(ValueError, match=r"eps: .*got an int of 1329 bits$"):
+        rope_rtc.apply_qk_norm_rope(**_call(), eps=10**400)
+    q = fake_cupy((2, 5, 8, 128), BF16)
+    with pytest.raises(ValueError, match=r"attention_scaling: .*got an int of 1329 bits$"):
+        rope_rtc.apply_rope(q, inv_freq=fake_cupy((64,), np.float64), attention_scaling=10**400, out=q)
+    assert gpu.launches == []
