@@ -10,8 +10,6 @@ general API without a copy:
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from . import arrays as A
@@ -81,35 +79,35 @@ CACHE_NAMES = {"cos": "cos_sin_cache", "sin": "cos_sin_cache"}
 def split_cos_sin_cache(cache, cos, sin, rotary_dim=None, head_dim=None) -> tuple:
     """``(cos, sin)``: the tables given, or the two halves of ``cache`` as views. With the call's
     ``rotary_dim`` (None: the head dim) and its head dim, where known, the cache's width is checked
-    here, in the cache's terms (the general checks of the halves speak of cos and sin)."""
+    here, in the cache's terms; the general checks of the halves speak of cos and sin, and the
+    callers rename those (:func:`name_the_cache`)."""
     if cache is None:
         if cos is None or sin is None:
             raise TypeError("cos, sin: pass both tables, or one combined table as cos_sin_cache=")
         return cos, sin
     if cos is not None or sin is not None:
         raise TypeError("cos_sin_cache: pass it instead of cos and sin, not with them")
+    info = _described(cache, "cos_sin_cache")  # an interface-only cache; None for any other object
+    shape = getattr(cache, "shape", None) if info is None else info.shape
     what = ("cos_sin_cache: expected a 2-d float32 array [max_position, rotary_dim] (cos in the first half of each "
             "row, sin in the second), got ")
-    try:
-        info = A.describe(cache, "cos_sin_cache")
-    except TypeError:
-        raise TypeError(what + type(cache).__name__) from None
-    shape = info.shape
+    if shape is None:
+        raise TypeError(what + type(cache).__name__)
     if len(shape) != 2:
         raise ValueError(what + f"shape {tuple(shape)}")
-    if info.dtype != "float32":
-        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {info.dtype}")
+    dtype = getattr(cache, "dtype", None) if info is None else info.dtype
+    if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
+        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")
     width = int(shape[1])
     if width == 0 or width % 2:
         raise ValueError(f"cos_sin_cache: its rows hold cos then sin, so their width must be even and positive, got "
                          f"{width}")
-    A.check_last_dim_contiguous(info)
     _check_cache_width(width, rotary_dim, head_dim)
     half = width // 2
     if isinstance(cache, TensorDesc):  # a declaration: two declared views of one buffer
         return (TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device),
                 TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device))
-    if not hasattr(cache, "shape"):  # an interface-only cache
+    if info is not None:
         return (_view(cache, info, 0, (shape[0], half), info.strides),
                 _view(cache, info, half, (shape[0], half), info.strides))
     return cache[:, :half], cache[:, half:]
@@ -131,16 +129,12 @@ def _check_cache_width(width: int, rotary_dim, head_dim) -> None:
                      f"{want} needs rows of {want}{hint}")
 
 
-@contextlib.contextmanager
-def cache_names(cache):
-    """Around the checks of a call whose tables are ``cache``'s halves (None: tables given): their
-    messages name the cache, not ``cos`` and ``sin``."""
-    try:
-        yield
-    except (TypeError, ValueError) as exc:  # raised before anything is launched or written
-        if cache is not None:
-            rename_arguments(exc, CACHE_NAMES)
-        raise
+def name_the_cache(exc: Exception, cache) -> None:
+    """Rename, in place, ``cos`` and ``sin`` in the message of ``exc`` (raised by the checks of a call,
+    before anything is launched or written) to ``cos_sin_cache`` when the call's tables are that
+    cache's halves (``cache`` not None)."""
+    if cache is not None:
+        rename_arguments(exc, CACHE_NAMES)
 
 
 def head_dim_of(x, head_dim, layout):

@@ -16,6 +16,8 @@ import threading
 import warnings
 import weakref
 
+import numpy as np
+
 from . import driver
 from .build import Binary, get_binary
 from .errors import CudaError
@@ -87,12 +89,18 @@ def loaded_kernels() -> list[tuple[str, int]]:
 _CURRENT_STREAM: list = [None]  # cupy.cuda.get_current_stream, once CuPy is imported
 
 
+# A raw CUstream is a pointer: 0 (the legacy default stream), the per-thread default stream's 2,
+# or an address.
+HANDLE_LIMIT = 2**64
+
+
 def stream_handle(stream, device: int | None = None) -> int:
     """A raw CUstream from ``stream``.
 
     ``None``: CuPy's current stream (of ``device`` when given); a CuPy stream (``.ptr``); any
     object with ``__cuda_stream__`` (returns ``(version, handle)``); a PyTorch stream
-    (``.cuda_stream``); or an integer handle.
+    (``.cuda_stream``); or an integer handle (a non-negative pointer-sized int, NumPy's included;
+    a bool is refused, not read as handle 1).
     """
     if stream is None:
         current = _CURRENT_STREAM[0]
@@ -101,8 +109,16 @@ def stream_handle(stream, device: int | None = None) -> int:
 
             current = _CURRENT_STREAM[0] = cupy.cuda.get_current_stream
         return current(-1 if device is None else device).ptr
-    if isinstance(stream, int):
+    if type(stream) is int and 0 <= stream < HANDLE_LIMIT:
         return stream
+    if isinstance(stream, (bool, np.bool_)):
+        raise TypeError(f"stream: expected None, an int handle, a CuPy stream or an object with __cuda_stream__, got "
+                        f"{type(stream).__name__} {stream!r}")
+    if isinstance(stream, (int, np.integer)):
+        if not 0 <= int(stream) < HANDLE_LIMIT:
+            raise ValueError(f"stream: {int(stream)} is not a CUDA stream handle (a raw handle is a non-negative "
+                             "pointer-sized int; 0 is the legacy default stream)")
+        return int(stream)
     ptr = getattr(stream, "ptr", None)
     if isinstance(ptr, int):
         return ptr
@@ -402,7 +418,7 @@ class Launcher:
     def _resolve(self, stream) -> int:
         if stream is None:
             return self._current_stream(self._stream_device).ptr
-        return stream if type(stream) is int else stream_handle(stream, self.device)
+        return stream if type(stream) is int and 0 <= stream < HANDLE_LIMIT else stream_handle(stream, self.device)
 
     def _pack(self, prefix: tuple, handle: int) -> tuple:
         # Holding ``prefix`` keeps its identity from being reused while it is remembered.

@@ -20,11 +20,11 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
-from .conventions import cache_names, flatten_like, head_dim_of, shape_of, split_cos_sin_cache, unflatten_heads
+from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
 from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
-from .rope_plan import RopePlan, check_no_tables, check_positions_of, split_offset
+from .rope_plan import SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 BACKENDS = ("auto", "nvrtc", "numpy")
@@ -160,6 +160,51 @@ _NO_LAST = _RepeatPath(None, object(), None, None, None, None, None, None, None,
 # paths compare.
 _QK = ("q", "k")
 _X = ("x", "k")
+
+
+class _ConventionPath:
+    """A thread's last repeat path in the engines' convention (``cos_sin_cache=``, flat ``[T, H * D]``
+    q/k with ``head_dim=``): the template's generated checks written for the flat arrays and the
+    cache itself (sin: the second half of its rows), the options they serve (compared by identity,
+    as :class:`_RepeatPath`'s) and where they launch. It holds no array."""
+
+    __slots__ = ("one_call", "names", "head_dim", "layout", "interleaved", "rotary_dim", "rotary_offset", "inverse",
+                 "go", "device")
+
+    def __init__(self, one_call, names, head_dim, opts: tuple, go, device) -> None:
+        self.one_call, self.names, self.head_dim, self.go, self.device = one_call, names, head_dim, go, device
+        self.layout, self.interleaved, self.rotary_dim, self.rotary_offset, self.inverse = opts[:5]
+
+    def serves(self, names, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim) -> bool:
+        """Whether a call of these options may take this path (options by identity, as
+        :class:`_RepeatPath`'s; an int head_dim by value)."""
+        return (names is self.names and layout is self.layout and interleaved is self.interleaved
+                and rotary_dim is self.rotary_dim and rotary_offset is self.rotary_offset
+                and inverse is self.inverse
+                and (head_dim is self.head_dim or type(head_dim) is int and head_dim == self.head_dim))
+
+
+def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views: tuple, head_dim,
+                         opts: tuple) -> None:
+    """After a call in the engines' convention that went the full way: the thread's
+    :class:`_ConventionPath`, once the signature of the call's views (the cache's halves, q and k
+    as ``[T, H, D]``) has a generated repeat path: from its second call, and never while positions
+    are checked on the device."""
+    cos, sin = views[2], views[3]
+    offsets = offset if type(offset) is _NDARRAY else None
+    sig, ptrs = _signature_and_pointers(*views[:2], cos, sin, positions, *views[4:], cu_seqlens, offsets)
+    hit = None if sig is None else _local.by_signature.get((opts, names, sig))
+    if hit is None or hit[0]._check_positions:
+        return
+    plan, tmpl = hit
+    flat, _ = _signature_and_pointers(q, k, cache, None, positions, q_out, k_out, cu_seqlens, offsets)
+    if flat is None:
+        return
+    flat = flat[:3] + ((SECOND_HALF, ptrs[3] - ptrs[2]),) + flat[4:]
+    one_call = tmpl.one_call(flat)
+    if one_call is not None:
+        _local.convention = _ConventionPath(one_call, names, head_dim, opts, plan._core.launcher.launch,
+                                            plan.device)
 
 
 def _thread_caches() -> tuple[dict, dict]:
@@ -505,14 +550,37 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
                                (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _QK)
         return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+    engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
+              and attention_scaling is None and _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY
+              and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc"))
+    if engine:
+        # The engines' convention: the thread's last repeat path for it, checked on the flat arrays
+        # themselves (options and the cache by identity, as the table path above).
+        conv = getattr(_local, "convention", None)
+        if conv is not None and conv.serves(_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim):
+            handle = _CURRENT(conv.device).ptr if stream is None else stream_handle(stream, conv.device)
+            if type(offset) is int:
+                prefix = conv.one_call(q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens, None, offset)
+            else:  # an offsets array; anything else the function declines (not its signature)
+                prefix = conv.one_call(q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens, offset, 0)
+            if prefix is not None:
+                conv.go(prefix, handle)
+                return q_out, k_out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(q, head_dim, layout))
     flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
     flat_k = shape_of(k, "k") if head_dim is not None and k_out is None else None
-    with cache_names(cos_sin_cache):
-        qo, ko = _apply(_QK, unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"),
-                        cos, sin, positions, offset, cu_seqlens, unflatten_heads(q_out, head_dim, layout, "q_out"),
-                        unflatten_heads(k_out, head_dim, layout, "k_out"), stream, backend, opts)
+    views = (unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"), cos, sin,
+             unflatten_heads(q_out, head_dim, layout, "q_out"), unflatten_heads(k_out, head_dim, layout, "k_out"))
+    try:
+        qo, ko = _apply(_QK, views[0], views[1], cos, sin, positions, offset, cu_seqlens, views[4], views[5], stream,
+                        backend, opts)
+    except (TypeError, ValueError) as exc:
+        name_the_cache(exc, cos_sin_cache)
+        raise
+    if engine:
+        _remember_convention(_QK, q, k, q_out, k_out, positions, offset, cu_seqlens, cos_sin_cache, views, head_dim,
+                             opts)
     return (q_out if q_out is not None else flatten_like(qo, flat_q),
             k_out if k_out is not None else flatten_like(ko, flat_k))
 
@@ -549,12 +617,34 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
         q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
                       (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
         return q
+    engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
+              and attention_scaling is None and _gpu_present and type(x) is _NDARRAY and out is not None
+              and (backend == "auto" or backend == "nvrtc"))
+    if engine:  # as in apply_rope_qk
+        conv = getattr(_local, "convention", None)
+        if conv is not None and conv.serves(_X, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim):
+            handle = _CURRENT(conv.device).ptr if stream is None else stream_handle(stream, conv.device)
+            if type(offset) is int:
+                prefix = conv.one_call(x, None, cos_sin_cache, None, positions, out, None, cu_seqlens, None, offset)
+            else:
+                prefix = conv.one_call(x, None, cos_sin_cache, None, positions, out, None, cu_seqlens, offset, 0)
+            if prefix is not None:
+                conv.go(prefix, handle)
+                return out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(x, head_dim, layout))
     flat = shape_of(x, "x") if head_dim is not None and out is None else None
-    with cache_names(cos_sin_cache):
-        q, _ = _apply(_X, unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, positions, offset,
-                      cu_seqlens, unflatten_heads(out, head_dim, layout, "out"), None, stream, backend, opts)
+    views = (unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, unflatten_heads(out, head_dim, layout, "out"),
+             None)
+    try:
+        q, _ = _apply(_X, views[0], None, cos, sin, positions, offset, cu_seqlens, views[4], None, stream, backend,
+                      opts)
+    except (TypeError, ValueError) as exc:
+        name_the_cache(exc, cos_sin_cache)
+        raise
+    if engine:
+        _remember_convention(_X, x, None, out, None, positions, offset, cu_seqlens, cos_sin_cache, views, head_dim,
+                             opts)
     return out if out is not None else flatten_like(q, flat)
 
 

@@ -19,7 +19,7 @@ from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predi
     cupy_ndarray, disjoint_pairs, generated, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
-from .conventions import cache_names, head_dim_of, split_cos_sin_cache, unflatten_heads
+from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
 from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
@@ -94,17 +94,22 @@ class RopePlan:
         if inv_freq is None:
             cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin, rotary_dim, head_dim_of(q, head_dim, layout))
         self._flat_head_dim = head_dim
-        self._converted = None  # (arguments, their shapes, their views) of the last converted call
+        # (arguments, their shapes, their views, the arguments once each) of the last converted call
+        self._converted = None
+        self._flat_quick = None  # the generated repeat path of the last converted call's own arrays
         if head_dim is not None:
             q, k = unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k")
             q_out, k_out = unflatten_heads(q_out, head_dim, layout, "q_out"), unflatten_heads(k_out, head_dim, layout, "k_out")
         # Omitted outputs mean in place: checked as the in-place call execute makes, so that what
         # every execute would refuse (a table inside q, say) is refused here.
         omitted = q_out is None and (k is None or k_out is None)
-        with cache_names(cos_sin_cache):
+        try:
             req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                            q_out=q if omitted else q_out, k_out=k if omitted else k_out, allow_host=False,
                            allow_desc=True, **self._opts)
+        except (TypeError, ValueError) as exc:
+            name_the_cache(exc, cos_sin_cache)
+            raise
         # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
         self.in_place = ((q_out is None or A.same_view(req.q_out, req.q))
                          and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
@@ -155,6 +160,31 @@ class RopePlan:
         self._ensure_core()
         return self
 
+    def _flat_quick_for(self, views: tuple, given: tuple, positions, offset, cu_seqlens):
+        """The template's generated repeat path (``_RopeTemplate.one_call``) written for a converted
+        call's own arrays: the flat q/k and the cos_sin_cache itself (sin: the second half of its
+        rows), from the template that serves its views' signature; None where there is none (no
+        bind of that signature yet, another library's arrays, positions checked on the device)."""
+        core = self._core
+        if core is None or self._check_positions or not hasattr(cupy_ndarray(), "_c_contiguous"):
+            return None
+        offsets = None if offset is None or type(offset) is int else split_offset(offset)[1]
+        vq, vk, vc, vs, vqo, vko = views
+        sig = core.op.signature((vq, vk, vc, vs, positions, vqo, vko, cu_seqlens, offsets))
+        tmpls = core.templates.get(sig) if sig is not None else None
+        if not tmpls or type(tmpls[0]) is not _RopeTemplate:
+            return None
+        q, k, cache, cos, sin, q_out, k_out = given
+        c, s = (cos, sin) if cache is None else (cache, None)
+        arrays = (q, k, c, s, positions, q_out, k_out, cu_seqlens, offsets)
+        nd = cupy_ndarray()
+        if any(a is not None and type(a) is not nd for a in arrays):
+            return None
+        flat = one_call_signature(arrays)
+        if cache is not None:
+            flat = flat[:SIN] + ((SECOND_HALF, vs.data.ptr - vc.data.ptr),) + flat[SIN + 1:]
+        return tmpls[0].one_call(flat)
+
     def _execute_converted(self, q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, cache):
         """``execute`` for engine conventions: a combined cos|sin table, flat q/k (views, no copy).
         The views of the last call are kept and reused while the same CuPy arrays come back with
@@ -167,21 +197,43 @@ class RopePlan:
             k_out = k if k_out is None else k_out
         given = (q, k, q_out, k_out, cache, cos, sin)
         last = self._converted
-        if last is not None and all(map(is_, given, last[0])) and all(
-                getattr(a, "shape", None) == sh for a, sh in zip(given, last[1])):
+        if last is not None and all(map(is_, given, last[0])) and [a.shape for a in last[3]] == last[1]:
             views = last[2]
         else:
+            flat = self._flat_quick
+            if flat is not None:  # new arrays of the flat signature seen last: no views, no validation
+                if offset is None:
+                    scalar, offsets = 0, None
+                else:
+                    scalar, offsets = (offset, None) if type(offset) is int else split_offset(offset)
+                c, s = (cos, sin) if cache is None else (cache, None)
+                prefix = flat(q, k, c, s, positions, q_out, k_out, cu_seqlens, offsets, scalar)
+                if prefix is not None:
+                    core = self._core
+                    core.last = None  # as the core's quick path: the block holds this call's values now
+                    core.launcher.launch_on(prefix, stream)
+                    return q_out, k_out
             hd, layout = self._flat_head_dim, self.layout
             c, s = (cos, sin) if self.angles else split_cos_sin_cache(cache, cos, sin, self._opts["rotary_dim"],
                                                                       head_dim_of(q, hd, layout))
             views = (unflatten_heads(q, hd, layout, "q"), unflatten_heads(k, hd, layout, "k"), c, s,
                      unflatten_heads(q_out, hd, layout, "q_out"), unflatten_heads(k_out, hd, layout, "k_out"))
             nd = cupy_ndarray()
-            self._converted = ((given, tuple(getattr(a, "shape", None) for a in given), views)
-                               if all(a is None or type(a) is nd for a in given) else None)
+            if all(a is None or type(a) is nd for a in given):
+                # Each array once (in place, q_out is q): its shape then, checked on the next call.
+                arrays = [a for i, a in enumerate(given) if a is not None and not any(b is a for b in given[:i])]
+                self._converted = (given, [a.shape for a in arrays], views, arrays)
+            else:
+                self._converted = None
         vq, vk, vc, vs, vqo, vko = views
-        with cache_names(cache):
+        try:
             self._execute(vq, vk, vc, vs, positions, vqo, vko, stream, offset, cu_seqlens)
+        except (TypeError, ValueError) as exc:
+            name_the_cache(exc, cache)
+            raise
+        if last is None or views is not last[2]:
+            self._flat_quick = self._flat_quick_for(views, (q, k, cache, cos, sin, q_out, k_out), positions, offset,
+                                                    cu_seqlens)
         return q_out, k_out
 
     def fixed_kernel(self, g: FixedGeometry):
@@ -312,6 +364,11 @@ def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
                    else arrays[OFFSETS], cu_seqlens=arrays[CU_SEQLENS], q_out=arrays[Q_OUT], k_out=arrays[K_OUT],
                    allow_host=False, **opts)
     check_device_positions(req)
+
+
+# The signature entry of sin in a one-call repeat path whose cos slot holds a combined
+# cos_sin_cache (rope.py: the engines' convention): ``(SECOND_HALF, bytes from a row's start)``.
+SECOND_HALF = "the second half of cos's rows"
 
 
 def one_call_signature(arrays: tuple) -> tuple:
@@ -568,6 +625,9 @@ class _RopeTemplate:
             elif entry is True:
                 conds.append(f"{name} is {names[inputs[i]]}")
                 reads.append(f"    p{i} = p{inputs[i]}\n")
+            elif entry[0] == SECOND_HALF:  # sin: the second half of the rows of the cos_sin_cache in cos
+                conds.append(f"{name} is None")
+                reads.append(f"    p{i} = p{COS} + {int(entry[1])}\n")
             else:  # (shape, dtype, device), or (shape, strides, dtype, device) when not C-contiguous
                 full = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
                 cond, read = array_checks(name, f"p{i}", full, several, namespace)

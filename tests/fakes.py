@@ -317,8 +317,8 @@ class FakeGPU:
         def allocate(shape, dtype, device, stream, current=False):
             return fake_cupy(tuple(shape), np.dtype(dtype), device=device)
 
-        def stream_handle(stream, device=None):
-            return 0 if stream is None else (stream if isinstance(stream, int) else getattr(stream, "ptr", 0))
+        def stream_handle(stream, device=None):  # the real checks of a given stream; 0 for the current one
+            return 0 if stream is None else launch.stream_handle(stream, device)
 
         def load_fixed_function(g, device):
             return ("rope_fixed", g)

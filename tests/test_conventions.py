@@ -246,3 +246,62 @@ def test_an_in_place_plan_refuses_at_construction_what_every_execute_would_refus
                  layout="thd").execute(q, k, fake_cupy((128, 32), np.float32), fake_cupy((128, 32), np.float32),
                                        positions=pos)
         assert len(gpu.launches) == 1
+
+
+def test_a_plan_in_the_engines_convention_takes_new_flat_arrays_without_views(monkeypatch):
+    """RopePlan.execute(flat q, k, cos_sin_cache=...) with new arrays each call split the cache and
+    viewed every array again, then took the core's path for new views (about nine times a plan call
+    with tables); now the template's generated checks run on the flat arrays and the cache itself.
+    Every block equals a fresh plan's for the same arguments."""
+    from fakes import counted
+    from rope_rtc import conventions, rope_plan, rope_request
+
+    T, HQ, HK, D = 8, 4, 2, 64
+    with FakeGPU(fixed=True) as gpu:
+        cache = fake_cupy((128, D), np.float32)
+        sets = [(fake_cupy((T, HQ * D), BF16), fake_cupy((T, HK * D), BF16), fake_cupy((T,), np.int64))
+                for _ in range(6)]
+        plan = RopePlan(sets[0][0], sets[0][1], cos_sin_cache=cache, positions=sets[0][2], layout="thd", head_dim=D)
+        plan.execute(*sets[0][:2], positions=sets[0][2], cos_sin_cache=cache)
+        counts: dict = {}
+        for owner, name in ((conventions, "unflatten_heads"), (rope_plan, "unflatten_heads"),
+                            (rope_plan, "split_cos_sin_cache"), (rope_plan, "validate"), (rope_request, "validate")):
+            counted(monkeypatch, owner, name, counts)
+        blocks = []
+        for i in range(1, 13):
+            q, k, pos = sets[i % len(sets)]
+            assert plan.execute(q, k, positions=pos, cos_sin_cache=cache) == (q, k)
+            blocks.append(bytes(gpu.launches[-1]["fixed"]))
+        assert counts == {}
+        other = fake_cupy((T + 1, HQ * D), BF16), fake_cupy((T + 1, HK * D), BF16), fake_cupy((T + 1,), np.int64)
+        plan.execute(*other[:2], positions=other[2], cos_sin_cache=cache)  # another token count: the full way
+        assert gpu.launches[-1]["fixed"].total != 0 and counts.get("validate")
+    monkeypatch.undo()
+    with FakeGPU(fixed=True) as gpu:
+        for i in range(1, 13):
+            q, k, pos = sets[i % len(sets)]
+            fresh = RopePlan(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=D)
+            fresh.execute(q, k, positions=pos, cos_sin_cache=cache)
+            assert bytes(gpu.launches[-1]["fixed"]) == blocks[i - 1]
+
+
+def test_a_plan_of_flat_arrays_with_separate_tables_takes_new_arrays_the_same_way(monkeypatch):
+    from fakes import counted
+    from rope_rtc import rope_request
+
+    T, HQ, HK, D = 8, 4, 2, 64
+    with FakeGPU(fixed=True) as gpu:
+        cos, sin = fake_cupy((128, D // 2), np.float32), fake_cupy((128, D // 2), np.float32)
+        sets = [(fake_cupy((T, HQ * D), BF16), fake_cupy((T, HK * D), BF16)) for _ in range(4)]
+        plan = RopePlan(*sets[0], cos, sin, offset=3, layout="thd", head_dim=D)
+        plan.execute(*sets[0], cos, sin, offset=3)
+        counts: dict = {}
+        counted(monkeypatch, rope_request, "validate", counts)
+        for i in range(1, 8):
+            q, k = sets[i % len(sets)]
+            plan.execute(q, k, cos, sin, offset=i)
+            f = gpu.launches[-1]["fixed"]
+            assert (f.in_[0], f.in_[1], f.cos, f.sin, f.offset) == (q.data.ptr, k.data.ptr, cos.data.ptr, sin.data.ptr, i)
+        assert counts == {}
+        with pytest.raises(ValueError, match="offset"):
+            plan.execute(*sets[1], cos, sin, offset=126)  # positions 126..133 outside the table's 128 rows

@@ -355,3 +355,42 @@ def test_remembering_a_key_already_held_drops_no_other_entry():
     assert len(cache) == L.RECENT_SETS and 0 in cache and list(cache)[-1] == 5 and cache[5] == "again"
     L.remember(cache, "new", "x")
     assert len(cache) == L.RECENT_SETS and 0 not in cache and 1 in cache
+
+
+@pytest.mark.parametrize("stream,exc,match", [
+    (True, TypeError, "stream: expected None, an int handle.*got bool True"),
+    (-5, ValueError, "stream: -5 is not a CUDA stream handle"),
+    (2**64, ValueError, "is not a CUDA stream handle"),
+    (1.0, TypeError, "stream: expected None"),
+])
+def test_a_stream_that_is_no_handle_is_refused(stream, exc, match):
+    """The contract's "an optional stream is a raw CUDA stream handle": True was read as handle 1
+    (the legacy default stream) and -5 reached the driver, after the output was allocated."""
+    with pytest.raises(exc, match=match):
+        L.stream_handle(stream, 0)
+
+
+def test_numpy_integer_handles_are_handles():
+    import numpy as np
+
+    assert L.stream_handle(np.uint64(2**63), 0) == 2**63 and type(L.stream_handle(np.int64(7), 0)) is int
+
+
+def test_a_bad_stream_is_refused_before_anything_is_allocated_or_launched():
+    import numpy as np
+
+    from fakes import BF16, FakeGPU, fake_cupy
+    from rope_rtc import apply_rope_qk, tail_rope
+
+    with FakeGPU(fixed=True) as gpu:
+        q, k = fake_cupy((2, 1, 4, 64), BF16), fake_cupy((2, 1, 2, 64), BF16)
+        cos, sin = fake_cupy((16, 32), np.float32), fake_cupy((16, 32), np.float32)
+        for _ in range(3):  # the repeat path included
+            with pytest.raises(TypeError, match="stream"):
+                apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, stream=True)
+            apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k)
+        n = len(gpu.launches)
+        x = fake_cupy((2, 8, 128), BF16)
+        with pytest.raises(ValueError, match="stream: -5"):
+            tail_rope(x, fake_cupy((2, 32), np.float32), fake_cupy((2, 32), np.float32), stream=-5)
+        assert len(gpu.launches) == n

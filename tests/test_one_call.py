@@ -933,3 +933,118 @@ def test_the_last_output_key_does_not_recycle_once_recycling_is_off(recycling, m
     n = len(made)
     b = launch.allocate(shape, dt, 0, 7)
     assert len(made) == n + 1 and b.shape == shape
+
+
+def _engine_call(cache, q, k, pos, **kw):
+    return apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=D, q_out=q, k_out=k, **kw)
+
+
+def test_the_engines_convention_takes_a_repeat_path_too(monkeypatch):
+    """Flat [T, H * D] q/k and one cos_sin_cache, new arrays every call (vLLM's convention): the
+    call split the cache and viewed every array again, then validated the views in full (about ten
+    times a table call's host time); a seen signature now runs the generated checks on the flat
+    arrays, with the cache's halves kept while the same cache comes back."""
+    from rope_rtc import conventions
+
+    with FakeGPU(fixed=True) as gpu:
+        cache = fake_cupy((ROWS, D), np.float32)
+        sets = [(fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16), fake_cupy((B,), np.int64))
+                for _ in range(8)]
+        for q, k, pos in sets[:3]:
+            _engine_call(cache, q, k, pos)
+        counts: dict = {}
+        _counted(monkeypatch, conventions, "unflatten_heads", counts)
+        _counted(monkeypatch, rope, "unflatten_heads", counts)
+        _counted(monkeypatch, rope, "split_cos_sin_cache", counts)
+        for module in (rope, rope_plan):
+            _counted(monkeypatch, module, "validate", counts)
+        _counted(monkeypatch, rope_request, "validate", counts)
+        for i in range(40):
+            q, k, pos = sets[i % len(sets)]
+            assert _engine_call(cache, q, k, pos) == (q, k)
+            f = gpu.launches[-1]["fixed"]
+            assert (f.in_[0], f.in_[1], f.out[0], f.out[1], f.positions) == (q.data.ptr, k.data.ptr, q.data.ptr,
+                                                                              k.data.ptr, pos.data.ptr)
+            assert (f.cos, f.sin) == (cache.data.ptr, cache.data.ptr + D // 2 * 4)
+        assert counts == {}
+        launched = [bytes(rec["fixed"]) for rec in gpu.launches[-3:]]
+    with FakeGPU(fixed=True) as gpu:  # the same calls, each the first of its thread's kind: the same blocks
+        for i in range(37, 40):
+            q, k, pos = sets[i % len(sets)]
+            rope._local.__dict__.clear()
+            _engine_call(cache, q, k, pos)
+            assert bytes(gpu.launches[-1]["fixed"]) == launched[i - 37]
+
+
+@pytest.mark.parametrize("change", ["another cache", "the cache reshaped in place", "another head_dim", "interleaved",
+                                    "rotary_dim", "outputs apart", "host positions", "misaligned q"])
+def test_the_engines_convention_repeat_path_serves_only_its_own_calls(change):
+    """Whatever the repeat path does not fix goes the full way: the block equals a cold call's."""
+    with FakeGPU(fixed=True) as gpu:
+        cache = fake_cupy((ROWS, D), np.float32)
+        for _ in range(3):
+            _engine_call(cache, fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16), fake_cupy((B,), np.int64))
+        q, k, pos = fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16), fake_cupy((B,), np.int64)
+        kw = dict(cos_sin_cache=cache, positions=pos, layout="thd", head_dim=D, q_out=q, k_out=k)
+        if change == "another cache":
+            kw["cos_sin_cache"] = fake_cupy((ROWS, D), np.float32)
+        elif change == "the cache reshaped in place":
+            cache.shape = (ROWS // 2, 2 * D)  # rows of 256: rotary_dim 128 needs 128
+        elif change == "another head_dim":
+            kw["head_dim"] = D // 2
+            kw["cos_sin_cache"] = fake_cupy((ROWS, D // 2), np.float32)
+        elif change == "interleaved":
+            kw["interleaved"] = True
+        elif change == "rotary_dim":
+            kw["rotary_dim"] = D // 2
+            kw["cos_sin_cache"] = fake_cupy((ROWS, D // 2), np.float32)
+        elif change == "outputs apart":
+            kw["q_out"], kw["k_out"] = fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16)
+        elif change == "host positions":
+            kw["positions"] = np.arange(B)
+        else:
+            q = fake_cupy((B, HQ * D), BF16, byte_offset=2)
+            kw["q_out"] = q
+        n = len(gpu.launches)
+        try:
+            apply_rope_qk(q, k, **kw)
+            hot = [bytes(rec["fixed"]) if "fixed" in rec else bytes(rec["params"]) for rec in gpu.launches[n:]]
+            hot_error = None
+        except (TypeError, ValueError) as exc:
+            hot, hot_error = [], str(exc)
+    with FakeGPU(fixed=True) as gpu:
+        try:
+            apply_rope_qk(q, k, **kw)
+            cold = [bytes(rec["fixed"]) if "fixed" in rec else bytes(rec["params"]) for rec in gpu.launches]
+            cold_error = None
+        except (TypeError, ValueError) as exc:
+            cold, cold_error = [], str(exc)
+    assert (hot, hot_error) == (cold, cold_error)
+    if change == "the cache reshaped in place":
+        assert cold_error is not None and "cos_sin_cache: rows of 256" in cold_error
+
+
+def test_the_engines_convention_repeat_path_of_apply_rope(monkeypatch):
+    from rope_rtc import conventions
+
+    with FakeGPU(fixed=True) as gpu:
+        cache = fake_cupy((ROWS, D), np.float32)
+        sets = [(fake_cupy((B, HQ * D), BF16), fake_cupy((B,), np.int64)) for _ in range(4)]
+        for x, pos in sets[:3]:
+            apply_rope(x, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=D, out=x)
+        counts: dict = {}
+        _counted(monkeypatch, conventions, "unflatten_heads", counts)
+        _counted(monkeypatch, rope, "unflatten_heads", counts)
+        for module in (rope, rope_plan, rope_request):
+            _counted(monkeypatch, module, "validate", counts)
+        for i in range(8):
+            x, pos = sets[i % len(sets)]
+            assert apply_rope(x, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=D, out=x) is x
+            f = gpu.launches[-1]["fixed"]
+            assert (f.in_[0], f.out[0], f.in_[1], f.positions) == (x.data.ptr, x.data.ptr, 0, pos.data.ptr)
+            assert (f.cos, f.sin) == (cache.data.ptr, cache.data.ptr + D // 2 * 4)
+        assert counts == {}
+        # apply_rope_qk's calls do not take apply_rope's path (nor the reverse)
+        q, k = fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16)
+        _engine_call(cache, q, k, sets[0][1])
+        assert counts.get("validate", 0) >= 1
