@@ -426,7 +426,10 @@ def _one_call_targets(add, result: dict, prefill: list) -> None:
     calls = [(_host_row(result, rec, f"apply_rope_qk ({ONE_CALL_POOL} array sets cycled, in place, offset array)"),
               "apply_rope_qk"),
              (_host_row(result, rec, f"apply_rope ({ONE_CALL_POOL} array sets cycled, allocates the output, "
-                                     "offset=7)"), "apply_rope")]
+                                     "offset=7)"), "apply_rope"),
+             (_host_row(result, rec, f"apply_rope_qk, engines' convention (flat q/k, cos_sin_cache, positions; "
+                                     f"{ONE_CALL_POOL} array sets cycled, in place)"),
+              "apply_rope_qk, engines' convention")]
     _worst(add, f"one-call host time, new arrays <= {ONE_CALL_HOST_US} µs", calls,
            ONE_CALL_HOST_US, " µs", floor=False)
     if plan_us:

@@ -358,12 +358,25 @@ def one_call_host_records(ctx) -> list[dict]:
         qk = [partial(apply_rope_qk, q, k, cos, sin, offset=o, q_out=q, k_out=k) for q, k, o in sets]
         one = [partial(apply_rope, q, cos, sin, offset=7) for q, _, _ in sets]
         one_out = [partial(apply_rope, q, cos, sin, offset=7, out=out) for (q, _, _), out in zip(sets, outs)]
+        # The engines' convention on the same buffers: flat [T, H * D] q/k (views made beforehand), one
+        # combined cos_sin_cache, int64 positions.
+        cache = cp.ascontiguousarray(cp.concatenate([cos, sin], axis=1))
+        positions = cp.random.RandomState(ctx.seed + 1).randint(0, DECODE_POSITIONS, size=(ONE_CALL_POOL, dcase.B),
+                                                                dtype=cp.int64)
+        flat = [(q.reshape(dcase.B, -1), k.reshape(dcase.B, -1), positions[i]) for i, (q, k, _) in enumerate(sets)]
+        conv = dict(cos_sin_cache=cache, layout="thd", head_dim=dcase.D)
+        engine = [partial(apply_rope_qk, q, k, positions=p, q_out=q, k_out=k, **conv) for q, k, p in flat]
+        cplan = RopePlan(flat[0][0], flat[0][1], positions=flat[0][2], **conv).compile()
+        cplan_new = [partial(cplan.execute, q, k, positions=p, cos_sin_cache=cache) for q, k, p in flat]
         copy = CopyRunner(cp, ctx.stream, dcase.bytes_moved(), 1)
         x = b.q(0).view(cp.uint16).astype(cp.float32)
         recs.append(_host_record(ctx, "host/one-call-decode-bf16-B=8", dcase, [
             ("RopePlan.execute (same arrays)", [partial(plan.execute, q0, k0, cos, sin, offset=o0)]),
             ("apply_rope_qk (same arrays, in place, offset array)", qk[:1]),
             (f"apply_rope_qk ({ONE_CALL_POOL} array sets cycled, in place, offset array)", qk),
+            (f"apply_rope_qk, engines' convention (flat q/k, cos_sin_cache, positions; {ONE_CALL_POOL} array sets "
+             "cycled, in place)", engine),
+            (f"RopePlan.execute, engines' convention ({ONE_CALL_POOL} array sets cycled, in place)", cplan_new),
             ("apply_rope (same arrays, allocates the output, offset=7)", one[:1]),
             (f"apply_rope ({ONE_CALL_POOL} array sets cycled, allocates the output, offset=7)", one),
             (f"apply_rope ({ONE_CALL_POOL} array sets cycled, out=, offset=7)", one_out),
