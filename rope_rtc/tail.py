@@ -30,6 +30,15 @@ GRID_LIMIT = 2**31 - 1        # gridDim.x limit
 BACKENDS = ("nvrtc", "numpy")
 
 
+def check_backend(backend) -> None:
+    """ValueError for a backend this implementation does not have; the contract's own example names
+    "frost" (cuDNN's CuTe DSL kernels), whose place "nvrtc" takes here."""
+    if backend in BACKENDS:
+        return
+    hint = "; the contract's 'frost' kernels are rope_rtc's 'nvrtc' (the default)" if backend == "frost" else ""
+    raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}{hint}")
+
+
 
 # The kernel's argument block (cuda_src/tail_rope.cu: tail_rope_bf16_x1).
 ARG_FIELDS = [("x", ctypes.c_uint64), ("out", ctypes.c_uint64), ("cos", ctypes.c_uint64),
@@ -82,8 +91,7 @@ class TailRoPEForward:
     # -- plan lifecycle ------------------------------------------------------------------------
     def check_support(self) -> "TailRoPEForward":
         """Validate the declared arrays; raises TypeError/ValueError/NotImplementedError."""
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: {self.backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
+        check_backend(self.backend)
         x, c, s, o = infos = self._describe(self._decl, declarations=True)
         if len(x.shape) not in (2, 3):
             raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {x.shape}")
@@ -352,8 +360,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     thread by (H, D, rank, device) and the arrays' signature, so prewarm the shapes you will
     use before capturing a CUDA graph. The call keeps no reference to its arrays.
     """
-    if backend not in BACKENDS:  # before any allocation or device selection
-        raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}")
+    check_backend(backend)  # before any allocation or device selection
     if backend == "numpy":
         xi = A.describe(x, "x")  # before any conversion: a device array or a tensor that requires grad is named
         if xi.device is not None:

@@ -111,6 +111,11 @@ def test_unsupported_backend(backend):
         tail_rope(*arrays()[:3], backend=backend)
 
 
+def test_the_contracts_backend_name_points_at_this_ones():
+    with pytest.raises(ValueError, match="the contract's 'frost' kernels are rope_rtc's 'nvrtc'"):
+        tail_rope(*arrays()[:3], backend="frost")
+
+
 def test_numpy_backend_rejects_device_arrays():
     with pytest.raises(TypeError, match="backend='numpy' takes host arrays"):
         TailRoPEForward(*arrays(), backend="numpy").check_support()
