@@ -183,6 +183,21 @@ class _ConventionPath:
                 and inverse is self.inverse
                 and (head_dim is self.head_dim or type(head_dim) is int and head_dim == self.head_dim))
 
+    def launched(self, q, k, cache, positions, q_out, k_out, cu_seqlens, offset, stream) -> bool:
+        """Check and launch a call of the options this path serves; False when its arrays are not
+        of the path's signature or its addresses or offset not its template's (the caller then
+        goes the full way). The stream is resolved first, as _run_device does: a bad one raises
+        before the block is written."""
+        handle = _CURRENT(self.device).ptr if stream is None else stream_handle(stream, self.device)
+        if type(offset) is int:
+            prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, None, offset)
+        else:  # an offsets array; anything else the function declines (not its signature)
+            prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, offset, 0)
+        if prefix is None:
+            return False
+        self.go(prefix, handle)
+        return True
+
 
 def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views: tuple, head_dim,
                          opts: tuple) -> None:
@@ -555,32 +570,17 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
               and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc"))
     if engine:
         # The engines' convention: the thread's last repeat path for it, checked on the flat arrays
-        # themselves (options and the cache by identity, as the table path above).
+        # and the cache themselves (options by identity, as the table path above).
         conv = getattr(_local, "convention", None)
-        if conv is not None and conv.serves(_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim):
-            handle = _CURRENT(conv.device).ptr if stream is None else stream_handle(stream, conv.device)
-            if type(offset) is int:
-                prefix = conv.one_call(q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens, None, offset)
-            else:  # an offsets array; anything else the function declines (not its signature)
-                prefix = conv.one_call(q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens, offset, 0)
-            if prefix is not None:
-                conv.go(prefix, handle)
-                return q_out, k_out
+        if (conv is not None and conv.serves(_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim)
+                and conv.launched(q, k, cos_sin_cache, positions, q_out, k_out, cu_seqlens, offset, stream)):
+            return q_out, k_out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(q, head_dim, layout))
     flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
     flat_k = shape_of(k, "k") if head_dim is not None and k_out is None else None
-    views = (unflatten_heads(q, head_dim, layout, "q"), unflatten_heads(k, head_dim, layout, "k"), cos, sin,
-             unflatten_heads(q_out, head_dim, layout, "q_out"), unflatten_heads(k_out, head_dim, layout, "k_out"))
-    try:
-        qo, ko = _apply(_QK, views[0], views[1], cos, sin, positions, offset, cu_seqlens, views[4], views[5], stream,
-                        backend, opts)
-    except (TypeError, ValueError) as exc:
-        name_the_cache(exc, cos_sin_cache)
-        raise
-    if engine:
-        _remember_convention(_QK, q, k, q_out, k_out, positions, offset, cu_seqlens, cos_sin_cache, views, head_dim,
-                             opts)
+    qo, ko = _apply_converted(_QK, ("q_out", "k_out"), q, k, cos, sin, cos_sin_cache, head_dim, positions, offset,
+                              cu_seqlens, q_out, k_out, stream, backend, opts, engine)
     return (q_out if q_out is not None else flatten_like(qo, flat_q),
             k_out if k_out is not None else flatten_like(ko, flat_k))
 
@@ -622,30 +622,35 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
               and (backend == "auto" or backend == "nvrtc"))
     if engine:  # as in apply_rope_qk
         conv = getattr(_local, "convention", None)
-        if conv is not None and conv.serves(_X, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim):
-            handle = _CURRENT(conv.device).ptr if stream is None else stream_handle(stream, conv.device)
-            if type(offset) is int:
-                prefix = conv.one_call(x, None, cos_sin_cache, None, positions, out, None, cu_seqlens, None, offset)
-            else:
-                prefix = conv.one_call(x, None, cos_sin_cache, None, positions, out, None, cu_seqlens, offset, 0)
-            if prefix is not None:
-                conv.go(prefix, handle)
-                return out
+        if (conv is not None and conv.serves(_X, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim)
+                and conv.launched(x, None, cos_sin_cache, positions, out, None, cu_seqlens, offset, stream)):
+            return out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(x, head_dim, layout))
     flat = shape_of(x, "x") if head_dim is not None and out is None else None
-    views = (unflatten_heads(x, head_dim, layout, "x"), None, cos, sin, unflatten_heads(out, head_dim, layout, "out"),
-             None)
+    q, _ = _apply_converted(_X, ("out", "k_out"), x, None, cos, sin, cos_sin_cache, head_dim, positions, offset,
+                            cu_seqlens, out, None, stream, backend, opts, engine)
+    return out if out is not None else flatten_like(q, flat)
+
+
+def _apply_converted(names, out_names, q, k, cos, sin, cache, head_dim, positions, offset, cu_seqlens, q_out, k_out,
+                     stream, backend, opts: tuple, engine: bool) -> tuple:
+    """A call in the engines' conventions the full way: flat arrays viewed as ``[T, H, D]`` (``cos``
+    and ``sin`` already the cache's halves, or the tables), the checks' messages naming the cache,
+    and, for an ``engine`` call, the thread's convention path remembered for the next calls."""
+    layout = opts[0]
+    views = (unflatten_heads(q, head_dim, layout, names[0]), unflatten_heads(k, head_dim, layout, names[1]), cos, sin,
+             unflatten_heads(q_out, head_dim, layout, out_names[0]), unflatten_heads(k_out, head_dim, layout,
+                                                                                     out_names[1]))
     try:
-        q, _ = _apply(_X, views[0], None, cos, sin, positions, offset, cu_seqlens, views[4], None, stream, backend,
-                      opts)
+        result = _apply(names, views[0], views[1], cos, sin, positions, offset, cu_seqlens, views[4], views[5],
+                        stream, backend, opts)
     except (TypeError, ValueError) as exc:
-        name_the_cache(exc, cos_sin_cache)
+        name_the_cache(exc, cache)
         raise
     if engine:
-        _remember_convention(_X, x, None, out, None, positions, offset, cu_seqlens, cos_sin_cache, views, head_dim,
-                             opts)
-    return out if out is not None else flatten_like(q, flat)
+        _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views, head_dim, opts)
+    return result
 
 
 def _attention_option(inv_freq, attention_scaling):
