@@ -195,6 +195,18 @@ def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: t
     return generated("ok", "p", f"    return {' and '.join(terms) or 'True'}\n")
 
 
+class LastPath:
+    """A thread's last generated repeat path of a one-call function (the fused ops'; rope.py keeps
+    its own, compared by identity): the template's function (``_RopeTemplate.one_call``), the
+    options it serves (plain values whose types the caller checked, compared with ``==``) and
+    where it launches (the plan's ``Launcher.launch``, its device). It holds no array."""
+
+    __slots__ = ("one_call", "options", "go", "device")
+
+    def __init__(self, one_call, options: tuple, go, device) -> None:
+        self.one_call, self.options, self.go, self.device = one_call, options, go, device
+
+
 class Call:
     """One bound call: its arguments (held, so their identities stay theirs while remembered),
     the scalar argument, the template that bound it, the launch prefix (None: nothing to

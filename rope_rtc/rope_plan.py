@@ -15,8 +15,8 @@ import numpy as np
 
 from . import arrays as A
 from .launch import StructArg, launch_prefix, load_kernel, remember, single_device
-from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, array_checks, \
-    cupy_ndarray, disjoint_pairs, generated, pointers, signature
+from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
+    array_checks, cupy_ndarray, disjoint_pairs, generated, pointers, signature
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
@@ -392,6 +392,18 @@ def one_call_signature(arrays: tuple) -> tuple:
 _RESULT = itemgetter(Q_OUT, K_OUT)  # what a RopePlan call returns: (q_out, k_out)
 
 
+def generated_quick_path(template, arrays: tuple, kind: type):
+    """``Op.quick_path`` for the plans on the general template and its subclasses (multimodal, fused
+    norm): ``(fn, result)`` with ``fn`` the template's generated repeat path for ``arrays``'
+    signature (``_RopeTemplate.one_call``); None for a template that is not exactly ``kind`` (a
+    subclass writes more than ``kind``'s path does) or has no such path, or where CuPy does not
+    expose its contiguity flag."""
+    if type(template) is not kind or not hasattr(cupy_ndarray(), "_c_contiguous"):
+        return None
+    fn = template.one_call(one_call_signature(arrays))
+    return None if fn is None else (fn, _RESULT)
+
+
 class _RopeOp(Op):
     """What a RopePlan fixes and checks."""
 
@@ -411,10 +423,7 @@ class _RopeOp(Op):
         set and a token the launcher has never seen cost it about 1.5 times as much on the host
         (docs/performance.md). None where the template has none (no specialised build) or CuPy
         does not expose its contiguity flag."""
-        if type(template) is not _RopeTemplate or not hasattr(cupy_ndarray(), "_c_contiguous"):
-            return None
-        fn = template.one_call(one_call_signature(arrays))
-        return None if fn is None else (fn, _RESULT)
+        return generated_quick_path(template, arrays, _RopeTemplate)
 
     def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
         plan = self.plan
@@ -471,6 +480,12 @@ class _RopeTemplate:
 
     OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
     generic = True  # whether a call the specialised build cannot take runs the generic kernel
+    #: Arguments a subclass's calls carry after the general nine (QK-norm's weights), which its
+    #: generated repeat path takes and writes with ``_extra_writes``.
+    EXTRA_ARGS: tuple = ()
+    #: ``(argument, mask)`` of a build the signature prefers to this template's (its first call was
+    #: off that build's alignment: prepared.preferred_predicate); empty for the preferred one.
+    preferred_masks: tuple = ()
 
     def __init__(self, plan: RopePlan, req: Request) -> None:
         infos = self._infos(req)
@@ -610,10 +625,10 @@ class _RopeTemplate:
         says; then the address checks, the offset's range, the block's refill when another
         template wrote it last, and one pack of the call's fields. What the dictionary, the
         signature's tuples and the pointer tuple cost a repeated call, it does not."""
-        if not self.fixed_align or type(self)._write_fixed is not _RopeTemplate._write_fixed:
+        if not self.fixed_align or (type(self)._write_fixed is not _RopeTemplate._write_fixed and not self.EXTRA_ARGS):
             return None
         core = self.plan._ensure_core()
-        names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets")
+        names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets") + self.EXTRA_ARGS
         inputs = {Q_OUT: Q, K_OUT: K}
         several = not single_device()
         namespace: dict = {"nd": cupy_ndarray()}
@@ -641,6 +656,9 @@ class _RopeTemplate:
         else:
             S = 0 if self.offset_rows is None else self.offset_rows[0]
             terms.append(f"0 <= offset <= {int(self.table_rows - S)}")
+        if self.preferred_masks:  # a call the preferred build can take goes back to validation
+            terms.append(f"not ({aligned_term(self.preferred_masks, lambda i: f'p{i}')})")
+        extra, extra_namespace = self._extra_writes()
         mask = self._table_mask
         flag = f"not (p{COS} | p{SIN}) & {int(mask)}" if mask >= 0 else "0"
         strided = None
@@ -661,10 +679,16 @@ class _RopeTemplate:
                 f"    tv = {flag}\n"
                 f"    pack(block, 0, p{Q}, p{K}, p{Q_OUT}, p{K_OUT}, p{COS}, p{SIN}, p{POSITIONS}, p{OFFSETS}, "
                 f"p{CU_SEQLENS}, offset, tv)\n"
+                + extra
                 + ("    return prefix if tv else strided\n" if strided is not None else "    return prefix\n"))
         namespace.update(core=core, tmpl=self, pack=FIXED_CALL.pack_into, block=self.plan._fixed_bytes,
-                         prefix=self._fixed_prefix, strided=strided)
+                         prefix=self._fixed_prefix, strided=strided, **extra_namespace)
         return generated("one_call", ", ".join(names) + ", offset", body, namespace)
+
+    def _extra_writes(self) -> tuple[str, dict]:
+        """Statements of a generated repeat path that write ``EXTRA_ARGS``' pointers (``p9``, ...)
+        into the block, and the names they use."""
+        return "", {}
 
     def refill_fixed(self, core: Prepared) -> None:
         """Write what the plan fixes into the specialised build's block (another template, or the

@@ -307,3 +307,33 @@ def test_text_tokens_with_one_position_in_the_three_streams(interleaved_sections
                                        interleaved_sections=interleaved_sections)
         np.testing.assert_array_equal(bits(actual[good]), bits(want))
         assert np.isnan(actual[2]).all()
+
+
+@pytest.mark.parametrize("interleaved_sections", [False, True])
+def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread(interleaved_sections):
+    """apply_mrope_qk on new arrays every call: from a signature's second call the thread's generated
+    path launches; every call's bits equal the same call's in a thread that has seen nothing."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc import mrope
+
+    T = 9
+    cos, sin = (cp.asarray(t) for t in host_tables(P, D // 2, 31))
+    rng = np.random.default_rng(32)
+    calls = []
+    for i in range(6):
+        q, k = cp.asarray(host_random((T, HQ, D), DTYPES["bfloat16"], 40 + i)), \
+            cp.asarray(host_random((T, HK, D), DTYPES["bfloat16"], 50 + i))
+        pos = cp.asarray(rng.integers(0, P, (3, T)).astype(np.int64))
+        calls.append((q, k, pos, q.copy(), k.copy()))
+    for q, k, pos, _, _ in calls:
+        rope_rtc.apply_mrope_qk(q, k, cos, sin, pos, SECTIONS[interleaved_sections],
+                                interleaved_sections=interleaved_sections, q_out=q, k_out=k)
+    assert getattr(mrope._local, "last", None) is not None
+    for q, k, pos, q0, k0 in calls:
+        mrope._local.__dict__.clear()
+        rope_rtc.apply_mrope_qk(q0, k0, cos, sin, pos, SECTIONS[interleaved_sections],
+                                interleaved_sections=interleaved_sections, q_out=q0, k_out=k0)
+        assert np.array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))
+        assert np.array_equal(bits(cp.asnumpy(k)), bits(cp.asnumpy(k0)))

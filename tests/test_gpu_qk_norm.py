@@ -262,3 +262,31 @@ def test_the_staged_build_writes_the_register_builds_bits(monkeypatch, dtype, d,
         got, want = cp.asnumpy(got), cp.asnumpy(want)
         assert not np.isnan(got.astype(np.float32)).any(), "an output element was not written (NaN poison left)"
         np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("numerics", ["exact", "transformers"])
+def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread(numerics):
+    """apply_qk_norm_rope on new arrays every call: from a signature's second call the thread's
+    generated path launches; every call's bits equal the same call's in a fresh thread."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc import qk_norm
+
+    B, S, D = 2, 5, 128
+    dt = DTYPES["bfloat16"]
+    cos, sin = (cp.asarray(t) for t in host_tables(P, D // 2, 61))
+    qw, kw = cp.asarray(_weight(D, dt, 62)), cp.asarray(_weight(D, dt, 63))
+    calls = []
+    for i in range(6):
+        q, k = cp.asarray(host_random((B, S, HQ, D), dt, 70 + i)), cp.asarray(host_random((B, S, HK, D), dt, 80 + i))
+        calls.append((q, k, i, q.copy(), k.copy()))
+    for q, k, off, _, _ in calls:
+        rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q, k_out=k)
+    assert getattr(qk_norm._local, "last", None) is not None
+    for q, k, off, q0, k0 in calls:
+        qk_norm._local.__dict__.clear()
+        rope_rtc.apply_qk_norm_rope(q0, k0, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q0,
+                                    k_out=k0)
+        assert np.array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))
+        assert np.array_equal(bits(cp.asnumpy(k)), bits(cp.asnumpy(k0)))

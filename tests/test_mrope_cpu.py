@@ -328,3 +328,88 @@ def test_q_without_heads_is_named(gpu):
     with pytest.raises(NotImplementedError, match=r"q: shape \(6, 0, 128\) has no heads"):
         apply_mrope_qk(**_call(q=fake_cupy((T, 0, D), BF16)))
     assert gpu.launches == []
+
+
+def _launched(gpu, call) -> tuple:
+    n = len(gpu.launches)
+    try:
+        call()
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+    return tuple((r["fn"], r["grid"], r["block"], bytes(r["fixed"])) for r in gpu.launches[n:])
+
+
+def test_the_repeat_paths_launch_what_a_cold_call_launches():
+    """Episodes of calls with new arrays (now and then misaligned, out of place, another token
+    count, interleaved or contiguous sections, another positions dtype): each warm call (the
+    thread's last generated path; a plan's quick path) launches the same entry, grid and block
+    bytes as the same call in a fresh thread or a fresh plan, or raises the same."""
+    import threading
+
+    rng = np.random.default_rng(12)
+    cos, sin = fake_cupy((64, D // 2), np.float32), fake_cupy((64, D // 2), np.float32)
+    calls = []
+    for _ in range(40):
+        t, apart = int(rng.choice([T, T + 2])), rng.random() < 0.3
+        inter, pdt = bool(rng.random() < 0.5), np.int64 if rng.random() < 0.7 else np.int32
+        section = [24, 20, 20] if inter else SECTION
+        for _ in range(6):
+            off = 2 if rng.random() < 0.15 else 0
+            q, k = fake_cupy((t, HQ, D), BF16, byte_offset=off), fake_cupy((t, HK, D), BF16, byte_offset=off)
+            outs = (fake_cupy(q.shape, BF16), fake_cupy(k.shape, BF16)) if apart else (q, k)
+            calls.append((q, k, fake_cupy((3, t), pdt), outs, section, inter))
+    with FakeGPU() as gpu:
+        warm = [_launched(gpu, lambda: apply_mrope_qk(q, k, cos, sin, pos, sec, interleaved_sections=inter,
+                                                      q_out=outs[0], k_out=outs[1]))
+                for q, k, pos, outs, sec, inter in calls]
+        # One plan per section style, made from that style's first aligned in-place call.
+        made = {}
+        for q, k, pos, outs, sec, inter in calls:
+            if outs[0] is q and not q.data.ptr % 16 and inter not in made and q.shape[0] == T:
+                made[inter] = (q, k, pos, sec)
+        plans = {inter: MRopePlan(q, k, cos, sin, pos, sec, interleaved_sections=inter)
+                 for inter, (q, k, pos, sec) in made.items()}
+        for q, k, pos, outs, sec, inter in calls:
+            if outs[0] is q and inter in plans:
+                warm.append(_launched(gpu, lambda: plans[inter].execute(q, k, cos, sin, pos)))
+
+        def fresh(fn):
+            box = []
+            th = threading.Thread(target=lambda: box.append(_launched(gpu, fn)))
+            th.start()
+            th.join()
+            return box[0]
+
+        cold = [fresh(lambda: apply_mrope_qk(q, k, cos, sin, pos, sec, interleaved_sections=inter, q_out=outs[0],
+                                             k_out=outs[1]))
+                for q, k, pos, outs, sec, inter in calls]
+        for q, k, pos, outs, sec, inter in calls:
+            if outs[0] is q and inter in plans:
+                q0, k0, pos0, sec0 = made[inter]
+                plan = MRopePlan(q0, k0, cos, sin, pos0, sec0, interleaved_sections=inter)
+                cold.append(_launched(gpu, lambda: plan.execute(q, k, cos, sin, pos)))
+    assert len(warm) == len(cold) and [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
+    assert sum(1 for w in warm if w and w[0] != "error") > 200
+
+
+def test_new_arrays_of_a_seen_signature_take_the_generated_path(gpu, monkeypatch):
+    from fakes import counted
+    from rope_rtc import rope_request
+
+    sets = [_call() for _ in range(8)]
+    for kw in sets[:2]:
+        apply_mrope_qk(**kw, q_out=kw["q"], k_out=kw["k"])
+    plan = MRopePlan(**sets[0])
+    plan.execute(*(sets[0][n] for n in ("q", "k", "cos", "sin", "positions")))
+    counts: dict = {}
+    counted(monkeypatch, mrope, "bind_once", counts)
+    counted(monkeypatch, mrope, "validate_mrope", counts)
+    counted(monkeypatch, rope_request, "validate", counts)
+    for i in range(24):
+        kw = sets[i % len(sets)]
+        for call in (lambda: apply_mrope_qk(**kw, q_out=kw["q"], k_out=kw["k"]),
+                     lambda: plan.execute(*(kw[n] for n in ("q", "k", "cos", "sin", "positions")))):
+            call()
+            f = gpu.launches[-1]["fixed"]
+            assert (f.in_[0], f.in_[1], f.positions) == (kw["q"].data.ptr, kw["k"].data.ptr, kw["positions"].data.ptr)
+    assert counts == {}

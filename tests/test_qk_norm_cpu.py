@@ -282,3 +282,98 @@ def test_an_enormous_eps_or_attention_factor_is_described_not_spelled_out(gpu):
     with pytest.raises(ValueError, match=r"attention_scaling: .*got an int of 1329 bits$"):
         rope_rtc.apply_rope(q, inv_freq=fake_cupy((64,), np.float64), attention_scaling=10**400, out=q)
     assert gpu.launches == []
+
+
+def _record(rec) -> tuple:
+    """What a launch record says the kernel gets: entry, grid, block, the argument block's bytes."""
+    block = rec.get("norm", rec.get("fixed"))
+    return (rec["fn"], rec["grid"], rec["block"], bytes(block))
+
+
+def _outcome(gpu, call) -> tuple:
+    n = len(gpu.launches)
+    try:
+        call()
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+    return tuple(_record(r) for r in gpu.launches[n:])
+
+
+def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
+    """Random calls of apply_qk_norm_rope and of a plan with new arrays, options and alignments:
+    each warm call (the thread's last repeat path, the plan's quick path) launches the same entry,
+    grid and block bytes as the same call in a fresh thread and a fresh plan, or raises the same."""
+    import threading
+
+    import rope_rtc
+    from rope_rtc import qk_norm
+
+    rng = np.random.default_rng(11)
+    cos, sin = fake_cupy((P, D // 2), np.float32), fake_cupy((P, D // 2), np.float32)
+    weights = [fake_cupy((D,), BF16), fake_cupy((D,), BF16), fake_cupy((D + 2,), BF16)[2:], fake_cupy((D,), np.float32)]
+    calls = []
+    for _ in range(40):  # episodes: one configuration, then calls with new arrays, now and then off it
+        s, apart = int(rng.choice([S, S + 1])), rng.random() < 0.3
+        kw = dict(eps=float(rng.choice([1e-6, 1e-5])), numerics=str(rng.choice(["exact", "exact", "transformers"])))
+        qw, kw_ = weights[int(rng.integers(0, 2))], weights[int(rng.integers(0, 2))]
+        for _ in range(6):
+            off = 8 if rng.random() < 0.15 else 0
+            q, k = fake_cupy((B, s, HQ, D), BF16, byte_offset=off), fake_cupy((B, s, HK, D), BF16, byte_offset=off)
+            outs = (fake_cupy(q.shape, BF16), fake_cupy(k.shape, BF16)) if apart else (q, k)
+            w = (weights[2] if rng.random() < 0.1 else qw, weights[3] if rng.random() < 0.05 else kw_)
+            calls.append((q, k, w[0], w[1], outs, dict(kw, offset=int(rng.integers(0, 4)))))
+    warm, cold = [], []
+    with FakeGPU() as gpu:
+        plan = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin)
+        for q, k, qw, kw_, outs, kw in calls:
+            warm.append(_outcome(gpu, lambda: rope_rtc.apply_qk_norm_rope(q, k, qw, kw_, cos, sin, q_out=outs[0],
+                                                                          k_out=outs[1], **kw)))
+            if outs[0] is q and kw["eps"] == 1e-6 and kw["numerics"] == "exact":
+                warm.append(_outcome(gpu, lambda: plan.execute(q, k, qw, kw_, cos, sin, offset=kw["offset"])))
+
+        def fresh_thread(fn):
+            box = []
+            t = threading.Thread(target=lambda: box.append(_outcome(gpu, fn)))
+            t.start()
+            t.join()
+            return box[0]
+
+        qk_norm._local = threading.local()
+        for q, k, qw, kw_, outs, kw in calls:
+            cold.append(fresh_thread(lambda: rope_rtc.apply_qk_norm_rope(q, k, qw, kw_, cos, sin, q_out=outs[0],
+                                                                         k_out=outs[1], **kw)))
+            if outs[0] is q and kw["eps"] == 1e-6 and kw["numerics"] == "exact":
+                fresh = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin)
+                cold.append(_outcome(gpu, lambda: fresh.execute(q, k, qw, kw_, cos, sin, offset=kw["offset"])))
+    assert len(warm) == len(cold)
+    assert [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
+    assert sum(1 for w in warm if w and w[0] != "error") > 200
+
+
+def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
+    """apply_qk_norm_rope bound every call through the signature's dictionary and the template's
+    bind (about 3.5 times apply_rope_qk's host time); now the thread's last generated path, as
+    apply_rope_qk's. Neither it nor a plan with new arrays validates again."""
+    import rope_rtc
+    from fakes import counted
+    from rope_rtc import qk_norm, rope_request
+
+    with FakeGPU() as gpu:
+        sets = [_call() for _ in range(8)]
+        for kw in sets[:2]:
+            rope_rtc.apply_qk_norm_rope(**kw, q_out=kw["q"], k_out=kw["k"])
+        plan = rope_rtc.QKNormRopePlan(**sets[0])
+        plan.execute(*(sets[0][n] for n in ("q", "k", "q_weight", "k_weight", "cos", "sin")))
+        counts: dict = {}
+        counted(monkeypatch, qk_norm, "bind_once", counts)
+        counted(monkeypatch, qk_norm, "validate_qk_norm", counts)
+        counted(monkeypatch, rope_request, "validate", counts)
+        for i in range(24):
+            kw = sets[i % len(sets)]
+            rope_rtc.apply_qk_norm_rope(**kw, q_out=kw["q"], k_out=kw["k"])
+            n = gpu.launches[-1]["norm"]
+            assert tuple(n.weight) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
+            plan.execute(*(kw[n] for n in ("q", "k", "q_weight", "k_weight", "cos", "sin")), offset=i % 3)
+            n = gpu.launches[-1]["norm"]
+            assert (*n.weight, n.offset) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr, i % 3)
+        assert counts == {}
