@@ -21,15 +21,19 @@ NumPy reference.
 
 from __future__ import annotations
 
+import ctypes
+import struct
 import threading
 from dataclasses import dataclass, replace
+from operator import itemgetter
 
 import numpy as np
 
 from . import arrays as A
-from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import (ONE_CALL_SIGNATURES, Call, Op, Prepared, address_predicate, disjoint_pairs, pointers,
-                       signature, preferred_predicate)
+from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
+from .prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
+                       address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
+                       preferred_predicate, repeat_signature, signature, signature_checks)
 from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
@@ -339,7 +343,9 @@ class _CacheTemplate:
             (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
         self._addresses = address_predicate(self.same_view, self.disjoint, self.masks)
         # Built for a call off a preferred build's alignment: aligned calls go back to validation.
-        self._preferred = preferred_predicate(preferred_masks(creq))
+        self.preferred_masks = preferred_masks(creq)
+        self._preferred = preferred_predicate(self.preferred_masks)
+        self._one_calls: dict = {}  # signature -> its generated repeat path (one_call)
         self.has_positions = r.positions is not None
         # Tokens read from the offset on: all of them (offset scheme); with cu_seqlens each sequence
         # starts there, so a call with tokens reads that row at least.
@@ -354,6 +360,47 @@ class _CacheTemplate:
         self.creq = creq.without_arrays()  # after the infos above: the template holds no caller's array
 
     pointers = staticmethod(pointers)
+
+    def one_call(self, sig: tuple):
+        """The repeat path of calls of signature ``sig`` (:func:`cache_signature`): ``fn(q, k, v, cos,
+        sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale, q_out, k_out, cu_seqlens,
+        offsets, offset)`` checks each argument against the signature, runs this template's address
+        and offset checks, writes the block and returns the launch prefix, or returns None (the
+        caller then goes the full way). Generated once per signature, as the general template's
+        (rope_plan._RopeTemplate.one_call); None when there is nothing to launch."""
+        return made_once(self._one_calls, sig, self._one_call_function)
+
+    def _one_call_function(self, sig: tuple):
+        if self.prefix is None:
+            return None
+        namespace: dict = {"nd": cupy_ndarray()}
+        conds, reads = signature_checks(ARGS, sig, _OWN_INPUT, not single_device(), namespace)
+        same_view = tuple(pair for pair in self.same_view if sig[pair[0]] is not True)
+        terms = address_terms(same_view, self.disjoint, self.masks, ref=lambda i: f"p{i}")
+        if self.has_positions:
+            terms.append("offset == 0")
+        else:
+            terms.append(f"0 <= offset <= {int(self.table_rows - (self.offset_tokens or 0))}")
+        if self.preferred_masks:  # a call the preferred vector can take goes back to validation
+            terms.append(f"not ({aligned_term(self.preferred_masks, lambda i: f'p{i}')})")
+        body = (f"    if not ({conds}):\n"
+                "        return None\n"
+                + reads +
+                f"    if not ({' and '.join(terms)}):\n"
+                "        return None\n"
+                "    if core.filled is not tmpl:\n"
+                "        fill(block, creq)\n"
+                "        core.filled = tmpl\n"
+                f"    arrays(raw, 0, p{Q}, p{K}, p{V}, p{Q_OUT}, p{K_OUT})\n"
+                f"    caches(raw, {CacheParams.k_cache.offset}, p{K_CACHE}, p{V_CACHE})\n"
+                f"    rest(raw, {CacheParams.slot_mapping.offset}, p{SLOTS}, p{K_SCALE}, p{V_SCALE}, p{COS}, p{SIN}, "
+                f"p{POSITIONS}, p{OFFSETS}, p{CU_SEQLENS}, offset)\n"
+                "    return prefix\n")
+        core = self.plan._core
+        namespace.update(core=core, tmpl=self, fill=fill_cache_params, block=core.block, creq=self.creq,
+                         raw=(ctypes.c_char * ctypes.sizeof(CacheParams)).from_address(ctypes.addressof(core.block)),
+                         arrays=_ARRAYS.pack_into, caches=_CACHES.pack_into, rest=_REST.pack_into, prefix=self.prefix)
+        return generated("one_call", ", ".join(ARGS) + ", offset", body, namespace)
 
     def _offset_ok(self, offset: int) -> bool:
         if self.has_positions and offset:
@@ -395,12 +442,36 @@ class _CacheTemplate:
         return Call(arrays, scalar, self, self.prefix, (arrays[Q_OUT], arrays[K_OUT]))
 
 
+# The block's fields a call writes, in three runs (fill_cache_params writes the rest): q, k, v and
+# the two outputs; the caches; the slots, scales, tables, index arrays and the int offset.
+_ARRAYS, _CACHES, _REST = struct.Struct("<5Q"), struct.Struct("<2Q"), struct.Struct("<8Qq")
+assert (CacheParams.out.offset, CacheParams.v_cache.offset - CacheParams.k_cache.offset,
+        CacheParams.offset.offset - CacheParams.slot_mapping.offset) == (24, 8, 64)
+_OWN_INPUT = {Q_OUT: Q, K_OUT: K}
+_RESULT = itemgetter(Q_OUT, K_OUT)  # what a call returns: (q_out, k_out)
+
+
+def cache_signature(arrays: tuple) -> tuple:
+    """The repeat path's signature of a call's CuPy arrays (None where the caller passed none): each
+    argument's (shape, dtype, device), with its strides before the dtype when it is not
+    C-contiguous; None when absent; True for an output that is its own input (q and k in place)."""
+    return repeat_signature(arrays, _OWN_INPUT)
+
+
 class _CacheOp(Op):
     # q and k, and the caches: their shapes (block size, layout) fix where each entry goes.
     watched = (0, 1, ARGS.index("k_cache"), ARGS.index("v_cache"))
 
     def __init__(self, plan: "RopeCachePlan") -> None:
         self.plan = plan
+
+    def quick_path(self, template, arrays: tuple):
+        """The template's generated repeat path for new arrays of a bound signature (as the general
+        plan's), or None where CuPy does not expose its contiguity flag."""
+        if not hasattr(cupy_ndarray(), "_c_contiguous"):
+            return None
+        fn = template.one_call(cache_signature(arrays))
+        return None if fn is None else (fn, _RESULT)
 
     def validate(self, arrays: tuple, scalar: int):
         kw = dict(zip(ARGS, arrays))
@@ -514,7 +585,23 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     (q_out, k_out)
     """
     check_cache_options(kv_layout, kv_cache_dtype)  # before they are hashed into a key
-    if isinstance(slot_mapping, np.ndarray):
+    plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
+    options = (kv_layout, kv_cache_dtype, interleaved, rotary_dim)
+    last = getattr(_local, "last", None)
+    if plain and last is not None and options == last.options and not isinstance(slot_mapping, np.ndarray):
+        # The thread's last repeat path (an engine's decode step, layer after layer): the
+        # template's generated checks and block write; anything it declines goes the full way.
+        # The launcher resolves the stream, as a plan's quick path does (the block is rewritten on
+        # every call, so a bad stream raising after the write leaves nothing of the caller's).
+        scalar, offsets = split_offset(offset)
+        prefix = last.one_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
+                               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets,
+                               scalar)
+        if prefix is not None:
+            last.go(prefix, stream)
+            return (q if q_out is None else q_out), (k if k_out is None else k_out)
+    host_slots = isinstance(slot_mapping, np.ndarray)
+    if host_slots:
         # Every check, the host slots value by value; then their device copy, made in the order
         # of the launch's stream (CuPy's pool reuses it only after the launch has read it).
         creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
@@ -534,7 +621,6 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     # Options of the types validation accepts as they are: equal values of other types (such as
     # interleaved=1 or rotary_dim=64.0) would share the key, so they get no key, and a new plan
     # (full validation) every call.
-    plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
     key = None if sig is None or not plain else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
     plans = getattr(_local, "plans", None)
     if plans is None:
@@ -550,6 +636,11 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     if plan._check_positions:
         plan.check_positions(arrays, scalar)
     call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
+    if key is not None and not plan._check_positions and not host_slots:
+        # The next calls of this signature start at its generated path.
+        quick = plan._core.op.quick_path(call.template, arrays)
+        if quick is not None:
+            _local.last = LastPath(quick[0], options, plan._core.launcher.launch_on, plan.device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)
     return call.result

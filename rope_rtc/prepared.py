@@ -189,6 +189,63 @@ def array_checks(name: str, ref: str, entry: tuple, several: bool, namespace: di
     return condition, statements + f"    {ref} = d.ptr\n"
 
 
+def repeat_signature(arrays: tuple, own_input: dict) -> tuple:
+    """The signature a generated repeat path checks (``signature_checks``), of a call's CuPy arrays:
+    each argument's (shape, dtype, device), with its strides before the dtype when it is not
+    C-contiguous (a C-contiguous array's follow from its shape and dtype); None when absent; True
+    for an output that is its own input (``own_input``: output index -> input index)."""
+    entries = []
+    for i, a in enumerate(arrays):
+        if a is None:
+            entries.append(None)
+        elif i in own_input and a is arrays[own_input[i]]:
+            entries.append(True)
+        else:
+            d = a.data
+            entries.append((a.shape, a.dtype, d.device_id) if a._c_contiguous
+                           else (a.shape, a.strides, a.dtype, d.device_id))
+    return tuple(entries)
+
+
+_NOT_MADE = object()  # a signature whose repeat path is not made yet (None: made, and there is none)
+
+
+def made_once(functions: dict, sig: tuple, make):
+    """``functions[sig]``, made by ``make(sig)`` (which may give None) on first use and remembered
+    (``TEMPLATES_PER_SIGNATURE`` at most): a template's generated repeat path per signature."""
+    fn = functions.get(sig, _NOT_MADE)
+    if fn is _NOT_MADE:
+        fn = make(sig)
+        remember(functions, sig, fn, TEMPLATES_PER_SIGNATURE)
+    return fn
+
+
+def signature_checks(names: tuple, sig: tuple, own_input: dict, several: bool, namespace: dict,
+                     special=None) -> tuple[str, str]:
+    """``(condition, statements)`` of a generated repeat path (``generated``) for the arguments
+    ``names`` of signature ``sig``: each entry None (absent), True (an output that is its own input,
+    ``own_input``: output index -> input index) or an array's ``(shape, dtype, device)`` (with its
+    strides before the dtype when not C-contiguous: ``array_checks``). The statements set ``p0``,
+    ``p1``, ... to the pointers, inputs before the outputs that name them. ``special(i, name,
+    entry)``: ``(condition, statement)`` for an entry of the caller's own kind, or None."""
+    conds, reads = [], []
+    for i, (name, entry) in enumerate(zip(names, sig)):
+        own = None if special is None else special(i, name, entry)
+        if own is not None:
+            cond, read = own
+        elif entry is None:
+            cond, read = f"{name} is None", f"    p{i} = 0\n"
+        elif entry is True:
+            cond, read = f"{name} is {names[own_input[i]]}", f"    p{i} = p{own_input[i]}\n"
+        else:  # (shape, dtype, device), or (shape, strides, dtype, device) when not C-contiguous
+            full = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
+            cond, read = array_checks(name, f"p{i}", full, several, namespace)
+        conds.append(cond)
+        reads.append(read)
+    order = [i for i in range(len(names)) if sig[i] is not True] + [i for i in range(len(names)) if sig[i] is True]
+    return " and ".join(conds), "".join(reads[i] for i in order)
+
+
 def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
     """``ok(ptrs) -> bool``: :func:`address_terms` as one expression."""
     terms = address_terms(same_view, pairs, natural, aligned, align)

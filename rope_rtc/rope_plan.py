@@ -14,9 +14,9 @@ from operator import is_, itemgetter
 import numpy as np
 
 from . import arrays as A
-from .launch import StructArg, launch_prefix, load_kernel, remember, single_device
-from .prepared import TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
-    array_checks, cupy_ndarray, disjoint_pairs, generated, pointers, signature
+from .launch import StructArg, launch_prefix, load_kernel, single_device
+from .prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
+    cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
 from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
@@ -46,7 +46,6 @@ assert (FixedParams.out.offset, FixedParams.cos.offset, FixedParams.offset.offse
         FixedParams.table_vec.offset, FIXED_CALL.size) == (16, 32, 72, 76, 80)
 
 
-_NO_FUNCTION = object()
 
 
 def load_fixed_function(g: FixedGeometry, device: int):
@@ -376,20 +375,11 @@ def one_call_signature(arrays: tuple) -> tuple:
     ``_signature_and_pointers`` writes the same out argument by argument): each argument's
     (shape, dtype, device), with its strides before the dtype when it is not C-contiguous; None
     when absent; True for an output that is its own input."""
-    entries = []
-    for i, a in enumerate(arrays):
-        if a is None:
-            entries.append(None)
-        elif (i == Q_OUT and a is arrays[Q]) or (i == K_OUT and a is arrays[K]):
-            entries.append(True)
-        else:
-            d = a.data
-            entries.append((a.shape, a.dtype, d.device_id) if a._c_contiguous
-                           else (a.shape, a.strides, a.dtype, d.device_id))
-    return tuple(entries)
+    return repeat_signature(arrays, _OWN_INPUT)
 
 
 _RESULT = itemgetter(Q_OUT, K_OUT)  # what a RopePlan call returns: (q_out, k_out)
+_OWN_INPUT = {Q_OUT: Q, K_OUT: K}  # in place: the output is its input
 
 
 def generated_quick_path(template, arrays: tuple, kind: type):
@@ -612,11 +602,7 @@ class _RopeTemplate:
         of ``sig`` or its addresses or offset are not this template's (the caller then takes the
         signature's dictionary and full validation). Builds no Call: nothing is remembered.
         Generated once per signature (:meth:`_one_call_function`)."""
-        fn = self._one_calls.get(sig, _NO_FUNCTION)
-        if fn is _NO_FUNCTION:
-            fn = self._one_call_function(sig)
-            remember(self._one_calls, sig, fn, TEMPLATES_PER_SIGNATURE)
-        return fn
+        return made_once(self._one_calls, sig, self._one_call_function)
 
     def _one_call_function(self, sig: tuple):
         """The specialised build's bind with the signature's checks in front, written out as one
@@ -629,25 +615,15 @@ class _RopeTemplate:
             return None
         core = self.plan._ensure_core()
         names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets") + self.EXTRA_ARGS
-        inputs = {Q_OUT: Q, K_OUT: K}
-        several = not single_device()
         namespace: dict = {"nd": cupy_ndarray()}
-        conds, reads = [], []
-        for i, (name, entry) in enumerate(zip(names, sig)):
-            if entry is None:
-                conds.append(f"{name} is None")
-                reads.append(f"    p{i} = 0\n")
-            elif entry is True:
-                conds.append(f"{name} is {names[inputs[i]]}")
-                reads.append(f"    p{i} = p{inputs[i]}\n")
-            elif entry[0] == SECOND_HALF:  # sin: the second half of the rows of the cos_sin_cache in cos
-                conds.append(f"{name} is None")
-                reads.append(f"    p{i} = p{COS} + {int(entry[1])}\n")
-            else:  # (shape, dtype, device), or (shape, strides, dtype, device) when not C-contiguous
-                full = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
-                cond, read = array_checks(name, f"p{i}", full, several, namespace)
-                conds.append(cond)
-                reads.append(read)
+
+        def second_half(i, name, entry):  # sin: the second half of the rows of the cos_sin_cache in cos
+            if isinstance(entry, tuple) and entry[0] == SECOND_HALF:
+                return f"{name} is None", f"    p{i} = p{COS} + {int(entry[1])}\n"
+            return None
+
+        conds, reads = signature_checks(names, sig, _OWN_INPUT, not single_device(), namespace,
+                                        second_half)
         same_view = tuple(pair for pair in self.same_view if sig[pair[0]] is not True)
         terms = address_terms(same_view, self.disjoint, self.natural, (Q, K, Q_OUT, K_OUT), self.fixed_align,
                               ref=lambda i: f"p{i}")
@@ -667,11 +643,9 @@ class _RopeTemplate:
         self.plan._fixed_view(core)  # the block's bytes
         if self._fixed_prefix is None:
             self._fixed_prefix = self._launch_fixed()
-        # Inputs before the outputs that name them.
-        order = [i for i in range(len(names)) if sig[i] is not True] + [i for i in range(len(names)) if sig[i] is True]
-        body = (f"    if not ({' and '.join(conds)}):\n"
+        body = (f"    if not ({conds}):\n"
                 "        return None\n"
-                + "".join(reads[i] for i in order) +
+                + reads +
                 f"    if not ({' and '.join(terms)}):\n"
                 "        return None\n"
                 "    if core.filled is not tmpl or core.filled_vec != 'fixed':\n"

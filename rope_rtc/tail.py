@@ -19,8 +19,8 @@ from . import launch
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, TEMPLATES_PER_SIGNATURE, Call, Op, Prepared, array_checks, bind_once, \
-    cupy_ndarray, generated, pointers
+from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, \
+    cupy_ndarray, generated, made_once, pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
 
@@ -289,11 +289,8 @@ class _TailTemplate:
         A ``key`` of four entries (the output's too: ``_TailOp.quick_path``) gives the plan's
         path for new arrays, ``fn(x, cosine, sine, out, scalar)``, which checks the output's
         signature as well."""
-        fn = self._one_calls.get(key, _NO_FUNCTION)
-        if fn is _NO_FUNCTION:
-            fn = self._one_call_function(key, core) if self.prefix is not None else None
-            remember(self._one_calls, key, fn, TEMPLATES_PER_SIGNATURE)
-        return fn
+        return made_once(self._one_calls, key,
+                         lambda key: self._one_call_function(key, core) if self.prefix is not None else None)
 
     def _one_call_function(self, key: tuple, core: Prepared):
         names = ("x", "cosine", "sine", "out")[:len(key)]
@@ -339,7 +336,6 @@ def _current_device() -> int:
 # ``_local.last``: ``(one_call, plan)`` of the thread's last repeat path.
 _local = threading.local()
 _NO_LAST = (lambda x, cosine, sine, out: None, None)
-_NO_FUNCTION = object()
 
 
 def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:

@@ -462,3 +462,26 @@ def counted(monkeypatch, owner, name: str, counts: dict) -> None:
         return inner(*args, **kwargs)
 
     monkeypatch.setattr(owner, name, wrapper)
+
+
+def launch_outcome(gpu: FakeGPU, call, describe) -> tuple:
+    """What ``call()`` did under ``gpu``: ``describe(record)`` of each launch it made, or
+    ``("error", type name, message)`` for the error it raised (what warm-against-cold tests compare)."""
+    n = len(gpu.launches)
+    try:
+        call()
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+    return tuple(describe(r) for r in gpu.launches[n:])
+
+
+def in_a_fresh_thread(fn):
+    """``fn()``'s result, run in a new thread: one whose thread-local caches (the one-call
+    functions' plans and repeat paths) are empty."""
+    import threading
+
+    box = []
+    thread = threading.Thread(target=lambda: box.append(fn()))
+    thread.start()
+    thread.join()
+    return box[0]

@@ -217,3 +217,32 @@ def test_fp8_entries_of_every_input_value(dtype, kind):
                                f"{values[exact][bad[0]]!r}: got {got[exact][bad[0]]:#04x}, want {want[exact][bad[0]]:#04x}")
         assert np.isnan(got[nan_want].view(fmt).astype(np.float32)).all(), f"scale {scale!r}: a NaN quotient's entry"
         assert nan_in.sum() == 0 or nan_want[nan_in].all()
+
+
+@pytest.mark.parametrize("kind", ["auto", "fp8_e4m3"])
+def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread(kind):
+    """rope_and_cache on new arrays every call (an engine's decode step): from a signature's second
+    call the thread's generated path launches; q, k and every byte of both caches equal what the
+    same calls give in a thread that has seen nothing."""
+    import cupy as cp
+
+    import rope_rtc
+    from rope_rtc import kv_cache
+
+    sets = [_arrays(cp, "bfloat16", kind, "nhd", seed=10 * i) for i in range(5)]
+    names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+
+    def run(dev):
+        scales = {n: dev[n] for n in ("k_scale", "v_scale") if n in dev}
+        rope_rtc.rope_and_cache(*(dev[n] for n in names), kv_cache_dtype=kind, **scales)
+
+    firsts = [{n: a.copy() for n, a in dev.items()} for _, dev in sets]
+    for _, dev in sets:
+        run(dev)
+    assert getattr(kv_cache._local, "last", None) is not None
+    for (_, dev), first in zip(sets, firsts):
+        kv_cache._local.__dict__.clear()
+        run(first)
+        for n in ("q", "k", "k_cache", "v_cache"):
+            assert np.array_equal(bits(cp.asnumpy(dev[n])) if dev[n].dtype != np.uint8 else cp.asnumpy(dev[n]),
+                                  bits(cp.asnumpy(first[n])) if first[n].dtype != np.uint8 else cp.asnumpy(first[n])), n

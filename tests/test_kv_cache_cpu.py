@@ -535,3 +535,87 @@ def test_a_misaligned_first_call_does_not_pin_later_aligned_calls():
         assert gpu.launches[-1]["request"].vec == 1
         plan.execute(**_call())
         assert gpu.launches[-1]["request"].vec == wide
+
+
+def _launched(gpu, call) -> tuple:
+    from fakes import launch_outcome
+
+    return launch_outcome(gpu, call, lambda r: (r["fn"][1].vec, r["grid"], r["block"], bytes(r["cache"])))
+
+
+def test_the_repeat_paths_launch_what_a_cold_call_launches():
+    """Episodes of rope_and_cache calls with new arrays (now and then a misaligned v cache, outputs
+    apart, another token count, FP8 entries, the hnd layout, an offset past the table): each warm
+    call (the thread's last generated path; a plan's quick path) launches the same vector width,
+    grid and block bytes as the same call in a fresh thread or a fresh plan, or raises the same."""
+    from fakes import in_a_fresh_thread
+    from rope_rtc import RopeCachePlan
+
+    rng = np.random.default_rng(13)
+    calls = []
+    for _ in range(30):
+        t, apart = int(rng.choice([T, T + 3])), rng.random() < 0.3
+        fp8, hnd = rng.random() < 0.3, rng.random() < 0.3
+        for _ in range(6):
+            kw = _call(q=fake_cupy((t, HQ, D), BF16), k=fake_cupy((t, HK, D), BF16), v=fake_cupy((t, HK, D), BF16),
+                       positions=None if rng.random() < 0.3 else fake_cupy((t,), np.int64),
+                       slot_mapping=fake_cupy((t,), np.int64))
+            shape = (3, HK, 16, D) if hnd else (3, 16, HK, D)
+            if hnd:
+                kw["kv_layout"] = "hnd"
+            dt = np.uint8 if fp8 else BF16
+            kw["k_cache"] = fake_cupy(shape, dt)
+            kw["v_cache"] = fake_cupy(shape, dt, byte_offset=2 if rng.random() < 0.15 else 0)
+            if fp8:
+                kw.update(kv_cache_dtype="fp8_e4m3", k_scale=fake_cupy((1,), np.float32),
+                          v_scale=fake_cupy((1,), np.float32))
+            if apart:
+                kw.update(q_out=fake_cupy(kw["q"].shape, BF16), k_out=fake_cupy(kw["k"].shape, BF16))
+            if kw["positions"] is None:
+                kw["offset"] = int(rng.choice([0, 5, 64 - t + 1]))  # the last: past the table
+            calls.append(kw)
+    plan_keys = ("kv_layout", "kv_cache_dtype")
+    with FakeGPU() as gpu:
+        warm = [_launched(gpu, lambda: rope_and_cache(**kw)) for kw in calls]
+        plans, planned = {}, []  # a plan per kind of call, made from its first call a plan takes
+        for kw in calls:
+            key = tuple(kw.get(n) for n in plan_keys) + (kw["positions"] is None, "q_out" in kw)
+            if key not in plans:
+                try:
+                    plans[key] = (RopeCachePlan(**kw), kw)
+                except (TypeError, ValueError):
+                    continue
+            plan = plans[key][0]
+            args = {n: v for n, v in kw.items() if n not in plan_keys}
+            planned.append((plans[key][1], args))
+            warm.append(_launched(gpu, lambda: plan.execute(**args)))
+
+        cold = [in_a_fresh_thread(lambda: _launched(gpu, lambda: rope_and_cache(**kw))) for kw in calls]
+        for made_from, args in planned:
+            plan = RopeCachePlan(**made_from)
+            cold.append(_launched(gpu, lambda: plan.execute(**args)))
+    assert len(warm) == len(cold) and [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
+    assert sum(1 for w in warm if w and w[0] != "error") > 150
+
+
+def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
+    """rope_and_cache computed the signature of its 15 arguments twice and bound the template on
+    every call (about five times apply_rope_qk's host time); now the thread's last generated path."""
+    from fakes import counted
+    from rope_rtc import kv_cache, prepared
+
+    with FakeGPU() as gpu:
+        sets = [_call() for _ in range(8)]
+        for kw in sets[:2]:
+            rope_and_cache(**kw)
+        counts: dict = {}
+        counted(monkeypatch, kv_cache, "validate_cache_call", counts)
+        counted(monkeypatch, kv_cache, "signature", counts)
+        counted(monkeypatch, prepared.Prepared, "bind", counts)
+        for i in range(24):
+            kw = sets[i % len(sets)]
+            assert rope_and_cache(**kw) == (kw["q"], kw["k"])
+            p = gpu.launches[-1]["cache"]
+            assert (p.in_[2], p.k_cache, p.slot_mapping, p.positions) == (
+                kw["v"].data.ptr, kw["k_cache"].data.ptr, kw["slot_mapping"].data.ptr, kw["positions"].data.ptr)
+        assert counts == {}

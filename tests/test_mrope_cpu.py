@@ -331,12 +331,9 @@ def test_q_without_heads_is_named(gpu):
 
 
 def _launched(gpu, call) -> tuple:
-    n = len(gpu.launches)
-    try:
-        call()
-    except (TypeError, ValueError, NotImplementedError) as exc:
-        return ("error", type(exc).__name__, str(exc))
-    return tuple((r["fn"], r["grid"], r["block"], bytes(r["fixed"])) for r in gpu.launches[n:])
+    from fakes import launch_outcome
+
+    return launch_outcome(gpu, call, lambda r: (r["fn"], r["grid"], r["block"], bytes(r["fixed"])))
 
 
 def test_the_repeat_paths_launch_what_a_cold_call_launches():
@@ -344,7 +341,7 @@ def test_the_repeat_paths_launch_what_a_cold_call_launches():
     count, interleaved or contiguous sections, another positions dtype): each warm call (the
     thread's last generated path; a plan's quick path) launches the same entry, grid and block
     bytes as the same call in a fresh thread or a fresh plan, or raises the same."""
-    import threading
+    from fakes import in_a_fresh_thread
 
     rng = np.random.default_rng(12)
     cos, sin = fake_cupy((64, D // 2), np.float32), fake_cupy((64, D // 2), np.float32)
@@ -373,15 +370,8 @@ def test_the_repeat_paths_launch_what_a_cold_call_launches():
             if outs[0] is q and inter in plans:
                 warm.append(_launched(gpu, lambda: plans[inter].execute(q, k, cos, sin, pos)))
 
-        def fresh(fn):
-            box = []
-            th = threading.Thread(target=lambda: box.append(_launched(gpu, fn)))
-            th.start()
-            th.join()
-            return box[0]
-
-        cold = [fresh(lambda: apply_mrope_qk(q, k, cos, sin, pos, sec, interleaved_sections=inter, q_out=outs[0],
-                                             k_out=outs[1]))
+        cold = [in_a_fresh_thread(lambda: _launched(gpu, lambda: apply_mrope_qk(
+                    q, k, cos, sin, pos, sec, interleaved_sections=inter, q_out=outs[0], k_out=outs[1])))
                 for q, k, pos, outs, sec, inter in calls]
         for q, k, pos, outs, sec, inter in calls:
             if outs[0] is q and inter in plans:

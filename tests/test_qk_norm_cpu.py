@@ -291,22 +291,17 @@ def _record(rec) -> tuple:
 
 
 def _outcome(gpu, call) -> tuple:
-    n = len(gpu.launches)
-    try:
-        call()
-    except (TypeError, ValueError, NotImplementedError) as exc:
-        return ("error", type(exc).__name__, str(exc))
-    return tuple(_record(r) for r in gpu.launches[n:])
+    from fakes import launch_outcome
+
+    return launch_outcome(gpu, call, _record)
 
 
 def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
     """Random calls of apply_qk_norm_rope and of a plan with new arrays, options and alignments:
     each warm call (the thread's last repeat path, the plan's quick path) launches the same entry,
     grid and block bytes as the same call in a fresh thread and a fresh plan, or raises the same."""
-    import threading
-
     import rope_rtc
-    from rope_rtc import qk_norm
+    from fakes import in_a_fresh_thread
 
     rng = np.random.default_rng(11)
     cos, sin = fake_cupy((P, D // 2), np.float32), fake_cupy((P, D // 2), np.float32)
@@ -331,17 +326,9 @@ def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
             if outs[0] is q and kw["eps"] == 1e-6 and kw["numerics"] == "exact":
                 warm.append(_outcome(gpu, lambda: plan.execute(q, k, qw, kw_, cos, sin, offset=kw["offset"])))
 
-        def fresh_thread(fn):
-            box = []
-            t = threading.Thread(target=lambda: box.append(_outcome(gpu, fn)))
-            t.start()
-            t.join()
-            return box[0]
-
-        qk_norm._local = threading.local()
         for q, k, qw, kw_, outs, kw in calls:
-            cold.append(fresh_thread(lambda: rope_rtc.apply_qk_norm_rope(q, k, qw, kw_, cos, sin, q_out=outs[0],
-                                                                         k_out=outs[1], **kw)))
+            cold.append(in_a_fresh_thread(lambda: _outcome(gpu, lambda: rope_rtc.apply_qk_norm_rope(
+                q, k, qw, kw_, cos, sin, q_out=outs[0], k_out=outs[1], **kw))))
             if outs[0] is q and kw["eps"] == 1e-6 and kw["numerics"] == "exact":
                 fresh = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin)
                 cold.append(_outcome(gpu, lambda: fresh.execute(q, k, qw, kw_, cos, sin, offset=kw["offset"])))
