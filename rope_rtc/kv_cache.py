@@ -591,14 +591,12 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     if plain and last is not None and options == last.options and not isinstance(slot_mapping, np.ndarray):
         # The thread's last repeat path (an engine's decode step, layer after layer): the
         # template's generated checks and block write; anything it declines goes the full way.
-        # The launcher resolves the stream, as a plan's quick path does (the block is rewritten on
-        # every call, so a bad stream raising after the write leaves nothing of the caller's).
         scalar, offsets = split_offset(offset)
         prefix = last.one_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
                                q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets,
                                scalar)
-        if prefix is not None:
-            last.go(prefix, stream)
+        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
+            last.go(prefix, stream_handle(stream, last.device))
             return (q if q_out is None else q_out), (k if k_out is None else k_out)
     host_slots = isinstance(slot_mapping, np.ndarray)
     if host_slots:
@@ -640,7 +638,7 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         # The next calls of this signature start at its generated path.
         quick = plan._core.op.quick_path(call.template, arrays)
         if quick is not None:
-            _local.last = LastPath(quick[0], options, plan._core.launcher.launch_on, plan.device)
+            _local.last = LastPath(quick[0], options, plan._core.launcher.launch, plan.device)
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)
     return call.result

@@ -317,10 +317,9 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
     if plain and given and last is not None and options == last.options:
         # The thread's last repeat path (one signature, layer after layer): the template's generated
         # checks and block write; anything it declines goes the full way.
-        handle = stream_handle(stream, last.device)  # first: a bad stream raises before the block is written
         prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, None, None, 0)
-        if prefix is not None:
-            last.go(prefix, handle)
+        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
+            last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
     qi = A.describe(q, names[0], allow_host=False)
     device = qi.device

@@ -256,7 +256,8 @@ class LastPath:
     """A thread's last generated repeat path of a one-call function (the fused ops'; rope.py keeps
     its own, compared by identity): the template's function (``_RopeTemplate.one_call``), the
     options it serves (plain values whose types the caller checked, compared with ``==``) and
-    where it launches (the plan's ``Launcher.launch``, its device). It holds no array."""
+    where it launches: ``go(prefix, handle)``, the plan's ``Launcher.launch`` with a raw stream
+    handle, on ``device``. It holds no array."""
 
     __slots__ = ("one_call", "options", "go", "device")
 

@@ -365,12 +365,11 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     if plain and last is not None and q_out is not None and k_out is not None and options == last.options:
         # The thread's last repeat path (an engine calls one signature layer after layer): the
         # template's generated checks and block write; anything it declines goes the full way.
-        handle = stream_handle(stream, last.device)  # first: a bad stream raises before the block is written
         scalar, offsets = split_offset(offset)
         prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight,
                                scalar)
-        if prefix is not None:
-            last.go(prefix, handle)
+        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
+            last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
     qi = A.describe(q, "q", allow_host=False)
     device = qi.device

@@ -186,17 +186,26 @@ class _ConventionPath:
     def launched(self, q, k, cache, positions, q_out, k_out, cu_seqlens, offset, stream) -> bool:
         """Check and launch a call of the options this path serves; False when its arrays are not
         of the path's signature or its addresses or offset not its template's (the caller then
-        goes the full way). The stream is resolved first, as _run_device does: a bad one raises
-        before the block is written."""
-        handle = _CURRENT(self.device).ptr if stream is None else stream_handle(stream, self.device)
+        goes the full way, whose checks say what is wrong). The stream is resolved once the call
+        is accepted: a bad one then raises, after a block write the next call redoes."""
         if type(offset) is int:
             prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, None, offset)
         else:  # an offsets array; anything else the function declines (not its signature)
             prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, offset, 0)
         if prefix is None:
             return False
-        self.go(prefix, handle)
+        self.go(prefix, _CURRENT(self.device).ptr if stream is None else stream_handle(stream, self.device))
         return True
+
+
+def _plain(opts: tuple) -> bool:
+    """Whether the options (OPTION_NAMES order) are of the types validation accepts as they are:
+    equal values of other types (such as interleaved=1 or rotary_dim=64.0) share a dictionary key,
+    so they get no cached path and take full validation every call."""
+    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
+    return ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+            and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+            and type(layout) is str and (attention is None or type(attention) is float))
 
 
 def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views: tuple, head_dim,
@@ -205,6 +214,8 @@ def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlen
     :class:`_ConventionPath`, once the signature of the call's views (the cache's halves, q and k
     as ``[T, H, D]``) has a generated repeat path: from its second call, and never while positions
     are checked on the device."""
+    if not _plain(opts) or not (head_dim is None or type(head_dim) is int):
+        return
     cos, sin = views[2], views[3]
     offsets = offset if type(offset) is _NDARRAY else None
     sig, ptrs = _signature_and_pointers(*views[:2], cos, sin, positions, *views[4:], cu_seqlens, offsets)
@@ -377,11 +388,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         hit = _local.by_signature.get(key)
     except TypeError:  # an unhashable option: full validation names it
         hit = key = None
-    # Options of the types validation accepts as they are: equal values of other types (such as
-    # interleaved=1 or rotary_dim=64.0) share the key, and take full validation every call.
-    if not ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
-            and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
-            and type(layout) is str and (attention is None or type(attention) is float)):
+    if not _plain(opts):
         hit = key = None
     if hit is not None:
         plan, tmpl = hit

@@ -365,9 +365,16 @@ def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
     check_device_positions(req)
 
 
-# The signature entry of sin in a one-call repeat path whose cos slot holds a combined
-# cos_sin_cache (rope.py: the engines' convention): ``(SECOND_HALF, bytes from a row's start)``.
-SECOND_HALF = "the second half of cos's rows"
+class _SecondHalf:
+    """The marker of sin's signature entry, ``(SECOND_HALF, bytes from a row's start)``, in a repeat
+    path whose cos slot holds a combined cos_sin_cache (rope.py: the engines' convention): sin is
+    read at that offset into each of the cache's rows."""
+
+    def __repr__(self) -> str:
+        return "SECOND_HALF"
+
+
+SECOND_HALF = _SecondHalf()
 
 
 def one_call_signature(arrays: tuple) -> tuple:
@@ -471,7 +478,9 @@ class _RopeTemplate:
     OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
     generic = True  # whether a call the specialised build cannot take runs the generic kernel
     #: Arguments a subclass's calls carry after the general nine (QK-norm's weights), which its
-    #: generated repeat path takes and writes with ``_extra_writes``.
+    #: generated repeat path takes and writes with ``_extra_writes``. A subclass that declares them
+    #: has a generated path although it overrides ``_write_fixed``: its override must write the
+    #: general block and these arguments and nothing else, which the path then writes alike.
     EXTRA_ARGS: tuple = ()
     #: ``(argument, mask)`` of a build the signature prefers to this template's (its first call was
     #: off that build's alignment: prepared.preferred_predicate); empty for the preferred one.
@@ -595,9 +604,10 @@ class _RopeTemplate:
         return self.offset_rows is None or offset + self.offset_rows[0] <= self.offset_rows[1]
 
     def one_call(self, sig: tuple):
-        """The one-call functions' repeat path for calls of signature ``sig`` (rope.py), or None
-        when this template has none (no specialised build; a subclass that writes more than its
-        block). ``fn(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, offset)``
+        """The one-call functions' repeat path for calls of signature ``sig`` (``repeat_signature``;
+        sin may be ``(SECOND_HALF, offset)``), or None when this template has none (no specialised
+        build; a subclass that writes more than its block and declares no ``EXTRA_ARGS``).
+        ``fn(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, *EXTRA_ARGS, offset)``
         returns the launch prefix after writing the block, or None when the call's arrays are not
         of ``sig`` or its addresses or offset are not this template's (the caller then takes the
         signature's dictionary and full validation). Builds no Call: nothing is remembered.
@@ -618,7 +628,7 @@ class _RopeTemplate:
         namespace: dict = {"nd": cupy_ndarray()}
 
         def second_half(i, name, entry):  # sin: the second half of the rows of the cos_sin_cache in cos
-            if isinstance(entry, tuple) and entry[0] == SECOND_HALF:
+            if isinstance(entry, tuple) and entry[0] is SECOND_HALF:
                 return f"{name} is None", f"    p{i} = p{COS} + {int(entry[1])}\n"
             return None
 

@@ -329,6 +329,7 @@ class FakeGPU:
         from rope_rtc import kv_cache
 
         self._patch(kv_cache, "load_cache_function", load_cache_function)
+        self._patch(kv_cache, "stream_handle", stream_handle)
         self._patch(kv_cache, "_current_device", lambda: 0)
         self._patch(kv_cache, "_local", threading.local())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
@@ -477,11 +478,21 @@ def launch_outcome(gpu: FakeGPU, call, describe) -> tuple:
 
 def in_a_fresh_thread(fn):
     """``fn()``'s result, run in a new thread: one whose thread-local caches (the one-call
-    functions' plans and repeat paths) are empty."""
+    functions' plans and repeat paths) are empty. What it raises is raised here."""
     import threading
 
     box = []
-    thread = threading.Thread(target=lambda: box.append(fn()))
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
-    return box[0]
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value

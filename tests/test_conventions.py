@@ -305,3 +305,32 @@ def test_a_plan_of_flat_arrays_with_separate_tables_takes_new_arrays_the_same_wa
         assert counts == {}
         with pytest.raises(ValueError, match="offset"):
             plan.execute(*sets[1], cos, sin, offset=126)  # positions 126..133 outside the table's 128 rows
+
+
+def test_a_call_the_repeat_path_declines_reports_what_full_validation_reports():
+    """The repeat paths resolved the stream before their checks: a call with a bad stream and a
+    wrong cache reported the stream warm and the cache cold. A declined call now goes the full way
+    first (found in review)."""
+    from fakes import in_a_fresh_thread
+
+    with FakeGPU(fixed=True) as gpu:
+        cache, pos = fake_cupy((128, 64), np.float32), fake_cupy((6,), np.int64)
+
+        def call(q, k, c, **kw):
+            return apply_rope_qk(q, k, cos_sin_cache=c, positions=pos, layout="thd", head_dim=64, q_out=q, k_out=k,
+                                 **kw)
+
+        for _ in range(3):
+            call(fake_cupy((6, 4 * 64), BF16), fake_cupy((6, 2 * 64), BF16), cache)
+        q, k, wide = fake_cupy((6, 4 * 64), BF16), fake_cupy((6, 2 * 64), BF16), fake_cupy((128, 128), np.float32)
+        errors = []
+        for run in (lambda f: f(), in_a_fresh_thread):
+            try:
+                run(lambda: call(q, k, wide, stream=-1))
+            except ValueError as exc:
+                errors.append(str(exc))
+        assert len(errors) == 2 and errors[0] == errors[1] and errors[0].startswith("cos_sin_cache: rows of 128")
+        n = len(gpu.launches)
+        with pytest.raises(ValueError, match="stream: -1"):  # an accepted call with a bad stream: no launch
+            call(q, k, cache, stream=-1)
+        assert len(gpu.launches) == n
