@@ -213,8 +213,8 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
 
 
 def _widths(req: Request, kind: int) -> list[int]:
-    """The vectors of :func:`cache_vector_widths` (widest first) that the channel split allows
-    (FP8 entries: >= 2 bytes)."""
+    """The vectors of :func:`cache_vector_widths` (in its order of preference) that the channel
+    split allows (FP8 entries: >= 2 bytes)."""
     D, R = req.cq.D, req.rotary_dim
     return [vec for vec in cache_vector_widths(req.dtype, req.interleaved, kind)
             if not (kind and vec < 2) and not ((R if req.interleaved else R // 2) % vec or (D - R) % vec)]
