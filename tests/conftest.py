@@ -6,6 +6,9 @@ Markers
             same reason ("no CUDA driver found (...)", ...), which ``-ra`` prints once.
 ``device``  needs something only the device machine has (a GPU, PyTorch, transformers).
 ``multigpu`` needs two or more CUDA devices.
+``stress``  repeats a scenario many times under load (a minute at most on the device): deselected
+            unless ``ROPE_RTC_STRESS=1``, so the suite never runs it by default, e.g.
+            ``ROPE_RTC_STRESS=1 ROPE_RTC_REQUIRE_GPU=1 python -m pytest -q -m stress tests``.
 
 With ``ROPE_RTC_REQUIRE_GPU=1`` (set by ``scripts/device_check.sh``) a skip of a test
 carrying ``gpu`` or ``device`` becomes a failure: on the device those tests are not optional.
@@ -46,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
     config.addinivalue_line("markers", "device: needs the device machine (GPU, torch, transformers)")
     config.addinivalue_line("markers", "multigpu: needs two or more CUDA devices")
+    config.addinivalue_line("markers", "stress: repeats a scenario under load; runs only with ROPE_RTC_STRESS=1")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -138,6 +142,12 @@ def _shard_items(items: list[pytest.Item], index: int, count: int) -> list[pytes
 # the built-in plugins'), so the shards split what was selected.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("ROPE_RTC_STRESS", "") in ("", "0"):
+        # Deselected rather than skipped: under ROPE_RTC_REQUIRE_GPU=1 a skipped GPU test fails.
+        stress = [item for item in items if "stress" in item.keywords]
+        if stress:
+            config.hook.pytest_deselected(items=stress)
+            items[:] = [item for item in items if "stress" not in item.keywords]
     shard = _shard()
     if shard is not None:
         kept = _shard_items(items, *shard)

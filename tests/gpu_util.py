@@ -73,6 +73,13 @@ def busy_stream_kernel(cp):
     )
 
 
+def keep_busy(cp, stream, cycles: int = 200_000_000) -> None:
+    """Queue ``cycles`` clocks of spinning on ``stream`` (the default, about 0.1 s): work queued
+    after it on that stream waits, as it does when other processes share the GPU."""
+    with stream:
+        busy_stream_kernel(cp)((1,), (1,), (np.int64(cycles),))
+
+
 def fill_behind_busy_kernel(cp, stream, dst, host: np.ndarray):
     """Queue about 0.1 s of spinning on ``stream``, then the copy of ``host`` into ``dst`` on it.
 
@@ -81,11 +88,20 @@ def fill_behind_busy_kernel(cp, stream, dst, host: np.ndarray):
     pinned = cp.cuda.alloc_pinned_memory(host.nbytes)
     src = np.frombuffer(pinned, host.dtype, host.size).reshape(host.shape)
     src[...] = host
-    spin = busy_stream_kernel(cp)
-    with stream:
-        spin((1,), (1,), (np.int64(200_000_000),))
-        dst.set(src, stream=stream)
+    keep_busy(cp, stream)
+    dst.set(src, stream=stream)
     return pinned
+
+
+def after_current_stream(cp, stream) -> None:
+    """Make ``stream`` wait for everything queued so far on CuPy's current stream.
+
+    ``cp.asarray(host)`` (a copy staged through pinned memory), ``cp.full`` and ``x[...] = y``
+    fill arrays asynchronously on the current stream (the legacy default stream outside a
+    ``with stream:`` block), and a stream made with ``non_blocking=True`` does not wait for the legacy stream: a
+    launch on it may read an input, or write an output, before such a fill lands there. Call it
+    outside ``with stream:`` (inside, the current stream is ``stream`` itself)."""
+    stream.wait_event(cp.cuda.get_current_stream().record())
 
 
 def assert_half_split_qk(cp, outs, hosts, cos_h, sin_h, pos) -> None:

@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, bits, host_random, poisoned
+from gpu_util import DTYPES, after_current_stream, bits, host_random, poisoned
 from test_gpu_rope import _shape
 
 pytestmark = pytest.mark.gpu
@@ -231,6 +231,7 @@ def test_plan_rebinds_inv_freq_and_replays_under_capture(cp):
         stream.begin_capture()
         plan.execute(q, k, q_out=qo, k_out=ko, offset=offs, inv_freq=d2, stream=stream)
         graph = stream.end_capture()
+    after_current_stream(cp, stream)  # the outputs' NaN fill
     graph.launch(stream)
     stream.synchronize()
     assert np.array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(results[1][0])))

@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 
+from gpu_util import after_current_stream
+
 pytestmark = pytest.mark.gpu
 
 
@@ -24,6 +26,7 @@ def test_gpu_hold_keeps_the_stream_busy_and_calls_queue_behind_it(cp):
     stream = cp.cuda.Stream(non_blocking=True)
     hold = GpuHold(stream, cp.cuda.Device().id)
     x = cp.zeros(1, cp.float32)
+    after_current_stream(cp, stream)  # the zero fill, made on the current stream
     start, end = cp.cuda.Event(), cp.cuda.Event()
     hold(10.0)  # loads the module, and compiles CuPy's kernel for ``x += 1``, outside the timed part
     with stream:
@@ -48,6 +51,7 @@ def test_copy_kernel_copies_every_byte(cp):
 
     stream = cp.cuda.Stream(non_blocking=True)
     copy = CopyRunner(cp, stream, 2 * 4096 + 2 * 48, 2)  # 4144 bytes each way, a 16-byte multiple
+    after_current_stream(cp, stream)  # the slab's random fill, made on the current stream
     for src, dst in copy.pairs:
         cp.cuda.runtime.memsetAsync(dst, 0xFF, copy.half, stream.ptr)
     kern = CopyKernelRunner(stream, copy, cp.cuda.Device().id)

@@ -281,8 +281,8 @@ def test_node_updates_do_not_break_another_streams_global_capture(cp):
             plan.execute(q, k, cos, sin, offset=o)
     captured_host, (cq, ck, co) = new_set(30)
     cq_in, ck_in = cq.copy(), ck.copy()
-    cp.cuda.Device().synchronize()
     calls = [new_set(40 + 2 * i) for i in range(4)]
+    cp.cuda.Device().synchronize()  # the sets' copies, before launches on the non-blocking streams
     capturing.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
     with capturing:
         rope_rtc.apply_rope_qk(cq, ck, cos, sin, offset=co, q_out=cq, k_out=ck)

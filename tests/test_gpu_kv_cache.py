@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, poisoned
 from rope_rtc.reference import rope_and_cache_reference
 
 pytestmark = pytest.mark.gpu
@@ -128,6 +128,7 @@ def test_plan_new_scales_graph_replay_and_capture():
         graph = stream.end_capture()
     new_k = host_random((T, HK, D), DTYPES["bfloat16"], 77, 2.0)
     dev["k"][...] = cp.asarray(new_k)
+    after_current_stream(cp, stream)
     graph.launch(stream)
     stream.synchronize()
     want = rope_and_cache_reference(host["q"], new_k, host["v"], host["cos"], host["sin"], host["positions"],

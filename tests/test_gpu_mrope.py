@@ -1,17 +1,20 @@
 """Multimodal RoPE on the GPU: bit for bit against the kernel-arithmetic reference over dtypes,
 section styles, layouts, in and out of place (outputs poisoned with NaN first); against
 Hugging Face transformers' Qwen2-VL and Qwen3-VL rotary embeddings (the model's own cos/sin
-recomposition, then apply_rotary_pos_emb); a plan's new arrays, CUDA graph capture and the
-debug check of device positions."""
+recomposition, then apply_rotary_pos_emb); a plan's new arrays, CUDA graph capture (the graph
+launched on a non-blocking stream after the inputs' copies on the current stream, also when that
+stream is busy) and the debug check of device positions; with ``ROPE_RTC_STRESS=1``, the capture
+again and again under load."""
 
 from __future__ import annotations
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
+from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, keep_busy, poisoned
 from rope_rtc.reference import assert_rope_close, mrope_kernel_arithmetic, mrope_reference
 
 pytestmark = pytest.mark.gpu
@@ -161,42 +164,59 @@ def test_against_transformers(module, interleaved_sections):
         assert np.isfinite(g).all()
 
 
+CAPTURE_T = 7
+
+
+def _capture_set(cp, seed):
+    """``(host, device)`` q ``[7, HQ, D]``, k ``[7, HK, D]`` (bfloat16) and int64 positions
+    ``[3, 7]``: the device arrays copied from the host ones on the current stream."""
+    T = CAPTURE_T
+    q = host_random((T, HQ, D), DTYPES["bfloat16"], seed, 2.0)
+    k = host_random((T, HK, D), DTYPES["bfloat16"], seed + 1, 2.0)
+    pos = np.random.default_rng(seed).integers(0, P, (3, T)).astype(np.int64)
+    return (q, k, pos), (cp.asarray(q), cp.asarray(k), cp.asarray(pos))
+
+
+def _check_in_place(cp, host, dev, cos, sin, section):
+    for out, x in zip(dev[:2], host[:2]):
+        want = mrope_kernel_arithmetic(x, cos, sin, host[2], section)
+        np.testing.assert_array_equal(bits(cp.asnumpy(out)), bits(want))
+
+
+def _captured_replay(cp, plan, dev, dc, ds):
+    """Capture the plan's in-place execute of ``dev`` on a non-blocking stream, launch the graph
+    there and wait for it.
+
+    ``dev`` was filled on the current stream, which a non-blocking stream does not wait for: the
+    launch is ordered after those copies (``after_current_stream``)."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        plan.execute(dev[0], dev[1], dc, ds, dev[2], stream=stream)
+        graph = stream.end_capture()
+    after_current_stream(cp, stream)
+    graph.launch(stream)
+    stream.synchronize()
+
+
 def test_plan_new_arrays_graph_capture_and_the_position_check(monkeypatch):
     import cupy as cp
 
     import rope_rtc
 
-    T, section = 7, SECTIONS[False]
+    section = SECTIONS[False]
     cos, sin = host_tables(P, D // 2, 11)
     dc, ds = cp.asarray(cos), cp.asarray(sin)
-
-    def arrays(seed):
-        q, k = host_random((T, HQ, D), DTYPES["bfloat16"], seed, 2.0), host_random((T, HK, D), DTYPES["bfloat16"],
-                                                                                   seed + 1, 2.0)
-        pos = np.random.default_rng(seed).integers(0, P, (3, T)).astype(np.int64)
-        return (q, k, pos), (cp.asarray(q), cp.asarray(k), cp.asarray(pos))
-
-    def check(host, dev):
-        for out, x in zip(dev[:2], host[:2]):
-            want = mrope_kernel_arithmetic(x, cos, sin, host[2], section)
-            np.testing.assert_array_equal(bits(cp.asnumpy(out)), bits(want))
-
-    h0, d0 = arrays(20)
+    h0, d0 = _capture_set(cp, 20)
     plan = rope_rtc.MRopePlan(d0[0], d0[1], dc, ds, d0[2], section).compile()
     plan.execute(d0[0], d0[1], dc, ds, d0[2])
-    check(h0, d0)
-    h1, d1 = arrays(30)  # new arrays of the same signature
+    _check_in_place(cp, h0, d0, cos, sin, section)
+    h1, d1 = _capture_set(cp, 30)  # new arrays of the same signature
     plan.execute(d1[0], d1[1], dc, ds, d1[2])
-    check(h1, d1)
-    h2, d2 = arrays(40)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        plan.execute(d2[0], d2[1], dc, ds, d2[2], stream=stream)
-        graph = stream.end_capture()
-    graph.launch(stream)
-    stream.synchronize()
-    check(h2, d2)
+    _check_in_place(cp, h1, d1, cos, sin, section)
+    h2, d2 = _capture_set(cp, 40)
+    _captured_replay(cp, plan, d2, dc, ds)
+    _check_in_place(cp, h2, d2, cos, sin, section)
     # ROPE_RTC_CHECK_POSITIONS=1 reads device positions back and names the bad one
     monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
     bad = d1[2].copy()
@@ -206,6 +226,106 @@ def test_plan_new_arrays_graph_capture_and_the_position_check(monkeypatch):
     with pytest.raises(ValueError, match=r"positions: entry \(1, 3\) is 96"):
         checked.execute(d1[0], d1[1], dc, ds, bad)
     np.testing.assert_array_equal(bits(cp.asnumpy(d1[0])), bits(before))
+
+
+def test_a_captured_replay_waits_for_inputs_copied_on_a_busy_current_stream():
+    """The inputs of a captured execute are copied on the current stream while it is busy (as a
+    GPU shared with other processes can keep it), and the graph is launched on a non-blocking
+    stream: the replay still rotates those inputs. A launch that does not wait for the current
+    stream runs before the copies and rotates whatever the memory held (here the pool's
+    NaN-poisoned blocks, as a sharded suite's earlier tests leave them)."""
+    import cupy as cp
+
+    import rope_rtc
+
+    section = SECTIONS[False]
+    cos, sin = host_tables(P, D // 2, 12)
+    dc, ds = cp.asarray(cos), cp.asarray(sin)
+    h0, d0 = _capture_set(cp, 21)
+    plan = rope_rtc.MRopePlan(d0[0], d0[1], dc, ds, d0[2], section).compile()
+    plan.execute(d0[0], d0[1], dc, ds, d0[2])
+    _check_in_place(cp, h0, d0, cos, sin, section)
+    for seed in (41, 42):
+        stale = [poisoned(cp, (CAPTURE_T, h, D), DTYPES["bfloat16"]) for h in (HQ, HK)]
+        stale.append(cp.full((3, CAPTURE_T), 2**40, np.int64))  # outside the table: NaN if read
+        del stale  # the pool's next blocks of these sizes
+        keep_busy(cp, cp.cuda.get_current_stream())
+        h, d = _capture_set(cp, seed)
+        _captured_replay(cp, plan, d, dc, ds)
+        _check_in_place(cp, h, d, cos, sin, section)
+
+
+# The stress run (ROPE_RTC_STRESS=1, tests/conftest.py): rounds of captured replays under load.
+STRESS_ROUNDS, STRESS_REPEATS = 10, 100
+
+
+@pytest.fixture
+def gpu_pressure():
+    """Another thread, on a non-blocking stream of its own, keeps the copy engines busy (32 MiB
+    each way through pinned memory) and NaN-poisoned blocks going through the memory pool until
+    the test ends: the load of other test processes sharing the GPU."""
+    import cupy as cp
+
+    stop, errors = threading.Event(), []
+
+    def work() -> None:
+        try:
+            stream = cp.cuda.Stream(non_blocking=True)
+            n = 32 << 20
+            pinned = cp.cuda.alloc_pinned_memory(n)
+            host = np.frombuffer(pinned, np.uint8, n)
+            with stream:
+                big = cp.empty(n, np.uint8)
+                while not stop.is_set():
+                    big.set(host, stream=stream)
+                    big.get(stream=stream, out=host)
+                    junk = [poisoned(cp, (CAPTURE_T, h, D), DTYPES["bfloat16"]) for h in (HQ, HK, 2 * HQ)]
+                    del junk
+                    stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - reported by the fixture
+            errors.append(exc)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(60)
+    assert not thread.is_alive(), "the pressure thread did not stop"
+    assert not errors, errors[0]
+
+
+@pytest.mark.stress
+@pytest.mark.parametrize("round_", range(STRESS_ROUNDS))
+def test_stress_captured_replays_of_new_arrays_under_load(round_, gpu_pressure):
+    """test_plan_new_arrays_graph_capture_and_the_position_check's capture, STRESS_REPEATS times a
+    round, while another thread loads the GPU (``gpu_pressure``): each set's memory held NaN
+    just before, the current stream is now and then held for up to about 2 ms before the copies,
+    and every third set also takes a plain execute first. Every replay rotates its own inputs."""
+    import cupy as cp
+
+    import rope_rtc
+
+    rng = np.random.default_rng(round_)
+    section = SECTIONS[False]
+    cos, sin = host_tables(P, D // 2, 13)
+    dc, ds = cp.asarray(cos), cp.asarray(sin)
+    seed = 10_000 * (round_ + 1)
+    h, d = _capture_set(cp, seed)
+    plan = rope_rtc.MRopePlan(d[0], d[1], dc, ds, d[2], section).compile()
+    current = cp.cuda.get_current_stream()
+    for i in range(STRESS_REPEATS):
+        stale = [poisoned(cp, (CAPTURE_T, heads, D), DTYPES["bfloat16"]) for heads in (HQ, HK)]
+        stale.append(cp.full((3, CAPTURE_T), 2**40, np.int64))
+        del stale
+        if rng.random() < 0.5:
+            keep_busy(cp, current, int(rng.integers(1, 4_000_000)))
+        if i % 3 == 0:
+            h, d = _capture_set(cp, seed + 2 * i + 1)
+            plan.execute(d[0], d[1], dc, ds, d[2])
+            _check_in_place(cp, h, d, cos, sin, section)
+        h, d = _capture_set(cp, seed + 2 * i + 2)
+        _captured_replay(cp, plan, d, dc, ds)
+        _check_in_place(cp, h, d, cos, sin, section)
 
 
 @pytest.mark.parametrize("interleaved_sections", [False, True])

@@ -8,8 +8,8 @@ import itertools
 import numpy as np
 import pytest
 
-from gpu_util import (DTYPES, assert_half_split_qk, count_allocations, count_compiles, fill_behind_busy_kernel,
-                      host_random, host_tables, poisoned)
+from gpu_util import (DTYPES, after_current_stream, assert_half_split_qk, count_allocations, count_compiles,
+                      fill_behind_busy_kernel, host_random, host_tables, poisoned)
 from rope_rtc.layouts import to_bshd_index
 from rope_rtc.reference import assert_rope_close, rope_reference
 
@@ -312,6 +312,7 @@ def test_non_default_stream_ordering(cp):
     cos, sin = (cp.asarray(t) for t in host_tables(64, 64, 9))
     stream = cp.cuda.Stream(non_blocking=True)
     out = poisoned(cp, x.shape, dt)
+    after_current_stream(cp, stream)  # the tables and the NaN fill, made on the current stream
     pinned = fill_behind_busy_kernel(cp, stream, x, xh)
     rope_rtc.apply_rope(x, cos, sin, out=out, stream=stream)
     stream.synchronize()

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gpu_util import bits, count_allocations, count_compiles, fill_behind_busy_kernel
+from gpu_util import after_current_stream, bits, count_allocations, count_compiles, fill_behind_busy_kernel
 from rope_rtc.reference import tail_rope_reference
 from tail_cases import tail_edge_inputs, tail_random_inputs
 
@@ -153,6 +153,7 @@ def test_stream_ordering(cp):
     out = cp.full(x.shape, cp.nan, dtype=x.dtype)
     plan = rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile()
     stream = cp.cuda.Stream(non_blocking=True)
+    after_current_stream(cp, stream)  # the tables and the NaN fill, made on the current stream
     pinned = fill_behind_busy_kernel(cp, stream, x, x_h)
     plan.execute(x, c, s, out, current_stream=stream)
     stream.synchronize()

@@ -28,10 +28,14 @@ def test_a_test_session_leaves_no_temporary_directory(tmp_path):
     assert not [p for p in left if p.endswith("test_uses_tmp_path0")], left
 
 
-def _collect(tmp_path, shard: str | None, *args: str) -> tuple[int, list[str]]:
-    """The tests a session of the probe modules under ``tmp_path`` keeps with ROPE_RTC_TEST_SHARD=shard."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD")}
+def _collect(tmp_path, shard: str | None, *args: str, stress: bool = False) -> tuple[int, list[str]]:
+    """The tests a session of the probe modules under ``tmp_path`` keeps with ROPE_RTC_TEST_SHARD=shard
+    (and ROPE_RTC_STRESS=1 with ``stress``)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD", "ROPE_RTC_STRESS")}
     env.update(PYTHONPATH=str(ROOT))
+    if stress:
+        env["ROPE_RTC_STRESS"] = "1"
     if shard is not None:
         env["ROPE_RTC_TEST_SHARD"] = shard
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
@@ -83,3 +87,21 @@ def test_shards_split_what_a_filter_selected(tmp_path):
         shards.append(kept)
     assert sorted(sum(shards, [])) == sorted(f"test_{n}_{j}" for n in ("only_s1", "only_s3") for j in range(3))
     assert all(len(kept) == 3 for kept in shards), shards
+
+
+def test_stress_tests_run_only_when_asked_for(tmp_path):
+    """A test marked ``stress`` is deselected (not skipped: under ROPE_RTC_REQUIRE_GPU=1 a skipped
+    GPU test fails) unless ROPE_RTC_STRESS=1; then shards split it with the rest."""
+    (tmp_path / "test_mixed.py").write_text("import pytest\n\n\ndef test_plain():\n    pass\n\n\n"
+                                            "@pytest.mark.stress\n@pytest.mark.parametrize('r', range(3))\n"
+                                            "def test_loaded(r):\n    pass\n")
+    rc, kept = _collect(tmp_path, None)
+    assert rc == 0 and kept == ["test_plain"], kept
+    rc, kept = _collect(tmp_path, None, "-m", "stress")
+    assert rc == 5 and kept == [], kept  # pytest's "no tests collected"
+    rc, kept = _collect(tmp_path, None, "-m", "stress", stress=True)
+    assert rc == 0 and kept == [f"test_loaded[{r}]" for r in range(3)], kept
+    rc, everything = _collect(tmp_path, None, stress=True)
+    assert rc == 0 and len(everything) == 4, everything
+    assert sorted(_collect(tmp_path, "0/2", stress=True)[1] + _collect(tmp_path, "1/2", stress=True)[1]) == \
+        sorted(everything)
