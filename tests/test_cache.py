@@ -763,6 +763,19 @@ def test_a_checksummed_header_with_a_field_out_of_range_is_an_entry_error_and_no
         assert decode_entry(header_entry(dict(good_fields(), created=253402214400))).created == 253402214400.0
 
 
+@pytest.mark.parametrize("size", [pytest.param(10**400, id="10**400"), 1 << 40])
+def test_a_header_whose_size_no_entry_has_is_an_entry_error_in_a_short_message(size):
+    import json
+
+    from rope_rtc.cache.entry import MAGIC, _digest
+
+    fields = dict(good_fields(), size=size)
+    header = json.dumps(dict(fields, sha256=_digest(fields, b"x")), sort_keys=True).encode()
+    with pytest.raises(EntryError, match="size") as info:
+        decode_entry(MAGIC + len(header).to_bytes(8, "little") + header + b"x")
+    assert len(str(info.value)) < 120, str(info.value)
+
+
 def test_a_header_missing_a_field_or_with_a_bad_size_is_an_entry_error():
     fields = good_fields()
     del fields["kernel"]

@@ -130,8 +130,8 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
         raise EntryError(f"{len(data)} bytes, larger than any entry ({MAX_ENTRY_BYTES} at most)")
     h, payload = _parse_header(data)
     size = h.get("size")
-    if type(size) is not int or size < 0:
-        raise EntryError(f"corrupt header (size {shown(size)})")
+    if type(size) is not int or not 0 <= size <= MAX_ENTRY_BYTES:
+        raise EntryError(f"corrupt header (size {shown(size)}, not 0 to {MAX_ENTRY_BYTES} bytes)")
     if len(payload) < size:
         raise EntryError(f"truncated: {len(payload)} of the header's {size} payload bytes")
     if len(payload) > size:
