@@ -317,7 +317,7 @@ _MODEL_FLAGS = (("dtype", "--dtype"), ("head_dim", "--head-dim"), ("q_heads", "-
 
 def _warm_selection(args: argparse.Namespace) -> tuple[str, ...]:
     """The flags of this ``warm`` that chose its kernels, as typed (shell-quoted), for the command
-    its report suggests: it must warm the same set (a model's 53 kernels, not all 375)."""
+    its report suggests: it must warm the same set (a model's kernels, not every registered one)."""
     from .registry import DEFAULT_TAIL_HEADS
 
     flags: list[str] = []
