@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import shlex
 import signal
 import sys
 import warnings
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
+from .cache.entry import shown
 from .errors import SettingError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -52,7 +54,10 @@ def _size(n: int) -> str:
 def _when(timestamp: float) -> str:
     if not timestamp:
         return "?"
-    return datetime.datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+    try:
+        return datetime.datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+    except (OverflowError, ValueError, OSError):  # a time the platform cannot show: still a listing
+        return "?"
 
 
 def _dist_version(*names: str) -> str | None:
@@ -117,10 +122,20 @@ def _disk_store(cache_dir: str | None):
     return DiskStore(versioned_cache_dir(cache_dir), trust_shared=settings().trust_shared_cache, create=False)
 
 
+# A kernel's name is its family and its defines: the longest the library builds is under 200
+# characters, and a header's text beyond this is shortened.
+KERNEL_NAME_CHARS = 256
+
+
+def _kernel(name: str) -> str:
+    """A kernel name from an entry's header, as a terminal may show it (escaped, bounded)."""
+    return shown(name, KERNEL_NAME_CHARS)
+
+
 def _entry_name(e) -> str:
     """A listed entry as a person knows it: kernel and architecture when its header says, and
     the start of its key."""
-    what = " ".join(x for x in (e.kernel, e.target) if x)
+    what = " ".join(x for x in (e.kernel and _kernel(e.kernel), e.target and shown(e.target)) if x)
     return f"{what} ({e.key[:12]}…)" if what else e.path.name
 
 
@@ -275,6 +290,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
                               progress=not args.no_progress, specs=None if model is None else model.specs())
     except (RopeRtcError, ValueError) as exc:
         raise _Usage(str(exc)) from None
+    report.selection = _warm_selection(args)
     if model is not None:
         print(f"model: head_dim {model.head_dim}, {model.q_heads} q heads, {model.kv_heads} kv heads, rotary_dim "
               f"{model.rotary_dim}, {model.dtype}, {'interleaved' if model.interleaved else 'half-split'} pairs"
@@ -297,6 +313,27 @@ def _cmd_warm(args: argparse.Namespace) -> int:
 
 _MODEL_FLAGS = (("dtype", "--dtype"), ("head_dim", "--head-dim"), ("q_heads", "--heads"),
                 ("kv_heads", "--kv-heads"), ("rotary_dim", "--rotary-dim"))
+
+
+def _warm_selection(args: argparse.Namespace) -> tuple[str, ...]:
+    """The flags of this ``warm`` that chose its kernels, as typed (shell-quoted), for the command
+    its report suggests: it must warm the same set (a model's kernels, not every registered one)."""
+    from .registry import DEFAULT_TAIL_HEADS
+
+    flags: list[str] = []
+    if args.model is not None:
+        flags += ["--model", args.model]
+    for field, flag in _MODEL_FLAGS:
+        if getattr(args, field) is not None:
+            flags += [flag, str(getattr(args, field))]
+    flags += ["--interleaved"] * bool(args.interleaved) + ["--qk-norm"] * bool(args.qk_norm)
+    for dtype in args.inv_freq or ():
+        flags += ["--inv-freq", dtype]
+    if list(args.tail_heads) != list(DEFAULT_TAIL_HEADS):
+        flags += ["--tail-heads", ",".join(map(str, args.tail_heads))]
+    for pattern in args.kernels or ():
+        flags += ["--kernels", pattern]
+    return tuple(shlex.quote(f) for f in flags)
 
 
 def _model_from_args(args: argparse.Namespace):
@@ -324,20 +361,41 @@ def _cannot_read(store) -> bool:
     return True
 
 
+def _absent(store) -> str | None:
+    """Why the cache directory is not there, naming it, or None when it exists (or the store
+    could not tell: then ``problem`` says why)."""
+    if not store.missing or store.problem:
+        return None
+    d = store.directory
+    try:
+        root_there = d.parent.is_dir()
+    except OSError:
+        root_there = False
+    if root_there:
+        return (f"cache directory {d} does not exist: {d.parent} holds no cache of rope_rtc {__version__} "
+                "(`rope-rtc warm` fills it)")
+    return (f"cache directory {d} does not exist: there is no {d.parent} (check --cache-dir or "
+            "ROPE_RTC_CACHE_DIR; `rope-rtc warm` creates and fills it)")
+
+
 def _cmd_cache_list(args: argparse.Namespace) -> int:
     store = _disk_store(args.cache_dir)
     print(f"cache {store.directory}")
     listed = store.list()
     if _cannot_read(store):
         return EXIT_FAILED
+    absent = _absent(store)
+    if absent:
+        print(f"note: {absent}")
     if store.problem:
         print(f"note: {store.problem}")
     good = sorted((e for e in listed if e.entry is not None), key=lambda e: (e.entry.kernel, e.entry.target, e.key))
     bad = sorted((e for e in listed if e.entry is None), key=lambda e: (e.kernel or "~", e.target or "", e.key))
-    rows = [(e.entry.kernel, e.entry.target, e.entry.kind, _size(e.size), _when(e.entry.created), e.key[:12], "")
-            for e in good]
-    rows += [(e.kernel or "?", e.target or "?", "-", _size(e.size), "-", e.key[:12], f"UNUSABLE: {e.error}")
-             for e in bad]
+    # A header's text is whatever its writer put there: shown escaped and bounded, never raw.
+    rows = [(_kernel(e.entry.kernel), shown(e.entry.target), shown(e.entry.kind), _size(e.size),
+             _when(e.entry.created), e.key[:12], "") for e in good]
+    rows += [(_kernel(e.kernel) if e.kernel else "?", shown(e.target) if e.target else "?", "-", _size(e.size), "-",
+              e.key[:12], f"UNUSABLE: {e.error}") for e in bad]
     if rows:
         header = ("kernel", "arch", "kind", "size", "created", "key", "")
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(6)]
@@ -369,7 +427,7 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     from .warm import build_of
 
     if entry.rope_rtc != __version__:
-        return "refused", f"built by rope_rtc {entry.rope_rtc}, not {__version__}"
+        return "refused", f"built by rope_rtc {shown(entry.rope_rtc)}, not {__version__}"
     try:  # the header's own claim first: for a sound entry that is the only key computed
         claimed = toolchain.Target(toolchain.parse_arch(entry.target), entry.kind)
     except ValueError:
@@ -382,9 +440,9 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     if build._expected(entry, target):
         return None
     major, minor = toolchain.nvrtc_version()
-    return "refused", (f"its key is {spec.name} for {target.name} {target.kind} built by NVRTC "
-                       f"{major}.{minor}, but its header says {entry.target} {entry.kind}, NVRTC "
-                       f"{entry.nvrtc}: the loader refuses it")
+    return "refused", (f"its key is {_kernel(spec.name)} for {target.name} {target.kind} built by NVRTC "
+                       f"{major}.{minor}, but its header says {shown(entry.target)} {shown(entry.kind)}, NVRTC "
+                       f"{shown(entry.nvrtc)}: the loader refuses it")
 
 
 def _cmd_cache_verify(args: argparse.Namespace) -> int:
@@ -392,6 +450,12 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
     listed = store.list()
     if _cannot_read(store):
         _err("verify: the loader cannot use this directory, so none of its entries is served")
+        return EXIT_FAILED
+    absent = _absent(store)
+    if absent:
+        # A check of nothing must not pass: a mistyped --cache-dir would read as a sound cache.
+        # Exit 1 as for a path that is not a directory, and as `warm`'s check of a missing cache.
+        _err(f"verify: {absent}; nothing verified")
         return EXIT_FAILED
     bad, foreign, stale, unchecked = [], [], 0, None
     for e in listed:

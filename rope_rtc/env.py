@@ -25,9 +25,17 @@ unknown value means off, with a warning, so a typo can only ever refuse a cache.
 ``ROPE_RTC_LOG_COMPILES=1``
     Log every compilation with its options, duration and output size.
 ``ROPE_RTC_TRUST_SHARED_CACHE=1``
-    Accept a cache directory or entry that users other than its owner can write (a team's
-    deliberately shared cache). This trusts every such user: a cached CUBIN runs with this
-    process's access to all of its GPU memory.
+    Accept a cache directory or entry that users other than its owner can write or own (a
+    team's deliberately shared cache), and create the cache's directories and files with the
+    modes the umask leaves (by default they are private: 0700 and 0600). This trusts every such
+    user: a cached CUBIN runs with this process's access to all of its GPU memory. A team's
+    setup: a group holding every member; the cache root owned by that group, mode 2770
+    (``chgrp team /srv/rope-cache && chmod 2770 /srv/rope-cache``: group-writable, setgid so
+    that what is created inside belongs to the group, no sticky bit so that a member may replace
+    another's entry); and every process using it (``rope-rtc warm`` and ``rope-rtc cache``
+    too) run with ``ROPE_RTC_CACHE_DIR=/srv/rope-cache``, this switch, and umask 002 or 007 (a
+    member under umask 022 creates a version directory the others cannot write to: they then
+    serve it read-only).
 ``ROPE_RTC_NO_GRAPH_REPLAY=1``
     Plans launch with ``cuLaunchKernel`` every time, instead of replaying a repeated launch
     (same arrays, same stream) as a one-node CUDA graph. Read when a plan is compiled.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -78,6 +79,12 @@ class WarmReport:
     checked: bool = False
     #: the cache directory does not exist (a check creates nothing)
     directory_missing: bool = False
+    #: the ``rope-rtc warm`` flags that chose the kernels (all but ``--arch`` and ``--cache-dir``),
+    #: as shell words (quoted where a shell needs it), repeated in the command a report suggests
+    #: so that it warms the same set: the command line sets the flags it was given; :func:`warm`
+    #: sets what its arguments say, with ``--model <your config>`` for a model's ``specs`` (which
+    #: do not say their config)
+    selection: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -127,10 +134,12 @@ class WarmReport:
                 continue
             n = len(group)
             if cause == NOT_CACHED:
-                archs = " ".join(f"--arch {t}" for t in dict.fromkeys(f.target for f in group))
+                archs = [a for t in dict.fromkeys(f.target for f in group) for a in ("--arch", t)]
+                command = " ".join(["rope-rtc", "warm", *archs, *self.selection, "--cache-dir",
+                                    shlex.quote(os.fspath(self.directory.parent))])
+                them = "it" if n == 1 else "them"
                 lines.append(f"{_kernels(n)} {'is' if n == 1 else 'are'} not in the cache and ROPE_RTC_NO_COMPILE=1 "
-                             f"forbids compiling them: unset it to compile them (rope-rtc warm {archs} "
-                             f"--cache-dir {self.directory.parent})")
+                             f"forbids compiling {them}: unset it to compile {them} ({command})")
                 continue
             lines.append({COMPILE: f"{_kernels(n)} failed to compile:",
                           WRITE: f"{_kernels(n)} compiled but could not be written to {self.directory}:",
@@ -254,6 +263,7 @@ def warm(
     only read (it may be read-only, or not exist); every missing entry is a failure.
     """
     check_only = _read_switches()
+    given_specs = specs is not None
     if cache_dir is not None:
         cache_dir = cache_root_path(os.fspath(cache_dir), f"cache_dir={os.fspath(cache_dir)!r}")
     targets = resolve_targets(archs)
@@ -268,7 +278,8 @@ def warm(
     store = _disk_store(cache_dir, check_only=check_only)
     disk = store.disk
     assert disk is not None
-    report = WarmReport(targets, disk.directory, checked=check_only, directory_missing=disk.missing)
+    report = WarmReport(targets, disk.directory, checked=check_only, directory_missing=disk.missing,
+                        selection=_selection(given_specs, tail_heads, kernels))
     report.stale_temporaries_removed = disk.remove_stale_temporaries()  # none in a check: it writes nothing
     tasks = [(spec, target) for target in targets for spec in specs]
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
@@ -314,6 +325,17 @@ def warm(
     order = {(s.name, t.name): i for i, (s, t) in enumerate(tasks)}
     report.failed.sort(key=lambda f: order[(f.kernel, f.target)])
     return report
+
+
+def _selection(given_specs: bool, tail_heads: Sequence[int], kernels: Sequence[str] | None) -> tuple[str, ...]:
+    """The ``rope-rtc warm`` flags that choose what :func:`warm` was asked for, as far as its
+    arguments say: ``specs`` do not name the config they came from, hence a placeholder."""
+    flags: list[str] = ["--model", "<your config>"] if given_specs else []
+    if not given_specs and tuple(int(h) for h in tail_heads) != tuple(registry.DEFAULT_TAIL_HEADS):
+        flags += ["--tail-heads", ",".join(str(int(h)) for h in tail_heads)]
+    for pattern in kernels or ():
+        flags += ["--kernels", shlex.quote(pattern)]
+    return tuple(flags)
 
 
 class _NoBar:

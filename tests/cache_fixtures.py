@@ -53,8 +53,10 @@ OTHER_UID = 65534
 CAN_SWITCH_USER = hasattr(os, "geteuid") and os.geteuid() == 0 and hasattr(os, "fork")
 
 
-def as_other_user(fn, *, cwd: Path | None = None):
-    """Run ``fn()`` in a forked child whose uid and gid are OTHER_UID; return what it returned.
+def as_other_user(fn, *, cwd: Path | None = None, uid: int = OTHER_UID, gid: int | None = None,
+                  groups: tuple[int, ...] = (), umask: int | None = None):
+    """Run ``fn()`` in a forked child whose uid is ``uid`` (gid ``gid``, default the uid; also a
+    member of ``groups``; under ``umask`` when given); return what it returned.
 
     Needs root (CAN_SWITCH_USER). The child inherits every imported module, so it reads no
     file it may not; ``cwd`` (entered before the switch) lets it work with relative paths under
@@ -72,9 +74,11 @@ def as_other_user(fn, *, cwd: Path | None = None):
             os.close(read_fd)
             if cwd is not None:
                 os.chdir(cwd)
-            os.setgroups([])
-            os.setgid(OTHER_UID)
-            os.setuid(OTHER_UID)
+            if umask is not None:
+                os.umask(umask)
+            os.setgroups(list(groups))
+            os.setgid(uid if gid is None else gid)
+            os.setuid(uid)
             payload = json.dumps({"ok": fn()})
         except BaseException:
             payload, code = json.dumps({"error": traceback.format_exc()}), 1
@@ -89,7 +93,7 @@ def as_other_user(fn, *, cwd: Path | None = None):
     os.waitpid(pid, 0)
     result = json.loads(text) if text else {"error": "the child wrote nothing"}
     if "error" in result:
-        raise AssertionError(f"in the child running as uid {OTHER_UID}:\n{result['error']}")
+        raise AssertionError(f"in the child running as uid {uid}:\n{result['error']}")
     return result["ok"]
 
 

@@ -471,6 +471,22 @@ def test_no_compile_miss_names_kernel_arch_and_the_warm_command(tmp_path, monkey
     assert build.get_binary(spec, SM90, announce=False).source == "disk"
 
 
+def test_a_corrupt_entry_under_no_compile_warns_what_happens_not_recompiling(tmp_path, monkeypatch, compiles):
+    d = tmp_path / "c"
+    spec = registry.tail_spec(1, 128)
+    first = build.get_binary(spec, SM90, store=fresh_store(d), announce=False)
+    path = d / f"{first.key}.bin"
+    flip_byte(path)
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    with pytest.warns(CacheWarning) as seen, pytest.raises(KernelNotCachedError, match="rope-rtc warm --arch sm_90"):
+        build.get_binary(spec, SM90, store=fresh_store(d), announce=False)
+    said = " ".join(str(w.message) for w in seen)
+    assert "recompiling" not in said.replace("forbids recompiling", ""), said
+    assert "deleted; ROPE_RTC_NO_COMPILE=1 forbids recompiling it" in said and "not cached" in said, said
+    assert "KernelNotCachedError" in said, said
+    assert not path.exists() and compiles == [spec.name]
+
+
 def test_disable_disk_cache_writes_nothing(tmp_path, monkeypatch, compiles):
     root = tmp_path / "never"
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(root))
@@ -729,6 +745,37 @@ def test_a_checksummed_header_with_a_malformed_field_is_an_entry_error(field, va
         decode_entry(data)
 
 
+@pytest.mark.parametrize("field, value", [
+    pytest.param("created", 10**400, id="created-10**400"), ("created", 1e20), ("created", 10**20),
+    ("created", -1.0), ("created", 1e308), ("key", "not a key"), ("key", "AB" * 32), ("kind", "elf"),
+    ("kernel", "tail\x1b[2J"), ("target", "sm_90\u202e"), ("nvrtc", "13.0\n"),
+])
+def test_a_checksummed_header_with_a_field_out_of_range_is_an_entry_error_and_nothing_else(field, value):
+    """decode_entry raises EntryError and nothing else: a checksum matches whatever its writer
+    chose, so a value no rope_rtc writes (a time past the year 9999, a 400-digit integer, text
+    with control characters) is corrupt, and an OverflowError must never escape."""
+    data = header_entry(dict(good_fields(), **{field: value}))
+    with pytest.raises(EntryError, match=field) as info:
+        decode_entry(data)
+    assert len(str(info.value)) < 200 and "\x1b" not in str(info.value), str(info.value)
+    if field == "created":  # control: the bounds' own values are times
+        assert decode_entry(header_entry(dict(good_fields(), created=0))).created == 0.0
+        assert decode_entry(header_entry(dict(good_fields(), created=253402214400))).created == 253402214400.0
+
+
+@pytest.mark.parametrize("size", [pytest.param(10**400, id="10**400"), 1 << 40])
+def test_a_header_whose_size_no_entry_has_is_an_entry_error_in_a_short_message(size):
+    import json
+
+    from rope_rtc.cache.entry import MAGIC, _digest
+
+    fields = dict(good_fields(), size=size)
+    header = json.dumps(dict(fields, sha256=_digest(fields, b"x")), sort_keys=True).encode()
+    with pytest.raises(EntryError, match="size") as info:
+        decode_entry(MAGIC + len(header).to_bytes(8, "little") + header + b"x")
+    assert len(str(info.value)) < 120, str(info.value)
+
+
 def test_a_header_missing_a_field_or_with_a_bad_size_is_an_entry_error():
     fields = good_fields()
     del fields["kernel"]
@@ -737,14 +784,15 @@ def test_a_header_missing_a_field_or_with_a_bad_size_is_an_entry_error():
     assert decode_entry(header_entry(good_fields())).created == 1700000000.5  # control
 
 
-@pytest.mark.parametrize("bad", ["deep", "created"])
+@pytest.mark.parametrize("bad", ["deep", "created", "unbounded", "far"])
 def test_a_malformed_header_is_removed_and_recompiled_not_raised(tmp_path, compiles, bad):
     from rope_rtc.cache.entry import MAGIC
 
     d = tmp_path / "c"
     key = build.spec_key(SPEC, SM90)
+    created = {"created": "x", "unbounded": 10**400, "far": 1e20}.get(bad)
     data = (MAGIC + (100_000).to_bytes(8, "little") + b"[" * 100_000 if bad == "deep"
-            else header_entry(dict(good_fields(key), created="x")))
+            else header_entry(dict(good_fields(key), created=created)))
     path = planted(d, key, data)
     with pytest.warns(CacheWarning, match="corrupt cache entry"):
         b = build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False)

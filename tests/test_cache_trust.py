@@ -216,6 +216,89 @@ def test_directories_created_are_private_at_every_level(tmp_path, monkeypatch, u
     assert mode(d / f"{b.key}.bin") == 0o600
 
 
+@pytest.mark.parametrize("umask, dir_mode, file_mode", [(0o002, 0o775, 0o664), (0o007, 0o770, 0o660),
+                                                        (0o022, 0o755, 0o644)])
+def test_a_trusted_shared_cache_creates_what_the_umask_allows(tmp_path, monkeypatch, umask, dir_mode, file_mode):
+    """A team's cache: its members must read (and replace) each other's entries, so under
+    ROPE_RTC_TRUST_SHARED_CACHE=1 the umask decides, and a setgid group directory stays one."""
+    team = private_dir(tmp_path / "team")
+    team.chmod(0o2770)
+    root = team / "new-root"
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(root))
+    monkeypatch.setenv("ROPE_RTC_TRUST_SHARED_CACHE", "1")
+    old = os.umask(umask)
+    try:
+        b = build.get_binary(SPEC, SM90, announce=False)
+        cache.open_store().disk.put_text(b.key, ".cu", "// option: saved source\n")
+    finally:
+        os.umask(old)
+    d = cache.versioned_cache_dir()
+    for level in (root, d):
+        st = level.lstat()
+        assert stat.S_IMODE(st.st_mode) & 0o777 == dir_mode, f"{level} is {stat.S_IMODE(st.st_mode):o}"
+        assert st.st_mode & stat.S_ISGID, f"{level} lost the setgid bit of its group directory"
+    assert {p.name: mode(p) for p in d.iterdir()} == {f"{b.key}.bin": file_mode, f"{b.key}.cu": file_mode}
+
+
+def test_an_untrusted_cache_stays_private_under_a_group_umask(tmp_path, monkeypatch):
+    root = tmp_path / "mine"
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(root))
+    old = os.umask(0o002)
+    try:
+        b = build.get_binary(SPEC, SM90, announce=False)
+    finally:
+        os.umask(old)
+    assert mode(root) == mode(cache.versioned_cache_dir()) == 0o700
+    assert mode(cache.versioned_cache_dir() / f"{b.key}.bin") == 0o600
+
+
+ALICE, BOB, TEAM = 4301, 4302, 4300
+
+
+@pytest.mark.skipif(not CAN_SWITCH_USER, reason="acting as two users needs root")
+def test_two_members_of_a_team_share_one_cache(tmp_path):
+    """Alice and Bob (own primary groups, both in TEAM) under umask 002 and the trust switch, with
+    the setup the documentation gives: a setgid directory of the team, mode 2770. What one
+    publishes the other is served, with compiling forbidden; neither replaces the other's entry."""
+    tmp_path.chmod(0o711)  # the members work in it by relative paths (pytest's directories above are 0700)
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chown(team, ALICE, TEAM)
+    team.chmod(0o2770)
+    genuine = build.get_binary(SPEC, SM90, store=fresh_store(private_dir(tmp_path / "build")), announce=False)
+    sm80 = Target(80, "cubin")
+    other = build.get_binary(SPEC, sm80, store=fresh_store(tmp_path / "build"), announce=False)
+    major, minor = nvrtc_version()
+
+    def entry(b):
+        return Entry(b.key, SPEC.name, b.target.name, b.kind, f"{major}.{minor}", __version__, b.data, time.time())
+
+    rel = cache.versioned_cache_dir("team")  # relative: the members cannot traverse pytest's tmp_path
+
+    def publish(b) -> bool:
+        return fresh_store(rel, trust_shared=True).put(entry(b))
+
+    def load(target) -> str:
+        import warnings
+
+        os.environ["ROPE_RTC_NO_COMPILE"] = "1"  # a miss raises: only the other member's entry can serve
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            return build.get_binary(SPEC, target, store=fresh_store(rel, trust_shared=True), announce=False).source
+
+    member = dict(cwd=tmp_path, groups=(TEAM,), umask=0o002)
+    assert as_other_user(lambda: publish(genuine), uid=ALICE, **member)
+    assert as_other_user(lambda: publish(other), uid=BOB, **member)
+    assert as_other_user(lambda: load(sm80), uid=ALICE, **member) == "disk"
+    assert as_other_user(lambda: load(SM90), uid=BOB, **member) == "disk"
+    d = tmp_path / rel
+    st = d.lstat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (ALICE, TEAM, 0o2775)
+    owners = {p.name: (p.lstat().st_uid, p.lstat().st_gid, mode(p)) for p in d.iterdir()}
+    assert owners == {f"{genuine.key}.bin": (ALICE, TEAM, 0o664), f"{other.key}.bin": (BOB, TEAM, 0o664)}
+    assert decode_entry((d / f"{genuine.key}.bin").read_bytes()).payload == genuine.data
+
+
 def test_warm_creates_private_directories(tmp_path, capsys):
     root = tmp_path / "warm-root"
     assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
@@ -399,6 +482,44 @@ def test_clear_leaves_entries_another_user_owns_and_says_so(tmp_path):
     assert "removed 2 files" in out and "not the cache's" not in out, out
     assert theirs.name in err and f"owned by uid {OTHER_UID}" in err, err
     assert [p.name for p in d.iterdir()] == [theirs.name]
+
+
+def test_clear_skips_files_that_vanish_while_it_runs(tmp_path, monkeypatch):
+    """`cache clear` during a warm: a temporary file is renamed onto its entry between the listing
+    and its check, an entry is removed by someone else between its check and its removal. Gone is
+    what clear wants: no failure."""
+    root = tmp_path / "root"
+    assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog",
+                     "--kernels", "tail", "--tail-heads", "1"]) == 0
+    d = cache.versioned_cache_dir(root)
+    entries = sorted(d.glob("*.bin"))
+    published, removed_by_another = entries[0], entries[1]
+    young = d / ".tmp-publish0.part"
+    os.rename(published, young)  # a publish in progress: its entry not yet in place
+    old = d / ".tmp-killed00.part"
+    old.write_bytes(b"torn")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    real_lstat, real_unlink = store_mod._lstat_at, os.unlink
+
+    def lstat_racing_a_publish(name, dir_fd):
+        if name == young.name and young.exists():
+            os.replace(young, published)  # the publish finishes first
+        return real_lstat(name, dir_fd)
+
+    def unlink_racing_another_clear(name, *args, dir_fd=None, **kw):
+        if name in (removed_by_another.name, old.name):
+            real_unlink(name, dir_fd=dir_fd)  # another process got there first
+        return real_unlink(name, *args, dir_fd=dir_fd, **kw)
+
+    monkeypatch.setattr(store_mod, "_lstat_at", lstat_racing_a_publish)
+    monkeypatch.setattr(store_mod.os, "unlink", unlink_racing_another_clear)
+    rc, out, err = _clear(root)
+    assert rc == 0, out + err
+    assert "could not be removed" not in err and "No such file" not in out + err, err
+    # Removed: the one entry that stayed put. The entry published after the listing is left.
+    assert f"removed {len(entries) - 2} files" in out, out
+    assert list(d.iterdir()) == [published]
 
 
 @pytest.fixture

@@ -195,7 +195,7 @@ def test_warm_with_no_compile_checks_completeness(capsys, tmp_path, monkeypatch)
     assert "compiled 0, already cached 3, failed 3" in out and "3 of 6 kernels ready" in out
     assert err.splitlines() == [
         "3 kernels are not in the cache and ROPE_RTC_NO_COMPILE=1 forbids compiling them: unset it to compile "
-        f"them (rope-rtc warm --arch sm_80 --cache-dir {root})"]
+        f"them (rope-rtc warm --arch sm_80 --tail-heads 1 --kernels blog --kernels tail --cache-dir {root})"]
 
 
 def test_warm_into_a_disabled_disk_cache_is_refused(capsys, monkeypatch):
@@ -348,6 +348,122 @@ def test_cache_verify_names_the_kernel_and_says_truncated(capsys, tmp_path):
     assert "blog" in blog_line and "sm_90" in blog_line and "truncated" in blog_line, blog_line
     tail_line = [line for line in lines if tail.name[:12] in line][0]
     assert "truncated" in tail_line and "magic" not in tail_line, tail_line
+
+
+def _planted_header(path: Path, **fields) -> None:
+    """Rewrite the entry at ``path`` with header ``fields`` as given (no checks) and a checksum
+    that matches: a file anyone who can write the directory could leave."""
+    import json
+
+    from rope_rtc.cache.entry import MAGIC, _digest, decode_entry
+
+    e = decode_entry(path.read_bytes())
+    f = dict(key=e.key, kernel=e.kernel, target=e.target, kind=e.kind, nvrtc=e.nvrtc, rope_rtc=e.rope_rtc,
+             created=e.created, size=len(e.payload))
+    f.update(fields)
+    header = json.dumps(dict(f, sha256=_digest(f, e.payload)), sort_keys=True).encode()
+    path.write_bytes(MAGIC + len(header).to_bytes(8, "little") + header + e.payload)
+
+
+@pytest.mark.parametrize("created", [pytest.param(10**400, id="10**400"), 1e20])
+def test_an_unbounded_timestamp_is_a_corrupt_entry_listed_verified_and_rebuilt(capsys, tmp_path, created):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    blog = next(e.path for e in cache.DiskStore(d, create=False).list() if e.entry.kernel == "blog")
+    _planted_header(blog, created=created)
+    rc, out, err = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+    assert rc == 0, err
+    line = next(line for line in out.splitlines() if blog.name[:12] in line)
+    assert "UNUSABLE" in line and "created" in line and "blog" in line, line
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1 and blog.name[:12] in err and "created" in err, out + err
+    warm_small(root, capsys)  # a corrupt entry is rebuilt, like any other
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "all 3 entries" in out, out + err
+
+
+def test_cache_list_and_verify_show_header_text_escaped_and_shortened(capsys, tmp_path):
+    root = tmp_path / "c"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    listed = {e.entry.kernel: e.path for e in cache.DiskStore(d, create=False).list()}
+    paths = sorted(listed.values())
+    # A terminal's escape sequences (clear the screen, set the title, reverse the text) in a header
+    # that checks out, in a torn one, and a kernel name of 10 000 characters.
+    _planted_header(paths[0], kernel="blog\x1b[2J\x1b]0;owned\x07", target="sm_90\u202e")
+    _planted_header(paths[1], kernel="tail\x1b[31m" + "x" * 10_000)
+    data = bytearray(paths[1].read_bytes())
+    data[-3] ^= 1
+    paths[1].write_bytes(bytes(data))
+    _planted_header(paths[2], nvrtc="9" * 5000)
+    for command in ("list", "verify"):
+        rc, out, err = run_main(capsys, "cache", command, "--cache-dir", str(root))
+        text = out + err
+        assert rc == (0 if command == "list" else 1), text
+        assert not any(c in text for c in "\x1b\x07\u202e"), f"raw control characters reached the terminal: {text!r}"
+        assert "blog\\x1b[2J\\x1b]0;owned\\x07" in text and "sm_90\\u202e" in text, text
+        assert "tail\\x1b[31mxxx" in text and "(10009 characters)" in text, text
+        assert max(len(line) for line in text.splitlines()) < 600, text
+
+
+@pytest.mark.parametrize("where", ["typo", "root without this version", "a file"])
+def test_cache_verify_of_a_missing_directory_fails_naming_it(capsys, tmp_path, where):
+    root = tmp_path / "a" / "typo"
+    if where != "typo":
+        root.parent.mkdir()
+        root.mkdir() if where == "root without this version" else root.write_text("not a cache")
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1, out + err
+    assert "verified" not in out and str(root) in err, out + err
+    assert ("is a regular file, not a directory" if where == "a file" else "does not exist") in err, err
+    assert "Traceback" not in err
+    if where == "typo":
+        assert not root.parent.exists()
+        rc, out, err = run_main(capsys, "cache", "list", "--cache-dir", str(root))
+        assert rc == 0 and "does not exist" in out and "0 entries" in out, out + err
+
+
+def test_warm_check_of_a_corrupt_entry_says_what_happens_and_keeps_the_models_flags(capsys, tmp_path, monkeypatch):
+    import json
+
+    config = tmp_path / "my model" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 64, "torch_dtype": "bfloat16"}))
+    root = tmp_path / "c"
+    flags = ("--model", str(config), "--qk-norm", "--kernels", "rope_cache*")
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", *flags)
+    assert rc == 0, err
+    d = cache.versioned_cache_dir(root)
+    victim = sorted(d.glob("*.bin"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0x40
+    victim.write_bytes(bytes(data))
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    store_mod._stores.clear()
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", *flags)
+    assert rc == 1, out + err
+    warning = next(line for line in err.splitlines() if "corrupt cache entry" in line)
+    assert "left in place" in warning and "forbids recompiling it" in warning and "not cached" in warning, warning
+    assert ", recompiling" not in warning and not warning.endswith("recompiling"), warning
+    assert victim.exists()  # a check writes nothing
+    assert (f"1 kernel is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids compiling it: unset it to compile it "
+            f"(rope-rtc warm --arch sm_90 --model '{config}' --qk-norm --kernels 'rope_cache*' --cache-dir {root})"
+            ) in err, err
+
+
+def test_warm_from_python_of_a_models_specs_suggests_the_model_placeholder(tmp_path, monkeypatch):
+    from rope_rtc import warm as warming
+    from rope_rtc.model import from_config
+
+    model = from_config({}, dtype="bfloat16", head_dim=64, q_heads=4, kv_heads=2)
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    report = warming.warm(["sm_90"], cache_dir=tmp_path / "c", specs=model.specs(), kernels=["rope_cache*"],
+                          progress=False)
+    lines = report.failure_lines()
+    assert len(lines) == 1 and "(rope-rtc warm --arch sm_90 --model <your config> --kernels 'rope_cache*' " \
+        f"--cache-dir {tmp_path / 'c'})" in lines[0], lines
 
 
 def test_warm_under_no_compile_prints_one_line_per_failure_class(capsys, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import re
 from dataclasses import dataclass
 
 MAGIC = b"RRTCBIN1"
@@ -27,6 +27,14 @@ MAX_ENTRY_BYTES = 8 << 20
 MAX_HEADER_BYTES = 16 << 10
 
 _TEXT_FIELDS = ("key", "kernel", "target", "kind", "nvrtc", "rope_rtc")
+_KEY = re.compile(r"[0-9a-f]{64}")
+KINDS = ("cubin", "ptx")
+# "created" is a time.time() of the build. The bound is the last day datetime can show in any
+# time zone: a larger number is no time at all, and every reader of the field (``cache list``)
+# may convert it.
+MAX_CREATED = 253402214400  # 9999-12-31 00:00 UTC
+# How much of a header value a message quotes: a header may hold kilobytes of text.
+SHOWN_CHARS = 60
 
 
 class EntryError(ValueError):
@@ -43,6 +51,29 @@ class Entry:
     rope_rtc: str
     payload: bytes
     created: float = 0.0
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """``value`` fit for a terminal: text with every character that is not printable (escape
+    sequences, other control and format characters) and the backslash written as Python writes
+    them in a string literal, a number as its repr, and at most ``limit`` characters of that,
+    the rest counted. A header's text is written by whoever wrote the file, so a message
+    quotes it through this and never raw."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"  # its repr is hundreds of digits, or raises
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'}"  # its repr may recurse too deep
+    text = value if isinstance(value, str) else repr(value)
+    out: list[str] = []
+    used = 0
+    for ch in text:
+        # repr of one non-printable character is its escape: \x1b, \u202e, \n.
+        piece = "\\\\" if ch == "\\" else ch if ch.isprintable() else repr(ch)[1:-1]
+        if used + len(piece) > limit:
+            return "".join(out) + f"… ({len(text)} characters)"
+        out.append(piece)
+        used += len(piece)
+    return "".join(out)
 
 
 def _digest(fields: dict, payload: bytes) -> str:
@@ -99,8 +130,8 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
         raise EntryError(f"{len(data)} bytes, larger than any entry ({MAX_ENTRY_BYTES} at most)")
     h, payload = _parse_header(data)
     size = h.get("size")
-    if type(size) is not int or size < 0:
-        raise EntryError(f"corrupt header (size {size!r})")
+    if type(size) is not int or not 0 <= size <= MAX_ENTRY_BYTES:
+        raise EntryError(f"corrupt header (size {shown(size)}, not 0 to {MAX_ENTRY_BYTES} bytes)")
     if len(payload) < size:
         raise EntryError(f"truncated: {len(payload)} of the header's {size} payload bytes")
     if len(payload) > size:
@@ -112,14 +143,24 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
         raise EntryError(f"corrupt header ({type(exc).__name__})") from None
     if digest != h.get("sha256"):
         raise EntryError("checksum mismatch (header or payload)")
+    # Past the checksum every field is still what its writer chose: a value out of range is as
+    # corrupt as a flipped byte, and is told here, so that no reader of an Entry meets it.
     for name in _TEXT_FIELDS:
         if name not in h:
             raise EntryError(f"header lacks {name!r}")
         if not isinstance(h[name], str):
             raise EntryError(f"corrupt header ({name} is {type(h[name]).__name__}, not text)")
+        if not h[name].isprintable():
+            raise EntryError(f"corrupt header ({name} {shown(h[name])} holds characters that are not printable)")
+    if not _KEY.fullmatch(h["key"]):
+        raise EntryError(f"corrupt header (key {shown(h['key'])} is not 64 hex digits)")
+    if h["kind"] not in KINDS:
+        raise EntryError(f"corrupt header (kind {shown(h['kind'])} is neither {' nor '.join(KINDS)})")
     created = h.get("created", 0.0)
-    if type(created) not in (int, float) or not math.isfinite(created):
-        raise EntryError(f"corrupt header (created {created!r} is not a time)")
+    # Compared before any conversion: an integer of 400 digits is valid JSON, and float() of it
+    # raises OverflowError, which is not an EntryError.
+    if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED:
+        raise EntryError(f"corrupt header (created {shown(created)} is not a time between 1970 and 9999)")
     if expect_key is not None and h["key"] != expect_key:
         raise EntryError("entry belongs to another key")
     return Entry(h["key"], h["kernel"], h["target"], h["kind"], h["nvrtc"], h["rope_rtc"], payload,

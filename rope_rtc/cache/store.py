@@ -13,7 +13,23 @@ Disk rules (docs/design.md, "The kernel cache"):
   other users can write, or that a user other than this one or root owns, unless
   ``ROPE_RTC_TRUST_SHARED_CACHE=1`` (root's files are trusted: root can write anything this process
   runs, and a cache warmed into an image is root's).
-  Directories it creates are private (0700).
+- modes: by default what the store creates is private: directories 0700, files 0600, whatever
+  the umask. Under ``ROPE_RTC_TRUST_SHARED_CACHE=1`` the umask decides (directories 0777, files
+  0666, less the umask), so the team can read, and replace, each other's entries; a directory
+  created inside a setgid directory keeps the setgid bit (the kernel sets it; nothing here
+  clears it). A team sets its cache up once:
+
+  - a group with every member, and the cache root owned by it, group-writable and setgid, with
+    no sticky bit (``chgrp team /srv/rope-cache && chmod 2770 /srv/rope-cache``): whatever is
+    created inside belongs to the group, and a member may replace another's entry;
+  - every process that uses it, ``rope-rtc warm`` and ``rope-rtc cache`` included, runs with
+    ``ROPE_RTC_CACHE_DIR=/srv/rope-cache ROPE_RTC_TRUST_SHARED_CACHE=1`` and umask 002 (or 007;
+    systemd: ``UMask=0002``). Under umask 022 entries are still readable by the group, but the
+    version directory its first user creates is not group-writable: the others then serve it
+    read-only and keep what they compile in memory.
+
+  Every member can then plant a binary that the others' processes run, and ``cache clear``
+  by one removes the entries of all.
 - the store deletes or writes only its own files: entries (``<64 hex>.bin`` in the entry
   format), saved sources (``<64 hex>.cu``) and its temporary files (``.tmp-<random>.part``),
   and only regular files. Whatever else sits in the directory, or at an entry's name (a
@@ -121,7 +137,8 @@ def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
 
 def _kind_of(mode: int) -> str:
     for test, text in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+                       (stat.S_ISREG, "a regular file")):
         if test(mode):
             return text
     return "not a regular file"
@@ -147,8 +164,8 @@ def _open_dir_no_follow(path: str | os.PathLike, dir_fd: int | None, what: str, 
         raise Refused(f"{what} {shown} is {_kind_of(st.st_mode)}, not a directory") from None
 
 
-def _makedirs_private(directory: Path) -> None:
-    # os.makedirs gives only the last level its mode; every level created here must be private.
+def _makedirs(directory: Path, mode: int) -> None:
+    # os.makedirs gives only the last level its mode; every level created here gets ``mode``.
     missing = []
     d = directory
     while True:
@@ -162,19 +179,19 @@ def _makedirs_private(directory: Path) -> None:
             d = d.parent
     for d in reversed(missing):
         try:
-            os.mkdir(d, 0o700)
+            os.mkdir(d, mode)
         except FileExistsError:
             pass
 
 
-def _create_private(directory: Path) -> None:
-    """Create the cache root (and levels above it) and the version directory, private. The
-    version directory is made through the root's descriptor, so a link at the root is never
-    followed to create it elsewhere."""
-    _makedirs_private(directory.parent)
+def _create(directory: Path, mode: int) -> None:
+    """Create the cache root (and levels above it) and the version directory with ``mode``
+    (less the umask). The version directory is made through the root's descriptor, so a link
+    at the root is never followed to create it elsewhere."""
+    _makedirs(directory.parent, mode)
     root_fd = os.open(directory.parent, _DIR_FLAGS)
     try:
-        os.mkdir(directory.name, 0o700, dir_fd=root_fd)
+        os.mkdir(directory.name, mode, dir_fd=root_fd)
     except FileExistsError:
         pass
     finally:
@@ -262,6 +279,7 @@ class DiskStore:
         create = create and not read_only
         self.directory = Path(directory)
         self.trust_shared = trust_shared
+        self.read_only = read_only
         self.usable = True
         self.writable = True
         self.missing = False
@@ -269,9 +287,11 @@ class DiskStore:
         #: why publishing an entry failed, by key, when it failed for that entry alone
         self.write_errors: dict[str, str] = {}
         create_error: OSError | None = None
+        # Private unless the cache is a team's: then the umask decides, as for any shared file.
+        self._dir_mode, self._file_mode = (0o777, 0o666) if trust_shared else (0o700, 0o600)
         if create:
             try:
-                _create_private(self.directory)
+                _create(self.directory, self._dir_mode)
             except OSError as exc:
                 create_error = exc
         try:
@@ -400,7 +420,7 @@ class DiskStore:
 
     def discard(self, key: str, why: str) -> None:
         """Delete a bad entry (when it is ours to delete: a regular file we own, in a directory we
-        may write) and say so once."""
+        may write) and say once what was done with it and what follows."""
         name = f"{key}{ENTRY_SUFFIX}"
         removed = False
         if self.writable:
@@ -411,7 +431,31 @@ class DiskStore:
                         removed = True
             except (OSError, Refused):
                 pass
-        _warn_once("corrupt", key, f"rope_rtc: {why}; {'deleted, ' if removed else ''}recompiling")
+        _warn_once("corrupt", key, f"rope_rtc: {why}; {self._discarded(removed)}")
+
+    def _discarded(self, removed: bool) -> str:
+        """What became of a bad entry, and of its kernel, in words."""
+        from ..env import settings
+
+        try:
+            no_compile = settings().no_compile
+        except ValueError:  # a malformed switch: the build reads it next and says so
+            no_compile = False
+        if removed:
+            done = "deleted"
+        elif self.read_only:
+            done = "left in place (this check writes nothing)"
+        elif not self.writable:
+            done = "left in place (the cache directory is read-only)"
+        else:
+            done = "left in place (it could not be deleted)"
+        if no_compile:
+            # Nothing will compile it: a load raises, a warm check counts it missing.
+            then = ("it counts as missing, and the check names the `rope-rtc warm` command that rebuilds it"
+                    if self.read_only else
+                    "KernelNotCachedError follows, naming the `rope-rtc warm` command that rebuilds it")
+            return f"{done}; ROPE_RTC_NO_COMPILE=1 forbids recompiling it, so its kernel is not cached: {then}"
+        return f"{done}, recompiling" + ("" if self.writable else " (kept in memory for this process)")
 
     # -- writing -----------------------------------------------------------------------
     def put(self, entry: Entry) -> bool:
@@ -473,7 +517,7 @@ class DiskStore:
                 pass
             tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}"
             try:
-                fd = os.open(tmp, _CREATE_FLAGS, 0o600, dir_fd=dfd)
+                fd = os.open(tmp, _CREATE_FLAGS, self._file_mode, dir_fd=dfd)
             except OSError as exc:
                 raise _DirectoryError(exc) from None
             try:
@@ -514,23 +558,31 @@ class DiskStore:
             with self._dir() as dfd:
                 for name in self._names(dfd):
                     if _ENTRY_NAME.fullmatch(name):
-                        out.append(self._listed(dfd, name))
+                        listed = self._listed(dfd, name)
+                        if listed is not None:
+                            out.append(listed)
         except Refused as exc:
             self._unusable(str(exc))
         except OSError as exc:
             self._unusable(f"cannot read cache directory {self.directory}: {exc.strerror}")
         return out
 
-    def _listed(self, dfd: int, name: str) -> ListedEntry:
+    def _listed(self, dfd: int, name: str) -> ListedEntry | None:
+        """The file at ``name``, verified; None when it is gone (removed since the directory was
+        read: by a `cache clear`, or a load that found it corrupt)."""
         path = self.directory / name
         try:
             size = _lstat_at(name, dfd).st_size
+        except FileNotFoundError:
+            return None
         except OSError:
             size = 0
         data = b""
         try:
             data = self._read_at(dfd, name)
             return ListedEntry(path, size, decode_entry(data, expect_key=name[: -len(ENTRY_SUFFIX)]), None)
+        except FileNotFoundError:
+            return None
         except EntryError as exc:
             return ListedEntry(path, size, None, str(exc), peek_header(data))
         except _NotAFile as exc:
@@ -544,12 +596,20 @@ class DiskStore:
         """Temporary files of interrupted publishes (or of one in progress)."""
         if not self.usable:
             return []
+        found = []
         try:
             with self._dir() as dfd:
-                return [self.directory / n for n in self._names(dfd)
-                        if _TEMP_NAME.fullmatch(n) and stat.S_ISREG(_lstat_at(n, dfd).st_mode)]
+                for n in self._names(dfd):
+                    if not _TEMP_NAME.fullmatch(n):
+                        continue
+                    try:
+                        if stat.S_ISREG(_lstat_at(n, dfd).st_mode):
+                            found.append(self.directory / n)
+                    except FileNotFoundError:  # published (renamed) or removed since the listing
+                        continue
         except (OSError, Refused):
             return []
+        return found
 
     def saved_sources(self) -> list[Path]:
         if not self.usable:
@@ -605,11 +665,16 @@ class DiskStore:
             if not os.access(self.directory, os.W_OK | os.X_OK):
                 raise Refused(self._not_writable_reason(dfd))
             for name in self._names(dfd):
+                # A file may go between the listing and its removal: a publish renames its
+                # temporary file onto an entry, another clear or a load removes an entry. Gone is
+                # what a clear wants, so that is no failure, whichever step finds it gone.
                 try:
                     kind = self._own_kind(dfd, name)
                     if kind == "temporary" and _lstat_at(name, dfd).st_mtime >= cutoff:
                         done.in_progress.append(name)
                         continue
+                except FileNotFoundError:
+                    continue
                 except _OtherOwner as exc:
                     done.failed.append((name, f"owned by uid {exc.uid}, not this user (uid {os.getuid()}): "
                                               "only its owner may remove it"))
@@ -622,6 +687,8 @@ class DiskStore:
                     continue
                 try:
                     os.unlink(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    continue
                 except OSError as exc:
                     done.failed.append((name, exc.strerror or str(exc)))
                 else:
