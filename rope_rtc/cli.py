@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
-from .errors import SettingError
+from .errors import SettingError, shown
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -73,9 +73,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be positive")
     return value
 
 
@@ -83,9 +83,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,8,32") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected comma-separated integers, e.g. 1,8,32") from None
     if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8,32")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected positive integers, e.g. 1,8,32")
     return values
 
 
@@ -505,6 +505,7 @@ def _add_cache_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
+    from .model import MAX_HEAD_DIM, MAX_HEADS
     from .registry import DEFAULT_TAIL_HEADS
 
     w.add_argument("--arch", action="append", metavar="ARCH",
@@ -514,16 +515,19 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     w.add_argument("--tail-heads", type=_int_list, default=list(DEFAULT_TAIL_HEADS), metavar="H,H,...",
                    help=f"head counts to build the tail kernel for (default: {','.join(map(str, DEFAULT_TAIL_HEADS))})")
     w.add_argument("--kernels", action="append", metavar="GLOB",
-                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*'")
+                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*': '*' and "
+                        "'?' are wildcards, brackets are literal (a kernel's name selects itself)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = w.add_argument_group("one model's kernels (instead of every registered kernel)")
     m.add_argument("--model", metavar="CONFIG", default=None,
                    help="a Hugging Face config.json: warm exactly the kernels that model needs (head_dim, "
                         "num_attention_heads, num_key_value_heads, partial_rotary_factor, torch_dtype)")
     m.add_argument("--dtype", default=None, help="the model's dtype (bfloat16, float16, float32); overrides the config")
-    m.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=None, help="head dim")
-    m.add_argument("--heads", dest="q_heads", type=_positive_int, default=None, help="q heads")
-    m.add_argument("--kv-heads", dest="kv_heads", type=_positive_int, default=None, help="k/v heads")
+    m.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=None,
+                   help=f"head dim (1..{MAX_HEAD_DIM})")
+    m.add_argument("--heads", dest="q_heads", type=_positive_int, default=None, help=f"q heads (1..{MAX_HEADS})")
+    m.add_argument("--kv-heads", dest="kv_heads", type=_positive_int, default=None,
+                   help=f"k/v heads (1..{MAX_HEADS})")
     m.add_argument("--rotary-dim", dest="rotary_dim", type=_positive_int, default=None,
                    help="rotated channels per head (default: head_dim x partial_rotary_factor)")
     m.add_argument("--interleaved", action="store_true",
