@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
-from .cache.entry import shown
-from .errors import SettingError
+from .cache.entry import terminal_text
+from .errors import SettingError, shown
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -78,9 +78,9 @@ def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be positive")
     return value
 
 
@@ -88,9 +88,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,8,32") from None
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected comma-separated integers, e.g. 1,8,32") from None
     if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8,32")
+        raise argparse.ArgumentTypeError(f"{shown(text)}: expected positive integers, e.g. 1,8,32")
     return values
 
 
@@ -129,13 +129,13 @@ KERNEL_NAME_CHARS = 256
 
 def _kernel(name: str) -> str:
     """A kernel name from an entry's header, as a terminal may show it (escaped, bounded)."""
-    return shown(name, KERNEL_NAME_CHARS)
+    return terminal_text(name, KERNEL_NAME_CHARS)
 
 
 def _entry_name(e) -> str:
     """A listed entry as a person knows it: kernel and architecture when its header says, and
     the start of its key."""
-    what = " ".join(x for x in (e.kernel and _kernel(e.kernel), e.target and shown(e.target)) if x)
+    what = " ".join(x for x in (e.kernel and _kernel(e.kernel), e.target and terminal_text(e.target)) if x)
     return f"{what} ({e.key[:12]}…)" if what else e.path.name
 
 
@@ -392,9 +392,9 @@ def _cmd_cache_list(args: argparse.Namespace) -> int:
     good = sorted((e for e in listed if e.entry is not None), key=lambda e: (e.entry.kernel, e.entry.target, e.key))
     bad = sorted((e for e in listed if e.entry is None), key=lambda e: (e.kernel or "~", e.target or "", e.key))
     # A header's text is whatever its writer put there: shown escaped and bounded, never raw.
-    rows = [(_kernel(e.entry.kernel), shown(e.entry.target), shown(e.entry.kind), _size(e.size),
+    rows = [(_kernel(e.entry.kernel), terminal_text(e.entry.target), terminal_text(e.entry.kind), _size(e.size),
              _when(e.entry.created), e.key[:12], "") for e in good]
-    rows += [(_kernel(e.kernel) if e.kernel else "?", shown(e.target) if e.target else "?", "-", _size(e.size), "-",
+    rows += [(_kernel(e.kernel) if e.kernel else "?", terminal_text(e.target) if e.target else "?", "-", _size(e.size), "-",
               e.key[:12], f"UNUSABLE: {e.error}") for e in bad]
     if rows:
         header = ("kernel", "arch", "kind", "size", "created", "key", "")
@@ -427,7 +427,7 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     from .warm import build_of
 
     if entry.rope_rtc != __version__:
-        return "refused", f"built by rope_rtc {shown(entry.rope_rtc)}, not {__version__}"
+        return "refused", f"built by rope_rtc {terminal_text(entry.rope_rtc)}, not {__version__}"
     try:  # the header's own claim first: for a sound entry that is the only key computed
         claimed = toolchain.Target(toolchain.parse_arch(entry.target), entry.kind)
     except ValueError:
@@ -441,8 +441,8 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
         return None
     major, minor = toolchain.nvrtc_version()
     return "refused", (f"its key is {_kernel(spec.name)} for {target.name} {target.kind} built by NVRTC "
-                       f"{major}.{minor}, but its header says {shown(entry.target)} {shown(entry.kind)}, NVRTC "
-                       f"{shown(entry.nvrtc)}: the loader refuses it")
+                       f"{major}.{minor}, but its header says {terminal_text(entry.target)} {terminal_text(entry.kind)}, NVRTC "
+                       f"{terminal_text(entry.nvrtc)}: the loader refuses it")
 
 
 def _cmd_cache_verify(args: argparse.Namespace) -> int:
@@ -569,6 +569,7 @@ def _add_cache_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
+    from .model import MAX_HEAD_DIM, MAX_HEADS
     from .registry import DEFAULT_TAIL_HEADS
 
     w.add_argument("--arch", action="append", metavar="ARCH",
@@ -578,16 +579,19 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     w.add_argument("--tail-heads", type=_int_list, default=list(DEFAULT_TAIL_HEADS), metavar="H,H,...",
                    help=f"head counts to build the tail kernel for (default: {','.join(map(str, DEFAULT_TAIL_HEADS))})")
     w.add_argument("--kernels", action="append", metavar="GLOB",
-                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*'")
+                   help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*': '*' and "
+                        "'?' are wildcards, brackets are literal (a kernel's name selects itself)")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = w.add_argument_group("one model's kernels (instead of every registered kernel)")
     m.add_argument("--model", metavar="CONFIG", default=None,
                    help="a Hugging Face config.json: warm exactly the kernels that model needs (head_dim, "
                         "num_attention_heads, num_key_value_heads, partial_rotary_factor, torch_dtype)")
     m.add_argument("--dtype", default=None, help="the model's dtype (bfloat16, float16, float32); overrides the config")
-    m.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=None, help="head dim")
-    m.add_argument("--heads", dest="q_heads", type=_positive_int, default=None, help="q heads")
-    m.add_argument("--kv-heads", dest="kv_heads", type=_positive_int, default=None, help="k/v heads")
+    m.add_argument("--head-dim", dest="head_dim", type=_positive_int, default=None,
+                   help=f"head dim (1..{MAX_HEAD_DIM})")
+    m.add_argument("--heads", dest="q_heads", type=_positive_int, default=None, help=f"q heads (1..{MAX_HEADS})")
+    m.add_argument("--kv-heads", dest="kv_heads", type=_positive_int, default=None,
+                   help=f"k/v heads (1..{MAX_HEADS})")
     m.add_argument("--rotary-dim", dest="rotary_dim", type=_positive_int, default=None,
                    help="rotated channels per head (default: head_dim x partial_rotary_factor)")
     m.add_argument("--interleaved", action="store_true",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import numbers
 import re
+import reprlib
 from typing import Any
 
 
@@ -76,10 +77,33 @@ def rename_arguments(exc: Exception, names: dict) -> None:
         exc.args = (pattern.sub(lambda m: names[m.group(1)], exc.args[0]),)
 
 
+# Containers are shown a few levels and items deep: a message needs the value's start, and
+# repr() of a deeply nested value (a JSON config) recurses past the interpreter's limit.
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = SHOWN_CHARS = 80
+
+
 def shown(value: Any) -> str:
-    """``repr`` of an argument for a message, except that an enormous int is described, not
-    spelled out (a 400-digit number would bury the message), and a long repr is cut."""
+    """``repr`` of a value for a message, at most about ``SHOWN_CHARS`` characters: a long one is
+    cut, with an ellipsis and the value's own length (a 30 MiB string in a config would
+    otherwise be the message), and an enormous int is described, not spelled out (a 400-digit
+    number would bury the message)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**20:
         return f"{'-' if value < 0 else ''}an int of {int(value).bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    if isinstance(value, (str, bytes, bytearray)):
+        text, cut = repr(value[:SHOWN_CHARS]), len(value) > SHOWN_CHARS  # never the repr of all of it
+        unit = "characters" if isinstance(value, str) else "bytes"
+    else:
+        try:
+            text = _REPR.repr(value)
+        except Exception:  # a repr that fails is no reason to lose the message it is part of
+            text = f"<{type(value).__name__}>"
+        cut, unit = False, "items"
+    if len(text) <= SHOWN_CHARS and not cut:
+        return text
+    try:
+        n = len(value)
+    except Exception:  # no length: the cut repr says enough
+        return text[:SHOWN_CHARS - 3] + "..."
+    return text[:SHOWN_CHARS - 3] + f"... ({n} {'item' if unit == 'items' and n == 1 else unit})"

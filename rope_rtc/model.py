@@ -19,6 +19,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import shown
 from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
                        cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
                        rope_head_batches, rope_spec, rope_vector_widths)
@@ -50,6 +51,18 @@ OTHER_KV_HEAD_FIELDS = ("num_kv_heads", "n_head_kv")
 #: another one given by mistake (the weights), which reading whole would fill the memory with.
 MAX_CONFIG_BYTES = 64 << 20
 
+# The largest geometry a model's builds are made for. Each value is a compile-time define that
+# the kernels compute with in 32-bit ints (heads x head_dim stays under 2**28 within these), and
+# released models have at most a few hundred heads of at most a few hundred channels (DeepSeek's
+# MLA caches 512): a larger value is a mistaken field, whose builds would fill the cache and serve
+# nothing. The head dim's is tables.MAX_ROTARY_DIM, the widest window a cos/sin table is made for.
+MAX_HEADS = 2**12
+MAX_HEAD_DIM = 2**16
+
+# ModelRope's fields, the bound of each and the ``rope-rtc warm`` flag that gives it.
+_GEOMETRY = {"head_dim": (MAX_HEAD_DIM, "--head-dim"), "q_heads": (MAX_HEADS, "--heads"),
+             "kv_heads": (MAX_HEADS, "--kv-heads"), "rotary_dim": (MAX_HEAD_DIM, "--rotary-dim")}
+
 DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
           "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
@@ -74,10 +87,8 @@ class ModelRope:
     inv_freq: tuple = ()
 
     def __post_init__(self) -> None:
-        for name in ("head_dim", "q_heads", "kv_heads", "rotary_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name in _GEOMETRY:
+            _geometry_arg(name, getattr(self, name))
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim: {self.rotary_dim} must be even and at most head_dim {self.head_dim}")
         if self.q_heads % self.kv_heads:
@@ -92,10 +103,10 @@ class ModelRope:
                              "builds with --head-dim, --heads, --kv-heads, --rotary-dim and --interleaved instead of "
                              "--model")
         if self.dtype not in DTYPES.values():
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(set(DTYPES.values()))}")
+            raise ValueError(f"dtype: {shown(self.dtype)} is not one of {sorted(set(DTYPES.values()))}")
         for d in self.inv_freq:
             if d not in ANGLE_MODES:
-                raise ValueError(f"inv_freq: {d!r} is not one of {', '.join(ANGLE_MODES)}")
+                raise ValueError(f"inv_freq: {shown(d)} is not one of {', '.join(ANGLE_MODES)}")
 
     def specs(self) -> list[KernelSpec]:
         """Every build a plan for this model can launch: the generic builds of its dtype and pair
@@ -163,17 +174,31 @@ class ModelRope:
 
 
 def _dtype(value, where: str) -> str:
-    name = str(value).removeprefix("torch.").lower()
+    name = value.removeprefix("torch.").lower() if isinstance(value, str) else None
     if name not in DTYPES:
-        raise ValueError(f"{where}: {value!r} is not a RoPE dtype; expected one of bfloat16, float16, float32")
+        raise ValueError(f"{where}: {shown(value)} is not a RoPE dtype; expected one of bfloat16, float16, float32")
     return DTYPES[name]
 
 
-def _int_field(config: dict, name: str, where: str) -> int:
-    value = config.get(name)
+def _bounded(value, what: str, limit: int | None = None) -> int:
+    """``value`` if it is an int in 1..``limit``; else ``ValueError`` naming ``what`` and the range.
+    A float (``32.0``) is refused as every count of a config is: JSON writes counts as ints."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{what} must be a positive int, got {shown(value)}")
+    if limit is not None and value > limit:
+        raise ValueError(f"{what} must be in 1..{limit}, got {shown(value)}: no model is that large; is it the "
+                         "right field?")
     return value
+
+
+def _geometry_arg(name: str, value) -> int:
+    """A geometry field given as such (``ModelRope``, a keyword of ``from_config``, a flag)."""
+    limit, flag = _GEOMETRY[name]
+    return _bounded(value, f"{name} ({flag})", limit)
+
+
+def _int_field(config: dict, name: str, where: str, limit: int | None = None) -> int:
+    return _bounded(config.get(name), f"{where}: {name}", limit)
 
 
 def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, head_dim: int | None = None,
@@ -193,15 +218,19 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     latent attention, ChatGLM, kv heads under another name, no rotary embedding, a ``rotary_dim``
     that disagrees with ``partial_rotary_factor``), naming the field and the geometry to give
     instead: with ``head_dim``, ``q_heads``, ``kv_heads`` and ``rotary_dim`` all given, the
-    config supplies only the dtype and such a config is read."""
+    config supplies only the dtype and such a config is read. Raises ``ValueError`` too for head
+    counts above ``MAX_HEADS`` and head dims above ``MAX_HEAD_DIM``, and for a file that is not a
+    regular file of UTF-8 JSON of at most ``MAX_CONFIG_BYTES`` (nested no deeper than the JSON
+    parser goes)."""
     where = "config"
+    given = {"head_dim": head_dim, "q_heads": q_heads, "kv_heads": kv_heads, "rotary_dim": rotary_dim}
+    for name, value in given.items():
+        if value is not None:
+            _geometry_arg(name, value)  # before any arithmetic on it (head_dim x a float factor)
     if not isinstance(config, dict):
         path = Path(config)
         where = str(path)
-        try:
-            config = json.loads(_read_config(path))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--model: {path} is not JSON ({exc})") from None
+        config = _parse_config(_read_config(path), path)
     if not isinstance(config, dict):
         raise ValueError(f"{where}: expected a JSON object")
     text = config.get("text_config")
@@ -221,38 +250,37 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     if interleaved is None:
         interleaved = adjacent is not None
     elif adjacent is not None and not interleaved:
-        raise ValueError(f"{where}: model_type {adjacent!r} rotates adjacent pairs (x[2i], x[2i + 1]), but "
+        raise ValueError(f"{where}: model_type {shown(adjacent)} rotates adjacent pairs (x[2i], x[2i + 1]), but "
                          "interleaved=False asks for the half-split builds, which it never launches; pass "
                          "--interleaved (interleaved=True), or leave interleaved unset")
     if q_heads is None:
-        q_heads = _int_field(config, "num_attention_heads", where)
+        q_heads = _int_field(config, "num_attention_heads", where, MAX_HEADS)
     if kv_heads is None:
-        kv_heads = config.get("num_key_value_heads")
-        kv_heads = q_heads if kv_heads is None else kv_heads  # absent: multi-head attention; 0 is an error
-        if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0:
-            raise ValueError(f"{where}: num_key_value_heads must be a positive int, got {kv_heads!r}")
+        # Absent: multi-head attention; 0 is an error.
+        kv_heads = q_heads if config.get("num_key_value_heads") is None else \
+            _int_field(config, "num_key_value_heads", where, MAX_HEADS)
     if head_dim is None:
-        head_dim = config.get("head_dim")
-        if head_dim is None:
+        if config.get("head_dim") is None:
             hidden = _int_field(config, "hidden_size", where)
             if hidden % q_heads:
-                raise ValueError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {q_heads}; "
-                                 "give head_dim")
-            head_dim = hidden // q_heads
-        elif isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
-            raise ValueError(f"{where}: head_dim must be a positive int, got {head_dim!r}")
+                raise ValueError(f"{where}: hidden_size {shown(hidden)} is not a multiple of num_attention_heads "
+                                 f"{q_heads}; give head_dim")
+            head_dim = _bounded(hidden // q_heads, f"{where}: hidden_size / num_attention_heads (the head dim)",
+                                MAX_HEAD_DIM)
+        else:
+            head_dim = _int_field(config, "head_dim", where, MAX_HEAD_DIM)
     if rotary_dim is None:
         field, factor = _partial_rotary_factor(config)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise ValueError(f"{where}: {field} must be in (0, 1], got {factor!r}")
+            raise ValueError(f"{where}: {field} must be in (0, 1], got {shown(factor)}")
         rotary_dim = int(head_dim * factor)
         rotary_dim -= rotary_dim % 2  # as transformers does: int(head_dim * factor), pairs whole
         if rotary_dim == 0:
-            raise ValueError(f"{where}: {field} {factor!r} of head_dim {head_dim} rotates no channel pair")
+            raise ValueError(f"{where}: {field} {shown(factor)} of head_dim {head_dim} rotates no channel pair")
         stated = config.get("rotary_dim")  # GPT-J's and some others' own word for the rotated width
         if stated is not None and stated != rotary_dim:
-            raise ValueError(f"{where}: rotary_dim {stated!r} disagrees with head_dim {head_dim} x {field} {factor!r} "
-                             f"= {rotary_dim}; pass the rotated width as --rotary-dim (rotary_dim=)")
+            raise ValueError(f"{where}: rotary_dim {shown(stated)} disagrees with head_dim {head_dim} x {field} "
+                             f"{shown(factor)} = {rotary_dim}; pass the rotated width as --rotary-dim (rotary_dim=)")
     if dtype is None:
         value = config.get("torch_dtype", config.get("dtype"))
         if value is None:
@@ -265,8 +293,20 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
                      tuple(dict.fromkeys(inv_freq)))
 
 
-def _read_config(path: Path) -> str:
-    """The text of the config file ``path``; ``ValueError`` unless it is a regular file of at most
+def _parse_config(data: bytes, path: Path):
+    """The JSON value of a config file's bytes; ``ValueError`` naming ``path`` when they are not
+    UTF-8 JSON, or JSON nested deeper than the parser's recursion limit (no config is: a few levels)."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"--model: {path} is JSON nested too deeply to be a config (a config's objects nest a "
+                         "few levels); give the path of the model's config.json") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an int longer than Python converts (sys.get_int_max_str_digits)
+        raise ValueError(f"--model: {path} is not JSON ({exc})") from None  # never the text itself
+
+
+def _read_config(path: Path) -> bytes:
+    """The bytes of the config file ``path``; ``ValueError`` unless it is a regular file of at most
     ``MAX_CONFIG_BYTES``: reading a FIFO waits for a writer that may never come, a device may
     never end."""
     try:
@@ -291,7 +331,7 @@ def _read_config(path: Path) -> str:
     if size > MAX_CONFIG_BYTES:
         raise ValueError(f"--model: {path} holds more than {MAX_CONFIG_BYTES} bytes, which no config.json does (the "
                          "weights?); give the path of the model's config.json")
-    return b"".join(chunks).decode("utf-8")
+    return b"".join(chunks)
 
 
 _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -305,18 +345,20 @@ def _regular_file(path: Path, st: os.stat_result) -> None:
 
 
 def _flags(head_dim, heads, kv_heads, rotary_dim, interleaved: bool) -> str:
-    """The ``rope-rtc warm`` flags of a geometry; a value the config does not give reads ``N``."""
-    def shown(v):
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else "N"
+    """The ``rope-rtc warm`` flags of a geometry; a value the config does not give (or gives out of
+    bounds) reads ``N``."""
+    def value(v, limit: int):
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= limit else "N"
 
-    return (f"--head-dim {shown(head_dim)} --heads {shown(heads)} --kv-heads {shown(kv_heads)} "
-            f"--rotary-dim {shown(rotary_dim)}" + (" --interleaved" if interleaved else ""))
+    return (f"--head-dim {value(head_dim, MAX_HEAD_DIM)} --heads {value(heads, MAX_HEADS)} "
+            f"--kv-heads {value(kv_heads, MAX_HEADS)} --rotary-dim {value(rotary_dim, MAX_HEAD_DIM)}"
+            + (" --interleaved" if interleaved else ""))
 
 
 def _refuse_misread_geometry(config: dict, where: str, types: tuple, *, kv_given: bool) -> None:
     """``ValueError`` for a config whose rotary geometry the fields :func:`from_config` reads would
     get wrong, naming the field and the flags that give the geometry instead."""
-    model = f"model_type {types[-1]!r}" if types else "the model"
+    model = f"model_type {shown(types[-1])}" if types else "the model"
     heads = config.get("num_attention_heads")
     given_instead = "(with or without --model: the config then gives only the dtype)"
     mla = next((f for f in MLA_FIELDS if config.get(f) is not None), None)
@@ -327,7 +369,7 @@ def _refuse_misread_geometry(config: dict, where: str, types: tuple, *, kv_given
         adjacent = config.get("rope_interleave", any(t.startswith(("deepseek", "kimi")) for t in types)) is True
         raise ValueError(
             f"{where}: {mla} is set: {model} uses multi-head latent attention, whose rotary part is the "
-            f"qk_rope_head_dim ({rope!r}) channels of each q head and one k head shared by all heads, which "
+            f"qk_rope_head_dim ({shown(rope)}) channels of each q head and one k head shared by all heads, which "
             f"hidden_size / num_attention_heads and num_key_value_heads do not describe. Give that geometry: "
             f"{_flags(rope, heads, 1, rope, adjacent)} {given_instead}"
             + ("" if adjacent else "; add --interleaved if its rotary pairs are adjacent"))
@@ -347,15 +389,15 @@ def _refuse_misread_geometry(config: dict, where: str, types: tuple, *, kv_given
                          "kernels for")
     kind = config.get("position_embedding_type")
     if kind is not None and kind not in ("rotary", "rope"):
-        raise ValueError(f"{where}: position_embedding_type {kind!r}: {model} has no rotary embedding to warm kernels "
-                         "for (only 'rotary' has)")
+        raise ValueError(f"{where}: position_embedding_type {shown(kind)}: {model} has no rotary embedding to warm "
+                         "kernels for (only 'rotary' has)")
     if not kv_given and config.get("num_key_value_heads") is None:
         other = next((f for f in OTHER_KV_HEAD_FIELDS if config.get(f) is not None), None)
         if other is None and config.get("multi_query") is True:
             other = "multi_query"
         if other is not None:
-            raise ValueError(f"{where}: {other} {config[other]!r} gives the kv heads, not num_key_value_heads, the "
-                             "field this reader reads; pass the kv head count as --kv-heads (kv_heads=)")
+            raise ValueError(f"{where}: {other} {shown(config[other])} gives the kv heads, not num_key_value_heads, "
+                             "the field this reader reads; pass the kv head count as --kv-heads (kv_heads=)")
 
 
 def _partial_rotary_factor(config: dict) -> tuple[str, object]:
@@ -382,12 +424,14 @@ def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:
             section = rope["mrope_section"]
             if (not isinstance(section, list) or len(section) != 3
                     or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in section)):
-                raise ValueError(f"{where}: {field}.mrope_section must be three non-negative ints, got {section!r}")
+                raise ValueError(f"{where}: {field}.mrope_section must be three non-negative ints, "
+                                 f"got {shown(section)}")
             if sum(section) != rotary_dim // 2:
-                raise ValueError(f"{where}: {field}.mrope_section {section} sums to {sum(section)}, not rotary_dim / 2 "
-                                 f"= {rotary_dim // 2}")
+                raise ValueError(f"{where}: {field}.mrope_section {shown(section)} sums to {shown(sum(section))}, "
+                                 f"not rotary_dim / 2 = {rotary_dim // 2}")
             interleaved = rope.get("mrope_interleaved", False)
             if not isinstance(interleaved, bool):  # bool("false") is True
-                raise ValueError(f"{where}: {field}.mrope_interleaved must be true or false, got {interleaved!r}")
+                raise ValueError(f"{where}: {field}.mrope_interleaved must be true or false, "
+                                 f"got {shown(interleaved)}")
             return tuple(section), interleaved
     return (), False

@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from pathlib import Path
 from . import cache, registry, sources
 from .build import get_binary, spec_key
 from .env import cache_root_path, settings
-from .errors import CompileError, KernelNotCachedError, RopeRtcError
+from .errors import CompileError, KernelNotCachedError, RopeRtcError, shown
 from .registry import KernelSpec
 from .toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
 
@@ -159,12 +159,12 @@ def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
     for a in archs:
         arch = parse_arch(a)
         if arch < MIN_ARCH:
-            raise WarmError(f"{a!r}: rope_rtc needs sm_{MIN_ARCH} or newer")
+            raise WarmError(f"{shown(a)}: rope_rtc needs sm_{MIN_ARCH} or newer")
         if arch not in known:
             major, minor = nvrtc_version()
             usable = " ".join(f"sm_{k}" for k in known if k >= MIN_ARCH)
             raise WarmError(
-                f"{a!r}: NVRTC {major}.{minor} cannot generate code for sm_{arch}; it can build {usable} "
+                f"{shown(a)}: NVRTC {major}.{minor} cannot generate code for sm_{arch}; it can build {usable} "
                 f"(a newer GPU needs a newer 'nvidia-cuda-nvrtc' package)"
             )
         t = Target(arch, "cubin")
@@ -183,16 +183,52 @@ def select_specs(tail_heads: Sequence[int] = registry.DEFAULT_TAIL_HEADS,
         raise ValueError(f"tail_heads must be positive head counts, got {list(tail_heads)}")
     specs = registry.all_specs(heads)
     if kernels:
-        globs = [_glob(p) for p in kernels]
-        specs = [s for s in specs if any(g.fullmatch(s.name) or g.fullmatch(s.family) for g in globs)]
+        specs = list(filter(_selects(kernels), specs))
         if not specs:
-            raise ValueError(f"no registered kernel matches {list(kernels)}")
+            raise ValueError(f"no registered kernel matches {_listed(kernels)}")
     return specs
 
 
-def _glob(pattern: str) -> re.Pattern:
-    # Only * and ? are wildcards: kernel names contain brackets (rope[ROPE_DTYPE=2,...]).
-    return re.compile("".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern))
+class _Glob:
+    """A ``--kernels`` pattern: ``*`` matches any run of characters, ``?`` any one, and every other
+    character itself. Brackets are literal, not ``fnmatch`` classes: kernel names contain them
+    (``rope[ROPE_DTYPE=2,...]``), and a name copied from ``rope-rtc cache list`` must match itself.
+
+    The pieces between the stars have fixed lengths, so a match puts the first at the start, the
+    last at the end and each other one at its leftmost place after the one before, in at most
+    (name length x piece length) steps for each piece. (A regular expression with ``.*`` for each star backtracks
+    exponentially on a pattern like ``?*?*?*?*?*?*=]`` that matches nothing.)"""
+
+    def __init__(self, pattern: str) -> None:
+        pieces = pattern.split("*")
+        self.pieces = [(re.compile("".join("." if c == "?" else re.escape(c) for c in p), re.DOTALL), len(p))
+                       for p in pieces]
+        self.width = sum(len(p) for p in pieces)
+
+    def matches(self, name: str) -> bool:
+        (first, head), *rest = self.pieces
+        if not rest:
+            return first.fullmatch(name) is not None
+        (last, tail) = rest.pop()
+        if len(name) < self.width or not first.match(name) or not last.match(name, len(name) - tail):
+            return False
+        at, end = head, len(name) - tail
+        for piece, _ in rest:
+            found = piece.search(name, at, end)
+            if found is None:
+                return False
+            at = found.end()
+        return True
+
+
+def _listed(patterns: Sequence[str]) -> str:
+    return "[" + ", ".join(map(shown, patterns)) + "]"
+
+
+def _selects(patterns: Sequence[str]) -> Callable[[KernelSpec], bool]:
+    """Whether a spec's name or family matches one of ``patterns``."""
+    globs = [_Glob(p) for p in patterns]
+    return lambda spec: any(g.matches(spec.name) or g.matches(spec.family) for g in globs)
 
 
 def _read_switches() -> bool:
@@ -270,10 +306,9 @@ def warm(
     if specs is None:
         specs = select_specs(tail_heads, kernels)
     elif kernels:
-        globs = [_glob(p) for p in kernels]
-        specs = [s for s in specs if any(g.fullmatch(s.name) or g.fullmatch(s.family) for g in globs)]
+        specs = list(filter(_selects(kernels), specs))
     if not specs:
-        raise ValueError(f"no kernel to warm (kernels={list(kernels or [])})")
+        raise ValueError(f"no kernel to warm (kernels={_listed(kernels or [])})")
     specs = list(dict.fromkeys(specs))  # one task per kernel: two compiling one key waste a worker
     store = _disk_store(cache_dir, check_only=check_only)
     disk = store.disk

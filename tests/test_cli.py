@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,11 +12,14 @@ import types
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rope_rtc import build, cache, cli, driver, registry, toolchain
 from rope_rtc._version import __version__
 from rope_rtc.cache import store as store_mod
 from rope_rtc.errors import CompileError
+from rope_rtc.warm import _Glob, select_specs
 from cache_fixtures import isolated  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,6 +147,42 @@ def test_warm_refuses_old_or_malformed_archs(capsys, tmp_path, arch, message):
 def test_warm_bad_options_exit_2(capsys, tmp_path, bad):
     rc, _, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), *bad)
     assert rc == 2 and err
+
+
+# Brackets are literal in --kernels (kernel names hold them); fnmatch writes a literal "[" as "[[]".
+GLOB_ALPHABET = "ab[]=*?"
+
+
+@settings(max_examples=400, deadline=None)
+@given(pattern=st.text(GLOB_ALPHABET, max_size=10), name=st.text("ab[]=", max_size=12))
+def test_kernel_globs_match_as_fnmatch_does_with_literal_brackets(pattern, name):
+    assert _Glob(pattern).matches(name) == fnmatch.fnmatchcase(name, pattern.replace("[", "[[]"))
+
+
+def test_kernel_globs_take_bracketed_kernel_names_literally():
+    spec = registry.rope_spec("bfloat16", True, 8, 1)
+    assert _Glob(spec.name).matches(spec.name)  # a name copied from `rope-rtc cache list` selects itself
+    assert _Glob("rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=1,*").matches(spec.name)
+    assert not _Glob("rope[ROPE_DTYPE=1,*").matches(spec.name)
+    assert _Glob("ro?e").matches(spec.family) and not _Glob("rope?").matches(spec.family)
+
+
+def test_a_kernels_pattern_that_matches_nothing_is_refused_at_once(capsys, tmp_path):
+    """Before: each star became a ".*" of one regular expression, which backtracked exponentially
+    over every registered name on this pattern (about 34 s a name: the warm seemed to hang)."""
+    pattern = "?*?*?*?*?*?*=]"
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(f"no registered kernel matches [{pattern!r}]")):
+        select_specs(registry.DEFAULT_TAIL_HEADS, [pattern])
+    assert time.perf_counter() - t0 < 0.5
+    rc, _, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), "--kernels", pattern)
+    assert rc == 2 and pattern in err
+
+
+def test_a_long_kernels_pattern_is_shortened_in_the_error(capsys, tmp_path):
+    """Before: the whole pattern was echoed (a 100 kB argument, a 100 kB error line)."""
+    rc, _, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(tmp_path), "--kernels", "x" * 100_000)
+    assert rc == 2 and len(err) < 300 and "(100000 characters)" in err, err[:300]
 
 
 def test_warm_compile_failure_exits_1_and_lists_it(capsys, tmp_path, monkeypatch):

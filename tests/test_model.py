@@ -69,6 +69,124 @@ def test_config_errors_name_the_field(change, pattern):
         from_config(config)
 
 
+@pytest.mark.parametrize("change,pattern", [
+    ({"num_attention_heads": 10**9, "hidden_size": 128 * 10**9},
+     r"config: num_attention_heads must be in 1\.\.4096, got 1000000000"),
+    ({"num_key_value_heads": 10**9}, r"config: num_key_value_heads must be in 1\.\.4096, got 1000000000"),
+    ({"head_dim": 10**9}, r"config: head_dim must be in 1\.\.65536, got 1000000000"),
+    ({"hidden_size": 32 * 10**9}, r"config: hidden_size / num_attention_heads \(the head dim\) must be in 1\.\.65536, "
+                                  r"got 1000000000"),
+    ({"head_dim": 10**400}, r"config: head_dim must be in 1\.\.65536, got an int of 1329 bits"),
+    ({"num_attention_heads": 32.0}, r"config: num_attention_heads must be a positive int, got 32\.0"),
+    ({"head_dim": 1e9}, r"config: head_dim must be a positive int, got 1000000000\.0"),
+])
+def test_geometry_beyond_any_model_is_refused_naming_the_field_and_range(change, pattern):
+    """Before: 10**9 heads (or a head dim of 10**9) was read, its builds went into the cache and
+    NVRTC failed on each ("value exceeds range of int"); a head dim of 10**400 overflowed a float."""
+    with pytest.raises(ValueError, match=pattern):
+        from_config({**LLAMA3_8B, **change})
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    ({"q_heads": 10**9}, r"q_heads \(--heads\) must be in 1\.\.4096"),
+    ({"kv_heads": 4097}, r"kv_heads \(--kv-heads\) must be in 1\.\.4096"),
+    ({"head_dim": 10**400}, r"head_dim \(--head-dim\) must be in 1\.\.65536, got an int of 1329 bits"),
+    ({"rotary_dim": 2**16 + 2}, r"rotary_dim \(--rotary-dim\) must be in 1\.\.65536"),
+])
+def test_geometry_given_beyond_any_model_is_refused(kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        from_config(LLAMA3_8B, **kw)
+    with pytest.raises(ValueError, match=pattern):
+        ModelRope(**{**dict(head_dim=128, q_heads=32, kv_heads=8, rotary_dim=128, dtype="bfloat16"), **kw})
+
+
+def test_the_largest_geometry_is_read_and_its_builds_compile(tmp_path):
+    from rope_rtc import cache
+    from rope_rtc.build import get_binary
+    from rope_rtc.model import MAX_HEAD_DIM, MAX_HEADS
+    from rope_rtc.toolchain import Target
+
+    model = from_config({"num_attention_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "torch_dtype": "bfloat16"})
+    assert (model.q_heads, model.kv_heads, model.head_dim, model.rotary_dim) == (MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM,
+                                                                                  MAX_HEAD_DIM)
+    fixed = next(s for s in model.specs() if s.family == "rope_fixed")
+    store = cache.CacheStore(cache.DiskStore(cache.versioned_cache_dir(str(tmp_path))))
+    assert get_binary(fixed, Target(90, "cubin"), store=store, announce=False).source == "compiled"
+
+
+def test_warm_model_with_absurd_heads_exits_2_naming_the_field(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B, "num_attention_heads": 10**9, "hidden_size": 128 * 10**9}))
+    assert cli.main(["warm", "--arch", "sm_90", "--model", str(config), "--cache-dir", str(tmp_path / "c"),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "num_attention_heads must be in 1..4096, got 1000000000" in err
+    assert cli.main(["warm", "--arch", "sm_90", "--head-dim", "128", "--heads", "1000000000", "--dtype", "bf16",
+                     "--cache-dir", str(tmp_path / "c"), "--no-progress"]) == 2
+    assert "q_heads (--heads) must be in 1..4096" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
+
+
+HUGE = "x" * (1 << 20)
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"torch_dtype": HUGE}, "torch_dtype"),
+    ({"num_attention_heads": HUGE}, "num_attention_heads"),
+    ({"head_dim": HUGE}, "head_dim"),
+    ({"num_key_value_heads": [HUGE]}, "num_key_value_heads"),
+    ({"partial_rotary_factor": HUGE}, "partial_rotary_factor"),
+    ({"rotary_dim": HUGE}, "rotary_dim"),
+    ({"position_embedding_type": HUGE}, "position_embedding_type"),
+    ({"num_key_value_heads": None, "num_kv_heads": HUGE}, "num_kv_heads"),
+    ({"kv_lora_rank": 512, "qk_rope_head_dim": HUGE}, "qk_rope_head_dim"),
+    ({"rope_scaling": {"mrope_section": HUGE}}, "mrope_section"),
+    ({"rope_scaling": {"mrope_section": [10**400, 1, 2]}}, "mrope_section"),
+    ({"rope_scaling": {"mrope_section": [16, 24, 24], "mrope_interleaved": HUGE}}, "mrope_interleaved"),
+    ({"model_type": HUGE, "alibi": True}, "alibi"),
+])
+def test_errors_echo_a_value_shortened(change, field):
+    """Before: the whole value went into the message (a 30 MiB torch_dtype: a 31 MB error line)."""
+    config = {k: v for k, v in {**LLAMA3_8B, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=field) as info:
+        from_config(config)
+    assert len(str(info.value)) < 1000 and "x" * 100 not in str(info.value), str(info.value)[:1000]
+
+
+def test_warm_model_with_a_30_mib_dtype_prints_a_short_error(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA3_8B, "torch_dtype": "b" * (30 << 20)}))
+    assert cli.main(["warm", "--arch", "sm_90", "--model", str(config), "--cache-dir", str(tmp_path / "c"),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert len(err) < 500 and f"({30 << 20} characters) is not a RoPE dtype" in err, err[:600]
+
+
+def test_a_config_nested_deeper_than_the_parser_goes_is_a_usage_error(tmp_path, capsys):
+    """Before: json.loads raised RecursionError, and ``warm --model`` ended in its traceback (rc 1)."""
+    config = tmp_path / "config.json"
+    config.write_text("[" * 1000 + "]" * 1000)
+    with pytest.raises(ValueError, match=rf"--model: {re.escape(str(config))} is JSON nested too deeply"):
+        from_config(config)
+    assert cli.main(["warm", "--arch", "sm_90", "--model", str(config), "--cache-dir", str(tmp_path / "c"),
+                     "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert str(config) in err and "nested too deeply" in err and "Traceback" not in err
+    # A value nested deeper than repr() goes (a dict given directly, not read from JSON) is still shown.
+    value: list = []
+    for _ in range(5000):
+        value = [value]
+    with pytest.raises(ValueError, match=r"torch_dtype: \[\[\[\[\.\.\.\]\]\]\] is not a RoPE dtype"):
+        from_config({**LLAMA3_8B, "torch_dtype": value})
+
+
+def test_a_config_with_an_int_too_long_to_convert_is_named(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"num_attention_heads": ' + "1" * 5000 + "}")
+    with pytest.raises(ValueError, match=rf"--model: {re.escape(str(config))} is not JSON"):
+        from_config(config)
+
+
 def test_partial_rotary_factor_inside_rope_parameters():
     # transformers 5 keeps the fraction in rope_parameters (GLM, Qwen3.5); a top-level one wins.
     glm = {**LLAMA3_8B, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}

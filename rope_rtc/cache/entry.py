@@ -53,7 +53,7 @@ class Entry:
     created: float = 0.0
 
 
-def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+def terminal_text(value: object, limit: int = SHOWN_CHARS) -> str:
     """``value`` fit for a terminal: text with every character that is not printable (escape
     sequences, other control and format characters) and the backslash written as Python writes
     them in a string literal, a number as its repr, and at most ``limit`` characters of that,
@@ -131,7 +131,7 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
     h, payload = _parse_header(data)
     size = h.get("size")
     if type(size) is not int or not 0 <= size <= MAX_ENTRY_BYTES:
-        raise EntryError(f"corrupt header (size {shown(size)}, not 0 to {MAX_ENTRY_BYTES} bytes)")
+        raise EntryError(f"corrupt header (size {terminal_text(size)}, not 0 to {MAX_ENTRY_BYTES} bytes)")
     if len(payload) < size:
         raise EntryError(f"truncated: {len(payload)} of the header's {size} payload bytes")
     if len(payload) > size:
@@ -151,16 +151,16 @@ def decode_entry(data: bytes, *, expect_key: str | None = None) -> Entry:
         if not isinstance(h[name], str):
             raise EntryError(f"corrupt header ({name} is {type(h[name]).__name__}, not text)")
         if not h[name].isprintable():
-            raise EntryError(f"corrupt header ({name} {shown(h[name])} holds characters that are not printable)")
+            raise EntryError(f"corrupt header ({name} {terminal_text(h[name])} holds characters that are not printable)")
     if not _KEY.fullmatch(h["key"]):
-        raise EntryError(f"corrupt header (key {shown(h['key'])} is not 64 hex digits)")
+        raise EntryError(f"corrupt header (key {terminal_text(h['key'])} is not 64 hex digits)")
     if h["kind"] not in KINDS:
-        raise EntryError(f"corrupt header (kind {shown(h['kind'])} is neither {' nor '.join(KINDS)})")
+        raise EntryError(f"corrupt header (kind {terminal_text(h['kind'])} is neither {' nor '.join(KINDS)})")
     created = h.get("created", 0.0)
     # Compared before any conversion: an integer of 400 digits is valid JSON, and float() of it
     # raises OverflowError, which is not an EntryError.
     if type(created) not in (int, float) or not 0 <= created <= MAX_CREATED:
-        raise EntryError(f"corrupt header (created {shown(created)} is not a time between 1970 and 9999)")
+        raise EntryError(f"corrupt header (created {terminal_text(created)} is not a time between 1970 and 9999)")
     if expect_key is not None and h["key"] != expect_key:
         raise EntryError("entry belongs to another key")
     return Entry(h["key"], h["kernel"], h["target"], h["kind"], h["nvrtc"], h["rope_rtc"], payload,
