@@ -16,7 +16,7 @@ import numpy as np
 from .descriptors import TensorDesc, bind_device
 # The dtype names stay importable from here too (arrays.dtype_name, arrays.BFLOAT16, ...).
 from .dtypes import BFLOAT16, FLOAT_DTYPES, INDEX_DTYPES, dtype_name, numpy_dtype  # noqa: F401
-from .errors import UnsupportedLayoutError
+from .errors import UnsupportedLayoutError, one_of
 
 # The widest global access; tail RoPE requires it of every non-empty array (seed contract).
 ALIGN_BYTES = 16
@@ -218,7 +218,7 @@ def check_holds_memory(info: ArrayInfo) -> None:
 
 def check_dtype(info: ArrayInfo, allowed: tuple[str, ...], what: str = "") -> None:
     if info.dtype not in allowed:
-        raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected one of {', '.join(allowed)}")
+        raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected {one_of(allowed)}")
 
 
 def check_ndim(info: ArrayInfo, ndims: tuple[int, ...], meaning: str) -> None:

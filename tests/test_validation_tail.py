@@ -67,11 +67,12 @@ def test_scratch_workspace_is_zero():
 
 
 @pytest.mark.parametrize("name,value,exc,pattern", [
-    ("x", fake_cupy((T, H, D), np.float16), TypeError, r"x: dtype float16 is not supported \(tail RoPE is BF16\)"),
+    ("x", fake_cupy((T, H, D), np.float16), TypeError,
+     r"x: dtype float16 is not supported \(tail RoPE is BF16\); expected bfloat16$"),
     ("x", FakeDeviceArray((T, H, D), np.float32), TypeError, r"x: dtype float32"),
     ("x", fake_torch_bf16_cai((T, H, D)), TypeError, r"x: dtype .V2 .*DLPack"),
     ("out", fake_cupy((T, H, D), np.float32), TypeError, r"out: dtype float32"),
-    ("cosine", FakeDeviceArray((T, 32), np.float64), TypeError, r"cosine: dtype float64"),
+    ("cosine", FakeDeviceArray((T, 32), np.float64), TypeError, r"cosine: dtype float64 is not supported; expected float32$"),
     ("sine", fake_cupy((T, 32), BF16), TypeError, r"sine: dtype bfloat16"),
     ("x", fake_cupy((D,), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\], got shape \(128,\)"),
     ("x", fake_cupy((T, H, 1, D), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\]"),
