@@ -145,7 +145,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         where = ", ".join(x for x in (wheel, lib) if x)
         rows.append(("NVRTC", f"{major}.{minor}" + (f" ({where})" if where else "")))
     except Exception as exc:
-        rows.append(("NVRTC", f"unavailable ({exc})"))
+        rows.append(("NVRTC", f"unavailable: {exc}"))
     bindings = toolchain.bindings_version()
     if toolchain.bindings_major() is not None:
         majors["cuda-bindings"] = toolchain.bindings_major()
@@ -184,7 +184,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             origin = "a system CUDA"
         rows.append(("CUDA headers", f"{h.path} (CUDA {h.version_text}, from {origin})"))
     except Exception as exc:
-        rows.append(("CUDA headers", f"not found ({exc})"))
+        rows.append(("CUDA headers", f"not found: {exc}"))
 
     found = sorted(set(majors.values()))
     if "NVRTC" not in majors:
@@ -205,7 +205,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         rows.append(("NVRTC archs", " ".join(f"sm_{a}" for a in archs)
                      + f" (rope_rtc builds sm_{toolchain.MIN_ARCH} and newer)"))
     except Exception as exc:
-        rows.append(("NVRTC archs", f"unknown ({exc})"))
+        rows.append(("NVRTC archs", f"unknown: {exc}"))
 
     if gpu:
         for i in range(driver.device_count()):
