@@ -13,33 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .descriptors import TensorDesc, _bind_device
-from .errors import UnsupportedLayoutError
+from .descriptors import TensorDesc, bind_device
+# The dtype names stay importable from here too (arrays.dtype_name, arrays.BFLOAT16, ...).
+from .dtypes import BFLOAT16, FLOAT_DTYPES, INDEX_DTYPES, dtype_name, numpy_dtype  # noqa: F401
+from .errors import UnsupportedLayoutError, one_of
 
-try:  # a base dependency; bfloat16 on the host and in CuPy
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover
-    BFLOAT16 = None
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-INDEX_DTYPES = ("int32", "int64")
 # The widest global access; tail RoPE requires it of every non-empty array (seed contract).
 ALIGN_BYTES = 16
 INT32_MAX = 2**31 - 1
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of one of the names ``dtype_name`` gives."""
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
-
-
-def dtype_name(dtype) -> str:
-    dt = np.dtype(dtype)
-    if BFLOAT16 is not None and dt == BFLOAT16:
-        return "bfloat16"
-    return dt.name
 
 
 @dataclass
@@ -221,7 +202,7 @@ def _from_cai(obj, cai: dict, name: str) -> ArrayInfo:
     if device is None:
         # The interface describes device memory by definition; when the driver cannot name the
         # device (an empty array's null pointer, no driver) it is the current one, never "host".
-        device = _bind_device(None)
+        device = bind_device(None)
     return ArrayInfo(name, ptr, shape, estrides, dt, size, device, bool(readonly), obj)
 
 
@@ -237,7 +218,7 @@ def check_holds_memory(info: ArrayInfo) -> None:
 
 def check_dtype(info: ArrayInfo, allowed: tuple[str, ...], what: str = "") -> None:
     if info.dtype not in allowed:
-        raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected one of {', '.join(allowed)}")
+        raise TypeError(f"{info.name}: dtype {info.dtype} is not supported{what}; expected {one_of(allowed)}")
 
 
 def check_ndim(info: ArrayInfo, ndims: tuple[int, ...], meaning: str) -> None:

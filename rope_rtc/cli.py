@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ._version import __version__
 from .cache.entry import terminal_text
-from .errors import SettingError, shown
+from .errors import SettingError, count, shown
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -160,11 +160,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
         where = ", ".join(x for x in (wheel, lib) if x)
         rows.append(("NVRTC", f"{major}.{minor}" + (f" ({where})" if where else "")))
     except Exception as exc:
-        rows.append(("NVRTC", f"unavailable ({exc})"))
+        rows.append(("NVRTC", f"unavailable: {exc}"))
     bindings = toolchain.bindings_version()
     if toolchain.bindings_major() is not None:
         majors["cuda-bindings"] = toolchain.bindings_major()
-    rows.append(("cuda-bindings", bindings or f"not installed ({toolchain.install_hint()})"))
+    rows.append(("cuda-bindings", bindings or f"not installed: {toolchain.install_hint()}"))
     cupy_dist = next((n for n in ("cupy-cuda13x", "cupy-cuda12x", "cupy") if _dist_version(n)), None)
     cupy_version = _dist_version(cupy_dist) if cupy_dist else None
     if cupy_dist and cupy_dist != "cupy":
@@ -172,7 +172,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         cupy_version = f"{cupy_version} ({cupy_dist})"
     if cupy_version is None and importlib.util.find_spec("cupy") is not None:
         cupy_version = "installed (version unknown)"
-    rows.append(("CuPy", cupy_version or f"not installed ({toolchain.install_hint()})"))
+    rows.append(("CuPy", cupy_version or f"not installed: {toolchain.install_hint()}"))
     rows.append(("NumPy", _dist_version("numpy") or "not installed"))
     rows.append(("ml_dtypes", _dist_version("ml_dtypes", "ml-dtypes") or "not installed"))
 
@@ -184,7 +184,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             driver_major = v // 1000
             rows.append(("CUDA driver", f"{v // 1000}.{(v % 1000) // 10}"))
         except Exception as exc:
-            rows.append(("CUDA driver", f"unknown ({exc})"))
+            rows.append(("CUDA driver", f"unknown: {exc}"))
     else:
         rows.append(("CUDA driver", "none"))
 
@@ -199,7 +199,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             origin = "a system CUDA"
         rows.append(("CUDA headers", f"{h.path} (CUDA {h.version_text}, from {origin})"))
     except Exception as exc:
-        rows.append(("CUDA headers", f"not found ({exc})"))
+        rows.append(("CUDA headers", f"not found: {exc}"))
 
     found = sorted(set(majors.values()))
     if "NVRTC" not in majors:
@@ -220,7 +220,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         rows.append(("NVRTC archs", " ".join(f"sm_{a}" for a in archs)
                      + f" (rope_rtc builds sm_{toolchain.MIN_ARCH} and newer)"))
     except Exception as exc:
-        rows.append(("NVRTC archs", f"unknown ({exc})"))
+        rows.append(("NVRTC archs", f"unknown: {exc}"))
 
     if gpu:
         for i in range(driver.device_count()):
@@ -233,9 +233,9 @@ def _cmd_info(args: argparse.Namespace) -> int:
                     how = f"cannot build: {exc}"
                 rows.append((f"device {i}", f"{driver.device_name(i)}, sm_{arch}; {how}"))
             except Exception as exc:
-                rows.append((f"device {i}", f"unreadable ({exc})"))
+                rows.append((f"device {i}", f"unreadable: {exc}"))
     else:
-        rows.append(("devices", f"no GPU found ({driver.unavailable_reason() or 'no CUDA device'})"))
+        rows.append(("devices", f"no GPU found: {driver.unavailable_reason() or 'no CUDA device'}"))
 
     s = settings()
     store = _disk_store(args.cache_dir)
@@ -245,7 +245,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     if s.disable_disk_cache and args.cache_dir is None:
         where += " (disabled by ROPE_RTC_DISABLE_DISK_CACHE)"
     rows.append(("cache", where))
-    contents = f"{len(listed)} entries, {_size(sum(e.size for e in listed))}"
+    contents = f"{count(len(listed), 'entry', 'entries')}, {_size(sum(e.size for e in listed))}"
     if bad:
         contents += f", {bad} unusable (rope-rtc cache verify names them)"
     try:
@@ -273,7 +273,7 @@ def _default_archs() -> list[str]:
     from . import driver
 
     if not driver.available():
-        raise _Usage(f"no GPU found ({driver.unavailable_reason() or 'no CUDA device'}); say which "
+        raise _Usage(f"no GPU found: {driver.unavailable_reason() or 'no CUDA device'}; say which "
                      "architectures to build for, e.g. --arch sm_90 --arch sm_80")
     return [f"sm_{driver.device_arch(i)}" for i in range(driver.device_count())]
 
@@ -412,8 +412,9 @@ def _cmd_cache_list(args: argparse.Namespace) -> int:
         except OSError:
             pass
     total = sum(e.size for e in listed)
-    print(f"{len(listed)} entries, {_size(total)}; {len(temps)} temporary files; "
-          f"{len(store.saved_sources())} saved sources")
+    print(f"{count(len(listed), 'entry', 'entries')}, {_size(total)}; "
+          f"{count(len(temps), 'temporary file', 'temporary files')}; "
+          f"{count(len(store.saved_sources()), 'saved source', 'saved sources')}")
     return EXIT_OK
 
 
@@ -472,26 +473,30 @@ def _cmd_cache_verify(args: argparse.Namespace) -> int:
         elif verdict:
             stale += 1
     if bad or foreign:
-        print(f"{len(bad) + len(foreign)} of {len(listed)} entries in {store.directory} fail verification:",
-              file=sys.stderr)
+        failing = len(bad) + len(foreign)
+        print(f"{failing} of {len(listed)} entries in {store.directory} {'fails' if failing == 1 else 'fail'} "
+              "verification:", file=sys.stderr)
         for line in bad + foreign:
             print(f"- {line}", file=sys.stderr)
         if bad:
-            print(f"{len(bad)} of them are replaced when next compiled (on next use; `rope-rtc warm` rebuilds them "
-                  "now)", file=sys.stderr)
+            print(f"{count(len(bad), 'of them is', 'of them are')} replaced when next compiled (on next use; "
+                  f"`rope-rtc warm` rebuilds {'it' if len(bad) == 1 else 'them'} now)", file=sys.stderr)
         if foreign:
-            print(f"{len(foreign)} of them are not files, which the cache never deletes or replaces: the loader "
-                  "ignores them and compiles those kernels instead; remove them by hand", file=sys.stderr)
+            it, kernels = ("it", "that kernel") if len(foreign) == 1 else ("them", "those kernels")
+            print(f"{count(len(foreign), 'of them is not a file', 'of them are not files')}, which the cache never "
+                  f"deletes or replaces: the loader ignores {it} and compiles {kernels} instead; remove {it} by hand",
+                  file=sys.stderr)
         return EXIT_FAILED
     temps = len(store.temp_files())
-    print(f"all {len(listed)} entries in {store.directory} verified"
-          + (f" ({temps} temporary files left by interrupted writes, or being written now; `rope-rtc warm` "
-             "and `rope-rtc cache clear` remove those older than an hour)" if temps else ""))
+    print(("the 1 entry" if len(listed) == 1 else f"all {len(listed)} entries") + f" in {store.directory} verified"
+          + (f" ({count(temps, 'temporary file', 'temporary files')} left by interrupted writes, or being written "
+             "now; `rope-rtc warm` and `rope-rtc cache clear` remove those older than an hour)" if temps else ""))
     if stale:
         # `cache clear` removes every entry: advise it only when none of them is in use.
-        print(f"{stale} of them are never loaded by this installation (built from other sources, by another "
-              "NVRTC or against other CUDA headers); they only take disk space"
-              + ("; `rope-rtc cache clear` removes them" if stale == len(listed) else ""))
+        them, they = ("it", "it only takes") if stale == 1 else ("them", "they only take")
+        print(f"{count(stale, 'of them is', 'of them are')} never loaded by this installation (built from other "
+              f"sources, by another NVRTC or against other CUDA headers); {they} disk space"
+              + (f"; `rope-rtc cache clear` removes {them}" if stale == len(listed) else ""))
     if unchecked:
         print(f"note: whether the loader accepts each entry's header was not checked ({unchecked})")
     return EXIT_OK
@@ -516,16 +521,19 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     except OSError as exc:
         _err(f"clear: cannot read {d}: {exc.strerror}; nothing removed")
         return EXIT_FAILED
-    print(f"removed {done.removed} files from {d} ({done.entries} entries, {done.sources} saved sources, "
-          f"{done.temporary} temporary files)")
+    print(f"removed {count(done.removed, 'file', 'files')} from {d} ({count(done.entries, 'entry', 'entries')}, "
+          f"{count(done.sources, 'saved source', 'saved sources')}, "
+          f"{count(done.temporary, 'temporary file', 'temporary files')})")
     if done.left:
         shown = ", ".join(done.left[:5]) + (", …" if len(done.left) > 5 else "")
-        print(f"left {len(done.left)} files that are not the cache's: {shown}")
+        print(f"left {count(len(done.left), 'file that is', 'files that are')} not the cache's: {shown}")
     if done.in_progress:
-        print(f"left {len(done.in_progress)} temporary files younger than an hour (a compile in another process "
-              "may be publishing them; `rope-rtc warm` removes them once they are older)")
+        them = "it" if len(done.in_progress) == 1 else "them"
+        print(f"left {count(len(done.in_progress), 'temporary file', 'temporary files')} younger than an hour (a "
+              f"compile in another process may be publishing {them}; `rope-rtc warm` removes {them} once "
+              f"{'it is' if them == 'it' else 'they are'} older)")
     if done.failed:
-        _err(f"{len(done.failed)} files could not be removed: "
+        _err(f"{count(len(done.failed), 'file', 'files')} could not be removed: "
              + "; ".join(f"{name} ({why})" for name, why in done.failed[:5]))
         return EXIT_FAILED
     return EXIT_OK

@@ -52,7 +52,7 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
 
     if driver.available():
         return gpu_demo()
-    print(f"no GPU found ({driver.unavailable_reason() or 'no CUDA device'}): nothing to time on this machine.")
+    print(f"no GPU found: {driver.unavailable_reason() or 'no CUDA device'}; nothing to time on this machine.")
     status = 0
     if not getattr(ns, "no_warm", False):
         status |= warm_cache(arch, cache_dir)

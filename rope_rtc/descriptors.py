@@ -6,6 +6,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from .dtypes import dtype_name
+from .errors import shown
+
 
 class TensorDesc:
     """A declared array: dtype, shape, optional element strides, device.
@@ -13,17 +16,22 @@ class TensorDesc:
     Accepted wherever a plan takes an array at construction. ``device`` is ``"cuda"`` or
     ``None`` (the current CUDA device, bound now: later device changes do not move the plan),
     ``"cuda:N"`` or an integer N. ``strides`` are in elements (default: C-contiguous).
+
+    ``shape`` and ``strides`` are tuples or lists of Python ints or NumPy integers; anything
+    else (a float, a bool, a string) is refused with a ``TypeError`` rather than converted,
+    since a converted extent would declare an array the caller did not describe.
     """
 
     def __init__(self, dtype, shape, strides=None, device=None) -> None:
-        from .arrays import dtype_name
-
+        if dtype is None:  # np.dtype(None) is float64: a dtype left out would declare float64
+            raise TypeError("TensorDesc: dtype None is not a dtype; pass one, e.g. numpy.float32 or "
+                            "ml_dtypes.bfloat16")
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
-            raise TypeError(f"TensorDesc: dtype {dtype!r} is not a dtype") from None
+            raise TypeError(f"TensorDesc: dtype {shown(dtype)} is not a dtype") from None
         self.dtype_name = dtype_name(self.dtype)
-        self.shape = tuple(int(d) for d in shape)
+        self.shape = _ints("shape", shape)
         if any(d < 0 for d in self.shape):
             raise ValueError(f"TensorDesc: shape {self.shape} has a negative extent")
         if strides is None:
@@ -32,30 +40,52 @@ class TensorDesc:
                 el.append(acc)
                 acc *= max(d, 1)
             strides = tuple(reversed(el))
-        self.strides = tuple(int(s) for s in strides)
+        self.strides = _ints("strides", strides)
         if len(self.strides) != len(self.shape):
             raise ValueError(f"TensorDesc: strides {self.strides} do not match shape {self.shape}")
-        self.device = _bind_device(device)
+        self.device = bind_device(device)
 
     def __repr__(self) -> str:
         return f"TensorDesc({self.dtype_name}, shape={self.shape}, strides={self.strides}, device={self.device})"
 
 
-def _bind_device(device) -> int:
-    if isinstance(device, bool):
-        raise TypeError("TensorDesc: device must be 'cuda', 'cuda:N', an int or None")
-    if isinstance(device, int):
+def _is_int(value) -> bool:
+    """A Python int or a NumPy integer; never a bool (an int to ``isinstance``)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _ints(field: str, values) -> tuple[int, ...]:
+    """``values`` (a tuple, a list or a 1-d NumPy integer array) as a tuple of Python ints;
+    ``TypeError`` naming ``field`` and the first value that is not an int."""
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = values.tolist()
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(f"TensorDesc: {field} must be a tuple of ints, got {type(values).__name__} {shown(values)}")
+    for i, v in enumerate(values):
+        if not _is_int(v):
+            raise TypeError(f"TensorDesc: {field} {shown(tuple(values))} has {shown(v)} ({type(v).__name__}) at "
+                            f"index {i}; pass ints")
+    return tuple(int(v) for v in values)
+
+
+def bind_device(device) -> int:
+    """The device ordinal ``device`` names (``"cuda"``/``None``: the current device, bound now;
+    ``"cuda:N"`` or an int N); 0 where no GPU can say which is current."""
+    if _is_int(device):
         if device < 0:
-            raise ValueError(f"TensorDesc: device {device} is not a device ordinal")
-        return device
-    if device is None or device == "cuda":
+            raise ValueError(f"TensorDesc: device {int(device)} is not a device ordinal")
+        return int(device)
+    if device is None or isinstance(device, str) and device == "cuda":
         try:
             import cupy
 
             return int(cupy.cuda.runtime.getDevice())
         except Exception:
             return 0  # no GPU here: the declaration still validates shapes and dtypes
-    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+    if not isinstance(device, str):
+        raise TypeError(f"TensorDesc: device must be 'cuda', 'cuda:N', an int or None, got "
+                        f"{type(device).__name__} {shown(device)}")
+    if device.startswith("cuda:") and device[5:].isascii() and device[5:].isdigit():
         return int(device[5:])
     raise ValueError(f"TensorDesc: device {device!r} is not 'cuda', 'cuda:N', an int or None")
 

@@ -2,8 +2,13 @@
 
 Imported lazily by everything that needs a GPU; ``import rope_rtc`` never loads libcuda.
 :func:`unavailable_reason` says why there is no usable GPU in words a user can act on,
-:func:`require_gpu` turns that into an error, and :func:`import_cupy` names the package to
-install when CuPy is missing.
+:func:`require_gpu` turns that into an error, :func:`import_cupy` names the package to
+install when CuPy is missing, and :func:`device_cupy` is CuPy for work on a device, after
+:func:`require_gpu` (CuPy itself says only "CUDA driver version is insufficient" when there is
+no driver at all).
+
+Reasons and messages never nest one parenthetical in another: a reason that quotes a
+:class:`CudaError` (whose text ends in the driver's words in parentheses) joins it with "; ".
 """
 
 from __future__ import annotations
@@ -74,14 +79,14 @@ def _driver_major(drv) -> int | None:
 def _explain(exc: CudaError, drv) -> str:
     """cuInit's failure in words a user can act on; the CUresult name stays in the text."""
     if exc.name == "CUDA_ERROR_STUB_LIBRARY":
-        return f"{NO_DRIVER} (the CUDA toolkit's stub driver library was loaded instead of a driver: {exc})"
+        return f"{NO_DRIVER}: the CUDA toolkit's stub driver library was loaded instead of a driver; {exc}"
     if exc.name == "CUDA_ERROR_NO_DEVICE":
-        return f"no CUDA device found ({exc})"
+        return f"no CUDA device found; {exc}"
     if exc.name == "CUDA_ERROR_INSUFFICIENT_DRIVER":
         missing = _libcuda_load_error()
         if missing is not None:  # what a runtime reports when there is no driver at all
             return f"{NO_DRIVER} ({missing})"
-        return (f"the CUDA driver is older than this toolchain needs ({exc}): upgrade the driver, or install the "
+        return (f"the CUDA driver is older than this toolchain needs; {exc}; upgrade the driver, or install the "
                 f"toolchain of the driver's CUDA version: {install_hint(_driver_major(drv))}")
     return str(exc)
 
@@ -132,7 +137,9 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why no CUDA device can be used here ("no CUDA driver found (...)", ...), or None when one can."""
+    """Why no CUDA device can be used here, or None when one can: ``"no CUDA driver found"`` and
+    the loader's words in parentheses, ``"no CUDA device found"``, ... Quote it after a colon,
+    never inside parentheses (it may end in a parenthetical of its own)."""
     try:
         init()
         count = device_count()
@@ -141,12 +148,31 @@ def unavailable_reason() -> str | None:
     return None if count > 0 else "no CUDA device found"
 
 
+_gpu_found = False  # once a device has been found, require_gpu asks the driver no more
+
+
 def require_gpu() -> None:
-    """Return when a CUDA device is usable; else raise :class:`NoDeviceError` with the reason."""
+    """Return when a CUDA device is usable; else raise :class:`NoDeviceError` with the reason and
+    what to do about it. Once a device has been found, returns at once."""
+    global _gpu_found
+    if _gpu_found:
+        return
     reason = unavailable_reason()
-    if reason is not None:
-        raise NoDeviceError(f"no usable CUDA GPU: {reason}; use backend='numpy' (the NumPy reference on the CPU) "
-                            "or run on a machine with an NVIDIA GPU and its driver")
+    if reason is None:
+        _gpu_found = True
+        return
+    way = ("install the NVIDIA driver (nvidia-smi then lists the GPU)" if reason.startswith(NO_DRIVER)
+           else "run on a machine with an NVIDIA GPU and its driver")
+    raise NoDeviceError(f"no usable CUDA GPU: {reason}; {way}, or use backend='numpy', the NumPy reference "
+                        "on the CPU, where the function takes one: apply_rope, apply_rope_qk, tail_rope")
+
+
+def device_cupy():
+    """The ``cupy`` module for work on a device (its streams, devices and allocations): raises
+    :class:`NoDeviceError` first when no GPU is usable, where CuPy would say only "CUDA driver
+    version is insufficient"; :func:`import_cupy`'s error when CuPy is missing."""
+    require_gpu()
+    return import_cupy()
 
 
 def import_cupy():

@@ -107,3 +107,16 @@ def shown(value: Any) -> str:
     except Exception:  # no length: the cut repr says enough
         return text[:SHOWN_CHARS - 3] + "..."
     return text[:SHOWN_CHARS - 3] + f"... ({n} {'item' if unit == 'items' and n == 1 else unit})"
+
+
+def one_of(choices) -> str:
+    """The choices a message expects: ``"float32"`` for a single one, ``"one of int32, int64"``
+    for several (so that no message offers "one of" a single choice)."""
+    names = [str(c) for c in choices]
+    return names[0] if len(names) == 1 else "one of " + ", ".join(names)
+
+
+def count(n: int, one: str, many: str) -> str:
+    """``n`` and the words that agree with it: ``count(1, "entry", "entries")`` is ``"1 entry"``,
+    ``count(2, "of them is", "of them are")`` is ``"2 of them are"``."""
+    return f"{n} {one if n == 1 else many}"

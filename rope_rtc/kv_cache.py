@@ -606,9 +606,9 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
                                       kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                       v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
                                       interleaved=interleaved, rotary_dim=rotary_dim, allow_host_slots=True)
-        from .driver import import_cupy
+        from .driver import device_cupy
 
-        cupy = import_cupy()
+        cupy = device_cupy()
         device = creq.rope.device
         with cupy.cuda.Device(device), cupy_stream(stream_handle(stream, device)):
             slot_mapping = cupy.asarray(slot_mapping)
@@ -645,6 +645,6 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
 
 
 def _current_device() -> int:
-    from .driver import import_cupy
+    from .driver import device_cupy
 
-    return int(import_cupy().cuda.runtime.getDevice())
+    return int(device_cupy().cuda.runtime.getDevice())

@@ -76,6 +76,7 @@ def load_kernel(spec: KernelSpec, device: int) -> LoadedKernel:
     with _loaded_lock:
         k = _loaded.get(ident)
         if k is None:
+            driver.require_gpu()  # no driver: say so, and what to do, before the driver is asked for the device
             target = target_for(driver.device_arch(device), driver_version=driver.driver_version())
             k = LoadedKernel(spec, device, get_binary(spec, target))
             _loaded[ident] = k
@@ -105,9 +106,7 @@ def stream_handle(stream, device: int | None = None) -> int:
     if stream is None:
         current = _CURRENT_STREAM[0]
         if current is None:  # CuPy is imported on first use; the lookup is kept (it is on every call's path)
-            import cupy
-
-            current = _CURRENT_STREAM[0] = cupy.cuda.get_current_stream
+            current = _CURRENT_STREAM[0] = driver.device_cupy().cuda.get_current_stream
         return current(-1 if device is None else device).ptr
     if type(stream) is int and 0 <= stream < HANDLE_LIMIT:
         return stream
@@ -677,7 +676,7 @@ _EMPTY: list = []
 
 
 def _import_empty() -> None:
-    import cupy
+    cupy = driver.device_cupy()
 
     _EMPTY.append((cupy.ndarray, cupy.cuda.get_allocator, cupy.empty, cupy.get_default_memory_pool()))
 

@@ -104,9 +104,9 @@ def _module_of(x):
     """numpy for host arrays, cupy for device ones (the module that makes their helper arrays)."""
     if isinstance(x, np.ndarray):
         return np
-    from .driver import import_cupy
+    from .driver import device_cupy
 
-    return import_cupy()
+    return device_cupy()
 
 
 def _as_table(cache, name: str, xp, per_token: tuple[int, int] | None, half: int):

@@ -61,8 +61,8 @@ def _resolve_backend(backend: str) -> str:
     if not _numpy_fallback_warned:
         _numpy_fallback_warned = True
         # stacklevel: this function, _apply, apply_rope(_qk), then the caller's line.
-        warnings.warn(f"rope_rtc: no usable GPU ({driver.unavailable_reason()}); backend='auto' runs the NumPy "
-                      "reference on the CPU", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"rope_rtc: backend='auto' runs the NumPy reference on the CPU, since there is no usable GPU: "
+                      f"{driver.unavailable_reason()}", RuntimeWarning, stacklevel=4)
     return "numpy"
 
 

@@ -556,7 +556,7 @@ def test_corrupt_entry_fails_verify_and_is_rebuilt_by_the_next_warm(warmed_root,
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
     err = capsys.readouterr().err
     assert victim.name[:12] in err and "checksum" in err
-    assert "1 of them are replaced when next compiled" in err and "by hand" not in err
+    assert "1 of them is replaced when next compiled" in err and "by hand" not in err
 
     r = run(warm_cmd(root, *WARM_TWICE_ARGS))
     assert r.returncode == 0, r.stderr

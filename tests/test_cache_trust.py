@@ -75,7 +75,7 @@ def test_a_symlinked_entry_fails_verify(tmp_path, valid_entry, capsys):
     err = capsys.readouterr().err
     assert target.name in err and "symbolic link" in err
     # The remedy given is one that works: the next publish replaces the link (never following it).
-    assert "1 of them are replaced when next compiled" in err and "by hand" not in err
+    assert "1 of them is replaced when next compiled" in err and "rebuilds it now" in err and "by hand" not in err
     assert build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False).source == "compiled"
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 0
 
@@ -86,7 +86,7 @@ def test_a_directory_at_an_entry_name_fails_verify_with_a_remedy_that_works(tmp_
     (d / f"{build.spec_key(SPEC, SM90)}.bin").mkdir()  # the cache never deletes a directory
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "1 of them are not files, which the cache never deletes or replaces" in err and "remove them by hand" in err
+    assert "1 of them is not a file, which the cache never deletes or replaces" in err and "remove it by hand" in err
     with pytest.warns(CacheWarning, match="not a cache entry; left alone"):
         assert build.get_binary(SPEC, SM90, store=fresh_store(d), announce=False).source == "compiled"
     assert cli_main(["cache", "verify", "--cache-dir", str(root)]) == 1  # still there: only a person removes it
@@ -435,7 +435,7 @@ def test_clear_removes_only_the_caches_own_files(tmp_path, capsys):
     assert rc == 0, out
     assert set(os.listdir(d)) == keep
     assert f"removed {len(ours) + 2} files" in out and "not the cache's" in out
-    assert "left 1 temporary files younger than an hour" in out and (d / ".tmp-ijklmnop.part").exists()
+    assert "left 1 temporary file younger than an hour" in out and "publishing it;" in out and (d / ".tmp-ijklmnop.part").exists()
     after = tree_snapshot(tmp_path)
     assert {k: v for k, v in before.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"} == \
         {k: v for k, v in after.items() if Path(k).name in keep or "sub" in k or k == "elsewhere.bin"}

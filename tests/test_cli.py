@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def no_device(monkeypatch):
     monkeypatch.setattr(driver, "available", lambda: False)
-    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver: simulated")
+    # Shaped as the real reason: the loader's words in parentheses.
+    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver found (libcuda.so.1: simulated)")
 
 
 @pytest.fixture
@@ -69,7 +70,8 @@ def test_info_with_no_device(capsys, no_device, monkeypatch, tmp_path):
     rc, out, err = run_main(capsys, "info")
     assert rc == 0, err
     lines = {line.split("  ", 1)[0]: line for line in out.splitlines()}
-    assert "no GPU found (no CUDA driver: simulated)" in lines["devices"]
+    # The reason follows a colon: its own parenthetical is not wrapped in another.
+    assert "no GPU found: no CUDA driver found (libcuda.so.1: simulated)" in lines["devices"]
     assert __version__ in lines["rope_rtc"]
     major, minor = toolchain.nvrtc_version()
     assert f"{major}.{minor}" in lines["NVRTC"]
@@ -206,7 +208,7 @@ def test_warm_compile_failure_exits_1_and_lists_it(capsys, tmp_path, monkeypatch
 def test_warm_without_arch_and_with_no_device_asks_for_arch(capsys, no_device, tmp_path):
     rc, out, err = run_main(capsys, "warm", "--cache-dir", str(tmp_path))
     assert rc == 2
-    assert "no GPU found" in err and "--arch sm_90" in err
+    assert "no GPU found: no CUDA driver found (libcuda.so.1: simulated); say which" in err and "--arch sm_90" in err
 
 
 def test_warm_without_arch_builds_for_the_devices_present(capsys, monkeypatch, tmp_path):
@@ -273,10 +275,10 @@ def test_cache_list_verify_clear(capsys, tmp_path):
                                                  if s.family in ("blog", "tail"))
     assert all(r[1] == "sm_90" and r[2] == "cubin" and r[4] == "KiB" for r in rows)
     assert ".tmp-abandoned.part" in out and "interrupted write" in out
-    assert "3 entries" in out and "1 temporary files" in out
+    assert "3 entries" in out and "1 temporary file;" in out
 
     rc, out, _ = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
-    assert rc == 0 and "all 3 entries" in out and "1 temporary files" in out
+    assert rc == 0 and "all 3 entries" in out and "1 temporary file left" in out
 
     victim = sorted(d.glob("*.bin"))[0]
     victim.write_bytes(victim.read_bytes()[:-1])
@@ -288,7 +290,7 @@ def test_cache_list_verify_clear(capsys, tmp_path):
 
     rc, out, _ = run_main(capsys, "cache", "clear", "--cache-dir", str(root))
     assert rc == 0
-    assert "removed 4 files" in out and "3 entries" in out and "1 temporary files" in out
+    assert "removed 4 files" in out and "3 entries" in out and "1 temporary file)" in out
     assert list(d.iterdir()) == []
     rc, out, _ = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
     assert rc == 0 and "all 0 entries" in out
@@ -647,13 +649,14 @@ def test_cache_verify_never_advises_clearing_entries_in_use(capsys, tmp_path):
                                          b"\x7fELF old", 1.0)))
     rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
     assert rc == 0, err
-    assert "all 4 entries" in out and "1 of them are never loaded" in out, out
+    assert "all 4 entries" in out and "1 of them is never loaded" in out and "it only takes disk space" in out, out
     assert "cache clear" not in out, out  # it would remove the 3 entries in use as well
     for p in d.glob("*.bin"):
         if p != stale:
             p.unlink()
     rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
-    assert rc == 0 and "1 of them are never loaded" in out and "rope-rtc cache clear" in out, out
+    assert rc == 0 and "the 1 entry in" in out and "1 of them is never loaded" in out, out
+    assert "`rope-rtc cache clear` removes it" in out, out
 
 
 # -- warm under ROPE_RTC_NO_COMPILE checks, and writes nothing ------------------------------------------

@@ -32,6 +32,7 @@ def fresh(monkeypatch):
     """A driver module that has not run cuInit yet; ``fresh(fake)`` installs a fake bindings module."""
     monkeypatch.setattr(driver, "_init_error", [])
     monkeypatch.setattr(driver, "_initialised", False)
+    monkeypatch.setattr(driver, "_gpu_found", False, raising=False)
 
     def install(fake) -> None:
         monkeypatch.setattr(driver, "_drv", lambda: fake)
@@ -153,6 +154,86 @@ def test_require_gpu_with_zero_devices_raises(fresh):
     fresh(_FakeDriver(_Status(0, "CUDA_SUCCESS"), devices=0))
     with pytest.raises(NoDeviceError, match="no CUDA device"):
         driver.require_gpu()
+
+
+def nested_parentheses(text: str) -> bool:
+    """True when a parenthetical opens inside another one."""
+    depth = 0
+    for ch in text:
+        depth += ch == "("
+        if depth > 1:
+            return True
+        depth -= ch == ")" and depth > 0
+    return False
+
+
+def test_nested_parentheses_is_what_it_says():
+    assert nested_parentheses("no GPU found (no CUDA driver found (libcuda.so.1))")
+    assert not nested_parentheses("no GPU found: no CUDA driver found (libcuda.so.1) (twice)")
+
+
+NO_GPU_CASES = {
+    "no driver library": (dict(init_raises=RuntimeError("not found")), "libcuda.so.1: cannot open shared object file"),
+    "stub library": (dict(init_status=_Status(34, "CUDA_ERROR_STUB_LIBRARY")), None),
+    "no device": (dict(init_status=_Status(100, "CUDA_ERROR_NO_DEVICE")), None),
+    "old driver": (dict(init_status=_Status(35, "CUDA_ERROR_INSUFFICIENT_DRIVER")), None),
+    "insufficient, no library": (dict(init_status=_Status(35, "CUDA_ERROR_INSUFFICIENT_DRIVER")),
+                                 "libcuda.so.1: cannot open shared object file"),
+    "zero devices": (dict(init_status=_Status(0, "CUDA_SUCCESS"), devices=0), None),
+}
+
+
+@pytest.mark.parametrize("case", list(NO_GPU_CASES))
+def test_no_reason_nests_a_parenthetical_in_another(fresh, monkeypatch, case):
+    """The driver's own words come in parentheses ("CUDA_ERROR_NO_DEVICE (as the driver words
+    it)"); a reason or message that quotes them does not wrap them in parentheses again."""
+    fake, load_error = NO_GPU_CASES[case]
+    fresh(_FakeDriver(**fake))
+    monkeypatch.setattr(driver, "_libcuda_load_error", lambda: load_error)
+    reason = driver.unavailable_reason()
+    with pytest.raises(NoDeviceError) as info:
+        driver.require_gpu()
+    for text in (reason, str(info.value)):
+        assert not nested_parentheses(text), text
+    assert reason in str(info.value)
+
+
+def test_require_gpu_says_what_to_do_without_a_driver(fresh, monkeypatch):
+    fresh(_FakeDriver(init_raises=RuntimeError("not found")))
+    monkeypatch.setattr(driver, "_libcuda_load_error", lambda: "libcuda.so.1: cannot open shared object file")
+    with pytest.raises(NoDeviceError, match=r"no usable CUDA GPU: no CUDA driver found \(libcuda.so.1: .*\); install "
+                                            r"the NVIDIA driver .*backend='numpy'"):
+        driver.require_gpu()
+
+
+def test_require_gpu_without_a_device_does_not_ask_for_a_driver(fresh):
+    fresh(_FakeDriver(_Status(100, "CUDA_ERROR_NO_DEVICE")))
+    with pytest.raises(NoDeviceError) as info:
+        driver.require_gpu()
+    assert "install the NVIDIA driver" not in str(info.value) and "NVIDIA GPU" in str(info.value)
+
+
+def test_require_gpu_asks_the_driver_until_a_device_is_found(fresh, monkeypatch):
+    fake = _FakeDriver(_Status(0, "CUDA_SUCCESS"), devices=1)
+    fresh(fake)
+    calls = []
+    monkeypatch.setattr(driver, "unavailable_reason", lambda: calls.append(1))
+    driver.require_gpu()
+    driver.require_gpu()
+    assert len(calls) == 1
+
+
+def test_device_cupy_without_a_gpu_raises_the_librarys_error_first(fresh, monkeypatch):
+    fresh(_FakeDriver(init_raises=RuntimeError("not found")))
+    monkeypatch.setattr(driver, "_libcuda_load_error", lambda: "libcuda.so.1: cannot open shared object file")
+    with pytest.raises(NoDeviceError, match="no CUDA driver found"):
+        driver.device_cupy()
+
+
+def test_device_cupy_with_a_gpu_is_cupy(fresh):
+    cupy = pytest.importorskip("cupy")
+    fresh(_FakeDriver(_Status(0, "CUDA_SUCCESS"), devices=1))
+    assert driver.device_cupy() is cupy
 
 
 # -- CuPy ----------------------------------------------------------------------------------------------

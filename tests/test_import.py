@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata
 import json
@@ -89,3 +90,123 @@ def test_lazy_exports_resolve_and_unknown_names_raise():
     assert "__version__" in rope_rtc.__all__
     with pytest.raises(AttributeError, match="no_such_name"):
         rope_rtc.no_such_name  # noqa: B018
+
+
+# -- the module import graph -------------------------------------------------------------------
+
+PACKAGE = REPO / "rope_rtc"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(importer: str, is_package: bool, level: int, module: str | None) -> str:
+    """The absolute name of ``from <level dots><module> import ...`` written in ``importer``."""
+    if level == 0:
+        return module or ""
+    base = importer.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def import_graph(package: Path = PACKAGE, *, module_level_only: bool = False) -> dict[str, set[str]]:
+    """The library's modules and, for each, the library modules it imports: ``import x``,
+    ``from x import y`` (``y`` counts as the module ``x.y`` where that is a module, else ``x``),
+    at module level and, unless ``module_level_only``, inside functions and classes too."""
+    files = {_module_name(p, package.parent): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text(), str(path))
+        nodes = tree.body if module_level_only else ast.walk(tree)
+        if module_level_only:  # module level includes the bodies of its try/if blocks
+            nodes, todo = [], list(tree.body)
+            while todo:
+                node = todo.pop()
+                nodes.append(node)
+                if isinstance(node, (ast.If, ast.Try)):
+                    todo.extend(node.body + node.orelse + getattr(node, "finalbody", [])
+                                + [n for h in getattr(node, "handlers", []) for n in h.body])
+        for node in nodes:
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, path.name == "__init__.py", node.level, node.module)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            graph[name].update(t for t in targets if t in files and t != name)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_the_import_graph_reads_this_package():
+    graph = import_graph()
+    assert "rope_rtc.dtypes" in graph["rope_rtc.arrays"] and "rope_rtc.descriptors" in graph["rope_rtc.arrays"]
+    assert "rope_rtc.cache.store" in graph and "rope_rtc.errors" in graph["rope_rtc.descriptors"]
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
+def test_arrays_and_descriptors_do_not_import_each_other(module_level_only):
+    """``arrays`` checks arrays and declarations; ``descriptors`` declares them: one direction only,
+    counting imports inside functions too (a deferred import is still a cycle in the design)."""
+    graph = import_graph(module_level_only=module_level_only)
+    assert "rope_rtc.arrays" not in graph["rope_rtc.descriptors"]
+    for cycle in import_cycles(graph):
+        assert not {"rope_rtc.arrays", "rope_rtc.descriptors"} & set(cycle), cycle
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
+def test_the_library_has_no_import_cycle(module_level_only):
+    """Modules import downwards only (docs/design.md): a cycle anywhere names its modules here."""
+    assert import_cycles(import_graph(module_level_only=module_level_only)) == []
+
+
+def test_the_dtype_names_keep_their_import_path_through_arrays():
+    from rope_rtc import arrays, descriptors, dtypes
+
+    assert arrays.dtype_name is dtypes.dtype_name and arrays.numpy_dtype is dtypes.numpy_dtype
+    assert arrays.BFLOAT16 is dtypes.BFLOAT16 and arrays.FLOAT_DTYPES is dtypes.FLOAT_DTYPES
+    assert rope_rtc.TensorDesc is descriptors.TensorDesc
+
+
+if __name__ == "__main__":  # python tests/test_import.py: every cycle of the library's imports
+    for only in (True, False):
+        print("module-level imports" if only else "every import (functions' too)")
+        for cycle in import_cycles(import_graph(module_level_only=only)) or [["none"]]:
+            print("  " + " <-> ".join(cycle))

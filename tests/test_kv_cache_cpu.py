@@ -9,7 +9,8 @@ import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
 from rope_rtc import rope_and_cache
-from rope_rtc.reference import assert_rope_close, fp8_quantize, rope_kernel_arithmetic, rope_reference
+from rope_rtc.reference import (assert_rope_close, fp8_quantize, rope_and_cache_reference, rope_kernel_arithmetic,
+                                rope_reference)
 
 T, HQ, HK, D = 5, 4, 2, 64
 
@@ -30,6 +31,66 @@ def test_fp8_rounds_to_nearest_even():
     # 1 + 3/16 ties 1.125 and 1.25: even (1.25, 0x3A).
     got = fp8_quantize(np.asarray([1.0625, 1.1875], np.float32), 1.0, "fp8_e4m3")
     assert [int(b) for b in got] == [0x38, 0x3A]
+
+
+def _cache_write_inputs(kv_layout: str, seed: int = 0):
+    """Host inputs of one cache write: q, k, v, cos, sin, positions, slot_mapping, and FP8 caches
+    of random bytes (as uint8), nhd ``[blocks, block_size, HK, D]`` or hnd ``[blocks, HK, block_size, D]``."""
+    rng = np.random.default_rng(seed)
+    blocks, block_size = 3, 4
+    q = (rng.standard_normal((T, HQ, D)) * 4).astype(np.float32)
+    k = (rng.standard_normal((T, HK, D)) * 4).astype(np.float32)
+    v = (rng.standard_normal((T, HK, D)) * 200).astype(np.float32)  # past e4m3's 448 after scaling: saturates
+    ang = rng.uniform(-9, 9, (16, D // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    positions = rng.integers(0, 16, T).astype(np.int64)
+    slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
+    slots[1] = -1  # a token that is not written
+    shape = (blocks, block_size, HK, D) if kv_layout == "nhd" else (blocks, HK, block_size, D)
+    caches = [rng.integers(0, 256, shape, dtype=np.uint8) for _ in range(2)]
+    return (q, k, v, cos, sin, positions, slots, *caches)
+
+
+@pytest.mark.parametrize("kind,typed", [("fp8_e4m3", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+@pytest.mark.parametrize("kv_layout", ["nhd", "hnd"])
+def test_the_reference_writes_typed_fp8_caches_as_their_uint8_storage(kind, typed, kv_layout):
+    """Caches typed as ml_dtypes' FP8 hold the same bytes as uint8 storage: a value assigned to
+    them was converted from its uint8 encoding (the byte 0xE0 stored as 224.0) instead."""
+    import ml_dtypes
+
+    fp8 = np.dtype(getattr(ml_dtypes, typed))
+    inputs = _cache_write_inputs(kv_layout)
+    options = dict(kv_layout=kv_layout, kv_cache_dtype=kind, k_scale=np.float32(0.05), v_scale=np.float32(0.5))
+    want = rope_and_cache_reference(*inputs, **options)
+    kc, vc = inputs[-2].view(fp8), inputs[-1].view(fp8)
+    before = kc.copy(), vc.copy()
+    got = rope_and_cache_reference(*inputs[:-2], kc, vc, **options)
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(g, w)
+    for g, w in zip(got[2:], want[2:]):
+        assert g.dtype == fp8 and g.shape == w.shape
+        np.testing.assert_array_equal(g.view(np.uint8), w)
+    assert not np.array_equal(want[2], inputs[-2])  # the call wrote entries
+    np.testing.assert_array_equal(kc.view(np.uint8), before[0].view(np.uint8))  # the inputs are not modified
+    np.testing.assert_array_equal(vc.view(np.uint8), before[1].view(np.uint8))
+
+
+@pytest.mark.parametrize("kind,typed,match", [
+    ("fp8_e4m3", "float8_e5m2", "float8_e5m2.*fp8_e4m3"),
+    ("fp8_e5m2", "float8_e4m3fn", "float8_e4m3fn.*fp8_e5m2"),
+    ("auto", "float8_e4m3fn", "float8_e4m3fn.*kv_cache_dtype='auto'"),
+])
+def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, match):
+    import ml_dtypes
+
+    fp8 = np.dtype(getattr(ml_dtypes, typed))
+    inputs = _cache_write_inputs("nhd")
+    for bad in ("k_cache", "v_cache"):
+        kc, vc = inputs[-2], inputs[-1]
+        kc, vc = (kc.view(fp8), vc) if bad == "k_cache" else (kc, vc.view(fp8))
+        with pytest.raises(TypeError, match=f"{bad}: .*{match}"):
+            rope_and_cache_reference(*inputs[:-2], kc, vc, kv_cache_dtype=kind, k_scale=np.float32(1),
+                                     v_scale=np.float32(1))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", BF16])

@@ -9,6 +9,8 @@ arrays; the tables are ``__cuda_array_interface__`` fakes.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -65,11 +67,12 @@ def test_scratch_workspace_is_zero():
 
 
 @pytest.mark.parametrize("name,value,exc,pattern", [
-    ("x", fake_cupy((T, H, D), np.float16), TypeError, r"x: dtype float16 is not supported \(tail RoPE is BF16\)"),
+    ("x", fake_cupy((T, H, D), np.float16), TypeError,
+     r"x: dtype float16 is not supported \(tail RoPE is BF16\); expected bfloat16$"),
     ("x", FakeDeviceArray((T, H, D), np.float32), TypeError, r"x: dtype float32"),
     ("x", fake_torch_bf16_cai((T, H, D)), TypeError, r"x: dtype .V2 .*DLPack"),
     ("out", fake_cupy((T, H, D), np.float32), TypeError, r"out: dtype float32"),
-    ("cosine", FakeDeviceArray((T, 32), np.float64), TypeError, r"cosine: dtype float64"),
+    ("cosine", FakeDeviceArray((T, 32), np.float64), TypeError, r"cosine: dtype float64 is not supported; expected float32$"),
     ("sine", fake_cupy((T, 32), BF16), TypeError, r"sine: dtype bfloat16"),
     ("x", fake_cupy((D,), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\], got shape \(128,\)"),
     ("x", fake_cupy((T, H, 1, D), BF16), ValueError, r"x: expected \[T, D\] or \[T, H, D\]"),
@@ -429,11 +432,13 @@ def test_tensor_desc_binds_a_device():
     assert TensorDesc(BF16, (1, 128), device="cuda").device == current
     assert TensorDesc(BF16, (1, 128), device="cuda:3").device == 3
     assert TensorDesc(BF16, (1, 128), device=2).device == 2
-    for bad in ("cuda:x", "gpu", "cuda:-1", "cpu", "cuda:", "CUDA", 1.5, -1):
+    assert TensorDesc(BF16, (1, 128), device=np.int64(2)).device == 2
+    for bad in ("cuda:x", "gpu", "cuda:-1", "cpu", "cuda:", "CUDA", -1, np.int32(-1)):
         with pytest.raises(ValueError, match="TensorDesc: device"):
             TensorDesc(BF16, (1, 128), device=bad)
-    with pytest.raises(TypeError, match="TensorDesc: device"):
-        TensorDesc(BF16, (1, 128), device=True)
+    for bad in (True, np.bool_(False), 1.5, 0.0, b"cuda", [0]):
+        with pytest.raises(TypeError, match=f"TensorDesc: device.*{re.escape(repr(bad))}"):
+            TensorDesc(BF16, (1, 128), device=bad)
 
 
 def test_tensor_desc_fields():
@@ -451,6 +456,58 @@ def test_tensor_desc_fields():
     info = A.describe(d, "x")
     assert (info.ptr, info.shape, info.strides, info.dtype, info.device) == (0, (4, 2, 128), (256, 128, 1),
                                                                            "bfloat16", 0)
+
+
+@pytest.mark.parametrize("shape,bad", [
+    ((2, 3.5, 4, 64), "3.5"),
+    ((2, True, 4, 64), "True"),
+    ((2, "3", 4, 64), "'3'"),
+    ((2, np.float32(3), 4, 64), "3.0"),
+    ((2, np.bool_(True), 4, 64), "True"),
+    ((2, None, 4, 64), "None"),
+])
+def test_tensor_desc_refuses_a_shape_that_is_not_ints(shape, bad):
+    """An extent is a Python int or a NumPy integer: anything else was truncated or converted
+    (3.5 became 3, True 1, '3' 3) and described an array the caller never declared."""
+    with pytest.raises(TypeError, match=rf"TensorDesc: shape .*{re.escape(bad)}"):
+        TensorDesc(np.float32, shape)
+
+
+@pytest.mark.parametrize("strides,bad", [
+    ((768.9, 192, 64, 1), "768.9"),
+    ((768, 192, False, 1), "False"),
+    ((768, "192", 64, 1), "'192'"),
+    ((768, 192, 64, 1.0), "1.0"),
+])
+def test_tensor_desc_refuses_strides_that_are_not_ints(strides, bad):
+    with pytest.raises(TypeError, match=rf"TensorDesc: strides .*{re.escape(bad)}"):
+        TensorDesc(np.float32, (2, 3, 4, 64), strides=strides)
+
+
+@pytest.mark.parametrize("shape", ["1234", 4, b"12", 2.0, {1, 2}])
+def test_tensor_desc_refuses_a_shape_that_is_not_a_sequence(shape):
+    with pytest.raises(TypeError, match="TensorDesc: shape"):
+        TensorDesc(np.float32, shape)
+
+
+def test_tensor_desc_refuses_strides_that_are_not_a_sequence():
+    for strides in ("64", 64, 1.0):
+        with pytest.raises(TypeError, match="TensorDesc: strides"):
+            TensorDesc(np.float32, (64,), strides=strides)
+
+
+def test_tensor_desc_takes_numpy_integers_as_python_ints():
+    d = TensorDesc(np.float32, (np.int64(2), np.int32(3), np.uint8(64)), strides=[np.int64(192), 64, np.intp(1)])
+    assert d.shape == (2, 3, 64) and d.strides == (192, 64, 1)
+    assert all(type(v) is int for v in d.shape + d.strides)
+    assert TensorDesc(np.float32, np.array([2, 64])).shape == (2, 64)
+    assert TensorDesc(np.float32, ()).shape == ()
+
+
+def test_tensor_desc_refuses_none_as_a_dtype():
+    """np.dtype(None) is float64: a missing dtype would declare a float64 array."""
+    with pytest.raises(TypeError, match="TensorDesc: dtype None"):
+        TensorDesc(None, (2, 64))
 
 
 def test_tuple_dict():

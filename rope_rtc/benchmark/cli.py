@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     reason = gpu_unavailable_reason()
     if reason is not None:
-        print(f"rope-rtc bench: no GPU found ({reason}); nothing to measure.\n"
+        print(f"rope-rtc bench: no GPU found: {reason}; nothing to measure.\n"
               "Run it on a machine with an NVIDIA GPU, or re-render a saved run: --from-json bench.json",
               file=sys.stderr)
         return 2
