@@ -1,8 +1,10 @@
 """Every kernel specialisation rope_rtc can build, as one enumerable list.
 
 A :class:`KernelSpec` names a source file, its compile-time defines and the ``extern "C"``
-entry points it provides. ``rope-rtc warm`` compiles ``all_specs()``; the API modules build
-their specs with the functions here, so what is warmed is exactly what is launched.
+entry points it provides. ``rope-rtc warm`` compiles ``warm_specs()``: ``all_specs()`` without
+the demo's and the benchmark's kernels (``DEMO_FAMILIES``), which compile where they are used.
+The API modules build their specs with the functions here, so what is warmed is exactly what
+is launched.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class KernelSpec:
 def blog_spec() -> KernelSpec:
     return KernelSpec("blog", "blog_kernels.cu",
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))
+
+
+#: Families that only ``rope-rtc demo`` and the benchmark launch (rope_rtc.blog). A production
+#: cache never needs them, so ``warm`` leaves them out unless ``--kernels`` names them; the demo
+#: and the benchmark compile them on first use.
+DEMO_FAMILIES = frozenset({"blog"})
 
 
 def rope_head_batch(interleaved: bool, small: bool = False, heads_inner: bool = True) -> int:
@@ -420,6 +428,7 @@ def tail_spec(heads: int, dim: int) -> KernelSpec:
 
 
 def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSpec]:
+    """Every registered specialisation: the library's (:func:`warm_specs`) and the demo's."""
     specs = [blog_spec()]
     for dtype in DTYPE_CODES:
         for interleaved in (False, True):
@@ -431,3 +440,9 @@ def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSp
                 specs += [s for s in model_fixed_specs(dtype, interleaved, hq, hk, 128, 128) if s not in specs]
     specs += [tail_spec(h, d) for d in TAIL_DIMS for h in sorted(set(tail_heads))]
     return specs
+
+
+def warm_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSpec]:
+    """What ``rope-rtc warm`` compiles by default: every registered specialisation the library
+    launches, none of ``DEMO_FAMILIES``."""
+    return [s for s in all_specs(tail_heads) if s.family not in DEMO_FAMILIES]
