@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..measure import CopyRunner
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
 from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
@@ -117,20 +118,6 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
     if small:
         t["host"] = clock.host(runner_fns[:1])
     return t
-
-
-class CopyRunner:
-    """Device-to-device copies moving ``moved`` bytes (half read, half written), n buffer sets."""
-
-    def __init__(self, cp, stream, moved: int, n: int) -> None:
-        self.half = max(moved // 2, 16)
-        stride = -(-self.half // 256) * 256
-        self.slab = cp.random.RandomState(1).standard_normal(size=(2 * n * stride) // 4, dtype=cp.float32)
-        base = self.slab.data.ptr
-        copy = cp.cuda.runtime.memcpyAsync
-        kind = cp.cuda.runtime.memcpyDeviceToDevice
-        self.pairs = [(base + 2 * i * stride, base + (2 * i + 1) * stride) for i in range(n)]  # (src, dst)
-        self.fns = [partial(copy, dst, src, self.half, kind, stream.ptr) for src, dst in self.pairs]
 
 
 def _bench_kernels(device: int):
