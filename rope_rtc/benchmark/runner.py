@@ -427,9 +427,8 @@ def run_host_processes(args: argparse.Namespace, skips: list, n: int = HOST_PROC
     ``--cases host`` with ``HOST_CHILD_ENV`` set); per row, the figures of the process with the
     median time, and every process's time beside them (``processes_us``).
 
-    Why processes: on the device host the same rows, their samples taken in turns, measured
-    about 1.8x slower in one process than in the next (docs/performance.md), so one process's
-    figures were a draw."""
+    Why processes: on a shared host the same rows, their samples taken in turns, can run much
+    slower in one process than in the next, so one process's figures are a draw."""
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p))
     env[HOST_CHILD_ENV] = "1"
