@@ -125,3 +125,34 @@ def test_gpu_demo_prepares_each_blog_kernel_once_before_timing_it(monkeypatch, c
     assert demo.gpu_demo() == 0, capsys.readouterr().out
     # One preparation for the check, one for the timed calls, per blog kernel.
     assert sorted(calls) == sorted(2 * ["baseline", "vectorized", "fused"]), calls
+
+
+def test_gpu_us_times_bursts_by_events_and_returns_the_median_per_call():
+    """rope_rtc.measure.gpu_us on a fake CuPy whose GPU takes 2 µs per call: the untimed lead
+    call stays outside the window, and a sample makes enough calls to last ``sample_s``."""
+    import types
+
+    from rope_rtc.measure import gpu_us
+
+    clock = {"now": 0.0, "calls": 0}
+    per_call_ms = 0.002
+
+    class Event:
+        def record(self, stream):
+            self.at = clock["now"]
+
+        def synchronize(self):
+            pass
+
+    def fn():
+        clock["now"] += per_call_ms
+        clock["calls"] += 1
+
+    cuda = types.SimpleNamespace(Event=Event, get_elapsed_time=lambda a, b: b.at - a.at)
+    cp = types.SimpleNamespace(cuda=cuda)
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    us = gpu_us(cp, stream, fn, reps=5, sample_s=1e-4)
+    assert abs(us - 2.0) < 1e-9
+    # 3 warm-up calls, an estimate of 1 + 3, then 5 samples of 1 + n calls, n * 2 µs >= 100 µs.
+    n = (clock["calls"] - 3 - 4) / 5 - 1
+    assert n in (50, 51), clock["calls"]
