@@ -181,6 +181,8 @@ def blog_bytes_moved(B: int, H: int, S: int, D: int) -> int:
 
 
 def gpu_demo() -> int:
+    """The blog's configuration on the current GPU: each variant checked against the float64
+    reference, then timed beside a same-size copy. 0 when every check passes."""
     import cupy as cp
 
     from .measure import CopyRunner, gpu_us
