@@ -3,7 +3,7 @@
 // Structure (rope_rtc/rope_params.py, FIXED_FIELDS).
 //
 // A launch's arguments reach each SM through the constant cache cold, one miss per 64-byte line,
-// and small launches wait on those misses (docs/performance.md). So what a dense build
+// and small launches wait on those misses. So what a dense build
 // (FIX_DENSE: one run-time stride per array) reads lies in the first two lines, 32-bit where
 // the plan's limits allow (fewer than 2^31 threads, table rows below 2^32, row strides of fewer
 // than 2^31 elements either way); the angle and multimodal builds' own fields and a scheme read

@@ -151,8 +151,8 @@ __device__ __forceinline__ void rotate_group(const RopeParams& p, i64 t, i64 b, 
     Unit in[HEAD_BATCH];
 #pragma unroll
     for (int k = 0; k < HEAD_BATCH; ++k) {
-        // Consecutive heads per thread: strided heads (g + k*groups) measured slower for
-        // interleaved pairs (docs/performance.md).
+        // Consecutive heads per thread: strided heads (g + k*groups) are slower for
+        // interleaved pairs.
         const i64 hk = g * HEAD_BATCH + k;
         if (hk < heads) {
             hp[k] = head_ptrs(p, hk, b, s, ch);

@@ -61,7 +61,7 @@ struct CacheParams {
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
 
 // q, k and v are read once and the outputs written once: evict-first loads and stores, as the
-// specialised RoPE build streams them (docs/performance.md).
+// specialised RoPE build streams them.
 __device__ __forceinline__ vec_t load_v(const bits_t* p) {
     vec_t r;
     r.raw = __ldcs((const raw_t*)p);
@@ -108,8 +108,8 @@ __device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, f
                               : make_float2(__fdiv_rn(x0, scale), __fdiv_rn(x1, scale));
         e.v[j] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, CACHE_KIND == 1 ? __NV_E4M3 : __NV_E5M2);
     }
-    // Evict-first, as store_v: with the default policy the entries stayed in L2 at q/k's expense
-    // and the FP8 launch took as long as one writing twice the entry bytes (docs/performance.md).
+    // Evict-first, as store_v: with the default policy the entries stay in L2 at q/k's expense
+    // and the FP8 launch takes as long as one writing twice the entry bytes.
     __stcs((typename RawAccess<VEC>::type*)((unsigned char*)cache + at), e.raw);
 #endif
 }

@@ -37,9 +37,9 @@
 // compiler issues the position load first; the gathered multimodal build loads its first merged
 // value's position before the q/k loads), then the table loads, then rotates and stores; the
 // table slice is read once for the thread's heads.
-// The vector width, heads per thread, orders and cache hints kept here are the ones that
-// measured fastest (docs/performance.md); a variant that each lane loads one vector and takes
-// its partner half through a warp shuffle measured slower and is not kept.
+// The vector width, heads per thread, orders and cache hints here are the fastest measured
+// (benchmarks/probes/fixed_sweep.py sweeps them); a lane loading one vector and taking its
+// partner half through a warp shuffle is slower.
 #include "common.cuh"
 #include "angles.cuh"
 #include "fixed_params.cuh"
@@ -88,8 +88,8 @@ typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
 
-// q and k are streamed once: evict-first loads and stores (ld/st.global.cs) measured faster than
-// plain ones on every prefill case (docs/performance.md).
+// q and k are streamed once: evict-first loads and stores (ld/st.global.cs) keep them from
+// displacing the table rows in L2, and are faster than plain ones on every prefill case.
 __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
     vec_t r;
     r.raw = __ldcs((const raw_t*)p);
@@ -99,8 +99,8 @@ __device__ __forceinline__ vec_t load_stream(const bits_t* p) {
 __device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
 
 // Whether table rows are read NPAIR floats per access. A dense build always does: the plan runs
-// it only on calls whose table rows allow it, and the strided build (same block) on the others;
-// the run-time choice measured 0.06 µs at decode (docs/performance.md).
+// it only on calls whose table rows allow it, and the strided build (same block) on the others,
+// so the dense build skips the run-time choice, which small launches feel.
 __device__ __forceinline__ bool rows_in_vectors(const FixedParams& p) { return FIX_DENSE || p.table_vec; }
 
 #if FIX_MROPE
@@ -134,7 +134,7 @@ __device__ __forceinline__ int mrope_stream(unsigned i) {
 // Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to three rows,
 // so the block first gathers each of its tokens' merged row (every pair column from its own
 // stream's row) into shared memory, one value per thread, and each thread then reads its slice
-// from there. One table read per value per block instead of one per head group (docs/performance.md).
+// from there. One table read per value per block instead of one per head group.
 #ifndef MROPE_SHARED
 #define MROPE_SHARED (FIX_MROPE == 2 && FIX_ORDER == 0)
 #endif
@@ -146,8 +146,8 @@ constexpr unsigned MERGED_TOKENS = (MAX_BLOCK + TOKEN_THREADS - 1) / TOKEN_THREA
 // The block's first token, its token count, and the position of this thread's first merged
 // value (v = threadIdx.x). The kernel calls this before it issues its
 // q/k loads, so that the position load, on which the table load and then the block's barrier wait,
-// leaves first, as a plain build's does; loaded inside the gather it issued after the q/k loads
-// and their address arithmetic (docs/performance.md).
+// leaves first, as a plain build's does; loaded inside the gather it would issue after the q/k
+// loads and their address arithmetic.
 struct MergedStart {
     unsigned t0, n;
     i64 pos0;
@@ -194,8 +194,8 @@ __device__ __forceinline__ MergedStart gather_start(const FixedParams&) { return
 
 // Token t's table row (-1 outside the table). With the scheme fixed at compile time the compiler
 // issues the index load (positions[t], offsets[b]) first, ahead of the q/k address arithmetic; a
-// scheme read from the block kept it behind the branches of every scheme, 0.16-0.18 µs later at
-// decode (docs/performance.md).
+// scheme read from the block keeps it behind the branches of every scheme, which delays a
+// decode launch.
 __device__ __forceinline__ i64 fixed_row(const FixedParams& p, unsigned t, unsigned b, unsigned s) {
 #if FIX_POS >= 0
     return token_row_in<FIX_POS>(p, t, b, s);

@@ -1,11 +1,14 @@
 """The three kernels of the blog "Rotary Positional Embeddings in CUDA: From Math to
 High-Performance Kernels": FP32, interleaved, contiguous ``bhsd``, whole-head rotation,
 positions ``offset + s``. They show the progression in the benchmark and the demo
-(:func:`prepare_blog_variant`); the general API's kernel serves every other use."""
+(:func:`prepare_blog_variant`); the general API's kernel serves every other use. Their build
+(``registry.blog_spec``) compiles on first use: ``rope-rtc warm`` leaves it out of a production
+cache (``registry.DEMO_FAMILIES``)."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 from .launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
 from .registry import blog_spec
@@ -15,6 +18,8 @@ VARIANTS = ("baseline", "vectorized", "fused")
 
 
 def check_blog_variant(variant: str, req) -> None:
+    """Raise ``ValueError`` naming what a validated call (``req``: a ``rope_request.Request``) has
+    that the blog's kernel ``variant`` does not take."""
     problems = []
     if req.dtype != "float32":
         problems.append(f"dtype {req.dtype}")
@@ -102,10 +107,33 @@ def _launcher(variant: str, req, device: int):
     return run
 
 
-def prepare_blog_variant(variant: str, q, k, cos, sin, *, q_out, k_out=None, offset: int = 0):
-    """One of the blog's kernels (``variant``: "baseline", "vectorized" or "fused"), ready to run
-    on these arrays: validated once, packed table built once, so each call only launches (and
-    can be captured in a CUDA graph). Returns ``run(stream=None)``."""
+def prepare_blog_variant(variant: str, q, k, cos, sin, *, q_out, k_out=None,
+                         offset: int = 0) -> Callable[..., None]:
+    """One of the blog's kernels, ready to run on these arrays: validated once, packed table built
+    once, so each call only launches (and can be captured in a CUDA graph).
+
+    Parameters
+    ----------
+    variant
+        ``"baseline"``, ``"vectorized"`` or ``"fused"`` (q and k in one launch).
+    q, k
+        CuPy FP32 arrays ``[B, H, S, D]``, contiguous; ``k`` may be None except for ``"fused"``.
+    cos, sin
+        CuPy FP32 tables ``[P, D/2]`` covering positions ``offset .. offset + S - 1``.
+    q_out, k_out
+        Outputs of q's and k's shape (the inputs themselves for in place).
+    offset
+        Position of token 0.
+
+    Returns
+    -------
+    ``run(stream=None)``, which launches on ``stream`` (default: the current stream).
+
+    Raises
+    ------
+    ValueError
+        For an unknown variant, or a call outside what the blog's kernels take (named).
+    """
     import cupy
 
     from .rope_request import validate

@@ -43,7 +43,7 @@ from .rope_request import Request, validate
 KV_LAYOUTS = ("nhd", "hnd")
 # kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)
 CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
-BLOCK_THREADS = 128  # measured 0-1 point above 256 on prefill (docs/performance.md)
+BLOCK_THREADS = 128  # level with 256 or faster on prefill
 # Argument order of the core's calls.
 ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache", "k_scale", "v_scale",
         "q_out", "k_out", "cu_seqlens", "offsets")

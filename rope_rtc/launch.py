@@ -139,16 +139,15 @@ RECENT_SETS = 16
 
 # Launcher.launch takes a graph node for launches of at most this many threads (decode-sized:
 # the host's cost is the call's cost); larger ones, whose GPU time hides the host's, take
-# cuLaunchKernel: with every launch through the node, one-call prefill at 67 MB fell 1-3 points
-# behind the plan, where with cuLaunchKernel it had been level or ahead (docs/performance.md).
+# cuLaunchKernel, which keeps one-call prefill level with the plan's (the node made it slower on
+# mid-sized launches; docs/design.md, "Launcher").
 GRAPH_NODE_THREADS = 1 << 16
 
 # A plan's argument set is replayed from a graph only for launches of fewer than this many
-# threads. A graph launch costs the GPU about 0.3 µs more than a kernel launched into the stream:
-# at 67 MB a plan measured 1.5-2 points of a copy faster with cuLaunchKernel than replayed
-# (docs/performance.md). From 2^20 threads a launch moves 32 MB or more (8 µs or more of GPU
-# time), which hides cuLaunchKernel's host time (5-8 µs a call); below, a loop of launches can be
-# host-bound, and replay keeps the host's share small.
+# threads. A graph launch costs the GPU a little more than a kernel launched into the stream,
+# which shows on mid-sized launches. From 2^20 threads a launch moves 32 MB or more, whose GPU
+# time hides cuLaunchKernel's host time; below, a loop of launches can be host-bound, and replay
+# keeps the host's share small (docs/design.md, "Launcher").
 REPLAY_THREADS = 1 << 20
 
 
@@ -265,7 +264,8 @@ class Launcher:
     argument block's values change (a plan's :class:`~rope_rtc.prepared.Call`). The second launch of a token
     (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node CUDA
     graph; that launch and later ones of the token replay it, because ``cudaGraphLaunch`` of a
-    one-node graph costs the host less than ``cuLaunchKernel`` (docs/performance.md). A graph
+    one-node graph costs the host less than ``cuLaunchKernel`` (the benchmark's host section
+    measures both; docs/design.md). A graph
     cannot be launched into a stream that is being captured, so a capturing stream always gets
     ``cuLaunchKernel`` (which the capture records), and so does a launch of ``REPLAY_THREADS``
     threads or more (its GPU time hides the host's, and a graph launch costs the GPU more). ``RECENT_SETS`` graphs at most, the
@@ -347,9 +347,9 @@ class Launcher:
         one-node graph per prefix and stream (launches of one graph exec wait for each other
         whatever their streams): its node takes the block's values
         (``cuGraphExecKernelNodeSetParams``, which copies them) and the graph is launched. The two
-        calls cost the host about a microsecond less than one ``cuLaunchKernel``
-        (docs/performance.md). A capturing stream, and a larger launch, get ``cuLaunchKernel``
-        (which a capture records)."""
+        calls cost the host less than one ``cuLaunchKernel`` (``benchmarks/probes/one_call_cost.py``
+        times both). A capturing stream, and a larger launch, get ``cuLaunchKernel`` (which a
+        capture records)."""
         if self._check_device and self._get_device() != self.device:
             self(prefix, handle)
             return
@@ -527,8 +527,9 @@ def allocate(shape: tuple, dtype, device: int, stream: int, current: bool = Fals
     nothing but this cache references (no view, no alias made from its pointer, no weak
     reference) is handed out again instead of a new one. That is the reuse the pool would make of
     the same memory once it is freed (in the order of the same stream), without the pool's
-    allocation, array construction and free: about 3 µs of host time per output on the H200 host
-    (docs/performance.md). The default pool lives as long as the process, so a kept output's
+    allocation, array construction and free, a large share of an allocating call's host time
+    (``benchmarks/probes/one_call_cost.py`` times ``cupy.empty``). The default pool lives as long
+    as the process, so a kept output's
     memory stays valid; under any other allocator (``set_allocator``, ``using_allocator``: a pool
     of the caller's that may be freed, or plain ``cudaMalloc``) nothing is kept.
     :func:`release_outputs` drops the calling thread's."""
@@ -685,9 +686,8 @@ def empty(shape: tuple, dtype):
     """``cupy.empty(shape, dtype)`` on the current device and stream, from the current allocator
     (``cupy.cuda.get_allocator()``: the default pool, or what the caller set with
     ``cupy.cuda.set_allocator`` / ``using_allocator``), without ``cupy.empty``'s Python layer:
-    the allocator's memory wrapped as a C-contiguous array. 0.9 µs less per output in a tight
-    loop on the H200 host, about 0.5 µs with work queued (docs/performance.md); an empty shape
-    takes ``cupy.empty`` itself."""
+    the allocator's memory wrapped as a C-contiguous array, cheaper on the host than
+    ``cupy.empty``; an empty shape takes ``cupy.empty`` itself."""
     if not _EMPTY:
         _import_empty()
     nd, get_allocator, cupy_empty, _ = _EMPTY[0]

@@ -372,8 +372,8 @@ class Prepared:
                     # Written for this call alone, and the launcher gets no token for it: a graph
                     # node takes the block, as for the one-call functions. No call is the last one
                     # now (the block no longer holds the last call's values): the same arrays
-                    # again are a set seen again, bound and remembered. A Call recorded here (and
-                    # the shapes it keeps) cost 0.6-0.9 µs of the device host's time per call.
+                    # again are a set seen again, bound and remembered. No Call is recorded here:
+                    # one (and the shapes it keeps) would cost every such call host time.
                     self.last = None
                     self.launcher.launch_on(prefix, stream)
                     return quick[1](arrays)

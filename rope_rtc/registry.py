@@ -1,8 +1,10 @@
 """Every kernel specialisation rope_rtc can build, as one enumerable list.
 
 A :class:`KernelSpec` names a source file, its compile-time defines and the ``extern "C"``
-entry points it provides. ``rope-rtc warm`` compiles ``all_specs()``; the API modules build
-their specs with the functions here, so what is warmed is exactly what is launched.
+entry points it provides. ``rope-rtc warm`` compiles ``warm_specs()``: ``all_specs()`` without
+the demo's and the benchmark's kernels (``DEMO_FAMILIES``), which compile where they are used.
+The API modules build their specs with the functions here, so what is warmed is exactly what
+is launched.
 """
 
 from __future__ import annotations
@@ -43,13 +45,19 @@ def blog_spec() -> KernelSpec:
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))
 
 
+#: Families that only ``rope-rtc demo`` and the benchmark launch (rope_rtc.blog). A production
+#: cache never needs them, so ``warm`` leaves them out unless ``--kernels`` names them; the demo
+#: and the benchmark compile them on first use.
+DEMO_FAMILIES = frozenset({"blog"})
+
+
 def rope_head_batch(interleaved: bool, small: bool = False, heads_inner: bool = True) -> int:
     """Heads one thread of the general kernel rotates (ROPE_HEAD_BATCH).
 
     Small launches (decode) are latency-bound and fastest with one head per thread. Prefill:
     half-split pairs gain from sharing the table slice and the index arithmetic across 2 heads;
     interleaved pairs gain from 4 heads when tokens are the denser axis (bhsd) but lose against
-    1 head when heads are (bshd, thd). The measurements are in docs/performance.md.
+    1 head when heads are (bshd, thd).
     """
     if small or (interleaved and heads_inner):
         return 1
@@ -178,9 +186,9 @@ class NormGeometry:
              ("NORM_HB", str(self.head_batch)), ("NORM_STAGED", str(int(self.staged)))))
 
 
-# Threads from which a fused QK-norm launch takes the staged build: at Qwen3-8B's heads it
-# measured 1.5-3 points of a copy faster from 4096 tokens (2^18.3 threads), level at 2048 and
-# slower below (the trip through shared memory lengthens a small launch; docs/performance.md).
+# Threads from which a fused QK-norm launch takes the staged build: at Qwen3-8B's heads it is
+# faster from about 4096 tokens (2^18.3 threads), level at 2048 and slower below, where the trip
+# through shared memory lengthens a small launch.
 NORM_STAGED_THREADS = 2**18
 
 
@@ -204,8 +212,7 @@ def norm_builds(dtype: str, interleaved: bool, q_heads: int, k_heads: int, head_
 
 def norm_head_batch(q_heads: int, k_heads: int) -> int:
     """Heads one lane group of the fused QK-norm kernel handles: the largest of 4, 2, 1 dividing
-    both head counts (the position, table slice and weights are read once per group;
-    docs/performance.md)."""
+    both head counts (the position, table slice and weights are read once per group)."""
     return next(hb for hb in (4, 2, 1) if q_heads % hb == 0 and k_heads % hb == 0)
 
 
@@ -231,8 +238,8 @@ def norm_vector_widths(dtype: str, interleaved: bool, head_dim: int, rotary_offs
 
 
 # Bytes per access of the specialised build: half-split pairs read two vectors per thread and
-# measured fastest at 8 bytes each (2-byte types and FP32 alike); interleaved pairs at 16 bytes
-# (docs/performance.md).
+# are fastest at 8 bytes each (2-byte types and FP32 alike), 16 bytes per thread as interleaved
+# pairs' one 16-byte vector (benchmarks/probes/fixed_sweep.py sweeps the width).
 def fixed_vector_bytes(dtype: str, interleaved: bool) -> int:
     if dtype not in ITEMSIZE:
         raise ValueError(f"dtype {dtype!r} has no kernel; supported: {sorted(DTYPE_CODES)}")
@@ -253,14 +260,13 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
         return None
     order = 1 if tokens_denser else 0
     # One head per thread, but two for 16-bit half-split pairs where a warp walks one head's rows
-    # (bhsd). Measured in bhsd at S=4096 and 16384: one head is 0.7-2.4 points faster for FP32 and
-    # for interleaved pairs (2.4 for bf16 at S=16384), two are level with it for 16-bit half-split
-    # pairs (docs/performance.md).
+    # (bhsd): there two share the table slice at no cost, where for FP32 and interleaved pairs a
+    # second head per thread is slower (benchmarks/probes/fixed_sweep.py).
     hb = 2 if (order == 1 and ITEMSIZE[dtype] == 2 and not interleaved and q_heads % 2 == 0
                and k_heads % 2 == 0) else 1
-    # The position scheme is compile-time (the index load issues first: decode 0.16-0.2 µs faster,
-    # half-split prefill 1-3 points), but for bf16 interleaved pairs in bhsd order, which measured
-    # 5 points slower with it where fp16 gained 0.7 (docs/performance.md): they read it from the block.
+    # The position scheme is compile-time, so the index load issues first (faster at decode and on
+    # half-split prefill), but for bf16 interleaved pairs in bhsd order, which are slower with it
+    # (benchmarks/probes/fixed_sweep.py): they read it from the block.
     if dtype == "bfloat16" and interleaved and order == 1:
         pos_mode = -1
     return FixedGeometry(dtype, bool(interleaved), q_heads, k_heads, head_dim, rotary_offset, rotary_dim, vec, hb,
@@ -281,7 +287,7 @@ def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, sma
     launches such as decode. ``gathered``: interleaved sections whose block gathers its tokens'
     merged rows in shared memory first (token-major order, cuda_src/rope_fixed.cu): two heads on
     prefill, one on small launches (twice the threads share the gather's wait at decode).
-    Measured (docs/performance.md); always a divisor of both head counts."""
+    Always a divisor of both head counts."""
     if gathered:
         want = 1 if small else 2
     else:
@@ -313,8 +319,8 @@ ANGLE_MODES = {"float64": 1, "float32": 2}
 def angle_head_batch(q_heads: int, k_heads: int, small: bool) -> int:
     """Heads per thread of a build that computes its angles: the cos/sin of a thread's pairs
     cost about twenty float64 operations each, shared by the thread's heads, so prefill takes up
-    to 4 heads per thread (measured above 2 and 8: docs/performance.md); small launches (decode)
-    one. Always a divisor of both head counts."""
+    to 4 heads per thread (faster than 2 and 8); small launches (decode) one. Always a divisor
+    of both head counts."""
     want = 1 if small else 4
     while want > 1 and (q_heads % want or k_heads % want):
         want //= 2
@@ -327,8 +333,7 @@ def angle_geometries(dtype: str, interleaved: bool, q_heads: int, k_heads: int, 
     for small launches and large ones (their heads per thread differ). Empty when the window is
     not a whole number of vectors. The small launches' build compiles in the position scheme
     ``pos_mode`` (-1: read from the block), so that its index load is issued first, as the table
-    builds' is; the large one reads it from the block: with it fixed a full run measured prefill
-    at 93.9% of a copy (96.6-96.8% without; docs/performance.md)."""
+    builds' is; the large one reads it from the block, which is faster on prefill."""
     g = fixed_geometry(dtype, interleaved, q_heads, k_heads, head_dim, rotary_offset, rotary_dim, tokens_denser)
     if g is None:
         return []
@@ -376,9 +381,9 @@ CACHE_KIND_NAMES = {0: "the input dtype", 1: "fp8_e4m3", 2: "fp8_e5m2"}
 def cache_head_batch(q_heads: int, k_heads: int, dtype: str, interleaved: bool, vec: int) -> int:
     """Heads one thread of the fused RoPE + cache-write kernel handles (KV_HB): 2 where one head's
     share of a thread (a vector, or a vector of each half for half-split pairs) is at most 16
-    bytes and both head counts are even, else 1. Prefill measured fastest with about 32 bytes of
-    q/k in flight per thread: 8-byte halves (half-split) and 16-byte vectors (interleaved) with 2
-    heads, FP32 half-split 16-byte halves with 1 as fast as 8-byte ones with 2 (docs/performance.md)."""
+    bytes and both head counts are even, else 1. Prefill is fastest with about 32 bytes of q/k in
+    flight per thread: 8-byte halves (half-split) and 16-byte vectors (interleaved) with 2 heads;
+    FP32 half-split 16-byte halves with 1 head are as fast as 8-byte ones with 2."""
     unit = vec * ITEMSIZE[dtype] * (1 if interleaved else 2)
     return 2 if unit <= 16 and q_heads % 2 == 0 and k_heads % 2 == 0 else 1
 
@@ -387,9 +392,8 @@ def cache_vector_widths(dtype: str, interleaved: bool, kind: int = 0) -> tuple[i
     """Elements per access of the fused RoPE + cache-write kernel, in order of preference. Cache
     entries of the input dtype (``kind`` 0): the specialised build's width first (8-byte halves
     for half-split pairs measured fastest here too, or as fast), then the others, widest first.
-    FP8 entries: widest first, so an entry store is as wide as it can be (8-byte entry stores, one
-    head per thread, measured 95.8% of a copy on bf16 prefill where 4-byte ones with two heads
-    reached 94.4%: docs/performance.md)."""
+    FP8 entries: widest first, so an entry store is as wide as it can be (wide entry stores with
+    one head per thread beat narrower ones with two heads on prefill)."""
     widths = rope_vector_widths(dtype, interleaved)
     if kind:
         return widths
@@ -420,6 +424,7 @@ def tail_spec(heads: int, dim: int) -> KernelSpec:
 
 
 def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSpec]:
+    """Every registered specialisation: the library's (:func:`warm_specs`) and the demo's."""
     specs = [blog_spec()]
     for dtype in DTYPE_CODES:
         for interleaved in (False, True):
@@ -431,3 +436,9 @@ def all_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSp
                 specs += [s for s in model_fixed_specs(dtype, interleaved, hq, hk, 128, 128) if s not in specs]
     specs += [tail_spec(h, d) for d in TAIL_DIMS for h in sorted(set(tail_heads))]
     return specs
+
+
+def warm_specs(tail_heads: tuple[int, ...] = DEFAULT_TAIL_HEADS) -> list[KernelSpec]:
+    """What ``rope-rtc warm`` compiles by default: every registered specialisation the library
+    launches, none of ``DEMO_FAMILIES``."""
+    return [s for s in all_specs(tail_heads) if s.family not in DEMO_FAMILIES]

@@ -31,7 +31,7 @@ USE_FIXED = True
 # serves every call (the tests run both).
 USE_DENSE = True
 # Specialised launches with fewer threads than this use blocks of FIXED_SMALL_BLOCK (decode:
-# more SMs share the few warps); others FIXED_BLOCK (docs/performance.md).
+# more SMs share the few warps); others FIXED_BLOCK (benchmarks/probes/fixed_sweep.py).
 FIXED_SMALL_THREADS = 2**14
 FIXED_BLOCK, FIXED_SMALL_BLOCK = 256, 128
 
@@ -232,16 +232,16 @@ def dense_strides(req: Request, order: int) -> tuple[int, int, int, int] | None:
 
 
 # bhsd launches of this many threads or more (32 MB moved and up) keep the strided build: there
-# the dense one measured 0.4-2.5 points of a copy slower on prefill, where token-major prefill is
-# level and every launch of a few MB or less is faster (docs/performance.md).
+# the dense one is slower on prefill, where token-major prefill is level and every launch of a few
+# MB or less is faster (benchmarks/probes/fixed_sweep.py).
 DENSE_BHSD_THREADS = 2**20
 
 
 def with_dense(req: Request, g: FixedGeometry) -> FixedGeometry:
     """``g`` as its dense build when every array of the call is dense for its thread order (the
     argument block's first two lines then hold what the kernel reads for the common position
-    schemes: small launches measured 0.02-0.08 µs faster, docs/performance.md), but for large
-    bhsd launches."""
+    schemes, which small launches wait for less; cuda_src/fixed_params.cuh), but for large bhsd
+    launches."""
     if not USE_DENSE or (g.order == 1 and fixed_threads(req, g) >= DENSE_BHSD_THREADS):
         return g
     return replace(g, dense=True) if dense_strides(req, g.order) is not None else g
@@ -324,8 +324,7 @@ def token_tile(req: Request, units: int) -> int:
     order. When tokens are (bhsd), TILE_THREADS // units tokens: a warp reads consecutive rows
     of one head (one contiguous run), and the block's other warps, on other heads, find the
     same cos/sin rows in L1. This order keeps its rate at every sequence length, where walking
-    each head's tokens end to end (a tile of every token) falls behind on long sequences
-    (docs/performance.md).
+    each head's tokens end to end (a tile of every token) falls behind on long sequences.
     """
     if not tokens_denser(req):
         return 1

@@ -417,8 +417,9 @@ class _RopeOp(Op):
         """The one-call functions' generated repeat path of ``template`` for ``arrays``' signature
         (``_RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
         takes the same checks and block write as ``apply_rope_qk``, where a bind, a remembered
-        set and a token the launcher has never seen cost it about 1.5 times as much on the host
-        (docs/performance.md). None where the template has none (no specialised build) or CuPy
+        set and a token the launcher has never seen cost it more on the host
+        (``benchmarks/probes/plan_new_arrays_cost.py``). None where the template has none (no
+        specialised build) or CuPy
         does not expose its contiguity flag."""
         return generated_quick_path(template, arrays, _RopeTemplate)
 

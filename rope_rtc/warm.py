@@ -1,4 +1,4 @@
-"""Offline cache warming: compile every registered kernel for a list of architectures.
+"""Offline cache warming: compile every kernel the library launches for a list of architectures.
 
 A build machine needs no GPU: NVRTC runs on the CPU, and each binary goes through the same
 lifecycle a first call would use (:func:`rope_rtc.build.get_binary`), so what is warmed is
@@ -177,11 +177,13 @@ def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
 
 def select_specs(tail_heads: Sequence[int] = registry.DEFAULT_TAIL_HEADS,
                  kernels: Sequence[str] | None = None) -> list[KernelSpec]:
-    """The registry's specs, optionally only those whose name or family matches a glob in ``kernels``."""
+    """The registry's specs for a production cache (``registry.warm_specs``: no demo or benchmark
+    kernel), or, given ``kernels``, every registered spec whose name or family matches a glob in
+    it (so ``--kernels blog`` still reaches the demo's kernels)."""
     heads = tuple(int(h) for h in tail_heads)
     if not heads or any(h <= 0 for h in heads):
         raise ValueError(f"tail_heads must be positive head counts, got {list(tail_heads)}")
-    specs = registry.all_specs(heads)
+    specs = registry.all_specs(heads) if kernels else registry.warm_specs(heads)
     if kernels:
         specs = list(filter(_selects(kernels), specs))
         if not specs:
@@ -270,7 +272,8 @@ def warm(
     progress: bool = True,
     specs: Sequence[KernelSpec] | None = None,
 ) -> WarmReport:
-    """Compile every registered kernel for each architecture in ``archs`` into the disk cache.
+    """Compile the library's kernels (``registry.warm_specs``) for each architecture in ``archs``
+    into the disk cache.
 
     Parameters
     ----------
@@ -285,7 +288,8 @@ def warm(
         Head counts to build the tail kernel for (it specialises on H).
     kernels
         Only specs whose name or family matches one of these patterns (``*`` and ``?`` are
-        wildcards, brackets are literal), e.g. ``["tail", "rope[ROPE_DTYPE=2,*"]``.
+        wildcards, brackets are literal), e.g. ``["tail", "rope[ROPE_DTYPE=2,*"]``; matched
+        against every registered spec, the demo's ``blog`` kernels included.
     progress
         Show a progress bar on a terminal.
     specs

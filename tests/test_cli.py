@@ -526,7 +526,7 @@ def test_demo_under_no_compile_prints_one_line_per_failure_class(capsys, tmp_pat
     from rope_rtc import demo
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
-    rc = demo.main(["--cache-dir", str(tmp_path / "c")])
+    rc = demo.main(["--warm", "--cache-dir", str(tmp_path / "c")])
     out, err = capsys.readouterr()
     assert rc == 1
     assert "WarmFailure" not in out + err and "FAILED: WarmFailure" not in out
@@ -724,20 +724,22 @@ def test_a_relative_cache_dir_option_is_refused_as_the_variable_is(capsys, monke
 
 # -- demo --arch --------------------------------------------------------------------------------------
 
-def test_demo_passes_arch_and_no_warm_to_the_demo(capsys, monkeypatch):
-    seen = {}
+def test_demo_passes_arch_and_warm_to_the_demo(capsys, monkeypatch):
+    seen = []
     demo = types.ModuleType("rope_rtc.demo")
-    demo.main = lambda args: seen.setdefault("args", args) and None
+    demo.main = lambda args: seen.append(args) and None
     monkeypatch.setitem(sys.modules, "rope_rtc.demo", demo)
-    assert cli.main(["demo", "--arch", "sm_80", "--no-warm"]) == 0
-    assert seen["args"].arch == "sm_80" and seen["args"].no_warm is True
+    assert cli.main(["demo", "--arch", "sm_80", "--warm"]) == 0
+    assert seen[-1].arch == "sm_80" and seen[-1].warm is True
+    assert cli.main(["demo", "--no-warm"]) == 0 and seen[-1].warm is False
+    assert cli.main(["demo"]) == 0 and seen[-1].warm is False, "the demo warms only when asked"
     rc, _, err = run_main(capsys, "demo", "--arch", "volta")
     assert rc == 2 and "--arch" in err and "not an architecture" in err, err
 
 
 def test_demo_without_a_gpu_warms_the_arch_given(capsys, tmp_path, monkeypatch, no_device):
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")  # the check is enough: which arch it looked for
-    rc, out, err = run_main(capsys, "demo", "--arch", "sm_80", "--cache-dir", str(tmp_path / "c"))
+    rc, out, err = run_main(capsys, "demo", "--warm", "--arch", "sm_80", "--cache-dir", str(tmp_path / "c"))
     assert rc == 1, out + err
     assert "warming the kernel cache for sm_80" in out and "--arch sm_80" in out, out
     assert "sm_90" not in out, out

@@ -393,9 +393,7 @@ def test_text_tokens_with_one_position_in_the_three_streams(interleaved_sections
     """Text tokens (temporal == height == width: a generation step's positions) among vision
     tokens: a leading run of text tokens (whole blocks of them), a single vision token among text
     ones, a text token past the table (NaN on every pair), at decode and prefill sizes: the same
-    bits as the kernel-arithmetic reference everywhere, outputs poisoned first. (A build that
-    reads such tokens' rows directly, skipping the gather, was measured and not kept:
-    docs/performance.md, "Text tokens, tried".)"""
+    bits as the kernel-arithmetic reference everywhere, outputs poisoned first."""
     import cupy as cp
 
     import rope_rtc

@@ -210,3 +210,54 @@ if __name__ == "__main__":  # python tests/test_import.py: every cycle of the li
         print("module-level imports" if only else "every import (functions' too)")
         for cycle in import_cycles(import_graph(module_level_only=only)) or [["none"]]:
             print("  " + " <-> ".join(cycle))
+
+# The benchmark's entry point (``rope-rtc bench``, ``python -m rope_rtc.bench``): part of the
+# benchmark, kept beside the library only so that its module name is short.
+BENCHMARK_ENTRY_POINTS = {"rope_rtc/bench.py"}
+
+
+def _imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a module of the rope_rtc package."""
+    import ast
+
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((node.lineno, name))
+            # ``from . import benchmark`` names the package in the alias.
+            found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_no_library_module_imports_the_benchmark():
+    """The dependency points one way: the benchmark imports the library, never the reverse, so the
+    library (and the demo) run where the benchmark's modules are absent or broken."""
+    offenders = []
+    for path in sorted((REPO / "rope_rtc").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("rope_rtc/benchmark/") or rel in BENCHMARK_ENTRY_POINTS:
+            continue
+        for line, name in _imported_modules(path):
+            if name == "rope_rtc.benchmark" or name.startswith("rope_rtc.benchmark."):
+                offenders.append(f"{rel}:{line} imports {name}")
+    assert not offenders, "library modules import the benchmark:\n" + "\n".join(offenders)
+
+
+def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path, monkeypatch):
+    sample = REPO / "rope_rtc" / "demo.py"
+    names = {name for _, name in _imported_modules(sample)}
+    assert "rope_rtc.measure" in names and "rope_rtc.rope" in names  # relative imports resolved
+    fake = tmp_path / "rope_rtc" / "sub" / "mod.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from .. import benchmark\nfrom ..benchmark.runner import x\nimport rope_rtc.benchmark.cli\n")
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    names = {name for _, name in _imported_modules(fake)}
+    assert {"rope_rtc.benchmark", "rope_rtc.benchmark.runner", "rope_rtc.benchmark.cli"} <= names

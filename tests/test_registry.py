@@ -162,3 +162,38 @@ def test_headers_are_followed_transitively_and_cycles_end(monkeypatch):
     before = build.spec_key(spec, Target(90))
     _set_sources(monkeypatch, {**files, "b.cuh": files["b.cuh"] + b"// edited two levels down\n"})
     assert build.spec_key(spec, Target(90)) != before
+
+
+# -- what `rope-rtc warm` compiles ---------------------------------------------------------------
+
+def test_default_warm_selection_holds_no_demo_or_benchmark_kernel():
+    """The blog's kernels serve the demo and the benchmark only: a production cache warmed with
+    the defaults holds none of them (they compile where they are used)."""
+    from rope_rtc.warm import select_specs
+
+    families = {s.family for s in select_specs()}
+    assert "blog" not in families
+    assert families >= {"rope", "rope_fixed", "tail"}
+    assert all(s.family not in registry.DEMO_FAMILIES for s in registry.warm_specs())
+    # Still registered, and still reachable by naming them.
+    assert sum(s.family == "blog" for s in registry.all_specs()) == 1
+    assert [s.family for s in select_specs(kernels=["blog"])] == ["blog"]
+
+
+def test_a_model_warm_holds_no_blog_kernel():
+    from rope_rtc.model import from_config
+
+    model = from_config({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+                                   "num_key_value_heads": 8, "torch_dtype": "bfloat16"})
+    assert all(s.family != "blog" for s in model.specs())
+
+
+def test_cache_verify_still_recognises_a_blog_entry():
+    """`rope-rtc cache verify` maps an entry to its build by name and key, not through the warm
+    list, so a blog entry the demo or the benchmark compiled is still known."""
+    from rope_rtc.warm import build_of
+
+    spec, target = registry.blog_spec(), Target(90)
+    found = build_of(spec.name, build.spec_key(spec, target), target)
+    assert found is not None
+    assert (found[0].family, found[0].source, found[0].defines, found[1]) == ("blog", spec.source, (), target)

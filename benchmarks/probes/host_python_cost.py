@@ -1,8 +1,8 @@
 """The host layer's own cost per call, on any machine (no GPU needed): the one-call functions and
 the plans with new arrays of a seen signature, driven on fake device arrays (tests/fakes.py) with
 the launch stubbed out, so the figures are the Python work of the checks and the block writes
-alone, without the driver's launch. The figures on docs/performance.md's host-cost tables marked
-"launch stubbed out" come from this probe.
+alone, without the driver's launch: the part of a call's host time that is rope_rtc's own
+(docs/performance.md, "Host cost").
 
 From the repository root:
 

@@ -9,7 +9,7 @@ Prints microseconds per call: the median of 7 tight loops of 20000 calls of an e
 kernel through each path, then of the plans' execute() on decode-sized arrays. A tight loop
 measures the host only while each launch takes the GPU less time than the host takes to issue it;
 the host times the product reports come from the benchmark, which queues its calls behind a held
-GPU (docs/performance.md, "How it is measured").
+GPU (docs/performance.md, "How the benchmark measures").
 """
 import ctypes
 import statistics

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..measure import CopyRunner
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
 from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
@@ -117,20 +118,6 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
     if small:
         t["host"] = clock.host(runner_fns[:1])
     return t
-
-
-class CopyRunner:
-    """Device-to-device copies moving ``moved`` bytes (half read, half written), n buffer sets."""
-
-    def __init__(self, cp, stream, moved: int, n: int) -> None:
-        self.half = max(moved // 2, 16)
-        stride = -(-self.half // 256) * 256
-        self.slab = cp.random.RandomState(1).standard_normal(size=(2 * n * stride) // 4, dtype=cp.float32)
-        base = self.slab.data.ptr
-        copy = cp.cuda.runtime.memcpyAsync
-        kind = cp.cuda.runtime.memcpyDeviceToDevice
-        self.pairs = [(base + 2 * i * stride, base + (2 * i + 1) * stride) for i in range(n)]  # (src, dst)
-        self.fns = [partial(copy, dst, src, self.half, kind, stream.ptr) for src, dst in self.pairs]
 
 
 def _bench_kernels(device: int):
@@ -440,9 +427,8 @@ def run_host_processes(args: argparse.Namespace, skips: list, n: int = HOST_PROC
     ``--cases host`` with ``HOST_CHILD_ENV`` set); per row, the figures of the process with the
     median time, and every process's time beside them (``processes_us``).
 
-    Why processes: on the device host the same rows, their samples taken in turns, measured
-    about 1.8x slower in one process than in the next (docs/performance.md), so one process's
-    figures were a draw."""
+    Why processes: on a shared host the same rows, their samples taken in turns, can run much
+    slower in one process than in the next, so one process's figures are a draw."""
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p))
     env[HOST_CHILD_ENV] = "1"

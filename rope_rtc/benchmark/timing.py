@@ -63,8 +63,8 @@ class Clock:
         """GPU seconds of the calls of ``seq``, after an untimed call of ``lead``: the GPU works on
         the lead call while the start event and the first timed calls are issued, so the window
         holds the calls' GPU time and not the host latency of the first call after a
-        synchronisation (8-25 µs for a one-call function on the H200 host, against 4-7 µs for
-        ``RopePlan.execute``: a point of a copy at 2 ms bursts; docs/performance.md)."""
+        synchronisation, which is longer for a one-call function than for ``RopePlan.execute``
+        and would otherwise fall on the slower-to-issue call alone."""
         cp = self.cp
         start, end = cp.cuda.Event(), cp.cuda.Event()
         lead()
