@@ -565,7 +565,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 # -- parser ----------------------------------------------------------------------------------
 
-WARM_DESCRIPTION = ("Compile every registered kernel specialisation for each --arch into the disk cache "
+WARM_DESCRIPTION = ("Compile every registered kernel specialisation (the blog's demo kernels only when --kernels "
+                    "names them) for each --arch into the disk cache "
                     "(no GPU needed). Entries already present and valid are left as they are. Under "
                     "ROPE_RTC_NO_COMPILE=1 only check, read-only, that the cache holds them all: exit 1 "
                     "listing those missing.")
