@@ -4,8 +4,8 @@ general API without a copy:
 - one float32 ``cos_sin_cache`` of shape ``[max_position, rotary_dim]``, cos in the first half
   of each row and sin in the second, becomes two strided views (``cos``, ``sin``) of the same
   buffer (row stride ``rotary_dim``; the kernels read any row stride);
-- flat q/k of shape ``[T, H * D]`` with ``layout="thd"`` and ``head_dim=D`` become ``[T, H, D]``
-  views of the same memory.
+- flat q/k of shape ``[T, H * D]`` with ``head_dim=D`` (and no layout, or ``layout="thd"``) become
+  ``[T, H, D]`` views of the same memory.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def head_dim_of(x, head_dim, layout):
     return None
 
 
-def unflatten_heads(x, head_dim, layout: str, name: str):
+def unflatten_heads(x, head_dim, layout: str | None, name: str):
     """``x`` of shape ``[T, H * head_dim]`` as a ``[T, H, head_dim]`` view (``head_dim=None``:
     ``x`` unchanged). ``ValueError`` when it cannot be a view of the same memory."""
     if head_dim is None or x is None:
@@ -161,8 +161,9 @@ def unflatten_heads(x, head_dim, layout: str, name: str):
     if head_dim <= 0:  # a value, as for rotary_dim
         raise ValueError(f"head_dim: expected a positive int, got {head_dim!r}")
     head_dim = int(head_dim)
-    if layout != "thd":
-        raise ValueError(f"head_dim: flat [T, H * head_dim] arrays take layout='thd', got layout={layout!r}")
+    if layout is not None and layout != "thd":  # None: the arrays' rank decides, and [T, H, D] is thd
+        raise ValueError(f"head_dim: flat [T, H * head_dim] arrays take layout='thd' (or no layout), got "
+                         f"layout={layout!r}")
     shape = shape_of(x, name)
     if shape is None:
         raise TypeError(f"{name}: expected an array, got {type(x).__name__}")

@@ -86,7 +86,8 @@ def worked_example() -> int:
 
     cos, sin = rope_tables(WORKED_POSITION + 1, WORKED_DIM, base=WORKED_BASE)
     x = np.asarray(WORKED_X, np.float32).reshape(1, 1, 1, WORKED_DIM)
-    out = apply_rope(x, cos, sin, offset=WORKED_POSITION, interleaved=True, backend="numpy").reshape(-1)
+    out = apply_rope(x, cos, sin, offset=WORKED_POSITION, interleaved=True, layout="bshd",
+                     backend="numpy").reshape(-1)
     diff = float(np.max(np.abs(out.astype(np.float64) - np.asarray(WORKED_EXPECTED))))
     good = diff <= WORKED_TOLERANCE
     print(f"\nthe blog's worked example: d={WORKED_DIM}, base={WORKED_BASE:g}, position m={WORKED_POSITION}, "

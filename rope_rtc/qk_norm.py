@@ -88,9 +88,9 @@ def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
 
 
 def validate_qk_norm(q, k, q_weight, k_weight, cos, sin, *, eps, numerics: str, positions=None, offset=0,
-                     cu_seqlens=None, layout: str = "bshd", interleaved: bool = False, rotary_dim: int | None = None,
-                     rotary_offset: int = 0, inverse: bool = False, q_out=None, k_out=None,
-                     names: tuple[str, str] = ("q", "k")):
+                     cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
+                     rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
+                     k_out=None, names: tuple[str, str] = ("q", "k")):
     """Every check of a fused QK-norm call, before anything is launched or written. Returns
     ``(request, q_weight info, k_weight info, build, eps as float32)``."""
     eps32 = check_norm_options(eps, numerics)
@@ -278,7 +278,7 @@ class QKNormRopePlan(RopePlan):
     CUDA graph)."""
 
     def __init__(self, q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
-                 positions=None, offset=0, cu_seqlens=None, layout: str = "bshd", interleaved: bool = False,
+                 positions=None, offset=0, cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
                  rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
                  k_out=None, device: int | None = None) -> None:
         _, qw, _, _, self.eps = validate_qk_norm(
@@ -327,7 +327,7 @@ _local = threading.local()
 
 
 def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
-                       positions=None, offset=0, cu_seqlens=None, layout: str = "bshd", interleaved: bool = False,
+                       positions=None, offset=0, cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
                        rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
                        k_out=None, stream=None):
     """RMSNorm each q and k head over the head dim, scale by its weight, then rotate: one launch.
@@ -358,7 +358,7 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     if k is None:
         raise TypeError("k: expected an array (the fused norm rotates q and k together)")
     options = (layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics)
-    plain = (type(layout) is str and type(interleaved) is bool and type(inverse) is bool
+    plain = ((layout is None or type(layout) is str) and type(interleaved) is bool and type(inverse) is bool
              and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
              and type(eps) in (float, int) and type(numerics) is str)
     last = getattr(_local, "last", None)

@@ -205,7 +205,7 @@ def _plain(opts: tuple) -> bool:
     layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
     return ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
             and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
-            and type(layout) is str and (attention is None or type(attention) is float))
+            and (layout is None or type(layout) is str) and (attention is None or type(attention) is float))
 
 
 def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views: tuple, head_dim,
@@ -471,7 +471,7 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
     return returned[0], returned[1]
 
 
-def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
+def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str | None = None,
                   interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                   inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto",
                   cos_sin_cache=None, head_dim: int | None = None, inv_freq=None,
@@ -492,9 +492,9 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         the first half of each row and sin in the second (vLLM's, SGLang's and FlashInfer's
         ``cos_sin_cache``; :func:`rope_rtc.tables.cos_sin_cache` builds one). Read in place, no copy.
     head_dim : int, optional
-        With ``layout="thd"``: q and k (and given outputs) may be flat ``[T, H * head_dim]``, as
-        engines keep them; they are viewed as ``[T, H, head_dim]`` without a copy, and allocated
-        outputs are returned flat.
+        With ``layout="thd"`` or no layout: q and k (and given outputs) may be flat
+        ``[T, H * head_dim]``, as engines keep them; they are viewed as ``[T, H, head_dim]`` without
+        a copy, and allocated outputs are returned flat.
     inv_freq : array, optional
         Instead of tables: the inverse frequencies ``[rotary_dim // 2]``
         (:func:`rope_rtc.inverse_frequencies`), and the kernel computes each token's cos and sin.
@@ -517,7 +517,12 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         different cache lengths). With ``cu_seqlens``, the per-sequence start of the restarted positions.
     cu_seqlens : int array ``[B + 1]``, optional
         ``layout="thd"`` only: sequence boundaries of packed tokens ``[0, ..., T]``; positions restart at each.
-    layout : {"bshd", "bhsd", "sbhd", "thd"}
+    layout : {"bshd", "bhsd", "sbhd", "thd"}, optional
+        The axes of q and k: ``"bshd"`` ``[B, S, H, D]`` (vLLM, FlashInfer, most engines), ``"bhsd"``
+        ``[B, H, S, D]`` (torch and Hugging Face attention), ``"sbhd"`` ``[S, B, H, D]``, ``"thd"``
+        ``[T, H, D]`` (packed tokens). Omitted: a 3-d array (or a flat one with ``head_dim``) is
+        ``"thd"``; a 4-d array raises ValueError, since its shape cannot tell ``[B, S, H, D]`` from
+        ``[B, H, S, D]`` and reading one as the other gives wrong values.
     interleaved : bool
         ``False``: half-split pairs ``(x[i], x[i + r/2])`` — GPT-NeoX, Hugging Face ``rotate_half``,
         vLLM ``is_neox_style=True``. ``True``: adjacent pairs ``(x[2i], x[2i+1])`` — RoFormer, GPT-J,
@@ -592,7 +597,7 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
             k_out if k_out is not None else flatten_like(ko, flat_k))
 
 
-def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
+def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str | None = None,
                interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                inverse: bool = False, out=None, stream=None, backend: str = "auto", cos_sin_cache=None,
                head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None):

@@ -75,10 +75,11 @@ class RopePlan:
     one argument block: give each thread its own plan.
     """
 
-    def __init__(self, q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str = "bshd",
-                 interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
-                 inverse: bool = False, q_out=None, k_out=None, device: int | None = None, cos_sin_cache=None,
-                 head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None) -> None:
+    def __init__(self, q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None,
+                 layout: str | None = None, interleaved: bool = False, rotary_dim: int | None = None,
+                 rotary_offset: int = 0, inverse: bool = False, q_out=None, k_out=None, device: int | None = None,
+                 cos_sin_cache=None, head_dim: int | None = None, inv_freq=None,
+                 attention_scaling: float | None = None) -> None:
         self._opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                           rotary_offset=rotary_offset, inverse=inverse)
         if inv_freq is not None:
@@ -116,6 +117,8 @@ class RopePlan:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
         if not self.in_place and q_out is None:  # execute() would refuse every call
             raise ValueError("q_out: an out-of-place plan (k_out given) needs q_out too")
+        # layout=None settled by q's rank (3-d: "thd"); every execute is validated against that.
+        layout = self._opts["layout"] = req.layout
         self.dtype, self.layout = req.dtype, layout
         self.interleaved, self.inverse = bool(interleaved), bool(inverse)
         self.rotary_dim, self.rotary_offset = req.rotary_dim, req.rotary_offset

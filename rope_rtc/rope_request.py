@@ -21,7 +21,7 @@ import numpy as np
 from . import arrays as A
 from .descriptors import TensorDesc
 from .errors import shown
-from .layouts import Canonical, canonical, check_layout
+from .layouts import Canonical, canonical, check_layout, default_layout
 from .registry import ANGLE_MODES
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
@@ -115,18 +115,23 @@ def _is_int(value) -> bool:
 
 
 def check_options(layout, interleaved, inverse) -> None:
-    check_layout(layout)
+    if layout is not None:  # None: q's rank decides (default_layout)
+        check_layout(layout)
     for name, value in (("interleaved", interleaved), ("inverse", inverse)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
-def _tensor(x, name: str, layout: str, allow_host: bool) -> tuple[A.ArrayInfo, Canonical]:
+def _tensor(x, name: str, layout: str | None, allow_host: bool) -> tuple[A.ArrayInfo, Canonical, str]:
+    """``x``'s info, its canonical view and its layout (``layout``, or the one its rank settles
+    when None)."""
     info = A.describe(x, name, allow_host=allow_host)
     A.check_dtype(info, A.FLOAT_DTYPES)
+    if layout is None:
+        layout = default_layout(info.shape, name)
     c = canonical(info.shape, info.strides, layout, name)  # the rank first: 0-d arrays have no last axis
     A.check_last_dim_contiguous(info)
-    return info, c
+    return info, c, layout
 
 
 def check_window(D: int, rotary_dim, rotary_offset, name: str = "q") -> tuple[int, int]:
@@ -310,19 +315,21 @@ def _check_kinds(everything: list[A.ArrayInfo], allow_desc: bool) -> int | None:
     return A.check_same_device(everything)
 
 
-def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout="bshd", interleaved=False,
+def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layout=None, interleaved=False,
              rotary_dim=None, rotary_offset=0, inverse=False, q_out=None, k_out=None, allow_host=True,
              names=("q", "k"), allow_desc=False, attention_scaling=None) -> Request:
     """Every check of the general API, before anything is launched or written.
 
-    ``attention_scaling`` not None: cos and sin are computed in the kernel, ``cos`` holds the
-    inverse frequencies and ``sin`` is None (the public functions' ``inv_freq=``)."""
+    ``layout=None``: q's rank decides (:func:`~rope_rtc.layouts.default_layout`: 3-d is ``"thd"``,
+    4-d is refused), and the request holds the layout it settled. ``attention_scaling`` not None:
+    cos and sin are computed in the kernel, ``cos`` holds the inverse frequencies and ``sin`` is
+    None (the public functions' ``inv_freq=``)."""
     check_options(layout, interleaved, inverse)
     qn, kn = names
-    qi, cq = _tensor(q, qn, layout, allow_host)
+    qi, cq, layout = _tensor(q, qn, layout, allow_host)
     ki = ck = None
     if k is not None:
-        ki, ck = _tensor(k, kn, layout, allow_host)
+        ki, ck, _ = _tensor(k, kn, layout, allow_host)
         if ki.dtype != qi.dtype:
             raise TypeError(f"{kn}: dtype {ki.dtype} differs from {qn}'s {qi.dtype}")
         if (ck.B, ck.S, ck.D) != (cq.B, cq.S, cq.D):

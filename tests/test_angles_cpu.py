@@ -44,9 +44,9 @@ def test_numpy_backend_with_inv_freq_is_the_table_call(numerics, interleaved):
     q = rng.standard_normal((2, 7, 4, 64)).astype(np.float32)
     k = rng.standard_normal((2, 7, 2, 64)).astype(np.float32)
     pos = rng.integers(0, 512, (2, 7))
-    want = apply_rope_qk(q, k, cos, sin, positions=pos, interleaved=interleaved, backend="numpy")
+    want = apply_rope_qk(q, k, cos, sin, positions=pos, interleaved=interleaved, backend="numpy", layout="bshd")
     got = apply_rope_qk(q, k, inv_freq=f, attention_scaling=att, positions=pos, interleaved=interleaved,
-                        backend="numpy")
+                        backend="numpy", layout="bshd")
     for a, b in zip(got, want):
         assert np.array_equal(a, b)
     # Offsets, cu_seqlens and a partial window (in place) too.
@@ -62,14 +62,14 @@ def test_numpy_backend_with_inv_freq_is_the_table_call(numerics, interleaved):
 def test_positions_past_any_table_are_accepted_up_to_2_31():
     f, _ = inverse_frequencies(16)
     x = np.random.default_rng(2).standard_normal((1, 2, 1, 16)).astype(np.float32)
-    out = apply_rope(x, inv_freq=f, positions=np.array([[ANGLE_POSITIONS - 1, 2**20]]), backend="numpy")
+    out = apply_rope(x, inv_freq=f, positions=np.array([[ANGLE_POSITIONS - 1, 2**20]]), backend="numpy", layout="bshd")
     c, s = angle_rows(np.array([ANGLE_POSITIONS - 1, 2**20]), f, 1.0)
     x0, x1 = x[0, :, 0, :8].astype(np.float64), x[0, :, 0, 8:].astype(np.float64)
     assert np.allclose(out[0, :, 0, :8], x0 * c - x1 * s, atol=1e-6)
     with pytest.raises(ValueError, match=r"positions: entry 1 is 2147483648, outside the positions inv_freq serves \(0..2147483647\)"):
-        apply_rope(x, inv_freq=f, positions=np.array([[0, ANGLE_POSITIONS]]), backend="numpy")
+        apply_rope(x, inv_freq=f, positions=np.array([[0, ANGLE_POSITIONS]]), backend="numpy", layout="bshd")
     with pytest.raises(ValueError, match="offset"):
-        apply_rope(x, inv_freq=f, offset=-1, backend="numpy")
+        apply_rope(x, inv_freq=f, offset=-1, backend="numpy", layout="bshd")
 
 
 def test_bad_inv_freq_calls_raise_naming_the_argument():
@@ -97,7 +97,7 @@ def test_bad_inv_freq_calls_raise_naming_the_argument():
     ]
     for kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):
-            apply_rope(x, out=x, backend="numpy", **kw)
+            apply_rope(x, out=x, backend="numpy", layout="bshd", **kw)
         assert np.array_equal(x, before)
 
 
@@ -128,7 +128,7 @@ def test_a_call_runs_the_angle_build_with_its_block(gpu):
     f = fake_cupy((64,), np.float64)
     q, k = fake_cupy((2, 5, 32, 128), BF16), fake_cupy((2, 5, 8, 128), BF16)
     pos = fake_cupy((2, 5), np.int64)
-    apply_rope_qk(q, k, inv_freq=f, attention_scaling=1.5, positions=pos, q_out=q, k_out=k)
+    apply_rope_qk(q, k, inv_freq=f, attention_scaling=1.5, positions=pos, q_out=q, k_out=k, layout="bshd")
     rec = gpu.launches[-1]
     g, p = rec["geometry"], rec["fixed"]
     assert rec["fn"][0] == "rope_fixed" and g.angles == ANGLE_MODES["float64"] and g.head_batch == 1  # small
@@ -136,7 +136,7 @@ def test_a_call_runs_the_angle_build_with_its_block(gpu):
     # A large launch takes 4 heads per thread; float32 inv_freq the "transformers" build.
     q, k = fake_cupy((4, 4096, 32, 128), BF16), fake_cupy((4, 4096, 8, 128), BF16)
     f32 = fake_cupy((64,), np.float32)
-    apply_rope_qk(q, k, inv_freq=f32, offset=3, q_out=q, k_out=k)
+    apply_rope_qk(q, k, inv_freq=f32, offset=3, q_out=q, k_out=k, layout="bshd")
     g, p = gpu.launches[-1]["geometry"], gpu.launches[-1]["fixed"]
     assert (g.angles, g.head_batch, p.attention, p.offset) == (ANGLE_MODES["float32"], 4, 1.0, 3)
     assert p.total == 4 * 4096 * 10 * (64 // g.vec)  # tokens, head groups, vector units
@@ -145,12 +145,12 @@ def test_a_call_runs_the_angle_build_with_its_block(gpu):
 def test_the_repeat_path_rebinds_inv_freq_and_a_new_factor_is_a_new_plan(gpu):
     f1, f2 = fake_cupy((64,), np.float64), fake_cupy((64,), np.float64)
     q = fake_cupy((8, 1, 32, 128), BF16)
-    apply_rope(q, inv_freq=f1, out=q, offset=5)
-    apply_rope(q, inv_freq=f2, out=q, offset=6)
+    apply_rope(q, inv_freq=f1, out=q, offset=5, layout="bshd")
+    apply_rope(q, inv_freq=f2, out=q, offset=6, layout="bshd")
     assert gpu.launches[-1]["fixed"].cos == f2.data.ptr and gpu.launches[-1]["fixed"].offset == 6
-    apply_rope(q, inv_freq=f2, attention_scaling=2.0, out=q)
+    apply_rope(q, inv_freq=f2, attention_scaling=2.0, out=q, layout="bshd")
     assert gpu.launches[-1]["fixed"].attention == 2.0
-    apply_rope(q, inv_freq=f2, out=q)
+    apply_rope(q, inv_freq=f2, out=q, layout="bshd")
     assert gpu.launches[-1]["fixed"].attention == 1.0
 
 
@@ -180,14 +180,14 @@ def test_what_the_angle_kernel_cannot_serve_is_refused_before_launch(gpu):
     f = fake_cupy((32,), np.float64)
     x, y = fake_cupy((1, 5, 4, 128), BF16), fake_cupy((1, 5, 4, 128), BF16)
     with pytest.raises(NotImplementedError, match="out of place"):
-        apply_rope(x, inv_freq=f, rotary_dim=64, out=y)
-    apply_rope(x, inv_freq=f, rotary_dim=64, out=x)  # in place: served
+        apply_rope(x, inv_freq=f, rotary_dim=64, out=y, layout="bshd")
+    apply_rope(x, inv_freq=f, rotary_dim=64, out=x, layout="bshd")  # in place: served
     with pytest.raises(NotImplementedError, match="whole number"):
-        apply_rope(x, inv_freq=fake_cupy((3,), np.float64), rotary_dim=6, out=x)
+        apply_rope(x, inv_freq=fake_cupy((3,), np.float64), rotary_dim=6, out=x, layout="bshd")
     n = len(gpu.launches)
     z = fake_cupy((1, 5, 4, 128), BF16, byte_offset=2)
     with pytest.raises(ValueError, match="not aligned"):
-        apply_rope(z, inv_freq=fake_cupy((64,), np.float64), out=z)
+        apply_rope(z, inv_freq=fake_cupy((64,), np.float64), out=z, layout="bshd")
     assert len(gpu.launches) == n
 
 
@@ -195,12 +195,12 @@ def test_alignment_is_checked_for_the_build_the_call_runs(gpu):
     # 4-byte aligned: enough for the decode build's 4-byte vectors, not the prefill build's 8.
     f = fake_cupy((64,), np.float64)
     small = fake_cupy((8, 1, 32, 128), BF16, byte_offset=4)
-    apply_rope(small, inv_freq=f, out=small)
+    apply_rope(small, inv_freq=f, out=small, layout="bshd")
     assert gpu.launches[-1]["geometry"].vec == 2
     n = len(gpu.launches)
     large = fake_cupy((1, 4096, 32, 128), BF16, byte_offset=4)
     with pytest.raises(ValueError, match="not aligned to 8 bytes"):
-        apply_rope(large, inv_freq=f, out=large)
+        apply_rope(large, inv_freq=f, out=large, layout="bshd")
     assert len(gpu.launches) == n
 
 
@@ -237,4 +237,4 @@ def test_host_inv_freq_values_are_checked():
         g = f.copy()
         g[3] = bad
         with pytest.raises(ValueError, match="inv_freq: entry 3"):
-            apply_rope(x, inv_freq=g, backend="numpy")
+            apply_rope(x, inv_freq=g, backend="numpy", layout="bshd")

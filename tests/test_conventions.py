@@ -101,6 +101,32 @@ def test_a_numpy_integer_head_dim_is_an_int():
     np.testing.assert_array_equal(got, want)
 
 
+def test_flat_arrays_need_no_layout():
+    """Flat [T, H * D] q/k with head_dim= are packed tokens whatever the caller says of the layout:
+    without one they are "thd", as said explicitly; a 4-d array with head_dim= is refused."""
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((6, 4 * 64)).astype(np.float32), rng.standard_normal((6, 2 * 64)).astype(np.float32)
+    cache, pos = cos_sin_cache(16, 64), rng.integers(0, 16, 6).astype(np.int64)
+    want = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64, backend="numpy")
+    got = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, head_dim=64, backend="numpy")
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    x = np.ones((1, 6, 4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"x: with head_dim=64, expected a flat \[T, H \* 64\] array"):
+        apply_rope(x, cos_sin_cache=cache, head_dim=64, backend="numpy")
+    with FakeGPU(fixed=True) as gpu:
+        fq, fk, fpos = fake_cupy((8, 32 * 128), BF16), fake_cupy((8, 8 * 128), BF16), fake_cupy((8,), np.int64)
+        fcache = fake_cupy((4096, 128), np.float32)
+        for layout in (None, "thd"):
+            plan = RopePlan(fq, fk, cos_sin_cache=fcache, positions=fpos, layout=layout, head_dim=128).compile()
+            assert plan.layout == "thd"
+            plan.execute(fq, fk, positions=fpos, cos_sin_cache=fcache)
+            apply_rope_qk(fq, fk, cos_sin_cache=fcache, positions=fpos, layout=layout, head_dim=128, q_out=fq,
+                          k_out=fk)
+        blocks = [bytes(r["fixed"]) for r in gpu.launches]
+        assert len(set(blocks)) == 1
+
+
 def test_a_flat_array_without_a_contiguous_last_axis_is_refused():
     # UnsupportedLayoutError, as for the same [T, H, D] array and every other layout refusal (it
     # was a plain ValueError here).

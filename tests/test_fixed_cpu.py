@@ -86,7 +86,7 @@ def test_an_aligned_call_runs_the_specialised_build_with_its_block(gpu):
     cos, sin = _table(64, 64)
     q, k = fake_cupy((2, 5, 32, 128), BF16), fake_cupy((2, 5, 8, 128), BF16)
     pos = fake_cupy((2, 5), np.int64)
-    apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k)
+    apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k, layout="bshd")
     rec = gpu.launches[-1]
     assert rec["fn"][0] == "rope_fixed"
     g, p = rec["geometry"], rec["fixed"]
@@ -105,16 +105,16 @@ def test_an_aligned_call_runs_the_specialised_build_with_its_block(gpu):
 def test_a_misaligned_call_runs_the_generic_kernel(gpu):
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16, byte_offset=2)  # 2-byte aligned: narrower than 8-byte vectors
-    apply_rope(x, cos, sin, out=x)
+    apply_rope(x, cos, sin, out=x, layout="bshd")
     assert gpu.launches[-1]["fn"][0] == "rope_apply"
 
 
 def test_out_of_place_partial_window_runs_the_generic_kernel(gpu):
     cos, sin = _table(64, 32)
     x, y = fake_cupy((1, 5, 4, 128), BF16), fake_cupy((1, 5, 4, 128), BF16)
-    apply_rope(x, cos, sin, rotary_dim=64, out=y)
+    apply_rope(x, cos, sin, rotary_dim=64, out=y, layout="bshd")
     assert gpu.launches[-1]["fn"][0] == "rope_apply" and gpu.launches[-1]["params"].copy_passthrough == 1
-    apply_rope(x, cos, sin, rotary_dim=64, out=x)  # in place nothing is copied: specialised
+    apply_rope(x, cos, sin, rotary_dim=64, out=x, layout="bshd")  # in place nothing is copied: specialised
     assert gpu.launches[-1]["fn"][0] == "rope_fixed"
 
 
@@ -123,7 +123,7 @@ def test_the_generic_switch(gpu, monkeypatch):
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     _switch(monkeypatch, "USE_FIXED", False)
-    apply_rope(x, cos, sin, out=x)
+    apply_rope(x, cos, sin, out=x, layout="bshd")
     assert gpu.launches[-1]["fn"][0] == "rope_apply"
 
 
@@ -132,7 +132,7 @@ def test_a_new_int_offset_is_written_into_the_specialised_block(gpu):
     block's offset field (another field of the specialised block)."""
     cos, sin = _table(64, 64)
     q = fake_cupy((1, 5, 4, 128), BF16)
-    plan = rope_plan.RopePlan(q, None, cos, sin).compile()
+    plan = rope_plan.RopePlan(q, None, cos, sin, layout="bshd").compile()
     for offset in (0, 9, 30, 9):
         plan.execute(q, None, cos, sin, offset=offset)
         rec = gpu.launches[-1]
@@ -147,7 +147,7 @@ def test_specialised_and_generic_blocks_alternate_on_one_plan(gpu):
     cos, sin = _table(64, 64)
     a = fake_cupy((1, 5, 4, 128), BF16)
     b = fake_cupy((1, 5, 4, 128), BF16, byte_offset=2)
-    plan = rope_plan.RopePlan(a, None, cos, sin).compile()
+    plan = rope_plan.RopePlan(a, None, cos, sin, layout="bshd").compile()
     for x in (a, b, a, b):
         plan.execute(x, None, cos, sin, offset=3)
         rec = gpu.launches[-1]
@@ -226,10 +226,10 @@ def test_a_missing_specialised_build_under_no_compile_falls_back_with_a_warning(
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     with pytest.warns(RuntimeWarning, match="--model config.json.*generic build"):
-        plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+        plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd").compile()
     plan.execute(x, None, cos, sin)
     with pytest.warns(RuntimeWarning, match="generic build"):
-        apply_rope(x, cos, sin, out=x)  # the one-call path too (its own plan warns once)
+        apply_rope(x, cos, sin, out=x, layout="bshd")  # the one-call path too (its own plan warns once)
     assert [r["fn"][0] for r in gpu.launches] == ["rope_apply", "rope_apply"]
 
 
@@ -268,7 +268,7 @@ def test_a_missing_dense_build_under_no_compile_runs_the_strided_one(gpu, monkey
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     with pytest.warns(RuntimeWarning, match="not in the cache. Until then this plan runs its strided build"):
-        plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+        plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd").compile()
     plan.execute(x, None, cos, sin)
     rec = gpu.launches[-1]
     assert rec["fn"][0] == "rope_fixed" and not rec["geometry"].dense
@@ -329,7 +329,7 @@ def test_a_head_padded_bhsd_cache_is_dense_and_a_gapped_batch_is_not(gpu):
     assert not gpu.launches[-1]["geometry"].dense
     # heads further apart than head_dim in token-major order (a padded head): the strided build.
     z = fake_cupy((1, 5, 4, 128), BF16, strides=(5 * 4 * 512, 4 * 512, 512, 2))
-    apply_rope(z, cos, sin, out=z)
+    apply_rope(z, cos, sin, out=z, layout="bshd")
     assert not gpu.launches[-1]["geometry"].dense
 
 
@@ -349,9 +349,9 @@ def test_the_dense_switch_and_the_plan_loads_both_builds(gpu, monkeypatch):
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     _switch(monkeypatch, "USE_DENSE", False)
-    apply_rope(x, cos, sin, out=x)
+    apply_rope(x, cos, sin, out=x, layout="bshd")
     assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
-    plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd").compile()
     assert {g.dense for g in plan._fixed} == {False, True}  # compile loads both: execute never compiles
 
 
@@ -360,7 +360,7 @@ def test_a_table_too_long_for_the_blocks_32_bit_fields_runs_the_generic_kernel(g
     cos, sin = _table(64, 64)
     x = fake_cupy((1, 5, 4, 128), BF16)
     _switch(monkeypatch, "TABLE_ROWS_LIMIT", 64)  # a 64-row table stands in for 2^32 rows
-    apply_rope(x, cos, sin, out=x)
+    apply_rope(x, cos, sin, out=x, layout="bshd")
     assert gpu.launches[-1]["fn"][0] == "rope_apply"
 
 
@@ -370,22 +370,22 @@ def test_tables_the_dense_build_cannot_read_in_vectors_run_the_strided_build(gpu
     strided build on the same block, through the plan and the one-call path alike."""
     x = fake_cupy((1, 5, 4, 128), BF16)
     cos, sin = _table(64, 64)
-    apply_rope(x, cos, sin, out=x)
+    apply_rope(x, cos, sin, out=x, layout="bshd")
     assert gpu.launches[-1]["geometry"].dense
     # Rows 65 floats apart: never vector-aligned.
     c65 = fake_cupy((64, 64), np.float32, strides=(65 * 4, 4))
     s65 = fake_cupy((64, 64), np.float32, strides=(65 * 4, 4))
-    apply_rope(x, c65, s65, out=x)
+    apply_rope(x, c65, s65, out=x, layout="bshd")
     assert not gpu.launches[-1]["geometry"].dense
     # Rows aligned, but these tables start 4 bytes off a 16-byte boundary.
     c4, s4 = fake_cupy((64, 64), np.float32, byte_offset=4), fake_cupy((64, 64), np.float32, byte_offset=4)
-    plan = rope_plan.RopePlan(x, None, cos, sin).compile()
+    plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd").compile()
     for tables, dense in (((cos, sin), True), ((c4, s4), False), ((cos, sin), True), ((c4, s4), False)):
         plan.execute(x, None, *tables)
         assert gpu.launches[-1]["geometry"].dense is dense
         assert gpu.launches[-1]["fixed"].table_vec == int(dense)
     for tables, dense in (((c4, s4), False), ((cos, sin), True), ((c4, s4), False)):
-        apply_rope(x, *tables, out=x)
+        apply_rope(x, *tables, out=x, layout="bshd")
         assert gpu.launches[-1]["geometry"].dense is dense
 
 
@@ -397,7 +397,7 @@ def test_large_bhsd_launches_keep_the_strided_build(gpu, monkeypatch):
     apply_rope(x, cos, sin, layout="bhsd", out=x)
     assert gpu.launches[-1]["fn"][0] == "rope_fixed" and not gpu.launches[-1]["geometry"].dense
     y = fake_cupy((2, 5, 4, 128), BF16)  # token-major: dense at any size
-    apply_rope(y, cos, sin, out=y)
+    apply_rope(y, cos, sin, out=y, layout="bshd")
     assert gpu.launches[-1]["geometry"].dense
     _switch(monkeypatch, "DENSE_BHSD_THREADS", 321)
     apply_rope(x, cos, sin, layout="bhsd", out=x)
@@ -410,7 +410,7 @@ def test_a_new_int_offset_on_the_strided_fallback_is_written_into_the_specialise
     block's offset field (which is k's head stride in the specialised block)."""
     q, k = fake_cupy((1, 5, 4, 128), BF16), fake_cupy((1, 5, 2, 128), BF16)
     c4, s4 = fake_cupy((64, 64), np.float32, byte_offset=4), fake_cupy((64, 64), np.float32, byte_offset=4)
-    plan = rope_plan.RopePlan(q, k, c4, s4).compile()
+    plan = rope_plan.RopePlan(q, k, c4, s4, layout="bshd").compile()
     for offset in (0, 3, 7, 3):
         plan.execute(q, k, c4, s4, offset=offset)
         rec = gpu.launches[-1]

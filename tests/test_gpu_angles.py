@@ -133,8 +133,9 @@ def test_every_rope_type_gives_its_table_call(cp, scaling, numerics):
     k = cp.asarray(host_random((3, 50, 2, 128), DTYPES["bfloat16"], 3))
     pos = cp.asarray(rng.integers(0, rows, (3, 50)).astype(np.int64))
     qa, ka = poisoned(cp, q.shape, q.dtype), poisoned(cp, k.shape, k.dtype)
-    rope_rtc.apply_rope_qk(q, k, inv_freq=cp.asarray(f), attention_scaling=att, positions=pos, q_out=qa, k_out=ka)
-    qb, kb = rope_rtc.apply_rope_qk(q, k, cp.asarray(cos), cp.asarray(sin), positions=pos)
+    rope_rtc.apply_rope_qk(q, k, inv_freq=cp.asarray(f), attention_scaling=att, positions=pos, q_out=qa, k_out=ka,
+                           layout="bshd")
+    qb, kb = rope_rtc.apply_rope_qk(q, k, cp.asarray(cos), cp.asarray(sin), positions=pos, layout="bshd")
     for a, b, x in ((qa, qb, q), (ka, kb, k)):
         assert_same_but_boundaries(cp.asnumpy(a), cp.asnumpy(b), cp.asnumpy(x))
 
@@ -186,9 +187,10 @@ def test_partial_window_in_place_and_inverse(cp):
     f, _ = rope_rtc.inverse_frequencies(64)
     cos, sin = (cp.asarray(a) for a in rope_rtc.rope_tables(100, 64))
     x = cp.asarray(host_random((2, 9, 4, 128), DTYPES["float16"], 7))
-    want = rope_rtc.apply_rope(x, cos, sin, rotary_dim=64, rotary_offset=32, inverse=True, offset=11)
+    want = rope_rtc.apply_rope(x, cos, sin, rotary_dim=64, rotary_offset=32, inverse=True, offset=11, layout="bshd")
     got = x.copy()
-    rope_rtc.apply_rope(got, inv_freq=cp.asarray(f), rotary_dim=64, rotary_offset=32, inverse=True, offset=11, out=got)
+    rope_rtc.apply_rope(got, inv_freq=cp.asarray(f), rotary_dim=64, rotary_offset=32, inverse=True, offset=11, out=got,
+                        layout="bshd")
     assert np.array_equal(bits(cp.asnumpy(got)), bits(cp.asnumpy(want)))
 
 
@@ -216,13 +218,13 @@ def test_plan_rebinds_inv_freq_and_replays_under_capture(cp):
     k = cp.asarray(host_random((8, 1, 8, 128), DTYPES["bfloat16"], 10))
     offs = cp.asarray(np.arange(8, dtype=np.int32) * 1000)
     plan = rope_rtc.RopePlan(q, k, inv_freq=d1, offset=offs, q_out=poisoned(cp, q.shape, q.dtype),
-                             k_out=poisoned(cp, k.shape, k.dtype)).compile()
+                             k_out=poisoned(cp, k.shape, k.dtype), layout="bshd").compile()
     results = []
     for d, f in ((d1, f1), (d2, f2), (d1, f1)):
         qo, ko = poisoned(cp, q.shape, q.dtype), poisoned(cp, k.shape, k.dtype)
         plan.execute(q, k, q_out=qo, k_out=ko, offset=offs, inv_freq=d)
         cos, sin = (cp.asarray(a) for a in rope_rtc.rope_tables(8000, 128, base=1e4 if f is f1 else 5e5))
-        want = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=offs)
+        want = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=offs, layout="bshd")
         assert np.array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(want[0])))
         results.append((qo, ko))
     stream = cp.cuda.Stream(non_blocking=True)
@@ -245,13 +247,14 @@ def test_numpy_arrays_and_torch_tensors_take_the_same_path(cp):
 
     f, att = rope_rtc.inverse_frequencies(64, base=1e4, scaling=SCALINGS["yarn"])
     x = host_random((2, 9, 4, 64), np.float32, 11)
-    want = cp.asnumpy(rope_rtc.apply_rope(cp.asarray(x), inv_freq=cp.asarray(f), attention_scaling=att, offset=3))
-    got = rope_rtc.apply_rope(x, inv_freq=f, attention_scaling=att, offset=3)
+    want = cp.asnumpy(rope_rtc.apply_rope(cp.asarray(x), inv_freq=cp.asarray(f), attention_scaling=att, offset=3,
+                                          layout="bshd"))
+    got = rope_rtc.apply_rope(x, inv_freq=f, attention_scaling=att, offset=3, layout="bshd")
     assert isinstance(got, np.ndarray) and np.array_equal(bits(got), bits(want))
     torch = pytest.importorskip("torch")
     t = torch.from_numpy(x).cuda()
     out = torch.empty_like(t)
-    rope_rtc.apply_rope(t, inv_freq=torch.from_numpy(f).cuda(), attention_scaling=att, offset=3, out=out)
+    rope_rtc.apply_rope(t, inv_freq=torch.from_numpy(f).cuda(), attention_scaling=att, offset=3, out=out, layout="bshd")
     assert np.array_equal(bits(out.cpu().numpy()), bits(want))
 
 
@@ -262,10 +265,10 @@ def test_numpy_in_with_a_partial_window_is_served_on_the_gpu_too(cp):
 
     f, _ = rope_rtc.inverse_frequencies(32)
     x = host_random((2, 5, 3, 64), np.float32, 12)
-    want = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, backend="numpy")
-    got = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2)
+    want = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, backend="numpy", layout="bshd")
+    got = rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, layout="bshd")
     y = np.full_like(x, np.nan)
-    rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, out=y)
+    rope_rtc.apply_rope(x, inv_freq=f, rotary_dim=32, offset=2, out=y, layout="bshd")
     for a in (got, y):
         assert np.array_equal(a[..., 32:], x[..., 32:])
         assert np.allclose(a, want, rtol=0, atol=1e-6 * np.abs(x).max())

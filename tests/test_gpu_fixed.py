@@ -193,7 +193,7 @@ def test_new_int_offset_on_remembered_arrays(cp, monkeypatch, launched):
     cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 4))
     q = cp.asarray(q0)
     out = poisoned(cp, q.shape, np.float32)
-    plan = rope_rtc.RopePlan(q, None, cos, sin, q_out=out).compile()
+    plan = rope_rtc.RopePlan(q, None, cos, sin, q_out=out, layout="bshd").compile()
     for offset in (0, 7, 20, 7):
         out.fill(np.nan)
         plan.execute(q, None, cos, sin, q_out=out, offset=offset)
@@ -211,7 +211,7 @@ def test_misaligned_call_falls_back_to_generic(cp, launched):
     x = base[1:].reshape(1, 4, 8, 128)
     cos, sin = (cp.asarray(a) for a in host_tables(16, 64, 6))
     aligned = x.copy()  # a fresh, aligned buffer with the same values
-    plan = rope_rtc.RopePlan(x, None, cos, sin).compile()
+    plan = rope_rtc.RopePlan(x, None, cos, sin, layout="bshd").compile()
     plan.execute(x, None, cos, sin)
     tmpl, prefix = _served(plan, launched)
     assert prefix[0] is not plan._fixed.get(tmpl.fixed)
@@ -259,12 +259,12 @@ def test_new_int_offsets_on_the_strided_fallback(cp):
     c4, s4 = cbuf[1:].reshape(40, 64), sbuf[1:].reshape(40, 64)
     c4[...], s4[...] = cos, sin
     q, k = cp.asarray(q0), cp.asarray(k0)
-    plan = rope_rtc.RopePlan(q, k, c4, s4).compile()
+    plan = rope_rtc.RopePlan(q, k, c4, s4, layout="bshd").compile()
     for offset in (0, 3, 7, 3):
         q[...], k[...] = cp.asarray(q0), cp.asarray(k0)
         plan.execute(q, k, c4, s4, offset=offset)
         got = (cp.asnumpy(q), cp.asnumpy(k))
         qa, ka = cp.asarray(q0), cp.asarray(k0)
-        rope_rtc.apply_rope_qk(qa, ka, cos, sin, offset=offset, q_out=qa, k_out=ka)
+        rope_rtc.apply_rope_qk(qa, ka, cos, sin, offset=offset, q_out=qa, k_out=ka, layout="bshd")
         for a, b in zip(got, (cp.asnumpy(qa), cp.asnumpy(ka))):
             np.testing.assert_array_equal(bits(a), bits(b))

@@ -142,7 +142,7 @@ def test_rope_plan_replay_same_offset_then_new_offsets(cp):
     cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
     q, k = cp.empty((B, S, Hq, Dh), dt), cp.empty((B, S, Hk, Dh), dt)
     qo, ko = cp.empty(q.shape, dt), cp.empty(k.shape, dt)
-    plan = rope_rtc.RopePlan(q, k, cos, sin, q_out=qo, k_out=ko).compile()
+    plan = rope_rtc.RopePlan(q, k, cos, sin, q_out=qo, k_out=ko, layout="bshd").compile()
     for step, off in enumerate([5, 5, 5, 5, 9, 9, 2, 9]):
         qh, kh = host_random(q.shape, dt, 700 + step), host_random(k.shape, dt, 800 + step)
         q.set(qh)
@@ -234,7 +234,7 @@ def test_a_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp):
 
     first = new_set(0)
     (_, (q0, k0, o0), (qo0, ko0)) = first
-    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, q_out=qo0, k_out=ko0).compile()
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, q_out=qo0, k_out=ko0, layout="bshd").compile()
     rotation = [new_set(10 + 2 * i) for i in range(3)]
     calls = 0
     for step in range(6):
@@ -273,11 +273,11 @@ def test_node_updates_do_not_break_another_streams_global_capture(cp):
     idle = cp.cuda.Stream(non_blocking=True)
     capturing = cp.cuda.Stream(non_blocking=True)
     _, (q0, k0, o0) = new_set(0)
-    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0).compile()
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
     with idle:  # both paths' graph nodes exist before the capture begins
         for seed in (10, 20):
             _, (q, k, o) = new_set(seed)
-            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
             plan.execute(q, k, cos, sin, offset=o)
     captured_host, (cq, ck, co) = new_set(30)
     cq_in, ck_in = cq.copy(), ck.copy()
@@ -285,13 +285,13 @@ def test_node_updates_do_not_break_another_streams_global_capture(cp):
     cp.cuda.Device().synchronize()  # the sets' copies, before launches on the non-blocking streams
     capturing.begin_capture(cp.cuda.runtime.streamCaptureModeGlobal)
     with capturing:
-        rope_rtc.apply_rope_qk(cq, ck, cos, sin, offset=co, q_out=cq, k_out=ck)
+        rope_rtc.apply_rope_qk(cq, ck, cos, sin, offset=co, q_out=cq, k_out=ck, layout="bshd")
     for i, (_, (q, k, o)) in enumerate(calls):
         with idle:
             if i % 2:
                 plan.execute(q, k, cos, sin, offset=o)
             else:
-                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
     graph = capturing.end_capture()
     idle.synchronize()
     for host, dev in calls:

@@ -40,7 +40,7 @@ def test_eight_threads_own_arrays_and_streams_exact(cp):
             q = cp.asarray(host_random((B, 1, HQ, D), BF16, seed=100 * t + j))
             k = cp.asarray(host_random((B, 1, HK, D), BF16, seed=100 * t + j + 50))
             starts = cp.asarray(np.random.default_rng(t * 7 + j).integers(0, ROWS - 1, B).astype(np.int32))
-            eq, ek = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+            eq, ek = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, layout="bshd")
             sets.append((q, k, starts, cp.full(q.shape, np.nan, BF16), cp.full(k.shape, np.nan, BF16),
                          bits(cp.asnumpy(eq)), bits(cp.asnumpy(ek))))
         work.append(sets)
@@ -56,7 +56,7 @@ def test_eight_threads_own_arrays_and_streams_exact(cp):
             start.wait()
             for i in range(1000):
                 q, k, starts, qo, ko = sets[i % len(sets)][:5]
-                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, q_out=qo, k_out=ko, stream=stream)
+                rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, q_out=qo, k_out=ko, stream=stream, layout="bshd")
             stream.synchronize()
             plans[t] = {id(p) for p in rope._local.by_key.values()}
             for _, _, _, qo, ko, eq, ek in sets:
@@ -84,16 +84,16 @@ def test_one_call_matches_a_plan_bit_for_bit_with_new_arrays_each_call(cp):
     k0 = cp.asarray(host_random((B, 1, HK, D), BF16, seed=2))
     starts = cp.asarray(np.arange(B, dtype=np.int32) * 300)
     plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=starts, q_out=cp.empty_like(q0),
-                             k_out=cp.empty_like(k0)).compile()
+                             k_out=cp.empty_like(k0), layout="bshd").compile()
     pq, pk = cp.full_like(q0, np.nan), cp.full_like(k0, np.nan)
     plan.execute(q0, k0, cos, sin, q_out=pq, k_out=pk, offset=starts)
     for _ in range(3):  # new arrays (copies) of the one signature
         q, k = q0.copy(), k0.copy()
-        qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
+        qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, layout="bshd")
         assert np.array_equal(bits(cp.asnumpy(qo)), bits(cp.asnumpy(pq)))
         assert np.array_equal(bits(cp.asnumpy(ko)), bits(cp.asnumpy(pk)))
         q2 = q0.copy()
-        assert rope_rtc.apply_rope(q2, cos, sin, offset=starts, out=q2) is q2
+        assert rope_rtc.apply_rope(q2, cos, sin, offset=starts, out=q2, layout="bshd") is q2
         assert np.array_equal(bits(cp.asnumpy(q2)), bits(cp.asnumpy(pq)))
 
 
@@ -119,7 +119,7 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
     k = cp.asarray(host_random((B, 1, HK, D), BF16, seed=4))
     starts = cp.asarray(np.arange(B, dtype=np.int32) * 100)
     want_q, want_k = (cp.full_like(a, np.nan) for a in (q, k))
-    rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=want_q, k_out=want_k).compile().execute(
+    rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=want_q, k_out=want_k, layout="bshd").compile().execute(
         q, k, cos, sin, offset=starts, q_out=want_q, k_out=want_k)
     x = cp.asarray(host_random((4, 8, 512), BF16, seed=5))
     ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
@@ -127,8 +127,8 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
     for _ in range(3):  # the first call and the repeat path (a caller's allocator: nothing is recycled)
         sizes.clear()
         with cp.cuda.using_allocator(poisoned):
-            qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts)
-            xo = rope_rtc.apply_rope(q, cos, sin, offset=starts)
+            qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, layout="bshd")
+            xo = rope_rtc.apply_rope(q, cos, sin, offset=starts, layout="bshd")
             to = rope_rtc.tail_rope(x, c, s)["out"]
         assert sizes == [q.nbytes, k.nbytes, q.nbytes, x.nbytes]
         for got, want in ((qo, want_q), (ko, want_k), (xo, want_q)):
@@ -159,7 +159,7 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, mon
     want = []
     for q, k in zip(qs, ks):
         wq, wk = (cp.full_like(a, np.nan) for a in (q, k))
-        rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=wq, k_out=wk).compile().execute(
+        rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=wq, k_out=wk, layout="bshd").compile().execute(
             q, k, cos, sin, offset=starts, q_out=wq, k_out=wk)
         want.append((bits(cp.asnumpy(wq)), bits(cp.asnumpy(wk))))
     x = [cp.asarray(host_random((4, 8, 512), BF16, seed=40 + i)) for i in range(2)]
@@ -182,8 +182,9 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, mon
             cp.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, stream.ptr)
 
     def calls(i):
-        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts)
-        return qo, ko, rope_rtc.apply_rope(qs[i], cos, sin, offset=starts), rope_rtc.tail_rope(x[i], c, s)["out"]
+        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts, layout="bshd")
+        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts, layout="bshd")
+        return qo, ko, xo, rope_rtc.tail_rope(x[i], c, s)["out"]
 
     def check(outs, i):
         for got, w in zip(outs, (want[i][0], want[i][1], want[i][0], want_tail[i])):
@@ -212,11 +213,11 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, mon
         del outs, new, held
     # An alias on the output's pointer keeps its memory: not recycled.
     rope_rtc.release_outputs()
-    xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts)
+    xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts, layout="bshd")
     alias = as_strided(xo)
     del xo
     sizes.clear()
-    xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts)
+    xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts, layout="bshd")
     assert sizes == [qs[1].nbytes] and xn.data.ptr != alias.data.ptr
     assert np.array_equal(bits(cp.asnumpy(alias)), want[0][0])
     rope_rtc.release_outputs()
@@ -231,16 +232,16 @@ def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
     x0 = cp.asnumpy(x)
     bad = cp.asarray(np.array([[0, 1, 2], [5, 64, 7]], np.int32))
     # Without the switch a device-side position is not read back: its token gets NaN.
-    out = rope_rtc.apply_rope(x, cos, sin, positions=bad)
+    out = rope_rtc.apply_rope(x, cos, sin, positions=bad, layout="bshd")
     assert np.isnan(cp.asnumpy(out)[1, 1]).all() and not np.isnan(cp.asnumpy(out)[0]).any()
     monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
     from rope_rtc import rope
 
     monkeypatch.setattr(rope, "_local", threading.local())  # plans read the switch when made
     with pytest.raises(ValueError, match=r"positions: entry 4 is 64, outside the table's 64 rows"):
-        rope_rtc.apply_rope(x, cos, sin, positions=bad, out=x)
+        rope_rtc.apply_rope(x, cos, sin, positions=bad, out=x, layout="bshd")
     assert np.array_equal(cp.asnumpy(x), x0)
-    plan = rope_rtc.RopePlan(x, None, cos, sin, positions=bad).compile()
+    plan = rope_rtc.RopePlan(x, None, cos, sin, positions=bad, layout="bshd").compile()
     with pytest.raises(ValueError, match="positions: entry 4 is 64"):
         plan.execute(x, None, cos, sin, positions=bad)
     cu = cp.asarray(np.array([0, 4, 3], np.int32))
@@ -260,8 +261,8 @@ def test_numpy_round_trip_waits_for_the_stream_it_launched_on(cp):
     x = host_random((2, 5, 4, 32), np.float32, seed=5)
     stream = cp.cuda.Stream(non_blocking=True)
     hold = GpuHold(stream, cp.cuda.runtime.getDevice())
-    want = rope_rtc.apply_rope(x, cos, sin, offset=3, backend="numpy")
+    want = rope_rtc.apply_rope(x, cos, sin, offset=3, backend="numpy", layout="bshd")
     for _ in range(3):
         hold(20_000)  # 20 ms of GPU work queued ahead of the kernel on `stream`
-        got = rope_rtc.apply_rope(x, cos, sin, offset=3, stream=stream)
+        got = rope_rtc.apply_rope(x, cos, sin, offset=3, stream=stream, layout="bshd")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -157,7 +157,7 @@ def test_transformers_numerics_match_qwen3(dtype):
     qw, kw = cp.asarray(_weight(d, dt, 23)), cp.asarray(_weight(d, dt, 24))
     pos = cp.asarray(np.random.default_rng(25).integers(0, P, (B, S)).astype(np.int64))
     got_q, got_k = rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos_t, sin_t, eps=EPS, numerics="transformers",
-                                               positions=pos)
+                                               positions=pos, layout="bshd")
 
     q_norm, k_norm = qwen3.Qwen3RMSNorm(d, eps=EPS), qwen3.Qwen3RMSNorm(d, eps=EPS)
     with torch.no_grad():
@@ -189,8 +189,9 @@ def test_plan_new_arrays_graph_capture_and_exact_repeat():
     sets = [(cp.asarray(host_random((B, S, HQ, d), dt, 40 + i, 2.0)), cp.asarray(host_random((B, S, HK, d), dt, 50 + i,
                                                                                               2.0))) for i in range(2)]
     outs = [(poisoned(cp, (B, S, HQ, d), dt), poisoned(cp, (B, S, HK, d), dt)) for _ in range(2)]
-    plan = rope_rtc.QKNormRopePlan(*sets[0], qw, kw, cos, sin, q_out=outs[0][0], k_out=outs[0][1], offset=3).compile()
-    want = [rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, offset=3) for q, k in sets]
+    plan = rope_rtc.QKNormRopePlan(*sets[0], qw, kw, cos, sin, q_out=outs[0][0], k_out=outs[0][1], offset=3,
+                                   layout="bshd").compile()
+    want = [rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, offset=3, layout="bshd") for q, k in sets]
     for _ in range(3):  # new arrays, then the remembered sets (graph replay from the second launch)
         for (q, k), (qo, ko) in zip(sets, outs):
             plan.execute(q, k, qw, kw, cos, sin, q_out=qo, k_out=ko, offset=3)
@@ -283,11 +284,12 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
         q, k = cp.asarray(host_random((B, S, HQ, D), dt, 70 + i)), cp.asarray(host_random((B, S, HK, D), dt, 80 + i))
         calls.append((q, k, i, q.copy(), k.copy()))
     for q, k, off, _, _ in calls:
-        rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q, k_out=k)
+        rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q, k_out=k,
+                                    layout="bshd")
     assert getattr(qk_norm._local, "last", None) is not None
     for q, k, off, q0, k0 in calls:
         qk_norm._local.__dict__.clear()
         rope_rtc.apply_qk_norm_rope(q0, k0, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q0,
-                                    k_out=k0)
+                                    k_out=k0, layout="bshd")
         assert np.array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))
         assert np.array_equal(bits(cp.asnumpy(k)), bits(cp.asnumpy(k0)))

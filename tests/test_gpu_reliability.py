@@ -50,7 +50,7 @@ def test_threads_on_separate_streams_exact(cp):
                 plan = rope_rtc.TailRoPEForward(tx, tc, ts, tout).check_support().compile()
                 barrier.wait()
                 for _ in range(20):
-                    out = rope_rtc.apply_rope(x, cos, sin, stream=stream)
+                    out = rope_rtc.apply_rope(x, cos, sin, stream=stream, layout="bshd")
                     plan.execute(tx, tc, ts, tout, current_stream=stream)
                 stream.synchronize()
                 _check_general(cp, out, xh, cos_h, sin_h, np.tile(np.arange(16), 2))
@@ -112,12 +112,12 @@ def test_out_of_memory_is_cupys_error_and_nothing_written(cp):
         cos, sin = (cp.asarray(t) for t in host_tables(128, 64, 2))
         pool.set_limit(size=pool.total_bytes() + 1024)
         with pytest.raises(cp.cuda.memory.OutOfMemoryError):
-            rope_rtc.apply_rope(x, cos, sin)
+            rope_rtc.apply_rope(x, cos, sin, layout="bshd")
     finally:
         pool.set_limit(size=0)  # no limit
         cp.cuda.set_allocator(previous)
     assert np.array_equal(cp.asnumpy(x), before)
-    out = rope_rtc.apply_rope(x, cos, sin)  # usable afterwards
+    out = rope_rtc.apply_rope(x, cos, sin, layout="bshd")  # usable afterwards
     _check_general(cp, out, before, cp.asnumpy(cos), cp.asnumpy(sin), np.tile(np.arange(128), 64))
 
 
@@ -181,7 +181,7 @@ def test_two_devices(cp):
         q1 = cp.asarray(host_random((2, 8, 4, 128), dt, 1))
         k1 = cp.asarray(host_random((2, 8, 2, 128), dt, 2))
     cp.cuda.Device(0).use()
-    plan = rope_rtc.RopePlan(q1, k1, cos1, sin1, device=1).compile()
+    plan = rope_rtc.RopePlan(q1, k1, cos1, sin1, device=1, layout="bshd").compile()
     assert plan.device == 1
     qh, kh = cp.asnumpy(q1), cp.asnumpy(k1)
     plan.execute(q1, k1, cos1, sin1)  # device 0 is current

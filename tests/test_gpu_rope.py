@@ -144,7 +144,7 @@ def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
 
     q = cp.asarray(host_random((2, 50, 3, 64), DTYPES["float16"], 1))  # 100 tokens x 3 heads x 4 units
     cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 2))
-    req = validate(q, None, cos, sin, allow_host=False)
+    req = validate(q, None, cos, sin, allow_host=False, layout="bshd")
     vec = rope_launch.choose_vector(req)
     assert rope_launch.head_batch(req) == 1 and rope_launch.is_narrow(req, vec)
     monkeypatch.setattr(rope_launch, "SMALL_TOKEN_HEADS", 0)
@@ -196,7 +196,7 @@ def test_fused_qkv_views_in_place(cp):
     qkv = cp.asarray(qkv_h)
     q, k = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hk]  # v (the rest) must stay untouched
     cos, sin = host_tables(S, D // 2, 3)
-    rope_rtc.apply_rope_qk(q, k, cp.asarray(cos), cp.asarray(sin), q_out=q, k_out=k)
+    rope_rtc.apply_rope_qk(q, k, cp.asarray(cos), cp.asarray(sin), q_out=q, k_out=k, layout="bshd")
     got = cp.asnumpy(qkv)
     pos = np.tile(np.arange(S), B)
     for sl, h in ((slice(0, Hq), Hq), (slice(Hq, Hq + Hk), Hk)):
@@ -211,8 +211,8 @@ def test_inverse_undoes_forward(cp):
 
     x = cp.asarray(host_random((2, 7, 3, 64), np.float32, 11))
     cos, sin = (cp.asarray(t) for t in host_tables(16, 32, 4))
-    y = rope_rtc.apply_rope(x, cos, sin)
-    z = rope_rtc.apply_rope(y, cos, sin, inverse=True)
+    y = rope_rtc.apply_rope(x, cos, sin, layout="bshd")
+    z = rope_rtc.apply_rope(y, cos, sin, inverse=True, layout="bshd")
     np.testing.assert_allclose(cp.asnumpy(z), cp.asnumpy(x), atol=2e-6)
 
 
@@ -221,7 +221,7 @@ def test_numpy_inputs_computed_on_gpu(cp):
 
     q = host_random((2, 5, 3, 64), np.float32, 12)
     cos, sin = host_tables(8, 32, 5)
-    out = rope_rtc.apply_rope(q, cos, sin)
+    out = rope_rtc.apply_rope(q, cos, sin, layout="bshd")
     assert isinstance(out, np.ndarray)
     ref = rope_reference(q.reshape(-1, 3, 64), cos, sin, np.tile(np.arange(5), 2), interleaved=False)
     assert_rope_close(out.reshape(-1, 3, 64), ref, q.reshape(-1, 3, 64), interleaved=False, dtype=q.dtype)
@@ -265,7 +265,7 @@ def test_plan_token_counts_graph_and_no_allocation(cp, monkeypatch):
     Hq, Hk, D, P = 8, 2, 128, 512
     cos, sin = (cp.asarray(t) for t in host_tables(P, D // 2, 8))
     plan = rope_rtc.RopePlan(rope_rtc.TensorDesc(dt, (1, 1, Hq, D)), rope_rtc.TensorDesc(dt, (1, 1, Hk, D)),
-                             cos, sin).compile()
+                             cos, sin, layout="bshd").compile()
     bufs = {T: (cp.asarray(host_random((1, T, Hq, D), dt, T)), cp.asarray(host_random((1, T, Hk, D), dt, T + 1)))
             for T in (0, 5, 257, 300)}
     hosts = {T: (cp.asnumpy(q), cp.asnumpy(k)) for T, (q, k) in bufs.items()}
@@ -314,7 +314,7 @@ def test_non_default_stream_ordering(cp):
     out = poisoned(cp, x.shape, dt)
     after_current_stream(cp, stream)  # the tables and the NaN fill, made on the current stream
     pinned = fill_behind_busy_kernel(cp, stream, x, xh)
-    rope_rtc.apply_rope(x, cos, sin, out=out, stream=stream)
+    rope_rtc.apply_rope(x, cos, sin, out=out, stream=stream, layout="bshd")
     stream.synchronize()
     del pinned
     xc = xh.reshape(-1, 8, 128)
@@ -335,7 +335,8 @@ def test_torch_tensors_through_dlpack(cp):
         cos, sin = host_tables(16, 32, 10)
         qh = cp.asnumpy(cp.from_dlpack(q.detach()))
         kh = cp.asnumpy(cp.from_dlpack(k.detach()))
-        rope_rtc.apply_rope_qk(q, k, torch.from_numpy(cos).cuda(), torch.from_numpy(sin).cuda(), q_out=q, k_out=k)
+        rope_rtc.apply_rope_qk(q, k, torch.from_numpy(cos).cuda(), torch.from_numpy(sin).cuda(), q_out=q, k_out=k,
+                               layout="bshd")
         torch.cuda.synchronize()
         pos = np.tile(np.arange(7), 2)
         for got, x in ((q, qh), (k, kh)):
@@ -346,7 +347,7 @@ def test_torch_tensors_through_dlpack(cp):
                               dtype=xc.dtype)
     with pytest.raises(TypeError, match="grad"):
         rope_rtc.apply_rope(torch.ones(1, 1, 1, 64, device="cuda", requires_grad=True), torch.from_numpy(cos).cuda(),
-                            torch.from_numpy(sin).cuda())
+                            torch.from_numpy(sin).cuda(), layout="bshd")
 
 
 def test_plan_new_arrays_every_call(cp):
@@ -360,7 +361,7 @@ def test_plan_new_arrays_every_call(cp):
     ch, sh = cp.asnumpy(cos), cp.asnumpy(sin)
     plan = rope_rtc.RopePlan(rope_rtc.TensorDesc(dt, (B, S, Hq, D)), rope_rtc.TensorDesc(dt, (B, S, Hk, D)), cos, sin,
                              q_out=rope_rtc.TensorDesc(dt, (B, S, Hq, D)),
-                             k_out=rope_rtc.TensorDesc(dt, (B, S, Hk, D))).compile()
+                             k_out=rope_rtc.TensorDesc(dt, (B, S, Hk, D)), layout="bshd").compile()
     pos = np.tile(np.arange(S) + 4, B)
     for gen in range(6):
         qh, kh = host_random((B, S, Hq, D), dt, 300 + gen), host_random((B, S, Hk, D), dt, 400 + gen)
@@ -398,7 +399,7 @@ def test_plan_alternating_argument_sets(cp):
     for i in range(3):
         qh, kh = host_random((B, S, Hq, D), dt, 500 + i), host_random((B, S, Hk, D), dt, 600 + i)
         sets.append((qh, kh, cp.asarray(qh), cp.asarray(kh), cp.empty(qh.shape, dt), cp.empty(kh.shape, dt)))
-    plan = rope_rtc.RopePlan(*sets[0][2:4], cos, sin, q_out=sets[0][4], k_out=sets[0][5]).compile()
+    plan = rope_rtc.RopePlan(*sets[0][2:4], cos, sin, q_out=sets[0][4], k_out=sets[0][5], layout="bshd").compile()
     for rnd in range(3):
         for i, (qh, kh, q, k, qo, ko) in enumerate(sets):
             off = 3 * i + rnd

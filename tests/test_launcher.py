@@ -388,7 +388,7 @@ def test_a_bad_stream_is_refused_before_anything_is_allocated_or_launched():
         for _ in range(3):  # the repeat path included
             with pytest.raises(TypeError, match="stream"):
                 apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, stream=True)
-            apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, layout="bshd")
         n = len(gpu.launches)
         x = fake_cupy((2, 8, 128), BF16)
         with pytest.raises(ValueError, match="stream: -5"):

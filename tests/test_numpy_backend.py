@@ -100,13 +100,14 @@ def test_blog_example():
     cos, sin = make_tables(3, 4, base=100.0)
     x = np.array([[[[1.0, 2.0, 3.0, 4.0]]]], dtype=np.float32)
     want = [-2.23474, 0.07700, 2.14552, 4.51627]
-    by_offset = apply_rope(x, cos, sin, offset=2, interleaved=True, backend="numpy")
-    by_position = apply_rope(x, cos, sin, positions=np.array([[2]], np.int32), interleaved=True, backend="numpy")
+    by_offset = apply_rope(x, cos, sin, offset=2, interleaved=True, backend="numpy", layout="bshd")
+    by_position = apply_rope(x, cos, sin, positions=np.array([[2]], np.int32), interleaved=True, backend="numpy",
+                             layout="bshd")
     np.testing.assert_allclose(by_offset.reshape(-1), want, atol=1e-5)
     np.testing.assert_array_equal(by_offset, by_position)
     assert by_offset.dtype == np.float32 and by_offset.shape == x.shape
     # Half-split pairs (x0, x2) and (x1, x3) rotate by the angles 2 and 0.2 instead.
-    half = apply_rope(x, cos, sin, offset=2, backend="numpy").reshape(-1)
+    half = apply_rope(x, cos, sin, offset=2, backend="numpy", layout="bshd").reshape(-1)
     c, s = np.cos([2.0, 0.2]), np.sin([2.0, 0.2])
     np.testing.assert_allclose(half, [1 * c[0] - 3 * s[0], 2 * c[1] - 4 * s[1], 3 * c[0] + 1 * s[0],
                                       4 * c[1] + 2 * s[1]], atol=1e-5)
@@ -118,7 +119,7 @@ def test_formula_whole_head(dtype, interleaved):
     B, S, H, D = 2, 7, 3, 64
     cos, sin = make_tables(32, D)
     x = random_x((B, S, H, D), dtype, seed=1, scale=3.0)
-    got = apply_rope(x, cos, sin, offset=5, interleaved=interleaved, backend="numpy")
+    got = apply_rope(x, cos, sin, offset=5, interleaved=interleaved, backend="numpy", layout="bshd")
     pos = np.broadcast_to(5 + np.arange(S), (B, S))
     want = expected_rope(x, cos, sin, pos, interleaved=interleaved)
     assert got.dtype == dtype
@@ -135,7 +136,7 @@ def test_partial_and_offset_windows(dtype, interleaved, rotary_dim, rotary_offse
     cos, sin = make_tables(8, rotary_dim)
     x = random_x((B, S, H, D), dtype, seed=2)
     got = apply_rope(x, cos, sin, rotary_dim=rotary_dim, rotary_offset=rotary_offset, interleaved=interleaved,
-                     backend="numpy")
+                     backend="numpy", layout="bshd")
     want = expected_rope(x, cos, sin, np.broadcast_to(np.arange(S), (B, S)), interleaved=interleaved,
                          rotary_dim=rotary_dim, rotary_offset=rotary_offset)
     assert_rope_close(got, want, x, interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset)
@@ -150,15 +151,16 @@ def test_inverse(interleaved):
     B, S, H, D = 1, 9, 2, 32
     cos, sin = make_tables(16, D)
     x = random_x((B, S, H, D), np.float32, seed=3)
-    fwd = apply_rope(x, cos, sin, offset=3, interleaved=interleaved, backend="numpy")
-    back = apply_rope(fwd, cos, sin, offset=3, interleaved=interleaved, inverse=True, backend="numpy")
+    fwd = apply_rope(x, cos, sin, offset=3, interleaved=interleaved, backend="numpy", layout="bshd")
+    back = apply_rope(fwd, cos, sin, offset=3, interleaved=interleaved, inverse=True, backend="numpy", layout="bshd")
     np.testing.assert_allclose(back, x, rtol=0, atol=4e-6 * np.abs(x).max())
     pos = np.broadcast_to(3 + np.arange(S), (B, S))
     want = expected_rope(x, cos, sin, pos, interleaved=interleaved, inverse=True)
-    got = apply_rope(x, cos, sin, offset=3, interleaved=interleaved, inverse=True, backend="numpy")
+    got = apply_rope(x, cos, sin, offset=3, interleaved=interleaved, inverse=True, backend="numpy", layout="bshd")
     assert_rope_close(got, want, x, interleaved=interleaved)
     # The inverse is the rotation by the negated sine table.
-    np.testing.assert_array_equal(got, apply_rope(x, cos, -sin, offset=3, interleaved=interleaved, backend="numpy"))
+    np.testing.assert_array_equal(got, apply_rope(x, cos, -sin, offset=3, interleaved=interleaved, backend="numpy",
+                                                  layout="bshd"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def test_host_positions_outside_the_table_are_rejected():
     for pos, entry in (([[0, 4, 1, 3]], "entry 1 is 4"), ([[0, 1, -1, 3]], "entry 2 is -1")):
         with pytest.raises(ValueError, match=f"positions: {entry}, outside the table's 4 rows"):
             apply_rope(x, cos, sin, positions=np.array(pos, np.int64), rotary_dim=4, rotary_offset=2, out=x,
-                       backend="numpy")
+                       backend="numpy", layout="bshd")
         np.testing.assert_array_equal(x, x0)
 
 
@@ -323,15 +325,15 @@ def test_in_place(dtype):
     cos, sin = make_tables(8, 8)
     x = random_x((B, S, H, D), dtype, seed=13)
     before = x.copy()
-    want = apply_rope(before, cos, sin, rotary_dim=8, rotary_offset=4, backend="numpy")
-    got = apply_rope(x, cos, sin, rotary_dim=8, rotary_offset=4, out=x, backend="numpy")
+    want = apply_rope(before, cos, sin, rotary_dim=8, rotary_offset=4, backend="numpy", layout="bshd")
+    got = apply_rope(x, cos, sin, rotary_dim=8, rotary_offset=4, out=x, backend="numpy", layout="bshd")
     assert got is x
     np.testing.assert_array_equal(x.view(np.uint8), want.view(np.uint8))
     q, k = random_x((B, S, 4, D), dtype, seed=14), random_x((B, S, 1, D), dtype, seed=15)
     q0, k0 = q.copy(), k.copy()
-    rq, rk = apply_rope_qk(q, k, cos, sin, rotary_dim=8, q_out=q, k_out=k, backend="numpy")
+    rq, rk = apply_rope_qk(q, k, cos, sin, rotary_dim=8, q_out=q, k_out=k, backend="numpy", layout="bshd")
     assert rq is q and rk is k
-    wq, wk = apply_rope_qk(q0, k0, cos, sin, rotary_dim=8, backend="numpy")
+    wq, wk = apply_rope_qk(q0, k0, cos, sin, rotary_dim=8, backend="numpy", layout="bshd")
     np.testing.assert_array_equal(q.view(np.uint8), wq.view(np.uint8))
     np.testing.assert_array_equal(k.view(np.uint8), wk.view(np.uint8))
 
@@ -342,14 +344,14 @@ def test_separate_outputs_and_untouched_inputs():
     x = random_x((B, S, H, D), np.float32, seed=16)
     before = x.copy()
     out = np.full_like(x, np.nan)
-    assert apply_rope(x, cos, sin, out=out, backend="numpy") is out
+    assert apply_rope(x, cos, sin, out=out, backend="numpy", layout="bshd") is out
     np.testing.assert_array_equal(x, before)
-    np.testing.assert_array_equal(out, apply_rope(x, cos, sin, backend="numpy"))
+    np.testing.assert_array_equal(out, apply_rope(x, cos, sin, backend="numpy", layout="bshd"))
     # q in place, k into a separate output: k's channels outside the window are copied there.
     q, k = x.copy(), random_x((B, S, 1, D), np.float32, seed=17)
     k_out = np.full_like(k, np.nan)
     cos8, sin8 = make_tables(4, 8)
-    apply_rope_qk(q, k, cos8, sin8, rotary_dim=8, q_out=q, k_out=k_out, backend="numpy")
+    apply_rope_qk(q, k, cos8, sin8, rotary_dim=8, q_out=q, k_out=k_out, backend="numpy", layout="bshd")
     np.testing.assert_array_equal(k_out[..., 8:], k[..., 8:])
     assert not np.isnan(k_out).any()
 
@@ -367,11 +369,11 @@ def test_errors_leave_in_place_input_unchanged():
     x = random_x((1, 6, 2, 16), np.float32, seed=18)
     before = x.copy()
     with pytest.raises(ValueError, match="offset"):
-        apply_rope(x, cos, sin, out=x, backend="numpy")  # 6 tokens, 4 table rows
+        apply_rope(x, cos, sin, out=x, backend="numpy", layout="bshd")  # 6 tokens, 4 table rows
     with pytest.raises(TypeError, match="positions"):
-        apply_rope(x, cos, sin, out=x, positions=np.zeros((1, 6), np.float32), backend="numpy")
+        apply_rope(x, cos, sin, out=x, positions=np.zeros((1, 6), np.float32), backend="numpy", layout="bshd")
     with pytest.raises(ValueError, match="out overlaps x"):
-        apply_rope(x[:, :3], cos, sin, out=x[:, 1:4], backend="numpy")
+        apply_rope(x[:, :3], cos, sin, out=x[:, 1:4], backend="numpy", layout="bshd")
     np.testing.assert_array_equal(x.view(np.uint8), before.view(np.uint8))
 
 
@@ -384,11 +386,11 @@ def test_auto_backend_falls_back_to_numpy_once(monkeypatch):
     x = random_x((1, 2, 1, 16), np.float32, seed=19)
     monkeypatch.setattr(R, "_numpy_fallback_warned", False)
     with pytest.warns(RuntimeWarning, match="runs the NumPy reference"):
-        got = apply_rope(x, cos, sin)
-    np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy"))
+        got = apply_rope(x, cos, sin, layout="bshd")
+    np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy", layout="bshd"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        apply_rope(x, cos, sin)  # warned once only
+        apply_rope(x, cos, sin, layout="bshd")  # warned once only
 
 
 def test_plan_needs_device_arrays():
@@ -466,11 +468,11 @@ def test_non_native_byte_order_is_refused_before_anything_is_written():
     q0, k0 = q.copy(), k.copy()
     cos, sin = make_tables(8, 8)
     with pytest.raises(TypeError, match=r"k: dtype >f4 is in non-native byte order"):
-        apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, backend="numpy")
+        apply_rope_qk(q, k, cos, sin, q_out=q, k_out=k, backend="numpy", layout="bshd")
     np.testing.assert_array_equal(q, q0)
     np.testing.assert_array_equal(k, k0)
     with pytest.raises(TypeError, match=r"cos: dtype >f4 is in non-native byte order"):
-        apply_rope(q, cos.astype(">f4"), sin, out=q, backend="numpy")
+        apply_rope(q, cos.astype(">f4"), sin, out=q, backend="numpy", layout="bshd")
     np.testing.assert_array_equal(q, q0)
 
 
@@ -479,7 +481,7 @@ def test_degenerate_inputs_raise_documented_errors(case):
     rng = np.random.default_rng(22)
     x = rng.standard_normal((2, 3, 2, 8)).astype(np.float32)
     cos, sin = make_tables(8, 8)
-    kw = {}
+    kw = {"layout": "bshd"}
     if case == "0-d x":
         x, exc, pattern = np.full((), 1.5, np.float32), ValueError, r"x: layout 'bshd' needs a 4-d array"
     elif case == "0-d cos":
@@ -487,7 +489,7 @@ def test_degenerate_inputs_raise_documented_errors(case):
     else:
         if case == "offset 2**63, no batch":
             x = x[:0]
-        kw, exc, pattern = {"offset": 2**63}, ValueError, r"offset: positions 9223372036854775808"
+        kw, exc, pattern = {**kw, "offset": 2**63}, ValueError, r"offset: positions 9223372036854775808"
     with pytest.raises(exc, match=pattern):
         apply_rope(x, cos, sin, backend="numpy", **kw)
 
@@ -502,10 +504,10 @@ def test_a_hugging_face_full_width_table_is_recognised():
     full_cos, full_sin = np.concatenate([cos, cos], 1), np.concatenate([sin, sin], 1)  # HF's cat(freqs, freqs)
     with pytest.raises(ValueError, match=r"cos: has 128 columns, the full rotary dim 128: this looks like a Hugging "
                                          r"Face table .* pass cos\[:, :64\] and sin\[:, :64\]"):
-        apply_rope(x, full_cos, full_sin, backend="numpy")
+        apply_rope(x, full_cos, full_sin, backend="numpy", layout="bshd")
     # ... and the advice works as written.
-    got = apply_rope(x, full_cos[:, :64], full_sin[:, :64], backend="numpy")
-    np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy"))
+    got = apply_rope(x, full_cos[:, :64], full_sin[:, :64], backend="numpy", layout="bshd")
+    np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy", layout="bshd"))
 
 
 def test_a_transposed_table_is_called_transposed():
@@ -513,24 +515,25 @@ def test_a_transposed_table_is_called_transposed():
     cos, sin = make_tables(16, 16)
     t = np.ascontiguousarray(cos.T)  # built as [rotary_dim // 2, max_positions]
     with pytest.raises(ValueError, match=r"cos: .*transposed view.*pass ascontiguousarray\(t.T\)"):
-        apply_rope(x, t.T, sin, backend="numpy")
-    np.testing.assert_array_equal(apply_rope(x, np.ascontiguousarray(t.T), sin, backend="numpy"),
-                                  apply_rope(x, cos, sin, backend="numpy"))  # the advice works as written
+        apply_rope(x, t.T, sin, backend="numpy", layout="bshd")
+    np.testing.assert_array_equal(apply_rope(x, np.ascontiguousarray(t.T), sin, backend="numpy", layout="bshd"),
+                                  apply_rope(x, cos, sin, backend="numpy",
+                                             layout="bshd"))  # the advice works as written
 
 
 def test_a_float_offset_says_an_int_works():
     x = np.random.default_rng(32).standard_normal((1, 4, 2, 16)).astype(np.float32)
     cos, sin = make_tables(16, 16)
     with pytest.raises(TypeError, match=r"offset: expected an int or an int array .*got float 5.0"):
-        apply_rope(x, cos, sin, offset=5.0, backend="numpy")
+        apply_rope(x, cos, sin, offset=5.0, backend="numpy", layout="bshd")
 
 
 def test_an_odd_head_dim_does_not_blame_rotary_dim():
     x = np.random.default_rng(33).standard_normal((1, 4, 2, 129)).astype(np.float32)
     cos, sin = make_tables(16, 128)
     with pytest.raises(ValueError, match=r"x: head dim 129 is odd; .*pass an even rotary_dim"):
-        apply_rope(x, cos, sin, backend="numpy")
-    got = apply_rope(x, cos, sin, rotary_dim=128, backend="numpy")  # the fix the message names
+        apply_rope(x, cos, sin, backend="numpy", layout="bshd")
+    got = apply_rope(x, cos, sin, rotary_dim=128, backend="numpy", layout="bshd")  # the fix the message names
     np.testing.assert_array_equal(got[..., 128], x[..., 128])
 
 
@@ -545,6 +548,6 @@ def test_the_cpu_fallback_warning_points_at_the_callers_line():
 
         if driver.available():
             pytest.skip("a GPU is present: backend='auto' does not fall back")
-        apply_rope(x, cos, sin)  # the line the warning must name
+        apply_rope(x, cos, sin, layout="bshd")  # the line the warning must name
     (w,) = [c for c in caught if "NumPy reference" in str(c.message)]
     assert w.filename == __file__, w.filename

@@ -61,7 +61,7 @@ class _CountingEnviron(dict):
 def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothing(gpu, table, monkeypatch):
     cos, sin = table
     q, k, offs = decode_arrays()
-    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)  # the first call of the signature
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")  # the first call of the signature
     assert len(gpu.launches) == 1
     counts: dict = {}
     environ = _CountingEnviron(os.environ)
@@ -75,7 +75,7 @@ def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothi
     sets = [decode_arrays() for _ in range(64)]
     for i in range(200):
         q, k, offs = sets[i % len(sets)]
-        assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k) == (q, k)
+        assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd") == (q, k)
         p = gpu.launches[-1]["params"]
         assert (p.q_in, p.q_out, p.k_in, p.k_out, p.offsets) == (q.data.ptr, q.data.ptr, k.data.ptr, k.data.ptr,
                                                                  offs.data.ptr)
@@ -89,35 +89,35 @@ def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothi
 def test_one_call_plans_are_per_signature_and_bounded(gpu, table):
     cos, sin = table
     q, k, offs = decode_arrays()
-    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
-    apply_rope(q, cos, sin, offset=3, out=q)
-    apply_rope(q, cos, sin, offset=3)  # out of place: another plan
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
+    apply_rope(q, cos, sin, offset=3, out=q, layout="bshd")
+    apply_rope(q, cos, sin, offset=3, layout="bshd")  # out of place: another plan
     plans = rope._local.by_key
     assert len(plans) == 3
     # A different token count is a new signature of the same plan: no new plan.
     q2 = fake_cupy((B, 5, HQ, D), BF16)
-    apply_rope(q2, cos, sin, offset=3, out=q2)
+    apply_rope(q2, cos, sin, offset=3, out=q2, layout="bshd")
     assert len(plans) == 3 and len(rope._local.by_signature) == 4
     for h in range(1, prepared.ONE_CALL_SIGNATURES + 10):
         x = fake_cupy((1, 1, h, 8), np.float32)
-        apply_rope(x, cos[:, :4], sin[:, :4], out=x)
+        apply_rope(x, cos[:, :4], sin[:, :4], out=x, layout="bshd")
     assert len(plans) <= prepared.ONE_CALL_SIGNATURES and len(rope._local.by_signature) <= prepared.ONE_CALL_SIGNATURES
 
 
 def test_address_checks_still_run_on_a_known_signature(gpu, table):
     cos, sin = table
     q, k, offs = decode_arrays()
-    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
     n = len(gpu.launches)
     # The same signature at an address the 16-byte access cannot use: a narrower build, or the error.
     q_odd = fake_cupy((B, S, HQ, D), BF16, byte_offset=2)
-    apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k)
+    apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k, layout="bshd")
     assert gpu.launches[-1]["vec"] == 1
     # Overlap of an output with another argument is found on the repeat path too.
     base = fake_cupy((B, S, HQ + HK, D), BF16)
     qv, kv = base[:, :, :HQ], base[:, :, HQ - HK + 1:HQ + 1]
     with pytest.raises(ValueError, match="overlaps"):
-        apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv)
+        apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv, layout="bshd")
     # Every other pairing too (the template lists each unordered pair once): k rotated in place
     # over the offsets array, q over the offsets, and k over the table.
     q2, k2, _ = decode_arrays()
@@ -128,7 +128,7 @@ def test_address_checks_still_run_on_a_known_signature(gpu, table):
             (q2.reshape(-1)[:2 * B].view(np.int32), q2, k2, (cos, sin)),
             (offs, q2, k_on_table, (cos, shared))):
         with pytest.raises(ValueError, match="overlaps"):
-            apply_rope_qk(q_arg, k_arg, *tables, offset=offsets, q_out=q_arg, k_out=k_arg)
+            apply_rope_qk(q_arg, k_arg, *tables, offset=offsets, q_out=q_arg, k_out=k_arg, layout="bshd")
     assert len(gpu.launches) == n + 1
 
 
@@ -150,7 +150,7 @@ def test_threads_never_share_a_plan(table):
                 mine = []
                 for i in range(1000):
                     q, k, offs = sets[i % len(sets)]
-                    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+                    apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
                     mine.append((q.data.ptr, k.data.ptr, offs.data.ptr))
                 with lock:
                     plan_ids[t] = {id(p) for p in rope._local.by_key.values()}
@@ -195,13 +195,13 @@ def test_tail_rope_one_call_keeps_no_arrays(table):
 def test_a_numpy_offset_scalar_is_an_int(gpu, table):
     cos, sin = table
     q = fake_cupy((B, S, HQ, D), BF16)
-    apply_rope(q, cos, sin, offset=np.int64(9), out=q)
+    apply_rope(q, cos, sin, offset=np.int64(9), out=q, layout="bshd")
     assert gpu.launches[-1]["params"].offset == 9
-    plan = rope_plan.RopePlan(q, None, cos, sin).compile()
+    plan = rope_plan.RopePlan(q, None, cos, sin, layout="bshd").compile()
     plan.execute(q, None, cos, sin, offset=np.int32(11))
     assert gpu.launches[-1]["params"].offset == 11
     with pytest.raises(TypeError, match="offset: expected an int or an int array"):
-        apply_rope(q, cos, sin, offset=5.0, out=q)
+        apply_rope(q, cos, sin, offset=5.0, out=q, layout="bshd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,22 +211,22 @@ def test_an_in_place_template_does_not_serve_a_separate_output(gpu):
     # out=x[:] is the same view as x (in place); a later out=y of the same signature is not.
     cos, sin = fake_cupy((64, 16), np.float32), fake_cupy((64, 16), np.float32)
     x = fake_cupy((2, 8, 4, 64), np.float32)
-    apply_rope(x, cos, sin, rotary_dim=32, out=x[:])
+    apply_rope(x, cos, sin, rotary_dim=32, out=x[:], layout="bshd")
     assert gpu.launches[-1]["params"].copy_passthrough == 0
     y = fake_cupy((2, 8, 4, 64), np.float32)
-    apply_rope(x, cos, sin, rotary_dim=32, out=y)
+    apply_rope(x, cos, sin, rotary_dim=32, out=y, layout="bshd")
     assert gpu.launches[-1]["params"].copy_passthrough == 1  # channels 32..63 of y are copied
     # ... and an output that overlaps its input without being the same view is refused.
     buf = fake_cupy((2, 9, 4, 64), np.float32)
     a, b = buf[:, :8], buf[:, 1:]
-    apply_rope(a, cos, sin, rotary_dim=32, out=a[:])
+    apply_rope(a, cos, sin, rotary_dim=32, out=a[:], layout="bshd")
     n = len(gpu.launches)
     with pytest.raises(ValueError, match="out overlaps x"):
-        apply_rope(a, cos, sin, rotary_dim=32, out=b)
+        apply_rope(a, cos, sin, rotary_dim=32, out=b, layout="bshd")
     assert len(gpu.launches) == n
     # An in-place plan refuses separate outputs even after an equal view was accepted.
     k = fake_cupy((2, 8, 2, 64), np.float32)
-    plan = rope_plan.RopePlan(x, k, cos[:, :16], sin[:, :16], rotary_dim=32)
+    plan = rope_plan.RopePlan(x, k, cos[:, :16], sin[:, :16], rotary_dim=32, layout="bshd")
     plan.execute(x, k, cos[:, :16], sin[:, :16], q_out=x[:], k_out=k[:])
     with pytest.raises(ValueError, match="q_out: this plan rotates in place"):
         plan.execute(x, k, cos, sin, q_out=y, k_out=fake_cupy((2, 8, 2, 64), np.float32))
@@ -248,7 +248,7 @@ def test_options_of_the_wrong_type_are_refused_after_a_valid_call_too(gpu, optio
 def test_a_plan_notices_k_reshaped_in_place(gpu):
     cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
     q, k = fake_cupy((2, 8, 4, 64), np.float32), fake_cupy((2, 8, 4, 64), np.float32)
-    plan = rope_plan.RopePlan(q, k, cos, sin)
+    plan = rope_plan.RopePlan(q, k, cos, sin, layout="bshd")
     plan.execute(q, k, cos, sin)
     k.shape = (2, 8, 2, 128)  # CuPy reshapes in place
     with pytest.raises(ValueError, match="k: shape"):
@@ -266,7 +266,7 @@ def test_an_argument_reshaped_in_place_keeps_the_memory_validated(what, new_shap
         q, k = fake_cupy((4, 2, 8, 64), BF16), fake_cupy((4, 2, 4, 64), BF16)
         qo, ko = fake_cupy((4, 2, 8, 64), BF16), fake_cupy((4, 2, 4, 64), BF16)
         offs = fake_cupy((4,), np.int32)
-        plan = rope_plan.RopePlan(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko)
+        plan = rope_plan.RopePlan(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko, layout="bshd")
 
         def block() -> bytes:
             plan.execute(q, k, cos, sin, q_out=qo, k_out=ko, offset=offs)
@@ -293,13 +293,13 @@ def test_an_int_subclass_offset_is_its_value(fixed):
             rec = gpu.launches[-1]
             return (rec.get("fixed") or rec.get("params")).offset
 
-        apply_rope(x, cos, sin, offset=5, out=x)  # the repeat path's signature, first
-        apply_rope(x, cos, sin, offset=Step.FIVE, out=x)
+        apply_rope(x, cos, sin, offset=5, out=x, layout="bshd")  # the repeat path's signature, first
+        apply_rope(x, cos, sin, offset=Step.FIVE, out=x, layout="bshd")
         assert offset_launched() == 5
-        rope_plan.RopePlan(x, None, cos, sin).execute(x, None, cos, sin, offset=Step.FIVE)
+        rope_plan.RopePlan(x, None, cos, sin, layout="bshd").execute(x, None, cos, sin, offset=Step.FIVE)
         assert offset_launched() == 5
         with pytest.raises(ValueError, match="offset: positions 61..64 fall outside the table's 64 rows"):
-            apply_rope(x, cos, sin, offset=type("Big", (int,), {})(61), out=x)
+            apply_rope(x, cos, sin, offset=type("Big", (int,), {})(61), out=x, layout="bshd")
 
 
 @pytest.mark.parametrize("fixed", [False, True])
@@ -308,11 +308,11 @@ def test_empty_index_arrays_off_their_alignment_are_accepted_as_validation_accep
     with FakeGPU(fixed=fixed) as gpu:
         cos, sin = fake_cupy((16, 16), np.float32), fake_cupy((16, 16), np.float32)
         x = fake_cupy((2, 0, 4, 32), np.float32)  # no tokens
-        apply_rope(x, cos, sin, positions=fake_cupy((2, 0), np.int32, byte_offset=2), out=x)
+        apply_rope(x, cos, sin, positions=fake_cupy((2, 0), np.int32, byte_offset=2), out=x, layout="bshd")
         x = fake_cupy((0, 3, 4, 32), np.float32)  # no sequences
         offs = fake_cupy((0,), np.int64, byte_offset=4)
-        apply_rope(x, cos, sin, offset=offs, out=x)
-        rope_plan.RopePlan(x, None, cos, sin, offset=offs).execute(x, None, cos, sin, offset=offs)
+        apply_rope(x, cos, sin, offset=offs, out=x, layout="bshd")
+        rope_plan.RopePlan(x, None, cos, sin, offset=offs, layout="bshd").execute(x, None, cos, sin, offset=offs)
         assert gpu.launches == []
 
 
@@ -321,7 +321,7 @@ def test_a_plan_reads_another_librarys_array_again_on_every_call(gpu):
     calls with arrays that are not CuPy's are never served from what a plan remembers."""
     cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
     x = FakeDeviceArray((2, 8, 4, 64), np.float32)
-    plan = rope_plan.RopePlan(x, None, cos, sin)
+    plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd")
     plan.execute(x, None, cos, sin)
     plan.execute(x, None, cos, sin)
     assert gpu.launches[-1]["params"].q_in == x.ptr
@@ -336,12 +336,12 @@ def test_a_plan_call_with_another_librarys_array_is_launched_without_a_token(gpu
     the caller's arrays alive after the call."""
     cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
     x = FakeDeviceArray((2, 8, 4, 64), np.float32)
-    plan = rope_plan.RopePlan(x, None, cos, sin)
+    plan = rope_plan.RopePlan(x, None, cos, sin, layout="bshd")
     for _ in range(3):
         plan.execute(x, None, cos, sin)
     assert [launch["token"] for launch in gpu.launches] == [None] * 3
     y = fake_cupy((2, 8, 4, 64), np.float32)  # CuPy arrays: remembered, so a token to replay
-    plan = rope_plan.RopePlan(y, None, cos, sin)
+    plan = rope_plan.RopePlan(y, None, cos, sin, layout="bshd")
     plan.execute(y, None, cos, sin)
     plan.execute(y, None, cos, sin)
     assert gpu.launches[-1]["token"] is not None and gpu.launches[-1]["token"] is gpu.launches[-2]["token"]
@@ -355,7 +355,7 @@ def test_a_plan_keeps_the_argument_set_it_uses_all_along(gpu, monkeypatch):
     cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
     steady = fake_cupy((2, 8, 4, 64), np.float32)
     passing = [fake_cupy((2, 8, 4, 64), np.float32) for _ in range(3 * prepared.RECENT_SETS)]
-    plan = rope_plan.RopePlan(steady, None, cos, sin)
+    plan = rope_plan.RopePlan(steady, None, cos, sin, layout="bshd")
     bound = []
     inner = prepared.Prepared._bind
 
@@ -395,7 +395,7 @@ def test_repeat_path_at_the_specialised_build_binds_without_a_call_record(table,
     cos, sin = table
     with FakeGPU(fixed=True) as gpu:
         q, k, offs = decode_arrays()
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fn"][0] == "rope_fixed"
         counts: dict = {}
         _counted(monkeypatch, env, "settings", counts)
@@ -406,7 +406,7 @@ def test_repeat_path_at_the_specialised_build_binds_without_a_call_record(table,
         sets = [decode_arrays() for _ in range(64)]
         for i in range(130):
             q, k, offs = sets[i % len(sets)]
-            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k) == (q, k)
+            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd") == (q, k)
             p = gpu.launches[-1]["fixed"]
             assert (p.in_[0], p.in_[1], p.out[0], p.out[1], p.offsets, p.cos, p.sin) == (
                 q.data.ptr, k.data.ptr, q.data.ptr, k.data.ptr, offs.data.ptr, cos.data.ptr, sin.data.ptr)
@@ -414,7 +414,7 @@ def test_repeat_path_at_the_specialised_build_binds_without_a_call_record(table,
         assert counts == {} and len(gpu.launches) == 131
         # A table off the vector alignment of its rows is read a float at a time.
         wide = fake_cupy((ROWS, D // 2 + 1), np.float32)
-        apply_rope_qk(q, k, wide[:, 1:], wide[:, :-1], offset=offs, q_out=q, k_out=k)
+        apply_rope_qk(q, k, wide[:, 1:], wide[:, :-1], offset=offs, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].table_vec == 0
 
 
@@ -422,21 +422,21 @@ def test_a_strided_view_of_a_contiguous_arrays_shape_gets_its_own_template(table
     cos, sin = table
     with FakeGPU(fixed=True) as gpu:
         q, k, offs = decode_arrays()
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].in_sh[0] == D
         wide = fake_cupy((B, S, HQ, 2 * D), BF16)
         qv = wide[..., :D]  # q's shape and dtype, not C-contiguous
-        apply_rope_qk(qv, k, cos, sin, offset=offs, q_out=qv, k_out=k)
+        apply_rope_qk(qv, k, cos, sin, offset=offs, q_out=qv, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.in_sh[0], p.in_sb[0]) == (qv.data.ptr, 2 * D, HQ * 2 * D)
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].in_sh[0] == D
         # Arrays that differ only in the stride of an axis of length 1 are both C-contiguous: one
         # template serves them (no address depends on that stride).
         q1 = fake_cupy((B, HQ, D), BF16)[:, None]
         assert q1.shape == q.shape and q1.strides != q.strides and q1._c_contiguous
         templates = len(rope._local.by_signature)
-        apply_rope_qk(q1, k, cos, sin, offset=offs, q_out=q1, k_out=k)
+        apply_rope_qk(q1, k, cos, sin, offset=offs, q_out=q1, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.out[0], p.in_sb[0], p.in_sh[0]) == (q1.data.ptr, q1.data.ptr, HQ * D, D)
         assert len(rope._local.by_signature) == templates
@@ -488,15 +488,15 @@ def test_a_repeated_signature_skips_the_signature_tuples_and_the_dictionary(tabl
     cos, sin = table
     with FakeGPU(fixed=True) as gpu:
         q, k, offs = decode_arrays()
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)  # makes the thread's record
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")  # makes the thread's record
         counts: dict = {}
         _counted(monkeypatch, rope, "_signature_and_pointers", counts)
         _counted(monkeypatch, rope_request, "validate", counts)
         sets = [decode_arrays() for _ in range(8)]
         for i in range(20):
             q, k, offs = sets[i % len(sets)]
-            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
             p = gpu.launches[-1]["fixed"]
             assert (p.in_[0], p.in_[1], p.out[0], p.out[1], p.offsets) == (
                 q.data.ptr, k.data.ptr, q.data.ptr, k.data.ptr, offs.data.ptr)
@@ -512,34 +512,70 @@ def test_the_public_functions_take_the_last_repeat_path_themselves(table, monkey
     with FakeGPU(fixed=True) as gpu:
         q, k, offs = decode_arrays()
         for _ in range(2):
-            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
         counts: dict = {}
         _counted(monkeypatch, rope, "_run_device", counts)
         for stream, handle in ((None, 0), (77, 77)):
             q, k, offs = decode_arrays()
-            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, stream=stream) == (q, k)
+            assert apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, stream=stream, layout="bshd") == (q, k)
             rec = gpu.launches[-1]
             assert (rec["fixed"].in_[0], rec["fixed"].offsets, rec["stream"]) == (q.data.ptr, offs.data.ptr, handle)
         assert counts == {}
         x = fake_cupy((B, S, HQ, D), BF16)
         for _ in range(2):
-            apply_rope(x, cos, sin, offset=3)
+            apply_rope(x, cos, sin, offset=3, layout="bshd")
         counts.clear()
         for stream, handle in ((None, 0), (78, 78)):
             x = fake_cupy((B, S, HQ, D), BF16)
-            out = apply_rope(x, cos, sin, offset=5, stream=stream)
+            out = apply_rope(x, cos, sin, offset=5, stream=stream, layout="bshd")
             rec = gpu.launches[-1]
             assert out is not x and out.shape == x.shape and out.dtype == x.dtype
             assert (rec["fixed"].in_[0], rec["fixed"].out[0], rec["fixed"].offset, rec["stream"]) == (
                 x.data.ptr, out.data.ptr, 5, handle)
             given = fake_cupy(x.shape, BF16)
-            assert apply_rope(x, cos, sin, offset=6, out=given, stream=stream) is given
+            assert apply_rope(x, cos, sin, offset=6, out=given, stream=stream, layout="bshd") is given
             assert (gpu.launches[-1]["fixed"].out[0], gpu.launches[-1]["stream"]) == (given.data.ptr, handle)
         assert counts == {}
         n = len(gpu.launches)
-        apply_rope(x, cos, sin, offset=np.int64(9))
+        apply_rope(x, cos, sin, offset=np.int64(9), layout="bshd")
         assert counts == {"_run_device": 1} and len(gpu.launches) == n + 1
         assert gpu.launches[-1]["fixed"].offset == 9
+
+
+def test_a_call_without_a_layout_repeats_and_its_path_refuses_a_4d_array(table, monkeypatch):
+    """``layout=None`` (a [T, H, D] call needs no layout) is an option the repeat paths compare by
+    identity like any other: such a call repeats without validation, and a 4-d array passed without
+    a layout after it gets full validation's refusal, never the 3-d call's path; ``layout="thd"``
+    launches the same block."""
+    cos, sin = table
+    with FakeGPU(fixed=True) as gpu:
+        q, k = fake_cupy((B, HQ, D), BF16), fake_cupy((B, HK, D), BF16)
+        for _ in range(2):
+            apply_rope_qk(q, k, cos, sin, offset=3, q_out=q, k_out=k)
+        counts: dict = {}
+        _counted(monkeypatch, rope, "_run_device", counts)
+        for module in (rope, rope_plan, rope_request):
+            _counted(monkeypatch, module, "validate", counts)
+        for _ in range(4):
+            q, k = fake_cupy((B, HQ, D), BF16), fake_cupy((B, HK, D), BF16)
+            assert apply_rope_qk(q, k, cos, sin, offset=3, q_out=q, k_out=k) == (q, k)
+            assert gpu.launches[-1]["fixed"].in_[0] == q.data.ptr
+        assert counts == {}
+        block = bytes(gpu.launches[-1]["fixed"])
+        n = len(gpu.launches)
+        q4, k4 = fake_cupy((2, HQ, 4, D), BF16), fake_cupy((2, HK, 4, D), BF16)  # [B, H, S, D]
+        with pytest.raises(ValueError, match=r'layout: q has shape \(2, 32, 4, 128\).*"bshd".*"bhsd".*"sbhd"'):
+            apply_rope_qk(q4, k4, cos, sin, offset=3, q_out=q4, k_out=k4)
+        x = fake_cupy((B, HQ, D), BF16)
+        for _ in range(2):
+            apply_rope(x, cos, sin, offset=3, out=x)
+        with pytest.raises(ValueError, match=r'layout: x has shape \(2, 32, 4, 128\).*"bshd".*"bhsd".*"sbhd"'):
+            apply_rope(q4, cos, sin, offset=3, out=q4)
+        with pytest.raises(ValueError, match=r'layout: x has shape \(2, 32, 4, 128\)'):
+            apply_rope(q4, cos, sin, offset=3)
+        assert len(gpu.launches) == n + 2
+        apply_rope_qk(q, k, cos, sin, offset=3, q_out=q, k_out=k, layout="thd")
+        assert bytes(gpu.launches[-1]["fixed"]) == block
 
 
 def test_the_last_repeat_path_still_checks_every_argument(table):
@@ -551,40 +587,40 @@ def test_the_last_repeat_path_still_checks_every_argument(table):
         def record():
             q, k, offs = decode_arrays()
             for _ in range(2):
-                apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k)
+                apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
             assert gpu.launches[-1]["fn"][0] == "rope_fixed"
             return offs
 
         offs = record()
         # Another token count: its own geometry.
         q5, k5 = fake_cupy((B, 5, HQ, D), BF16), fake_cupy((B, 5, HK, D), BF16)
-        apply_rope_qk(q5, k5, cos, sin, offset=offs, q_out=q5, k_out=k5)
+        apply_rope_qk(q5, k5, cos, sin, offset=offs, q_out=q5, k_out=k5, layout="bshd")
         assert gpu.launches[-1]["fixed"].seq_len == 5
         offs = record()
         # Another dtype of the same shape.
         qf, kf = fake_cupy((B, S, HQ, D), np.float16), fake_cupy((B, S, HK, D), np.float16)
-        apply_rope_qk(qf, kf, cos, sin, offset=offs, q_out=qf, k_out=kf)
+        apply_rope_qk(qf, kf, cos, sin, offset=offs, q_out=qf, k_out=kf, layout="bshd")
         assert gpu.launches[-1]["fn"][1].dtype == "float16"
         offs = record()
         # Out of place: outputs written, inputs untouched.
         q, k, _ = decode_arrays()
         qo, ko = fake_cupy(q.shape, BF16), fake_cupy(k.shape, BF16)
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=ko, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.out[0], p.in_[1], p.out[1]) == (q.data.ptr, qo.data.ptr, k.data.ptr, ko.data.ptr)
         offs = record()
         # An int offset instead of the array: positions offset + s, checked against the table.
         q, k, _ = decode_arrays()
-        apply_rope_qk(q, k, cos, sin, offset=7, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=7, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].offset == 7 and gpu.launches[-1]["fixed"].offsets == 0
         for _ in range(2):
-            apply_rope_qk(q, k, cos, sin, offset=9, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=9, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].offset == 9
         n = len(gpu.launches)
         with pytest.raises(ValueError, match="offset"):
-            apply_rope_qk(q, k, cos, sin, offset=ROWS, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=ROWS, q_out=q, k_out=k, layout="bshd")
         with pytest.raises(ValueError, match="offset"):
-            apply_rope_qk(q, k, cos, sin, offset=-1, q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=-1, q_out=q, k_out=k, layout="bshd")
         assert len(gpu.launches) == n
         offs = record()
         n = len(gpu.launches)
@@ -592,43 +628,43 @@ def test_the_last_repeat_path_still_checks_every_argument(table):
         base = fake_cupy((B, S, HQ + HK, D), BF16)
         qv, kv = base[:, :, :HQ], base[:, :, HQ - HK + 1:HQ + 1]
         with pytest.raises(ValueError, match="overlaps"):
-            apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv)
+            apply_rope_qk(qv, kv, cos, sin, offset=offs, q_out=qv, k_out=kv, layout="bshd")
         q, k, _ = decode_arrays()
         with pytest.raises(ValueError, match="overlaps"):
-            apply_rope_qk(q, k, cos, sin, offset=k.reshape(-1)[:2 * B].view(np.int32), q_out=q, k_out=k)
+            apply_rope_qk(q, k, cos, sin, offset=k.reshape(-1)[:2 * B].view(np.int32), q_out=q, k_out=k, layout="bshd")
         assert len(gpu.launches) == n
         offs = record()
         # An address off the specialised build's vector: the generic build at a narrower vector.
         q_odd = fake_cupy((B, S, HQ, D), BF16, byte_offset=2)
-        apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k)
+        apply_rope_qk(q_odd, k, cos, sin, offset=offs, q_out=q_odd, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fn"][0] != "rope_fixed" and gpu.launches[-1]["vec"] == 1
         offs = record()
         # A strided view of q's shape.
         wide = fake_cupy((B, S, HQ, 2 * D), BF16)
         qs = wide[..., :D]
-        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k)
+        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].in_sh[0] == 2 * D
         # ... and its own generated path: another strided view of that layout binds through it,
         # while a C-contiguous q of the shape is not taken for it.
-        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k)
+        apply_rope_qk(qs, k, cos, sin, offset=offs, q_out=qs, k_out=k, layout="bshd")
         qs2 = fake_cupy((B, S, HQ, 2 * D), BF16)[..., D:]
-        apply_rope_qk(qs2, k, cos, sin, offset=offs, q_out=qs2, k_out=k)
+        apply_rope_qk(qs2, k, cos, sin, offset=offs, q_out=qs2, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.out[0], p.in_sh[0]) == (qs2.data.ptr, qs2.data.ptr, 2 * D)
         qc = fake_cupy((B, S, HQ, D), BF16)
-        apply_rope_qk(qc, k, cos, sin, offset=offs, q_out=qc, k_out=k)
+        apply_rope_qk(qc, k, cos, sin, offset=offs, q_out=qc, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.in_sh[0]) == (qc.data.ptr, D)
         offs = record()
         # positions instead of offsets.
         pos = fake_cupy((B, S), np.int32)
-        apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k)
+        apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k, layout="bshd")
         assert gpu.launches[-1]["fixed"].positions == pos.data.ptr
         offs = record()
         # q_out a separate array where the record has q rotated in place, and the reverse.
         q, k, _ = decode_arrays()
         qo = fake_cupy(q.shape, BF16)
-        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=k)
+        apply_rope_qk(q, k, cos, sin, offset=offs, q_out=qo, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.out[0], p.out[1]) == (q.data.ptr, qo.data.ptr, k.data.ptr)
 
@@ -639,7 +675,7 @@ def test_options_of_the_wrong_type_are_refused_after_the_last_repeat_path_too(ta
     cos, sin = table
     with FakeGPU(fixed=True) as gpu:
         q, k, offs = decode_arrays()
-        good = dict(interleaved=False, inverse=False, rotary_offset=0, rotary_dim=128)
+        good = dict(interleaved=False, inverse=False, rotary_offset=0, rotary_dim=128, layout="bshd")
         for _ in range(3):
             apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, **good)
         assert gpu.launches[-1]["fn"][0] == "rope_fixed"

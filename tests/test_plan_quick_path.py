@@ -45,7 +45,7 @@ def test_new_arrays_of_a_bound_signature_take_the_quick_path(fixed, tables, monk
     Call, copied into the remembered sets and handed to the launcher as a new token."""
     cos, sin = tables
     q, k, offs = _decode_set()
-    plan = RopePlan(q, k, cos, sin, offset=offs).compile()
+    plan = RopePlan(q, k, cos, sin, offset=offs, layout="bshd").compile()
     plan.execute(q, k, cos, sin, offset=offs)
     assert fixed.launches[-1]["fn"][0] == "rope_fixed"
     counts: dict = {}
@@ -66,7 +66,7 @@ def test_a_rotation_among_a_few_sets_is_remembered(fixed, tables):
     launcher gets the set's token (a graph per set), and every launch carries that set's values."""
     cos, sin = tables
     sets = [_decode_set() for _ in range(3)]
-    plan = RopePlan(*sets[0][:2], cos, sin, offset=sets[0][2]).compile()
+    plan = RopePlan(*sets[0][:2], cos, sin, offset=sets[0][2], layout="bshd").compile()
     plan.execute(sets[0][0], sets[0][1], cos, sin, offset=sets[0][2])
     for round_ in range(5):
         for q, k, offs in sets:
@@ -84,7 +84,7 @@ def test_new_arrays_then_the_same_arrays_again_are_bound_once_and_replayed(fixed
     launcher gets its token, so its graph replays. Every launch carries the set's addresses."""
     cos, sin = tables
     first = _decode_set()
-    plan = RopePlan(*first[:2], cos, sin, offset=first[2]).compile()
+    plan = RopePlan(*first[:2], cos, sin, offset=first[2], layout="bshd").compile()
     plan.execute(first[0], first[1], cos, sin, offset=first[2])
     q, k, offs = _decode_set()
     counts: dict = {}
@@ -103,7 +103,7 @@ def test_views_made_on_every_call_are_not_mistaken_for_a_set_seen_again(fixed, t
     call takes the quick path with its own addresses, and none is remembered."""
     cos, sin = tables
     qb, kb, offs = fake_cupy((2, B, 1, HQ, D), BF16), fake_cupy((2, B, 1, HK, D), BF16), fake_cupy((B,), np.int32)
-    plan = RopePlan(qb[0], kb[0], cos, sin, offset=offs).compile()
+    plan = RopePlan(qb[0], kb[0], cos, sin, offset=offs, layout="bshd").compile()
     plan.execute(qb[0], kb[0], cos, sin, offset=offs)
     counts: dict = {}
     counted(monkeypatch, prepared.Prepared, "_bind", counts)
@@ -120,12 +120,12 @@ def test_the_block_holds_each_calls_values_whichever_path_wrote_it(fixed, tables
     the offset."""
     cos, sin = tables
     a, b = _decode_set(), _decode_set()
-    plan = RopePlan(a[0], a[1], cos, sin, offset=a[2]).compile()
+    plan = RopePlan(a[0], a[1], cos, sin, offset=a[2], layout="bshd").compile()
     for s in (a, b, a, b, b, a, a, b):
         plan.execute(s[0], s[1], cos, sin, offset=s[2])
         assert _pointers(fixed.launches[-1]) == _expected(*s)
     q, k, _ = _decode_set()
-    plan_int = RopePlan(q, k, cos, sin, offset=3).compile()
+    plan_int = RopePlan(q, k, cos, sin, offset=3, layout="bshd").compile()
     plan_int.execute(q, k, cos, sin, offset=3)
     q2, k2, _ = _decode_set()
     for off in (5, 5, 9):
@@ -139,7 +139,7 @@ def test_what_validation_refuses_is_refused_before_any_launch(fixed, tables):
     other head counts, an output over the other input (out of place), q off its alignment."""
     cos, sin = tables
     q, k, _ = _decode_set()
-    plan = RopePlan(q, k, cos, sin, offset=0).compile()
+    plan = RopePlan(q, k, cos, sin, offset=0, layout="bshd").compile()
     plan.execute(q, k, cos, sin, offset=0)
     n = len(fixed.launches)
     q2, k2, _ = _decode_set()
@@ -148,7 +148,8 @@ def test_what_validation_refuses_is_refused_before_any_launch(fixed, tables):
     with pytest.raises((TypeError, ValueError), match="q"):
         plan.execute(fake_cupy((B, 1, HQ // 2, D), BF16), fake_cupy((B, 1, HK, D), BF16), cos, sin, offset=0)
     assert len(fixed.launches) == n
-    out_plan = RopePlan(q, k, cos, sin, q_out=fake_cupy(q.shape, BF16), k_out=fake_cupy(k.shape, BF16)).compile()
+    out_plan = RopePlan(q, k, cos, sin, q_out=fake_cupy(q.shape, BF16), k_out=fake_cupy(k.shape, BF16),
+                        layout="bshd").compile()
     out_plan.execute(q, k, cos, sin, q_out=fake_cupy(q.shape, BF16), k_out=fake_cupy(k.shape, BF16))
     n = len(fixed.launches)
     q3, k3, _ = _decode_set()
@@ -196,7 +197,7 @@ def test_a_new_offsets_array_each_call_is_not_mistaken_for_a_set_seen_again(fixe
     q was held weakly: every other call was bound in full and remembered."""
     cos, sin = tables
     q, k, offs = _decode_set()
-    plan = RopePlan(q, k, cos, sin, offset=offs).compile()
+    plan = RopePlan(q, k, cos, sin, offset=offs, layout="bshd").compile()
     plan.execute(q, k, cos, sin, offset=offs)
     plan.execute(*_decode_set()[:2], cos, sin, offset=offs)  # another set: the quick path from here
     counts: dict = {}

@@ -25,9 +25,14 @@ def gpu():
 def _call(**change):
     kw = dict(q=fake_cupy((B, S, HQ, D), BF16), k=fake_cupy((B, S, HK, D), BF16), q_weight=fake_cupy((D,), BF16),
               k_weight=fake_cupy((D,), BF16), cos=fake_cupy((P, D // 2), np.float32),
-              sin=fake_cupy((P, D // 2), np.float32))
+              sin=fake_cupy((P, D // 2), np.float32), layout="bshd")
     kw.update(change)
     return kw
+
+
+def _arrays(kw):
+    """A call's keywords without the layout, which a plan fixes (``execute`` takes arrays)."""
+    return {name: value for name, value in kw.items() if name != "layout"}
 
 
 def test_reference_against_hand_computed_values():
@@ -60,6 +65,24 @@ def test_a_call_launches_the_fused_build_with_its_block(gpu):
     assert p.total == B * S * (HQ + HK) // 2 * 8 and rec["grid"] == (-(-p.total // 256), 1, 1)
     assert (p.weight[0], p.weight[1]) == (kw["q_weight"].data.ptr, kw["k_weight"].data.ptr)
     assert p.eps == np.float32(1e-5) and p.offset == 3 and p.in_[0] == kw["q"].data.ptr
+
+
+def test_a_4d_array_without_a_layout_is_refused_naming_both_readings(gpu):
+    import rope_rtc
+
+    kw = _arrays(_call())
+    for build in (rope_rtc.apply_qk_norm_rope, rope_rtc.QKNormRopePlan):
+        with pytest.raises(ValueError, match=r'layout: q has shape \(2, 5, 4, 128\).*"bshd" for \[B, S, H, D\].*'
+                                             r'"bhsd" for \[B, H, S, D\].*"sbhd"'):
+            build(**kw)
+    assert gpu.launches == []
+    # A 3-d [T, H, D] array needs no layout: "thd", the same block as said explicitly.
+    flat = _arrays(_call(q=fake_cupy((B * S, HQ, D), BF16), k=fake_cupy((B * S, HK, D), BF16)))
+    rope_rtc.apply_qk_norm_rope(**flat, q_out=flat["q"], k_out=flat["k"])
+    rope_rtc.apply_qk_norm_rope(**flat, q_out=flat["q"], k_out=flat["k"], layout="thd")
+    assert bytes(gpu.launches[-2]["norm"]) == bytes(gpu.launches[-1]["norm"])
+    plan = rope_rtc.QKNormRopePlan(**flat)
+    assert plan.layout == "thd" and plan._opts["layout"] == "thd"
 
 
 @pytest.mark.parametrize("tokens,dtype,interleaved,weight_offset,staged", [
@@ -130,23 +153,23 @@ def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkey
     from rope_rtc import qk_norm
 
     plan = rope_rtc.QKNormRopePlan(**_call(), numerics="transformers")
-    plan.execute(**_call())
+    plan.execute(**_arrays(_call()))
     calls = []
     real = qk_norm.validate_qk_norm
     monkeypatch.setattr(qk_norm, "validate_qk_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     for _ in range(3):
         kw = _call()
-        plan.execute(**kw)
+        plan.execute(**_arrays(kw))
         assert gpu.launches[-1]["norm"].weight[1] == kw["k_weight"].data.ptr
     assert calls == [] and gpu.launches[-1]["geometry"].numerics == "transformers"
     # Weights of another dtype than the plan's: refused (float32 ones by the transformers numerics
     # themselves, and by an exact plan built with bfloat16 weights).
     f32 = dict(q_weight=fake_cupy((D,), np.float32), k_weight=fake_cupy((D,), np.float32))
     with pytest.raises(TypeError, match="transformers multiplies in the input dtype"):
-        plan.execute(**_call(**f32))
+        plan.execute(**_arrays(_call(**f32)))
     exact = rope_rtc.QKNormRopePlan(**_call())
     with pytest.raises(ValueError, match="plan: bfloat16"):
-        exact.execute(**_call(**f32))
+        exact.execute(**_arrays(_call(**f32)))
 
 
 def test_lanes_per_head_by_pair_style_and_window():
@@ -201,7 +224,7 @@ def test_weights_off_every_vector_are_named_with_or_without_tokens(gpu, tokens):
     for offset, vec in ((2, 2), (4, 4)):
         kw = call(offset)
         rope_rtc.apply_qk_norm_rope(**kw)
-        rope_rtc.QKNormRopePlan(**kw).execute(**kw)
+        rope_rtc.QKNormRopePlan(**kw).execute(**_arrays(kw))
         if tokens:
             assert gpu.launches[-1]["geometry"].vec == vec
 
@@ -253,9 +276,9 @@ def test_a_misaligned_first_call_does_not_pin_later_aligned_calls(gpu, first):
     rope_rtc.apply_qk_norm_rope(**_call(**off))  # the narrow build again, beside the wide one
     assert gpu.launches[-1]["geometry"].vec == narrow
     plan = rope_rtc.QKNormRopePlan(**_call(**off))
-    plan.execute(**_call(**off))
+    plan.execute(**_arrays(_call(**off)))
     assert gpu.launches[-1]["geometry"].vec == narrow
-    plan.execute(**_call())
+    plan.execute(**_arrays(_call()))
     assert gpu.launches[-1]["geometry"].vec == wide
     T = 10923  # large enough for the staged build (test_large_launches_take_the_staged_build)
 
@@ -280,7 +303,8 @@ def test_an_enormous_eps_or_attention_factor_is_described_not_spelled_out(gpu):
         rope_rtc.apply_qk_norm_rope(**_call(), eps=10**400)
     q = fake_cupy((2, 5, 8, 128), BF16)
     with pytest.raises(ValueError, match=r"attention_scaling: .*got an int of 1329 bits$"):
-        rope_rtc.apply_rope(q, inv_freq=fake_cupy((64,), np.float64), attention_scaling=10**400, out=q)
+        rope_rtc.apply_rope(q, inv_freq=fake_cupy((64,), np.float64), attention_scaling=10**400, out=q,
+                            layout="bshd")
     assert gpu.launches == []
 
 
@@ -309,7 +333,8 @@ def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
     calls = []
     for _ in range(40):  # episodes: one configuration, then calls with new arrays, now and then off it
         s, apart = int(rng.choice([S, S + 1])), rng.random() < 0.3
-        kw = dict(eps=float(rng.choice([1e-6, 1e-5])), numerics=str(rng.choice(["exact", "exact", "transformers"])))
+        kw = dict(eps=float(rng.choice([1e-6, 1e-5])), numerics=str(rng.choice(["exact", "exact", "transformers"])),
+                  layout="bshd")
         qw, kw_ = weights[int(rng.integers(0, 2))], weights[int(rng.integers(0, 2))]
         for _ in range(6):
             off = 8 if rng.random() < 0.15 else 0
@@ -319,7 +344,8 @@ def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
             calls.append((q, k, w[0], w[1], outs, dict(kw, offset=int(rng.integers(0, 4)))))
     warm, cold = [], []
     with FakeGPU() as gpu:
-        plan = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin)
+        plan = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin,
+                                       layout="bshd")
         for q, k, qw, kw_, outs, kw in calls:
             warm.append(_outcome(gpu, lambda: rope_rtc.apply_qk_norm_rope(q, k, qw, kw_, cos, sin, q_out=outs[0],
                                                                           k_out=outs[1], **kw)))
@@ -330,7 +356,8 @@ def test_the_one_call_and_plan_repeat_paths_launch_what_a_cold_call_launches():
             cold.append(in_a_fresh_thread(lambda: _outcome(gpu, lambda: rope_rtc.apply_qk_norm_rope(
                 q, k, qw, kw_, cos, sin, q_out=outs[0], k_out=outs[1], **kw))))
             if outs[0] is q and kw["eps"] == 1e-6 and kw["numerics"] == "exact":
-                fresh = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin)
+                fresh = rope_rtc.QKNormRopePlan(calls[0][0], calls[0][1], calls[0][2], calls[0][3], cos, sin,
+                                                layout="bshd")
                 cold.append(_outcome(gpu, lambda: fresh.execute(q, k, qw, kw_, cos, sin, offset=kw["offset"])))
     assert len(warm) == len(cold)
     assert [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []

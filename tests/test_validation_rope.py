@@ -74,7 +74,7 @@ def call(api, q, cos, sin, *, k=None, out=None, k_out=None, **kw):
 
 def base(dtype=np.float16, shape=(B, S, H, D), rows=ROWS, cols=D // 2):
     c, s = tables(rows, cols)
-    return dict(q=fake_like(shape, dtype), cos=c, sin=s, kw={})
+    return dict(q=fake_like(shape, dtype), cos=c, sin=s, kw={"layout": "bshd"})
 
 
 def _with(case=None, **changes):
@@ -283,7 +283,7 @@ def test_qk_error_named_before_launch(gpu, api, name, build, exc, pattern):
     c, s = tables()
     extra = build(q)
     with pytest.raises(exc, match=pattern):
-        call(api, q, c, s, **extra)
+        call(api, q, c, s, layout="bshd", **extra)
     assert gpu.launches == []
 
 
@@ -293,7 +293,7 @@ def test_apply_rope_qk_needs_k():
     with pytest.raises(TypeError, match="k: expected an array"):
         apply_rope_qk(q, None, c, s, backend="nvrtc")
     with pytest.raises(ValueError, match="k_out: given without k"):
-        R.validate(q, None, c, s, k_out=fake_like((B, S, H, D), np.float16))
+        R.validate(q, None, c, s, k_out=fake_like((B, S, H, D), np.float16), layout="bshd")
 
 
 def test_backend_named(gpu):
@@ -323,7 +323,7 @@ def test_numpy_backend_rejects_device_arrays():
     c, s = tables()
     for q in (FakeDeviceArray((B, S, H, D), np.float16), fake_cupy((B, S, H, D), BF16)):
         with pytest.raises(TypeError, match="backend='numpy' takes host"):
-            apply_rope(q, c, s, backend="numpy")
+            apply_rope(q, c, s, backend="numpy", layout="bshd")
 
 
 def test_cai_device_array_is_never_taken_for_host_memory():
@@ -345,7 +345,7 @@ def test_cupy_strides_off_the_item_size_are_refused_before_any_launch(gpu, which
     odd = (a.strides[0] + 1,) + a.strides[1:]
     kw[which] = fake_cupy(a.shape, a.dtype, strides=odd)
     with pytest.raises(ValueError, match=f"{which}: strides .* not multiples of the item size"):
-        apply_rope_qk(kw["q"], kw["k"], kw["cos"], kw["sin"])
+        apply_rope_qk(kw["q"], kw["k"], kw["cos"], kw["sin"], layout="bshd")
     assert gpu.launches == []
 
 
@@ -381,7 +381,7 @@ def test_numpy_strides_off_the_item_size_are_refused_and_nothing_is_written():
     q_out = np.ndarray((2, 1, 2, 2), np.float32, base.data, 0, (10, 8, 8, 4))  # rows 10 bytes apart
     before = base.copy()
     with pytest.raises(ValueError, match=r"q_out: strides \(10, 8, 8, 4\) \(bytes\) are not multiples"):
-        apply_rope_qk(q, k, c, s, q_out=q_out, k_out=np.zeros_like(k), backend="numpy", rotary_dim=2)
+        apply_rope_qk(q, k, c, s, q_out=q_out, k_out=np.zeros_like(k), backend="numpy", rotary_dim=2, layout="bshd")
     np.testing.assert_array_equal(base, before)
 
 
@@ -391,7 +391,7 @@ def test_a_float_or_bool_offset_is_a_type_error_with_positions_too(gpu):
     positions = fake_cupy((B, S), np.int32)
     for offset in (True, 0.0, 1.5):
         with pytest.raises(TypeError, match="offset: expected an int"):
-            apply_rope(x, c, s, positions=positions, offset=offset)
+            apply_rope(x, c, s, positions=positions, offset=offset, layout="bshd")
 
 
 def test_malformed_cuda_array_interface_is_a_type_error():
@@ -407,6 +407,84 @@ def test_malformed_cuda_array_interface_is_a_type_error():
 
     with pytest.raises(TypeError, match="x: malformed"):
         A.describe(NoData(), "x")
+
+
+# ---------------------------------------------------------------------------------------------
+# layout: taken from the array only where its rank settles it
+
+# torch / Hugging Face attention's [B, H, S, D], which the rank alone cannot tell from [B, S, H, D]
+HF_SHAPE = (2, 32, 128, 64)
+BOTH_READINGS = (r"layout: {x} has shape \(2, 32, 128, 64\).*layout=\"bshd\" for \[B, S, H, D\] \(vLLM, "
+                 r"FlashInfer, most engines\), layout=\"bhsd\" for \[B, H, S, D\] \(torch and Hugging Face "
+                 r"attention\) or layout=\"sbhd\" for \[S, B, H, D\]")
+
+
+@pytest.mark.parametrize("api", API_NAMES)
+def test_a_4d_array_without_a_layout_is_refused_naming_both_readings(gpu, api):
+    # S = 128 rows of positions would fit even if the 32 heads were read as the sequence.
+    c, s = tables(rows=4096, cols=32)
+    with pytest.raises(ValueError, match=BOTH_READINGS.format(**_names(api))):
+        call(api, fake_like(HF_SHAPE, np.float16), c, s)
+    assert gpu.launches == []
+    for layout in ("bshd", "bhsd", "sbhd"):  # said explicitly, each is taken as it was
+        call(api, fake_like(HF_SHAPE, np.float16), c, s, layout=layout)
+
+
+def test_a_bhsd_array_without_a_layout_is_never_read_as_bshd_on_the_cpu():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(HF_SHAPE).astype(np.float32)
+    cos, sin = rope_rtc.rope_tables(4096, 64)
+    for fn, args in ((apply_rope, (x,)), (apply_rope_qk, (x, x.copy()))):
+        with pytest.raises(ValueError, match=r"layout: (x|q) has shape \(2, 32, 128, 64\).*\"bshd\".*\"bhsd\""):
+            fn(*args, cos, sin, backend="numpy")
+    got = apply_rope(x, cos, sin, layout="bhsd", backend="numpy")
+    want = apply_rope(np.ascontiguousarray(x.transpose(0, 2, 1, 3)), cos, sin, layout="bshd", backend="numpy")
+    np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3))
+
+
+def test_a_3d_array_without_a_layout_is_thd():
+    rng = np.random.default_rng(1)
+    t = rng.standard_normal((B * S, H, D)).astype(np.float32)
+    k = rng.standard_normal((B * S, HK, D)).astype(np.float32)
+    cos, sin = rope_rtc.rope_tables(ROWS, D)
+    np.testing.assert_array_equal(apply_rope(t, cos, sin, backend="numpy"),
+                                  apply_rope(t, cos, sin, layout="thd", backend="numpy"))
+    cu = np.array([0, 3, B * S], np.int32)
+    for a, b in zip(apply_rope_qk(t, k, cos, sin, cu_seqlens=cu, backend="numpy"),
+                    apply_rope_qk(t, k, cos, sin, cu_seqlens=cu, layout="thd", backend="numpy")):
+        np.testing.assert_array_equal(a, b)
+    req = R.validate(t, k, cos, sin)
+    assert req.layout == "thd" and (req.cq.B, req.cq.S) == (1, B * S)
+
+
+@pytest.mark.parametrize("api", API_NAMES)
+def test_a_3d_device_array_without_a_layout_launches_as_thd(gpu, api):
+    c, s = tables()
+    q = fake_like((B * S, H, D), np.float16)
+    k = fake_like((B * S, HK, D), np.float16)
+    plans = []
+    for layout in (None, "thd"):
+        if api == "plan":
+            plan = RopePlan(q, k, c, s, layout=layout)
+            assert plan.layout == "thd" and plan._opts["layout"] == "thd"
+            plan.execute(q, k, c, s)
+            plans.append(plan)
+        else:
+            call(api, q, c, s, k=k, out=q, k_out=k, **({} if layout is None else {"layout": layout}))
+    a, b = (bytes(rec["params"]) for rec in gpu.launches[-2:])
+    assert a == b
+    if plans:  # a plan settled by q's rank refuses what a "thd" plan refuses
+        with pytest.raises(ValueError, match=r"q: layout 'thd' needs a 3-d array"):
+            plans[0].execute(fake_like((B, S, H, D), np.float16), fake_like((B, S, HK, D), np.float16), c, s)
+
+
+def test_other_ranks_without_a_layout_are_refused(gpu):
+    c, s = tables()
+    for shape in ((B * S, H * D), (1, B, S, H, D)):
+        with pytest.raises(ValueError, match=r"x: expected a 3-d \[T, H, D\] array, or a 4-d one with "
+                                             r"layout=\"bshd\", \"bhsd\" or \"sbhd\"; got shape"):
+            apply_rope(fake_like(shape, np.float16), c, s, backend="nvrtc")
+    assert gpu.launches == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +504,7 @@ def test_valid_call_fails_only_at_the_gpu_step(dtype):
         apply_rope_qk(q, k, c, s, backend="nvrtc")
     with pytest.raises(rope_rtc.NoDeviceError):
         apply_rope(q, c, s, out=q, backend="nvrtc")
-    plan = RopePlan(q, k, c, s)  # construction validates, and needs no GPU
+    plan = RopePlan(q, k, c, s, layout="bshd")  # construction validates, and needs no GPU
     with pytest.raises(errors):
         plan.execute(q, k, c, s)
 
@@ -469,12 +547,13 @@ def test_request_canonical_view(layout, dtype):
 def test_request_position_schemes():
     q = fake_like((B, S, H, D), np.float16)
     c, s = tables()
-    assert R.validate(q, None, c, s, offset=3).pos_mode == POS_OFFSET
-    assert R.validate(q, None, c, s, offset=3).offset == 3
-    assert R.validate(q, None, c, s, offset=index_array((B,))).pos_mode == POS_OFFSETS
-    assert R.validate(q, None, c, s, offset=index_array((B,), np.int64)).pos_mode == POS_OFFSETS
-    assert R.validate(q, None, c, s, positions=index_array((B, S), np.int64)).pos_mode == POS_POSITIONS
-    assert R.validate(q, None, c, s, positions=index_array((B, S)), offset=None).pos_mode == POS_POSITIONS
+    assert R.validate(q, None, c, s, offset=3, layout="bshd").pos_mode == POS_OFFSET
+    assert R.validate(q, None, c, s, offset=3, layout="bshd").offset == 3
+    assert R.validate(q, None, c, s, offset=index_array((B,)), layout="bshd").pos_mode == POS_OFFSETS
+    assert R.validate(q, None, c, s, offset=index_array((B,), np.int64), layout="bshd").pos_mode == POS_OFFSETS
+    assert R.validate(q, None, c, s, positions=index_array((B, S), np.int64), layout="bshd").pos_mode == POS_POSITIONS
+    assert R.validate(q, None, c, s, positions=index_array((B, S)), offset=None,
+                      layout="bshd").pos_mode == POS_POSITIONS
     t = fake_like((B * S, H, D), np.float16)
     assert R.validate(t, None, c, s, layout="thd", positions=index_array((B * S,))).pos_mode == POS_POSITIONS
     cu = R.validate(t, None, c, s, layout="thd", cu_seqlens=index_array((B + 1,)), offset=index_array((B,)))
@@ -489,20 +568,21 @@ def test_request_in_place_flags():
     q = fake_like((B, S, H, D), np.float16)
     k = fake_like((B, S, HK, D), np.float16)
     c, s = tables(cols=16)
-    assert R.validate(q, None, c, s, rotary_dim=32, q_out=q).in_place
-    assert R.validate(q, None, c, s, rotary_dim=32, q_out=q[...]).in_place  # the same view, another object
-    assert not R.validate(q, None, c, s, rotary_dim=32, q_out=fake_like(q.shape, np.float16)).in_place
-    assert R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=k).in_place
+    assert R.validate(q, None, c, s, rotary_dim=32, q_out=q, layout="bshd").in_place
+    assert R.validate(q, None, c, s, rotary_dim=32, q_out=q[...],
+                      layout="bshd").in_place  # the same view, another object
+    assert not R.validate(q, None, c, s, rotary_dim=32, q_out=fake_like(q.shape, np.float16), layout="bshd").in_place
+    assert R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=k, layout="bshd").in_place
     # q in place, k out of place: the channels outside k's window must still be copied.
-    mixed = R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=fake_like(k.shape, np.float16))
+    mixed = R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=fake_like(k.shape, np.float16), layout="bshd")
     assert not mixed.in_place
     assert rope_host_steps(mixed)[1].copy_passthrough == 1
-    full = R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=k)
+    full = R.validate(q, k, c, s, rotary_dim=32, q_out=q, k_out=k, layout="bshd")
     assert rope_host_steps(full)[1].copy_passthrough == 0
 
 
-def _vec_bytes(q, c, s, **kw):
-    req = R.validate(q, None, c, s, **kw)
+def _vec_bytes(q, c, s, layout="bshd", **kw):
+    req = R.validate(q, None, c, s, layout=layout, **kw)
     return RL.choose_vector(req) * req.q.itemsize
 
 
@@ -549,15 +629,15 @@ def test_choose_vector_names_the_misaligned_array():
     q = fake_like((B, S, H, D), np.float16)
     k = FakeDeviceArray((B, S, HK, D), np.float16).shifted(1)
     with pytest.raises(ValueError, match=r"^k: addresses or strides are not aligned"):
-        RL.choose_vector(R.validate(q, k, c, s))
+        RL.choose_vector(R.validate(q, k, c, s, layout="bshd"))
     k_out = FakeDeviceArray((B, S, HK, D), np.float16).shifted(1)
     with pytest.raises(ValueError, match=r"^k_out: addresses"):
         RL.choose_vector(R.validate(q, fake_like((B, S, HK, D), np.float16), c, s, q_out=q,
-                                   k_out=k_out))
+                                   k_out=k_out, layout="bshd"))
     # An odd stride along a used axis: no width works for interleaved pairs.
     odd = FakeDeviceArray((B, S, H, D + 1), np.float16)[..., :D]
     with pytest.raises(ValueError, match=r"^x: addresses or strides are not aligned to 4 bytes"):
-        RL.choose_vector(R.validate(odd, None, c, s, interleaved=True, names=("x", "k")))
+        RL.choose_vector(R.validate(odd, None, c, s, interleaved=True, names=("x", "k"), layout="bshd"))
 
 
 @pytest.mark.parametrize("tokens,heads,k_heads", [(0, 4, 0), (1, 32, 8), (3, 4, 2), (17, 1, 0), (4097, 32, 8),
@@ -639,18 +719,18 @@ def _descs(dtype=np.float16, device=None):
 
 def test_plan_from_declarations():
     q, k, c, s = _descs()
-    plan = RopePlan(q, k, c, s)
+    plan = RopePlan(q, k, c, s, layout="bshd")
     assert plan.in_place and plan.device == 0 and (plan.q_heads, plan.k_heads, plan.head_dim) == (H, HK, D)
     # An out-of-place plan from declarations: distinct declarations are neither the same view
     # nor overlapping (they have no addresses yet).
     qo, ko = TensorDesc(np.float16, (B, S, H, D)), TensorDesc(np.float16, (B, S, HK, D))
-    out_plan = RopePlan(q, k, c, s, q_out=qo, k_out=ko)
+    out_plan = RopePlan(q, k, c, s, q_out=qo, k_out=ko, layout="bshd")
     assert not out_plan.in_place
-    assert RopePlan(q, k, c, s, q_out=q, k_out=k).in_place
-    assert RopePlan(q, k, c, s, q_out=q).in_place
+    assert RopePlan(q, k, c, s, q_out=q, k_out=k, layout="bshd").in_place
+    assert RopePlan(q, k, c, s, q_out=q, layout="bshd").in_place
     with pytest.raises(ValueError, match="k_out: an out-of-place plan"):
-        RopePlan(q, k, c, s, q_out=qo)
-    assert RopePlan(*_descs(device="cuda:1")).device == 1
+        RopePlan(q, k, c, s, q_out=qo, layout="bshd")
+    assert RopePlan(*_descs(device="cuda:1"), layout="bshd").device == 1
 
 
 @pytest.mark.parametrize("change,exc,pattern", [
@@ -668,18 +748,18 @@ def test_plan_from_declarations_errors(change, exc, pattern):
     q, k, c, s = _descs()
     q, k, c, s = change.get("q", q), change.get("k", k), change.get("c", c), change.get("s", s)
     with pytest.raises(exc, match=pattern):
-        RopePlan(q, k, c, s)
+        RopePlan(q, k, c, s, layout="bshd")
 
 
 def test_plan_declaration_options_are_validated():
     q, k, c, s = _descs()
     with pytest.raises(ValueError, match="rotary_dim"):
-        RopePlan(q, k, c, s, rotary_dim=63)
+        RopePlan(q, k, c, s, rotary_dim=63, layout="bshd")
     with pytest.raises(ValueError, match="layout"):
         RopePlan(q, k, c, s, layout="bhds")
     with pytest.raises(ValueError, match="positions: expected shape"):
-        RopePlan(q, k, c, s, positions=TensorDesc(np.int32, (B,)))
-    plan = RopePlan(q, k, c, s, positions=TensorDesc(np.int64, (B, S)))
+        RopePlan(q, k, c, s, positions=TensorDesc(np.int32, (B,)), layout="bshd")
+    plan = RopePlan(q, k, c, s, positions=TensorDesc(np.int64, (B, S)), layout="bshd")
     assert plan.pos_mode == POS_POSITIONS
 
 
@@ -692,7 +772,7 @@ def _plan_arrays(dtype=np.float16, tokens=S):
 
 def test_plan_execute_launches_and_token_count_changes(gpu):
     q, k, c, s = _descs()
-    plan = RopePlan(q, k, c, s)
+    plan = RopePlan(q, k, c, s, layout="bshd")
     for tokens in (S, 1, 0, 3, S):
         qa, ka, ca, sa = _plan_arrays(tokens=tokens)
         assert plan.execute(qa, ka, ca, sa) == (qa, ka)
@@ -714,7 +794,7 @@ def test_plan_execute_launches_and_token_count_changes(gpu):
     "other_device", "positions_given", "missing_k", "q_out_not_q", "overlap_tables", "requires_grad", "v2",
 ])
 def test_plan_execute_errors_before_launch(gpu, name):
-    plan = RopePlan(*_plan_arrays())
+    plan = RopePlan(*_plan_arrays(), layout="bshd")
     q, k, c, s = _plan_arrays()
     kw = {}
     exc, pattern = ValueError, None
@@ -760,7 +840,8 @@ def test_plan_execute_errors_before_launch(gpu, name):
         kw = {"q_out": fake_like(q.shape, np.float16)}
         pattern = r"q_out: this plan rotates in place"
     elif name == "overlap_tables":
-        plan = RopePlan(q, k, c, s, q_out=fake_like(q.shape, np.float16), k_out=fake_like(k.shape, np.float16))
+        plan = RopePlan(q, k, c, s, q_out=fake_like(q.shape, np.float16), k_out=fake_like(k.shape, np.float16),
+                        layout="bshd")
         kw = {"q_out": fake_like(q.shape, np.float16), "k_out": FakeDeviceArray(k.shape, np.float16, ptr=c.ptr)}
         pattern = r"k_out overlaps cos"
     elif name == "requires_grad":
@@ -777,7 +858,7 @@ def test_plan_execute_errors_before_launch(gpu, name):
 def test_plan_execute_fast_path_rejects_positions_with_offset(gpu):
     q, k, c, s = _plan_arrays()
     pos = index_array((B, S))
-    plan = RopePlan(q, k, c, s, positions=pos)
+    plan = RopePlan(q, k, c, s, positions=pos, layout="bshd")
     plan.execute(q, k, c, s, positions=pos)
     assert len(gpu.launches) == 1
     with pytest.raises(ValueError, match="positions and offset"):
@@ -788,7 +869,7 @@ def test_plan_execute_fast_path_rejects_positions_with_offset(gpu):
 def test_plan_out_of_place_needs_outputs(gpu):
     q, k, c, s = _plan_arrays()
     qo, ko = fake_like(q.shape, np.float16), fake_like(k.shape, np.float16)
-    plan = RopePlan(q, k, c, s, q_out=qo, k_out=ko)
+    plan = RopePlan(q, k, c, s, q_out=qo, k_out=ko, layout="bshd")
     assert not plan.in_place
     with pytest.raises(TypeError, match="q_out/k_out"):
         plan.execute(q, k, c, s)
@@ -805,19 +886,19 @@ def test_plan_out_of_place_needs_outputs(gpu):
 def test_one_call_api_records_the_launch(gpu):
     q = fake_like((B, S, H, D), np.float16)
     c, s = tables()
-    out = apply_rope(q, c, s, backend="nvrtc", offset=3)
+    out = apply_rope(q, c, s, backend="nvrtc", offset=3, layout="bshd")
     assert out is not q and out.shape == q.shape
     launch = gpu.launches[-1]
     assert launch["params"].offset == 3 and launch["params"].q_in == A.describe(q, "x").ptr
     assert launch["params"].q_out == out.data.ptr
-    assert apply_rope(q, c, s, backend="nvrtc", out=q) is q
+    assert apply_rope(q, c, s, backend="nvrtc", out=q, layout="bshd") is q
     # Zero tokens: nothing to launch.
     empty = fake_like((B, 0, H, D), np.float16)
-    assert apply_rope(empty, c, s, backend="nvrtc").shape == empty.shape
+    assert apply_rope(empty, c, s, backend="nvrtc", layout="bshd").shape == empty.shape
     assert len(gpu.launches) == 2
     # q with no heads still rotates k.
     qk = apply_rope_qk(fake_like((B, S, 0, D), np.float16), fake_like((B, S, HK, D), np.float16), c, s,
-                       backend="nvrtc")
+                       backend="nvrtc", layout="bshd")
     assert len(gpu.launches) == 3 and qk[1].shape == (B, S, HK, D)
 
 
@@ -829,7 +910,7 @@ def test_empty_arrays_with_zero_strides_validate():
     q = cupy.ndarray((B, 0, H, D), np.float16, memptr=cupy.cuda.MemoryPointer(mem, 0))
     assert set(q.strides) == {0}
     c, s = tables()
-    req = R.validate(q, None, c, s)
+    req = R.validate(q, None, c, s, layout="bshd")
     assert req.num_tokens == 0
     host = np.zeros((0, H, D), np.float16)
     assert R.validate(host, None, np.zeros((4, D // 2), np.float32), np.zeros((4, D // 2), np.float32),
@@ -845,7 +926,7 @@ def test_plan_reused_validation_keeps_every_check(gpu):
                 fake_cupy((B, S), np.int64))
 
     q, k, c, s, pos = arrays()
-    plan = RopePlan(q, k, c, s, positions=pos)
+    plan = RopePlan(q, k, c, s, positions=pos, layout="bshd")
     plan.execute(q, k, c, s, positions=pos)
     q2, k2, c2, s2, pos2 = arrays()
     plan.execute(q2, k2, c2, s2, positions=pos2)  # same signature, new pointers: fine
@@ -870,7 +951,7 @@ def test_plan_recent_argument_sets_restore_their_own_arguments(gpu):
                 fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32))
 
     sets = [arrays() for _ in range(RECENT_SETS + 3)]
-    plan = RopePlan(*sets[0]).compile()
+    plan = RopePlan(*sets[0], layout="bshd").compile()
     p = plan._core.block
     for rnd in range(3):
         for i, (q, k, c, s) in enumerate(sets):

@@ -102,7 +102,7 @@ def main():
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
     q = cp.asarray(np.random.default_rng(1).standard_normal((1, 1, 32, 128)).astype(ml_dtypes.bfloat16))
     kk = cp.asarray(np.random.default_rng(2).standard_normal((1, 1, 8, 128)).astype(ml_dtypes.bfloat16))
-    rp = rope_rtc.RopePlan(q, kk, cos, sin).compile()
+    rp = rope_rtc.RopePlan(q, kk, cos, sin, layout="bshd").compile()
     bench("rope_rtc RopePlan.execute decode [1,1,32|8,128], same arrays", lambda: rp.execute(q, kk, cos, sin, offset=7))
 
 

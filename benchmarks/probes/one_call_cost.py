@@ -59,13 +59,14 @@ def main() -> None:
 
         def cycled():
             q, k, o = sets[next(it) % 64]
-            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
 
         q0, k0, o0 = sets[0]
         rows.append(("apply_rope_qk, 64 sets cycled", per_call_us(cycled)))
         rows.append(("apply_rope_qk, same arrays",
-                     per_call_us(lambda: rope_rtc.apply_rope_qk(q0, k0, cos, sin, offset=o0, q_out=q0, k_out=k0))))
-        plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0).compile()
+                     per_call_us(lambda: rope_rtc.apply_rope_qk(q0, k0, cos, sin, offset=o0, q_out=q0, k_out=k0,
+                                                                 layout="bshd"))))
+        plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
         rows.append(("RopePlan.execute, same arrays", per_call_us(lambda: plan.execute(q0, k0, cos, sin, offset=o0))))
         arrays = (q0, k0, cos, sin, None, q0, k0, None, o0)
         rows.append(("signature of 9 arguments", per_call_us(lambda: prepared.signature(arrays))))

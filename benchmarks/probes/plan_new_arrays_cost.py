@@ -57,7 +57,7 @@ def main() -> None:
             for _ in range(SETS)]
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
     q0, k0, o0 = sets[0]
-    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0).compile()
+    plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
     busy = cp.zeros(1 << 28, cp.float32)
     turn = [0]
 
@@ -80,7 +80,7 @@ def main() -> None:
     def one_call():
         turn[0] = (turn[0] + 1) % SETS
         q, k, o = sets[turn[0]]
-        rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k)
+        rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
 
     def memcpy():
         cp.cuda.runtime.memcpyAsync(o0.data.ptr, sets[1][2].data.ptr, 32, 3, cp.cuda.get_current_stream().ptr)

@@ -21,7 +21,7 @@ N = 400
 qs = [rng.standard_normal((1, 1, 32, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(N)]
 ks = [rng.standard_normal((1, 1, 8, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(N)]
 cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
-plan = rope_rtc.RopePlan(qs[0], ks[0], cos, sin).compile()
+plan = rope_rtc.RopePlan(qs[0], ks[0], cos, sin, layout="bshd").compile()
 xs = [rng.standard_normal((1, 64, 512), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(N)]
 cs = [cp.ones((1, 32), cp.float32) for _ in range(N)]
 os_ = [cp.empty_like(x) for x in xs]

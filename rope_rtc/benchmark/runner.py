@@ -341,10 +341,11 @@ def one_call_host_records(ctx) -> list[dict]:
         sets = [(b.q(i), b.k(i), starts[i]) for i in range(ONE_CALL_POOL)]
         outs = [cp.empty_like(b.q(i)) for i in range(ONE_CALL_POOL)]
         q0, k0, o0 = sets[0]
-        plan = RopePlan(q0, k0, cos, sin, offset=o0).compile()
-        qk = [partial(apply_rope_qk, q, k, cos, sin, offset=o, q_out=q, k_out=k) for q, k, o in sets]
-        one = [partial(apply_rope, q, cos, sin, offset=7) for q, _, _ in sets]
-        one_out = [partial(apply_rope, q, cos, sin, offset=7, out=out) for (q, _, _), out in zip(sets, outs)]
+        plan = RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
+        qk = [partial(apply_rope_qk, q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd") for q, k, o in sets]
+        one = [partial(apply_rope, q, cos, sin, offset=7, layout="bshd") for q, _, _ in sets]
+        one_out = [partial(apply_rope, q, cos, sin, offset=7, out=out, layout="bshd")
+                   for (q, _, _), out in zip(sets, outs)]
         # The engines' convention on the same buffers: flat [T, H * D] q/k (views made beforehand), one
         # combined cos_sin_cache, int64 positions.
         cache = cp.ascontiguousarray(cp.concatenate([cos, sin], axis=1))
