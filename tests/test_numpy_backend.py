@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rope_rtc import RopePlan, TailRoPEForward, apply_rope, apply_rope_qk, tail_rope
+from rope_rtc import backends
 from rope_rtc import rope as R
 from rope_rtc.reference import assert_rope_close, tail_rope_reference
 from fakes import FakeDeviceArray, FakeGPU
@@ -382,7 +383,7 @@ def test_auto_backend_falls_back_to_numpy_once(monkeypatch):
         pytest.skip("a GPU is present: backend='auto' uses it")
     cos, sin = make_tables(4, 16)
     x = random_x((1, 2, 1, 16), np.float32, seed=19)
-    monkeypatch.setattr(R, "_numpy_fallback_warned", False)
+    monkeypatch.setattr(backends, "_fallback_warned", False)
     with pytest.warns(RuntimeWarning, match="runs the NumPy reference"):
         got = apply_rope(x, cos, sin)
     np.testing.assert_array_equal(got, apply_rope(x, cos, sin, backend="numpy"))
@@ -534,9 +535,9 @@ def test_an_odd_head_dim_does_not_blame_rotary_dim():
     np.testing.assert_array_equal(got[..., 128], x[..., 128])
 
 
-def test_the_cpu_fallback_warning_points_at_the_callers_line():
-    R._numpy_fallback_warned = False
-    R._gpu_present = False
+def test_the_cpu_fallback_warning_points_at_the_callers_line(monkeypatch):
+    monkeypatch.setattr(backends, "_fallback_warned", False)
+    monkeypatch.setattr(R, "_gpu_present", False)
     x = np.random.default_rng(34).standard_normal((1, 4, 2, 16)).astype(np.float32)
     cos, sin = make_tables(16, 16)
     with warnings.catch_warnings(record=True) as caught:
