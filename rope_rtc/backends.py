@@ -30,11 +30,27 @@ _gpu_present = False  # once a GPU has been seen, "auto" means it without asking
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def resolve(backend) -> str:
-    """``"nvrtc"`` or ``"numpy"``, what ``backend`` means on this machine.
+def resolve(backend: str) -> str:
+    """What ``backend`` means on this machine.
 
-    Raises ValueError for another name and NoDeviceError for ``"nvrtc"`` with no usable GPU;
-    ``"auto"`` with none warns once (at the caller's line, the first outside rope_rtc).
+    Parameters
+    ----------
+    backend : {"auto", "nvrtc", "numpy"}
+
+    Returns
+    -------
+    str
+        ``"nvrtc"`` or ``"numpy"``. ``"auto"`` is ``"numpy"`` where no GPU is usable, with a
+        RuntimeWarning once per process, at the caller's line (the first frame outside rope_rtc).
+
+    Raises
+    ------
+    ValueError
+        Any other value.
+    rope_rtc.errors.NoDeviceError
+        ``"nvrtc"`` with no usable CUDA driver or GPU.
+    rope_rtc.errors.ToolchainError
+        A GPU, and no importable CuPy.
     """
     global _fallback_warned
     if _gpu_present and (backend == "auto" or backend == "nvrtc"):
@@ -72,7 +88,7 @@ def _caller_level() -> int:
     this package: however many of the package's functions lie between, the warning names the
     caller's line."""
     level, frame = 2, sys._getframe(2)  # resolve's caller; this function and resolve are 0 and 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
 
