@@ -682,7 +682,7 @@ def _transformers_by_hand(x, w, cos, sin, pos, eps):
     dt = x.dtype
     f = np.float32
     xf = x.astype(f)
-    ss = np.sum(np.square(xf.astype(np.float64)), axis=-1, keepdims=True).astype(f)  # float32 mean of squares
+    ss = np.sum(np.square(xf.astype(np.float64)), axis=-1, keepdims=True).astype(f)  # the sum of squares, in float32
     r = (1 / np.sqrt((ss * (f(1) / f(x.shape[-1])) + f(eps)).astype(np.float64))).astype(f)  # torch.rsqrt
     h = (xf * r).astype(dt)  # hidden_states.to(input_dtype)
     y = (w.astype(f) * h.astype(f)).astype(dt)  # weight * hidden_states
@@ -762,17 +762,18 @@ def test_qk_norm_numpy_outputs_and_in_place():
 # RoPE fused with the paged KV-cache write
 
 def _cache_case(dtype, seed, kv_layout="nhd", kind="auto", T=6, HQ=4, HK=2, D=64, blocks=3, block_size=4):
+    """A valid rope_and_cache call on host arrays (rotary_dim 48): caches full of random entries
+    (FP8 ones as random bytes), T distinct slots but one token's, which is skipped (-1)."""
     rng = np.random.default_rng(seed)
     q, k, v = (random_x((T, h, D), dtype, seed + i) for i, h in enumerate((HQ, HK, HK)))
     cos, sin = make_tables(32, 48)
     shape = (blocks, block_size, HK, D) if kv_layout == "nhd" else (blocks, HK, block_size, D)
-    cache_dtype = dtype if kind == "auto" else np.uint8
-    k_cache = rng.integers(0, 255, size=shape).astype(np.uint8).view(np.uint8).astype(cache_dtype) \
-        if kind != "auto" else random_x(shape, dtype, seed + 7)
-    v_cache = rng.integers(0, 255, size=shape).astype(np.uint8).astype(cache_dtype) \
-        if kind != "auto" else random_x(shape, dtype, seed + 8)
+    if kind == "auto":
+        k_cache, v_cache = random_x(shape, dtype, seed + 7), random_x(shape, dtype, seed + 8)
+    else:
+        k_cache, v_cache = (rng.integers(0, 256, size=shape).astype(np.uint8) for _ in range(2))
     slots = rng.permutation(blocks * block_size)[:T].astype(np.int64)
-    slots[2] = -1  # a token with no cache entry
+    slots[2] = -1
     positions = rng.integers(0, 32, T).astype(np.int32)
     return dict(q=q, k=k, v=v, cos=cos, sin=sin, positions=positions, slot_mapping=slots, k_cache=k_cache,
                 v_cache=v_cache)
