@@ -1055,8 +1055,8 @@ def test_an_invalid_call_raises_the_same_error_on_both_backends(op, change):
 
 
 def test_the_onnx_operators_fallback_warning_names_the_callers_line(no_gpu, monkeypatch):
-    """The operator runs on apply_rope: the one-time warning named the operator's own line in
-    rope_rtc/onnx.py, not the caller's."""
+    """The operator runs on apply_rope, a frame further from the caller than apply_rope's own
+    callers: the one-time warning names the caller's line, not the operator's in rope_rtc/onnx.py."""
     monkeypatch.setattr(backends, "_fallback_warned", False)
     monkeypatch.setattr(R, "_gpu_present", False)
     cos, sin = make_tables(16, 16)
