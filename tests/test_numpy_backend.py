@@ -1065,3 +1065,23 @@ def test_the_onnx_operators_fallback_warning_names_the_callers_line(no_gpu, monk
         rotary_embedding(random_x((1, 2, 4, 16), np.float32, seed=76), cos, sin, np.arange(4).reshape(1, 4))
     (w,) = [c for c in caught if "NumPy reference" in str(c.message)]
     assert w.filename == __file__, w.filename
+
+
+@pytest.mark.parametrize("convention", ["cos_sin_cache", "inv_freq", "head_dim"])
+def test_the_fallback_warning_names_the_callers_line_in_the_engines_conventions(convention, no_gpu, monkeypatch):
+    """apply_rope's calls with a combined cache, inverse frequencies or flat [T, H * D] arrays pass
+    through more of its functions than its table calls: the warning names the caller's line."""
+    from rope_rtc import inverse_frequencies
+
+    monkeypatch.setattr(backends, "_fallback_warned", False)
+    monkeypatch.setattr(R, "_gpu_present", False)
+    cos, sin = make_tables(16, 16)
+    x = random_x((4, 2, 16), np.float32, seed=77)
+    kw = {"cos_sin_cache": dict(cos_sin_cache=np.concatenate([cos, sin], axis=1)),
+          "inv_freq": dict(inv_freq=inverse_frequencies(16)[0]),
+          "head_dim": dict(cos=cos, sin=sin, head_dim=16)}[convention]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_rope(x.reshape(4, 32) if convention == "head_dim" else x, layout="thd", **kw)
+    (w,) = [c for c in caught if "NumPy reference" in str(c.message)]
+    assert w.filename == __file__, w.filename
