@@ -135,7 +135,8 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
         return _from_cupy(obj, name)
     if isinstance(obj, np.ndarray):
         if not allow_host:
-            raise TypeError(f"{name}: a NumPy (host) array is not accepted here; pass a CuPy/device array")
+            raise TypeError(f"{name}: a NumPy (host) array is not accepted here; pass a CuPy/device array, or every "
+                            "array on the host to a one-call function (backend='numpy' computes on the CPU)")
         dt, size = _resolve_dtype(obj.dtype, name)
         return ArrayInfo(name, obj.__array_interface__["data"][0], tuple(obj.shape),
                          _element_strides(obj.strides, size, name), dt, size, None, not obj.flags.writeable, obj)
@@ -148,7 +149,8 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
             return _from_cupy(cupy.from_dlpack(obj), name)
         if int(dev_type) == 1:  # kDLCPU
             if not allow_host:
-                raise TypeError(f"{name}: a host (CPU) array is not accepted here; pass a device array")
+                raise TypeError(f"{name}: a host (CPU) array is not accepted here; pass a device array, or every "
+                                "array on the host to a one-call function (backend='numpy' computes on the CPU)")
             return describe(np.from_dlpack(obj), name, allow_host=allow_host)
         raise TypeError(f"{name}: DLPack device type {dev_type} is not a CUDA device")
     cai = getattr(obj, "__cuda_array_interface__", None)

@@ -164,7 +164,7 @@ def require_gpu() -> None:
     way = ("install the NVIDIA driver (nvidia-smi then lists the GPU)" if reason.startswith(NO_DRIVER)
            else "run on a machine with an NVIDIA GPU and its driver")
     raise NoDeviceError(f"no usable CUDA GPU: {reason}; {way}, or use backend='numpy', the NumPy reference "
-                        "on the CPU, where the function takes one: apply_rope, apply_rope_qk, tail_rope")
+                        "on host arrays (every one-call function takes it; plans need a GPU)")
 
 
 def device_cupy():

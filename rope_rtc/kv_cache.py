@@ -30,6 +30,7 @@ from operator import itemgetter
 import numpy as np
 
 from . import arrays as A
+from .backends import host_array, on_gpu, refuse_device, resolve, token_positions, write_results
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
 from .prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
                        address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
@@ -38,7 +39,7 @@ from .registry import cache_head_batch, cache_spec, cache_vector_widths
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset
-from .rope_request import Request, validate
+from .rope_request import Request, check_kinds, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
 # kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)
@@ -93,11 +94,15 @@ def check_cache_options(kv_layout, kv_cache_dtype) -> None:
 def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
                         kv_cache_dtype="auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
                         cu_seqlens=None, interleaved=False, rotary_dim=None,
-                        allow_host_slots: bool = False) -> tuple[CacheRequest, tuple]:
+                        allow_host_slots: bool = False, host: bool = False) -> tuple[CacheRequest, tuple]:
     """Every check of a call, before anything is launched or written. Returns the request and the
     call's arguments in the core's order. Positions follow the general API (device arrays); a
     NumPy ``slot_mapping`` (``allow_host_slots``: the one-call function, which copies it to the
-    device after these checks) is checked value by value."""
+    device after these checks) is checked value by value.
+
+    ``host``: host arrays are accepted too, all of one kind (the one-call function's host path,
+    whose arrays the NumPy backend reads or the GPU path copies); their addresses and strides,
+    which no kernel reads, are not checked."""
     check_cache_options(kv_layout, kv_cache_dtype)
     if k is None or v is None:
         raise TypeError("k, v: rope_and_cache writes both caches; pass k and v")
@@ -105,20 +110,20 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout="thd",
-                   interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=False)
+                   interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=host)
     T, Hk, D = req.num_tokens, req.ck.H, req.cq.D
-    vi = A.describe(v, "v", allow_host=False)
+    vi = A.describe(v, "v", allow_host=host)
     if vi.dtype != req.k.dtype:  # a dtype is a TypeError, as for every other argument
         raise TypeError(f"v: dtype {vi.dtype} differs from k's {req.k.dtype}")
     if vi.shape != req.k.shape:
         raise ValueError(f"v: shape {vi.shape} differs from k's {req.k.shape}")
     A.check_last_dim_contiguous(vi)
-    if isinstance(slot_mapping, np.ndarray) and not allow_host_slots:
+    if isinstance(slot_mapping, np.ndarray) and not (allow_host_slots or host):
         raise TypeError("slot_mapping: a plan takes device arrays; pass a CuPy/device array (the one-call "
                         "rope_and_cache also takes a NumPy one)")
     # Host slots only as a NumPy array (checked value by value below, then copied to the device):
     # another host array (a torch CPU tensor) would reach the kernel as a host address.
-    si = A.describe(slot_mapping, "slot_mapping", allow_host=isinstance(slot_mapping, np.ndarray))
+    si = A.describe(slot_mapping, "slot_mapping", allow_host=host or isinstance(slot_mapping, np.ndarray))
     A.check_dtype(si, A.INDEX_DTYPES)
     if si.shape != (T,):
         raise ValueError(f"slot_mapping: expected one slot per token, shape ({T},), got {si.shape}")
@@ -128,7 +133,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     kind = CACHE_KINDS[kv_cache_dtype]
     caches = []
     for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        ci = A.describe(cache, name, allow_host=False)
+        ci = A.describe(cache, name, allow_host=host)
         want = "uint8" if kind else req.dtype
         if ci.dtype != want:
             hint = ("; an FP8 cache is a uint8 array with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'" if kind == 0 else "")
@@ -156,12 +161,14 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
             scales.append(None)
             continue
         if scale is None:
-            raise TypeError(f"{name}: an FP8 cache needs a float32 device scale (one element)")
-        sc = A.describe(scale, name, allow_host=False)
+            raise TypeError(f"{name}: an FP8 cache needs a float32 scale (an array of one element, where the caches "
+                            "are)")
+        sc = A.describe(scale, name, allow_host=host)
         A.check_dtype(sc, ("float32",))
         if sc.size != 1:
             raise ValueError(f"{name}: expected one element (a per-tensor scale), got shape {sc.shape}")
-        A.check_aligned(sc, 4)
+        if sc.device is not None:
+            A.check_aligned(sc, 4)
         scales.append(sc)
     num_slots = kc.shape[0] * kc.shape[1 if kv_layout == "nhd" else 2]
     if num_slots >= 2**31:
@@ -170,8 +177,8 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
         raise ValueError(f"q: {req.num_tokens} tokens need more than 2^31 threads; split the call")
     if num_slots == 0:
         raise ValueError("k_cache: holds no slot (a dimension is 0)")
-    if isinstance(slot_mapping, np.ndarray):  # slots from the host: every value checked
-        s = slot_mapping.astype(np.int64)
+    if si.device is None:  # slots from the host: every value checked
+        s = np.asarray(si.array).astype(np.int64)
         bad = s >= num_slots
         if bad.any():
             i = int(np.argmax(bad))
@@ -190,7 +197,10 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     for info in (vi, si, *caches, *scales):  # the RoPE part's arguments were checked by validate
         if info is not None:
             A.check_holds_memory(info)
-    A.check_same_device(everything + caches)
+    if host:  # everything of one kind (the general checks have seen to q, k, the tables and positions)
+        check_kinds(everything + caches)
+    else:
+        A.check_same_device(everything + caches)
     for ci in caches:
         for other in everything + [c for c in caches if c is not ci]:
             if A.overlaps(ci, other):
@@ -244,6 +254,8 @@ def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kin
         raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "
                                   f"the head to be whole vectors of at least {2 if kind else 1} elements"
                                   f"{' for FP8 entries' if kind else ''}; use apply_rope_qk and a separate cache write")
+    if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.backends.on_gpu)
+        return fits[0]
     arrays = [info for _, info in _vector_arrays(req, vi, kc, vc)]
     for vec in fits:
         if all(_fits(info, vec) for info in arrays):
@@ -548,13 +560,16 @@ _local = threading.local()
 
 def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
                    kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
-                   cu_seqlens=None, interleaved: bool = False, rotary_dim: int | None = None, stream=None):
+                   cu_seqlens=None, interleaved: bool = False, rotary_dim: int | None = None, stream=None,
+                   backend: str = "auto"):
     """Rotate q and k and write the rotated k and the unrotated v into a paged KV cache, in one launch.
 
     Parameters
     ----------
-    q, k, v : device arrays ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``
+    q, k, v : arrays ``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]``
         float32, float16 or bfloat16 (any token and head strides; the channel axis contiguous).
+        Device arrays, or NumPy arrays with every other array on the host too (caches, scales and
+        outputs written in place as on the GPU; computed on the GPU when there is one).
     cos, sin : float32 tables ``[max_positions, rotary_dim // 2]``
     positions : int array ``[T]``, or None with ``offset`` / ``cu_seqlens`` (as :func:`apply_rope_qk`).
     slot_mapping : int32/int64 ``[T]``
@@ -575,6 +590,11 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     q_out, k_out : optional
         Where the rotated q and k go (default: in place).
     interleaved, rotary_dim : as :func:`apply_rope_qk` (the window starts at channel 0).
+    backend : {"auto", "nvrtc", "numpy"}
+        As :func:`rope_rtc.apply_rope_qk`: ``"numpy"`` runs
+        :func:`rope_rtc.reference.rope_and_cache_reference` (the kernel's arithmetic and FP8
+        encoding, bit for bit) on host arrays, with the checks of the GPU path; ``"auto"`` uses
+        the GPU when one is present, else NumPy (with a one-time warning).
 
     Positions outside the table give NaN (and NaN cache entries) for their token unless
     ``ROPE_RTC_CHECK_POSITIONS=1``, which reads device positions back and raises first. A
@@ -583,12 +603,20 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     Returns
     -------
     (q_out, k_out)
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        Before anything is launched or written, naming the argument.
+    rope_rtc.errors.NoDeviceError
+        ``backend="nvrtc"`` on a machine with no usable CUDA driver or GPU.
     """
     check_cache_options(kv_layout, kv_cache_dtype)  # before they are hashed into a key
     plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
     options = (kv_layout, kv_cache_dtype, interleaved, rotary_dim)
     last = getattr(_local, "last", None)
-    if plain and last is not None and options == last.options and not isinstance(slot_mapping, np.ndarray):
+    if (plain and last is not None and options == last.options and not isinstance(slot_mapping, np.ndarray)
+            and (backend == "auto" or backend == "nvrtc")):
         # The thread's last repeat path (an engine's decode step, layer after layer): the
         # template's generated checks and block write; anything it declines goes the full way.
         scalar, offsets = split_offset(offset)
@@ -598,6 +626,10 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return (q if q_out is None else q_out), (k if k_out is None else k_out)
+    backend = resolve(backend)
+    if backend == "numpy" or A.describe(q, "q").device is None:
+        return _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options, k_scale, v_scale,
+                           q_out, k_out, offset, cu_seqlens, stream, backend)
     host_slots = isinstance(slot_mapping, np.ndarray)
     if host_slots:
         # Every check, the host slots value by value; then their device copy, made in the order
@@ -642,6 +674,43 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     if call.prefix is not None:
         plan._core.launcher(call.prefix, stream)
     return call.result
+
+
+def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options: tuple, k_scale, v_scale, q_out,
+                k_out, offset, cu_seqlens, stream, backend: str):
+    """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then
+    :func:`rope_rtc.reference.rope_and_cache_reference`, or the GPU through copies of the arrays
+    (:func:`rope_rtc.backends.on_gpu`)."""
+    kv_layout, kv_cache_dtype, interleaved, rotary_dim = options
+    creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
+                                  kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out,
+                                  k_out=k_out, offset=offset, cu_seqlens=cu_seqlens, interleaved=interleaved,
+                                  rotary_dim=rotary_dim, host=True)
+    req = creq.rope
+    q_out, k_out = req.q_out or req.q, req.k_out or req.k  # in place unless given
+    if backend == "numpy":
+        refuse_device(req.q)
+        from .reference import rope_and_cache_reference
+
+        scales = [None if i is None else host_array(i).reshape(-1)[0] for i in (creq.k_scale, creq.v_scale)]
+        arrays = [host_array(i) for i in (req.q, req.k, creq.v, req.cos, req.sin)]
+        qo, ko, kc, vc = rope_and_cache_reference(
+            *arrays, token_positions(req), host_array(creq.slots), host_array(creq.k_cache),
+            host_array(creq.v_cache), kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
+            v_scale=scales[1], interleaved=req.interleaved, rotary_dim=req.rotary_dim)
+        returned = write_results([(qo, q_out), (ko, k_out), (kc, creq.k_cache), (vc, creq.v_cache)])
+        return returned[0], returned[1]
+    arrays = tuple(host_array(i) for i in (req.q, req.k, creq.v, req.cos, req.sin, req.positions, creq.slots,
+                                           creq.k_cache, creq.v_cache, creq.k_scale, creq.v_scale, q_out, k_out,
+                                           req.cu_seqlens, req.offsets))
+
+    def call(a, handle):
+        return rope_and_cache(*a[:9], kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=a[9], v_scale=a[10],
+                              q_out=a[11], k_out=a[12], offset=req.offset if a[14] is None else a[14],
+                              cu_seqlens=a[13], interleaved=interleaved, rotary_dim=rotary_dim, stream=handle,
+                              backend="nvrtc")
+
+    return tuple(on_gpu(arrays, (7, 8, 11, 12), stream, call))
 
 
 def _current_device() -> int:

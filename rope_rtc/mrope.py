@@ -25,6 +25,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
+from .backends import host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, write_results
 from .conventions import interface_view, shape_of
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
@@ -39,10 +40,11 @@ from .rope_request import Request, validate
 MROPE_STRIDE_LIMIT = 2**31
 
 
-def _positions(positions, q, layout) -> tuple:
+def _positions(positions, q, layout, host: bool = False) -> tuple:
     """``(info, temporal stream)`` of ``positions``: its ArrayInfo and a view of its first stream
-    (its address is the array's), which the general checks take as one position per token."""
-    pi = A.describe(positions, "positions", allow_host=False)
+    (its address is the array's), which the general checks take as one position per token.
+    ``host``: a host array is accepted (the one-call functions' host path)."""
+    pi = A.describe(positions, "positions", allow_host=host)
     want = _streams_shape(q, layout)
     if want is not None and pi.shape != want or len(pi.shape) < 2 or pi.shape[0] != 3:
         what = "[3, T]" if layout == "thd" else "[3, B, S]"
@@ -72,21 +74,28 @@ def _interleaved_option(value) -> bool:
 
 
 def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sections=False, layout="thd",
-                   rotary_dim=None, inverse=False, q_out=None, k_out=None, names=("q", "k")):
+                   rotary_dim=None, inverse=False, q_out=None, k_out=None, names=("q", "k"), host: bool = False):
     """Every check of an MRoPE call, before anything is launched or written. Returns the general
     request (validated with the temporal stream as its positions), the info of the whole
-    ``positions`` array and the specialised build that runs the call."""
+    ``positions`` array and the specialised build that runs the call.
+
+    ``host``: host arrays are accepted too, all of one kind (the one-call functions' host path,
+    whose arrays the NumPy backend reads or the GPU path copies): their addresses and strides,
+    which no kernel reads, are not checked, and every host position is checked against the
+    table."""
     interleaved_sections = _interleaved_option(interleaved_sections)
-    pi, stream_zero = _positions(positions, q, layout)
+    pi, stream_zero = _positions(positions, q, layout, host)
     req = validate(q, k, cos, sin, positions=stream_zero, layout=layout, rotary_dim=rotary_dim,
-                   inverse=inverse, q_out=q_out, k_out=k_out, allow_host=False, names=names)
+                   inverse=inverse, q_out=q_out, k_out=k_out, allow_host=host, names=names)
     if req.rotary_offset:  # pragma: no cover - validate's rotary_offset is 0 here
         raise NotImplementedError("rotary_offset: multimodal RoPE rotates the window at channel 0")
     mrope_streams(mrope_section, req.rotary_dim, interleaved_sections=interleaved_sections)  # checks the sections
     sections = tuple(int(v) for v in mrope_section)
-    if pi.strides[0] < 0:
+    if pi.device is None:  # host streams (the general checks have read the temporal one)
+        _check_stream_values(np.asarray(pi.array), req.table_rows)
+    elif pi.strides[0] < 0:
         raise ValueError(f"positions: a negative stride between streams ({pi.strides[0]} elements) is not supported")
-    if pi.strides[0] >= MROPE_STRIDE_LIMIT:  # the block's field is 32-bit (cuda_src/fixed_params.cuh)
+    if pi.device is not None and pi.strides[0] >= MROPE_STRIDE_LIMIT:  # the block's field is 32-bit (fixed_params.cuh)
         raise ValueError(f"positions: streams {pi.strides[0]} elements apart; multimodal RoPE takes streams fewer "
                          "than 2^31 elements apart (pass a [3, T] array of its own, e.g. positions.copy())")
     for out in (req.q_out, req.k_out):
@@ -115,7 +124,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
         raise NotImplementedError(f"rotary_dim: {req.rotary_dim} is not a whole number of the kernel's vectors per "
                                   f"half for {req.dtype}")
     g = builds[0]
-    bad = misaligned_view(req, g.vec) if req.num_tokens else None
+    bad = misaligned_view(req, g.vec) if req.num_tokens and req.device is not None else None
     if bad is not None:
         raise ValueError(f"{bad.name}: address {bad.ptr:#x} or element strides {bad.strides} are not aligned to "
                          f"{g.vec * req.q.itemsize} bytes, which multimodal RoPE reads; pass aligned arrays (a "
@@ -249,8 +258,11 @@ def _positions_read_back(positions) -> np.ndarray:
 def check_mrope_positions(positions, cos) -> None:
     """``ROPE_RTC_CHECK_POSITIONS=1``: read the positions of a validated call back (synchronising)
     and raise on one outside the table."""
-    host = _positions_read_back(positions)
-    rows = int(cos.shape[0])
+    _check_stream_values(_positions_read_back(positions), int(cos.shape[0]))
+
+
+def _check_stream_values(host: np.ndarray, rows: int) -> None:
+    """ValueError naming the first of the host ``positions`` outside the table's ``rows``."""
     bad = np.argwhere((host < 0) | (host >= rows))
     if len(bad):
         at = tuple(int(i) for i in bad[0])
@@ -262,19 +274,21 @@ _local = threading.local()
 
 def apply_mrope_qk(q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
                    layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,
-                   stream=None):
+                   stream=None, backend: str = "auto"):
     """Rotate q and k with multimodal RoPE in one launch (q and k may have different head counts).
 
     Parameters
     ----------
-    q, k : device arrays
+    q, k : arrays
         ``layout``-shaped (``"thd"`` ``[T, H, D]``, ``"bshd"``, ``"bhsd"``, ``"sbhd"``), float32,
-        float16 or bfloat16; CuPy or any object with ``__cuda_array_interface__`` / ``__dlpack__``.
+        float16 or bfloat16; CuPy or any object with ``__cuda_array_interface__`` / ``__dlpack__``,
+        or NumPy (every array then on the host; the results are NumPy, computed on the GPU when
+        there is one).
     cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`)
-    positions : int32/int64 device array ``[3, T]`` (``thd``) or ``[3, B, S]``
+    positions : int32/int64 array ``[3, T]`` (``thd``) or ``[3, B, S]``
         The temporal, height and width position of every token (text tokens: three equal ones).
-        A position outside the table gives NaN for its pairs (device positions are not read back
-        unless ``ROPE_RTC_CHECK_POSITIONS=1``).
+        A device position outside the table gives NaN for its pairs (device positions are not
+        read back unless ``ROPE_RTC_CHECK_POSITIONS=1``); host positions are checked.
     mrope_section : three ints ``[t, h, w]`` summing to ``rotary_dim / 2``
         Frequencies per stream: Qwen2-VL's ``[16, 24, 24]`` at head dim 128.
     interleaved_sections : bool
@@ -282,27 +296,39 @@ def apply_mrope_qk(q, k, cos, sin, positions, mrope_section, *, interleaved_sect
         the remainder to T (Qwen3-VL).
     rotary_dim, inverse, q_out, k_out, stream
         As :func:`rope_rtc.apply_rope_qk` (pairs are half-split; the window starts at channel 0).
+    backend : {"auto", "nvrtc", "numpy"}
+        As :func:`rope_rtc.apply_rope_qk`: ``"numpy"`` runs the float64 reference
+        (:func:`rope_rtc.reference.mrope_reference`, rounded once to the dtype) on host arrays,
+        with the checks of the GPU path; ``"auto"`` uses the GPU when one is present, else NumPy
+        (with a one-time warning).
 
     Returns
     -------
     (q_out, k_out)
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        Before anything is launched or written, naming the argument.
+    rope_rtc.errors.NoDeviceError
+        ``backend="nvrtc"`` on a machine with no usable CUDA driver or GPU.
     """
     if k is None:
         raise TypeError("k: expected an array (use apply_mrope for a single tensor)")
     return _apply(("q", "k"), q, k, cos, sin, positions, mrope_section, interleaved_sections, layout, rotary_dim,
-                  inverse, q_out, k_out, stream)
+                  inverse, q_out, k_out, stream, backend)
 
 
 def apply_mrope(x, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False, layout: str = "thd",
-                rotary_dim: int | None = None, inverse: bool = False, out=None, stream=None):
+                rotary_dim: int | None = None, inverse: bool = False, out=None, stream=None, backend: str = "auto"):
     """Rotate one tensor with multimodal RoPE; the arguments of :func:`apply_mrope_qk` with
     ``x``/``out`` for ``q``/``q_out`` (``out=x``: in place). Returns the output."""
     return _apply(("x", "k"), x, None, cos, sin, positions, mrope_section, interleaved_sections, layout, rotary_dim,
-                  inverse, out, None, stream)[0]
+                  inverse, out, None, stream, backend)[0]
 
 
 def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
-           k_out, stream):
+           k_out, stream, backend):
     if isinstance(section, np.ndarray) and section.ndim == 1:  # hashable, as the plan cache's key needs
         section = tuple(section.tolist())  # (its values checked later; another rank is named there)
     if isinstance(interleaved_sections, np.bool_):
@@ -314,14 +340,19 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
                tuple(section) if isinstance(section, (list, tuple)) else section)
     given = q_out is not None and (k is None or k_out is not None)
     last = getattr(_local, "last", None)
-    if plain and given and last is not None and options == last.options:
+    if (plain and given and last is not None and options == last.options
+            and (backend == "auto" or backend == "nvrtc")):
         # The thread's last repeat path (one signature, layer after layer): the template's generated
         # checks and block write; anything it declines goes the full way.
         prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, None, None, 0)
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
-    qi = A.describe(q, names[0], allow_host=False)
+    backend = resolve(backend)
+    qi = A.describe(q, names[0])
+    if backend == "numpy" or qi.device is None:
+        return _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim,
+                           inverse, q_out, k_out, stream, backend)
     device = qi.device
     handle = stream_handle(stream, device)
     if q_out is None:
@@ -345,6 +376,40 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return q_out, k_out
+
+
+def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
+                k_out, stream, backend):
+    """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
+    float64 reference, or the GPU through copies of the arrays (:func:`rope_rtc.backends.on_gpu`)."""
+    req, pi, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
+                                layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
+                                names=names, host=True)
+    sections = tuple(int(v) for v in section)
+    if backend == "numpy":
+        refuse_device(req.q)
+        from .reference import mrope_reference, round_to_dtype
+
+        pos = host_array(pi).reshape(3, -1).astype(np.int64)  # [3, B*S]: the token order of token_heads
+        cos_t, sin_t = host_array(req.cos), host_array(req.sin)
+        if req.inverse:  # the opposite angle: the negated sine (exact), as the kernel's sign
+            sin_t = -sin_t
+        results = []
+        for x, out in ((req.q, req.q_out), (req.k, req.k_out)):
+            if x is not None:
+                flat, shape = token_heads(host_array(x), layout)
+                res = mrope_reference(flat, cos_t, sin_t, pos, sections, interleaved_sections=interleaved_sections,
+                                      rotary_dim=req.rotary_dim)
+                results.append((in_layout(round_to_dtype(res, flat.dtype), shape, layout), out))
+        returned = write_results(results)
+        return returned[0], (returned[1] if len(returned) > 1 else None)
+    arrays = tuple(host_array(i) for i in (req.q, req.k, req.cos, req.sin, pi, req.q_out, req.k_out))
+
+    def call(a, handle):
+        return _apply(names, a[0], a[1], a[2], a[3], a[4], sections, interleaved_sections, layout, rotary_dim,
+                      inverse, a[5], a[6], handle, "nvrtc")
+
+    return tuple(on_gpu(arrays, (5, 6), stream, call))
 
 
 def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:

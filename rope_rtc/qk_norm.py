@@ -33,6 +33,8 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
+from .backends import (host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, token_positions,
+                       write_results)
 from .errors import UnsupportedLayoutError, shown
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
@@ -42,7 +44,7 @@ from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
 from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, generated_quick_path,
                         split_offset)
-from .rope_request import Request, float_or_inf, validate
+from .rope_request import Request, check_kinds, float_or_inf, validate
 
 NUMERICS = tuple(NORM_MODES)
 # The weights follow the general plan's nine arguments in the core's calls.
@@ -71,10 +73,10 @@ def check_norm_options(eps, numerics) -> float:
     return float(eps32)
 
 
-def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
+def _weight(w, name: str, req: Request, numerics: str, host: bool) -> A.ArrayInfo:
     if w is None:
-        raise TypeError(f"{name}: expected a device array of head_dim ({req.cq.D}) weights")
-    wi = A.describe(w, name, allow_host=False)
+        raise TypeError(f"{name}: expected an array of head_dim ({req.cq.D}) weights")
+    wi = A.describe(w, name, allow_host=host)
     allowed = (req.dtype, "float32") if numerics == "exact" else (req.dtype,)
     A.check_dtype(wi, tuple(dict.fromkeys(allowed)),
                   f" for {req.dtype} q/k with numerics={numerics!r} (transformers multiplies in the input dtype)"
@@ -88,23 +90,27 @@ def _weight(w, name: str, req: Request, numerics: str) -> A.ArrayInfo:
 
 
 def validate_qk_norm(q, k, q_weight, k_weight, cos, sin, *, eps, numerics: str, positions=None, offset=0,
-                     cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
-                     rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
-                     k_out=None, names: tuple[str, str] = ("q", "k")):
+                     cu_seqlens=None, layout: str | None = None, interleaved: bool = False, rotary_dim: int | None = None,
+                     rotary_offset: int = 0, inverse: bool = False, q_out=None, k_out=None,
+                     names: tuple[str, str] = ("q", "k"), host: bool = False):
     """Every check of a fused QK-norm call, before anything is launched or written. Returns
-    ``(request, q_weight info, k_weight info, build, eps as float32)``."""
+    ``(request, q_weight info, k_weight info, build, eps as float32)``.
+
+    ``host``: host arrays are accepted too, all of one kind (the one-call function's host path,
+    whose arrays the NumPy backend reads or the GPU path copies); their addresses and strides,
+    which no kernel reads, are not checked."""
     eps32 = check_norm_options(eps, numerics)
     if k is None:
         raise TypeError("k: expected an array (the fused norm rotates q and k together)")
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
                    k_out=k_out, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
-                   rotary_offset=rotary_offset, inverse=inverse, allow_host=False, names=names)
+                   rotary_offset=rotary_offset, inverse=inverse, allow_host=host, names=names)
     if req.ck.D != req.cq.D:  # pragma: no cover - validate refuses different head dims
         raise ValueError("k: the head dim must equal q's")
-    qw, kw = _weight(q_weight, "q_weight", req, numerics), _weight(k_weight, "k_weight", req, numerics)
+    qw, kw = _weight(q_weight, "q_weight", req, numerics, host), _weight(k_weight, "k_weight", req, numerics, host)
     if qw.dtype != kw.dtype:
         raise TypeError(f"q_weight/k_weight: one dtype for both, got {qw.dtype} and {kw.dtype}")
-    A.check_same_device([req.q, qw, kw])
+    check_kinds([req.q, qw, kw])  # the weights where q is
     for out in (req.q_out or req.q, req.k_out or req.k):  # what the launch writes (in place: q and k)
         for w in (qw, kw):
             if A.overlaps(out, w):
@@ -122,6 +128,8 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
             "kernel needs head_dim to be a power-of-two number (at most 32) of its vectors and the window whole "
             "vectors; normalise separately, then call apply_rope_qk")
     for vec in widths:  # q/k/outputs and the weights are read in vectors (with or without tokens)
+        if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.backends.on_gpu)
+            break
         if _strides_allow(req, vec) and not any(ptr & mask for ptr, mask in _vector_masks(req, weights, vec)):
             break
     else:
@@ -329,15 +337,17 @@ _local = threading.local()
 def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
                        positions=None, offset=0, cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
                        rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
-                       k_out=None, stream=None):
+                       k_out=None, stream=None, backend: str = "auto"):
     """RMSNorm each q and k head over the head dim, scale by its weight, then rotate: one launch.
 
     Parameters
     ----------
-    q, k : device arrays
+    q, k : arrays
         ``layout``-shaped, float32, float16 or bfloat16 (CuPy, or any object with
-        ``__cuda_array_interface__`` / ``__dlpack__``); q and k may have different head counts.
-    q_weight, k_weight : device arrays ``[head_dim]``
+        ``__cuda_array_interface__`` / ``__dlpack__``, or NumPy: every array then on the host,
+        the results NumPy, computed on the GPU when there is one); q and k may have different
+        head counts.
+    q_weight, k_weight : arrays ``[head_dim]``
         The scale of each channel, the input's dtype or float32 (``numerics="exact"`` only):
         Qwen3's ``q_norm.weight`` / ``k_norm.weight`` as they are. Gemma 3 scales by ``1 + weight``
         in FP32: pass ``1 + weight`` as float32 with ``numerics="exact"``.
@@ -350,10 +360,24 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     positions, offset, cu_seqlens, layout, interleaved, rotary_dim, rotary_offset, inverse, q_out, k_out, stream
         As :func:`rope_rtc.apply_rope_qk`. Channels outside the rotary window are normalised and
         not rotated.
+    backend : {"auto", "nvrtc", "numpy"}
+        As :func:`rope_rtc.apply_rope_qk`: ``"numpy"`` runs the reference of ``numerics`` on host
+        arrays, with the checks of the GPU path (``"exact"``:
+        :func:`rope_rtc.reference.qk_norm_rope_reference` in float64, rounded once to the dtype;
+        ``"transformers"``: :func:`rope_rtc.reference.qk_norm_rope_transformers_reference`, the
+        kernel's roundings); ``"auto"`` uses the GPU when one is present, else NumPy (with a
+        one-time warning).
 
     Returns
     -------
     (q_out, k_out)
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        Before anything is launched or written, naming the argument.
+    rope_rtc.errors.NoDeviceError
+        ``backend="nvrtc"`` on a machine with no usable CUDA driver or GPU.
     """
     if k is None:
         raise TypeError("k: expected an array (the fused norm rotates q and k together)")
@@ -362,7 +386,8 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
              and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
              and type(eps) in (float, int) and type(numerics) is str)
     last = getattr(_local, "last", None)
-    if plain and last is not None and q_out is not None and k_out is not None and options == last.options:
+    if (plain and last is not None and q_out is not None and k_out is not None and options == last.options
+            and (backend == "auto" or backend == "nvrtc")):
         # The thread's last repeat path (an engine calls one signature layer after layer): the
         # template's generated checks and block write; anything it declines goes the full way.
         scalar, offsets = split_offset(offset)
@@ -371,7 +396,11 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
-    qi = A.describe(q, "q", allow_host=False)
+    backend = resolve(backend)
+    qi = A.describe(q, "q")
+    if backend == "numpy" or qi.device is None:
+        return _apply_host(q, k, q_weight, k_weight, cos, sin, options, positions, offset, cu_seqlens, q_out, k_out,
+                           stream, backend)
     device = qi.device
     handle = stream_handle(stream, device)
     given = q_out is not None and k_out is not None
@@ -397,6 +426,46 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return q_out, k_out
+
+
+def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, offset, cu_seqlens, q_out, k_out,
+                stream, backend: str):
+    """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
+    reference of the call's numerics, or the GPU through copies of the arrays
+    (:func:`rope_rtc.backends.on_gpu`)."""
+    layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
+    req, qwi, kwi, _, eps32 = validate_qk_norm(q, k, q_weight, k_weight, cos, sin, eps=eps, numerics=numerics,
+                                               positions=positions, offset=offset, cu_seqlens=cu_seqlens,
+                                               layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                                               rotary_offset=rotary_offset, inverse=inverse, q_out=q_out,
+                                               k_out=k_out, host=True)
+    if backend == "numpy":
+        refuse_device(req.q)
+        from .reference import qk_norm_rope_reference, qk_norm_rope_transformers_reference, round_to_dtype
+
+        pos = token_positions(req)
+        kw = dict(eps=eps32, interleaved=req.interleaved, rotary_dim=req.rotary_dim,
+                  rotary_offset=req.rotary_offset, inverse=req.inverse)
+        results = []
+        cos_t, sin_t = host_array(req.cos), host_array(req.sin)
+        for x, w, out in ((req.q, qwi, req.q_out), (req.k, kwi, req.k_out)):
+            flat, shape = token_heads(host_array(x), layout)
+            if numerics == "exact":
+                res = round_to_dtype(qk_norm_rope_reference(flat, host_array(w), cos_t, sin_t, pos, **kw), flat.dtype)
+            else:
+                res = qk_norm_rope_transformers_reference(flat, host_array(w), cos_t, sin_t, pos, **kw)
+            results.append((in_layout(res, shape, layout), out))
+        return tuple(write_results(results))
+    arrays = tuple(host_array(i) for i in (req.q, req.k, qwi, kwi, req.cos, req.sin, req.positions, req.q_out,
+                                           req.k_out, req.cu_seqlens, req.offsets))
+
+    def call(a, handle):
+        return apply_qk_norm_rope(a[0], a[1], a[2], a[3], a[4], a[5], eps=eps, numerics=numerics, positions=a[6],
+                                  offset=req.offset if a[10] is None else a[10], cu_seqlens=a[9], layout=layout,
+                                  interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
+                                  inverse=inverse, q_out=a[7], k_out=a[8], stream=handle, backend="nvrtc")
+
+    return tuple(on_gpu(arrays, (7, 8), stream, call))
 
 
 def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:

@@ -777,6 +777,62 @@ def qk_norm_rope_reference(x: np.ndarray, weight: np.ndarray, cos: np.ndarray, s
                           rotary_dim=rotary_dim, rotary_offset=rotary_offset, inverse=inverse)
 
 
+def _round_f32_to(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 values rounded to ``dtype`` (to nearest even) and widened back to float32 exactly:
+    the kernel's ``round_to_dtype``."""
+    if dtype == np.float32:
+        return values
+    if dtype == np.float16:
+        return values.astype(np.float16).astype(np.float32)
+    return _bf16_to_f32(bf16_rne(np.ascontiguousarray(values, dtype=np.float32)))
+
+
+def _as_f32(values: np.ndarray) -> np.ndarray:
+    v = np.asarray(values)
+    return _bf16_to_f32(v) if v.dtype == BFLOAT16 else v.astype(np.float32)
+
+
+def qk_norm_rope_transformers_reference(x: np.ndarray, weight: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                                        positions: np.ndarray, *, eps: float, interleaved: bool,
+                                        rotary_dim: int | None = None, rotary_offset: int = 0,
+                                        inverse: bool = False) -> np.ndarray:
+    """What :func:`rope_rtc.apply_qk_norm_rope` computes with ``numerics="transformers"``, in
+    ``x``'s dtype: Hugging Face's ``Qwen3RMSNorm`` on each head of ``x`` (``[N, H, D]``), then
+    ``apply_rotary_pos_emb`` in the input dtype, rounded where they round (cuda_src/qk_norm_rope.cu).
+
+    In FP32, with ``rnd`` a rounding to ``x``'s dtype (nearest even): ``r = 1 / sqrt(ss * (1 / D)
+    + eps)`` (``ss`` the head's sum of squares), ``y = rnd(w * rnd(x * r))``; each pair then
+    ``rnd(rnd(y0 * c) + rnd(-y1 * s))`` and ``rnd(rnd(y1 * c) + rnd(y0 * s))`` with ``c`` and ``s``
+    the table entries rounded to the dtype (``-s`` with ``inverse``); channels outside the window
+    are ``y``. ``ss`` and ``r`` are correctly rounded here; the kernel sums in its own order and
+    takes ``rsqrtf``, so their last FP32 bit can differ, and an output with it by one ulp of its
+    dtype. ``positions`` ``[N]`` lie inside the tables.
+    """
+    x = np.asarray(x)
+    dt = _float_dtype(x.dtype, "x")
+    if x.ndim != 3:
+        raise ValueError(f"x must have shape [N, H, D], got {x.shape}")
+    d = x.shape[-1]
+    r, ro = _rotary_span(d, rotary_dim, rotary_offset)
+    xf = _as_f32(x)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        ss = np.sum(np.square(xf.astype(np.float64)), axis=-1, keepdims=True).astype(np.float32)
+        var = ss * (np.float32(1) / np.float32(d))
+        scale = (1.0 / np.sqrt((var + np.float32(eps)).astype(np.float64))).astype(np.float32)
+        y = _round_f32_to(_as_f32(weight) * _round_f32_to(xf * scale, dt), dt)
+        pos = np.asarray(positions).astype(np.int64).reshape(-1)
+        c = _round_f32_to(np.asarray(cos, np.float32)[pos], dt)[:, None, :]
+        s = _round_f32_to(np.asarray(sin, np.float32)[pos], dt)[:, None, :]
+        if inverse:
+            s = -s
+        y0, y1 = _split_pairs(y[..., ro:ro + r], interleaved)
+        re = _round_f32_to(_round_f32_to(y0 * c, dt) + _round_f32_to(-y1 * s, dt), dt)
+        im = _round_f32_to(_round_f32_to(y1 * c, dt) + _round_f32_to(y0 * s, dt), dt)
+    out = y.copy()
+    out[..., ro:ro + r] = _merge_pairs(re, im, interleaved)
+    return bf16_rne(out) if dt == BFLOAT16 else out.astype(dt)  # every value is the dtype's: exact
+
+
 # The FP32 error of the norm relative to the normalised value: the mean square (a sum of D
 # squares) and the scaling add at most (D / 2 + 4) float32 roundings' worth.
 def qk_norm_error_bound(normalized: np.ndarray, out_dtype, result: np.ndarray, *, interleaved: bool,

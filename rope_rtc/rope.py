@@ -14,24 +14,21 @@ mechanism under both in ``prepared`` (docs/design.md).
 from __future__ import annotations
 
 import threading
-import warnings
 
 import numpy as np
 
 from . import arrays as A
 from . import launch
+from .backends import host_array as _host
+from .backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
-from .layouts import to_bshd_index
 from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
 from .rope_plan import SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate
 
-BACKENDS = ("auto", "nvrtc", "numpy")
+# backends (rope_rtc.backends resolves the switch; this module keeps what its own quick paths read)
 
-# backends
-
-_numpy_fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 _NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
 _CURRENT = None  # cupy.cuda.get_current_stream, once a GPU has been seen
@@ -42,28 +39,12 @@ _SIGNED: type | None = None
 
 
 def _resolve_backend(backend: str) -> str:
-    global _numpy_fallback_warned
     if _gpu_present and (backend == "auto" or backend == "nvrtc"):
         return "nvrtc"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
-    from . import driver
-
-    if backend == "nvrtc":
-        driver.require_gpu()
+    resolved = resolve(backend)
+    if resolved == "nvrtc":
         _gpu_seen()
-        return backend
-    if backend == "numpy":
-        return backend
-    if driver.available():
-        _gpu_seen()
-        return "nvrtc"
-    if not _numpy_fallback_warned:
-        _numpy_fallback_warned = True
-        # stacklevel: this function, _apply, apply_rope(_qk), then the caller's line.
-        warnings.warn(f"rope_rtc: backend='auto' runs the NumPy reference on the CPU, since there is no usable GPU: "
-                      f"{driver.unavailable_reason()}", RuntimeWarning, stacklevel=4)
-    return "numpy"
+    return resolved
 
 
 def _gpu_seen() -> None:
@@ -78,35 +59,11 @@ def _gpu_seen() -> None:
 
 # the NumPy backend
 
-def _host(x):
-    return None if x is None else (x.array if isinstance(x.array, np.ndarray) else np.asarray(x.array))
-
-
-def _token_positions(req: Request) -> np.ndarray:
-    """Positions of every token, [B*S], on the host (NumPy backend)."""
-    B, S = req.cq.B, req.cq.S
-    if req.positions is not None:
-        return _host(req.positions).reshape(-1).astype(np.int64)
-    s = np.arange(S, dtype=np.int64)
-    if req.cu_seqlens is not None:
-        cu = _host(req.cu_seqlens).astype(np.int64)
-        t = np.arange(S, dtype=np.int64)
-        seq = np.clip(np.searchsorted(cu, t, side="right") - 1, 0, len(cu) - 2)
-        base = _host(req.offsets).astype(np.int64)[seq] if req.offsets is not None else req.offset
-        return t - cu[seq] + base
-    if req.offsets is not None:
-        return (_host(req.offsets).astype(np.int64)[:, None] + s[None, :]).reshape(-1)
-    return np.broadcast_to(req.offset + s, (B, S)).reshape(-1)
-
-
 def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray) -> np.ndarray:
     from .reference import rope_reference, round_to_dtype
 
     arr = _host(x)
-    perm = to_bshd_index(req.layout)
-    canon = np.transpose(arr, perm)
-    shape = canon.shape
-    flat = canon.reshape(int(np.prod(shape[:-2])), shape[-2], shape[-1])  # -1 is ambiguous when empty
+    flat, shape = token_heads(arr, req.layout)
     if req.angles:  # each token's row, as the kernel computes it (the table's entries, tables.angle_rows)
         from .tables import angle_rows
 
@@ -116,21 +73,14 @@ def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray) -> np.ndarray:
         cos, sin = _host(req.cos), _host(req.sin)
     res = rope_reference(flat, cos, sin, pos, interleaved=req.interleaved,
                          rotary_dim=req.rotary_dim, rotary_offset=req.rotary_offset, inverse=req.inverse)
-    res = round_to_dtype(res, arr.dtype).reshape(shape)
-    return np.ascontiguousarray(np.transpose(res, np.argsort(perm)))
+    return in_layout(round_to_dtype(res, arr.dtype), shape, req.layout)
 
 
 def _run_numpy(req: Request):
     # Every result first, then the writes: an error leaves every output untouched.
-    pos = _token_positions(req)
-    results = [(_numpy_one(x, req, pos), out) for x, out in ((req.q, req.q_out), (req.k, req.k_out)) if x is not None]
-    returned = []
-    for res, out in results:
-        if out is None:
-            returned.append(res)
-        else:
-            _host(out)[...] = res
-            returned.append(out.array)
+    pos = token_positions(req)
+    returned = write_results([(_numpy_one(x, req, pos), out) for x, out in ((req.q, req.q_out), (req.k, req.k_out))
+                              if x is not None])
     return returned[0], (returned[1] if len(returned) > 1 else None)
 
 
@@ -422,9 +372,7 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
                    k_out=k_out, names=names, **_kw(opts))
     host = req.q.device is None
     if backend == "numpy":
-        if not host:
-            raise TypeError(f"{req.q.name}: backend='numpy' takes host (NumPy) arrays; use backend='nvrtc' for "
-                            "device arrays")
+        refuse_device(req.q)
         return _run_numpy(req)
     if not host:  # other device arrays (DLPack, __cuda_array_interface__): their CuPy views or themselves
         view = [None if i is None else i.array for i in (req.q, req.k, req.cos, None if req.angles else req.sin,

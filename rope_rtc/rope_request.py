@@ -303,7 +303,7 @@ def _outputs(q_out, k_out, qi, ki, qn: str, kn: str, k_given: bool, allow_host: 
     return qo, ko
 
 
-def _check_kinds(everything: list[A.ArrayInfo], allow_desc: bool) -> int | None:
+def check_kinds(everything: list[A.ArrayInfo], allow_desc: bool = False) -> int | None:
     """Arrays (not declarations, unless allowed), all on the host or all on one device."""
     if not allow_desc:
         for x in everything:
@@ -348,7 +348,7 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
     inputs = [x for x in (qi, ki, ci, si if si is not ci else None, pi, oi, cui) if x is not None]
     outs = [(o, own) for o, own in ((qo, qi), (ko, ki)) if o is not None]
     A.check_outputs(outs, inputs)
-    device = _check_kinds(inputs + [o for o, _ in outs], allow_desc)
+    device = check_kinds(inputs + [o for o, _ in outs], allow_desc)
     req = Request(qi, ki, qo, ko, ci, si, pi, oi, cui, off, cq, ck, layout, bool(interleaved), rdim, roff,
                   bool(inverse), device, angles, att)
     if device is None and not allow_desc:

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
+from .backends import BACKENDS, on_gpu, resolve
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
@@ -23,21 +24,20 @@ from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bin
     cupy_ndarray, generated, made_once, pointers
 from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .registry import TAIL_DIMS, tail_spec
+from .rope_request import check_kinds
 
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
 BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
-BACKENDS = ("nvrtc", "numpy")
 
 
 def check_backend(backend) -> None:
     """ValueError for a backend this implementation does not have; the contract's own example names
     "frost" (cuDNN's CuTe DSL kernels), whose place "nvrtc" takes here."""
-    if backend in BACKENDS:
+    if isinstance(backend, str) and backend in BACKENDS:
         return
-    hint = "; the contract's 'frost' kernels are rope_rtc's 'nvrtc' (the default)" if backend == "frost" else ""
+    hint = "; the contract's 'frost' kernels are rope_rtc's 'nvrtc'" if backend == "frost" else ""
     raise ValueError(f"backend: {backend!r} is not supported; use one of {', '.join(map(repr, BACKENDS))}{hint}")
-
 
 
 # The kernel's argument block (cuda_src/tail_rope.cu: tail_rope_bf16_x1).
@@ -61,9 +61,11 @@ class TailRoPEForward:
     x, cosine, sine, out : array or TensorDesc
         Arrays or declarations fixing H, D, rank and the device. ``T`` may change between executes
         (including 0); H, D and the device may not.
-    backend : {"nvrtc", "numpy"}
+    backend : {"nvrtc", "numpy", "auto"}
         ``"nvrtc"``: the CUDA kernel (CuPy/device arrays). ``"numpy"``: the bit-exact NumPy reference
-        on host arrays (``ml_dtypes.bfloat16`` and float32), no GPU needed.
+        on host arrays (``ml_dtypes.bfloat16`` and float32), no GPU needed. ``"auto"``: ``"nvrtc"``
+        when a GPU is present, else ``"numpy"`` (with a one-time warning), settled by
+        ``check_support``.
 
     ``execute`` allocates no device memory, converts nothing and never synchronises; the caller
     owns array lifetimes and inter-stream ordering. The plan remembers the last 16 argument sets
@@ -92,6 +94,8 @@ class TailRoPEForward:
     def check_support(self) -> "TailRoPEForward":
         """Validate the declared arrays; raises TypeError/ValueError/NotImplementedError."""
         check_backend(self.backend)
+        if self.backend == "auto":
+            self.backend = resolve("auto")
         x, c, s, o = infos = self._describe(self._decl, declarations=True)
         if len(x.shape) not in (2, 3):
             raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {x.shape}")
@@ -349,36 +353,33 @@ def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoP
     return plan
 
 
-def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleDict:
+def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDict:
     """Allocate a disjoint output and run a cached plan. Returns ``TupleDict(out=out)``.
 
     With ``stream``, the allocation and the launch are ordered on it. Plans are cached per
     thread by (H, D, rank, device) and the arrays' signature, so prewarm the shapes you will
     use before capturing a CUDA graph. The call keeps no reference to its arrays.
+
+    ``backend``: ``"nvrtc"`` the CUDA kernel, ``"numpy"`` the bit-exact reference
+    (:func:`rope_rtc.reference.tail_rope_reference`) on host arrays, ``"auto"`` the GPU when one
+    is present, else NumPy (with a one-time warning), as :func:`rope_rtc.apply_rope` takes it. Host
+    (NumPy) arrays on the GPU are copied there and back: the output is then a NumPy array.
     """
-    check_backend(backend)  # before any allocation or device selection
-    if backend == "numpy":
-        xi = A.describe(x, "x")  # before any conversion: a device array or a tensor that requires grad is named
-        if xi.device is not None:
-            raise TypeError("x: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and float32)")
-        out = np.empty(xi.shape, A.numpy_dtype(xi.dtype))
-        plan = TailRoPEForward(x, cosine, sine, out, backend="numpy")
-        return plan.execute(x, cosine, sine, out)
+    if (backend != "auto" and backend != "nvrtc") or type(x) is np.ndarray:
+        return _tail_host(x, cosine, sine, backend, stream)
     nd = cupy_ndarray()
     if type(x) is nd:
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
     else:
-        xi = A.describe(x, "x", allow_host=False)
-        if xi.device is None:
-            raise TypeError("x: a host array cannot be used with backend='nvrtc'; pass a CuPy array or use "
-                            "backend='numpy'")
+        xi = A.describe(x, "x")
+        if xi.device is None:  # a host array known through DLPack
+            return _tail_host(x, cosine, sine, backend, stream)
         device, shape, dtype = xi.device, xi.shape, A.numpy_dtype(xi.dtype)
     try:
         one_call, plan = _local.last
     except AttributeError:  # this thread's first call
-        from . import driver
-
-        driver.require_gpu()
+        if resolve(backend) == "numpy":  # "auto" without a GPU, for device arrays: the NumPy backend names them
+            return _tail_host(x, cosine, sine, "numpy", stream)
         _local.by_signature, _local.by_key, _local.last = {}, {}, _NO_LAST
         one_call, plan = _NO_LAST
     handle = stream_handle(stream, device)
@@ -417,3 +418,22 @@ def tail_rope(x, cosine, sine, *, backend: str = "nvrtc", stream=None) -> TupleD
     if call.prefix is not None:
         plan._core.launcher(call.prefix, handle)
     return call.result
+
+
+def _tail_host(x, cosine, sine, backend, stream) -> TupleDict:
+    """``tail_rope`` of host arrays, or with ``backend="numpy"``: the NumPy backend's checks, then
+    the reference, or the kernel through copies of the arrays (:func:`rope_rtc.backends.on_gpu`)."""
+    check_backend(backend)  # the contract's name gets its hint
+    backend = resolve(backend)
+    xi = A.describe(x, "x")  # before any conversion: a device array or a tensor that requires grad is named
+    if backend == "numpy" and xi.device is not None:
+        raise TypeError("x: backend='numpy' takes host arrays (NumPy, ml_dtypes.bfloat16 and float32)")
+    out = np.empty(xi.shape, A.numpy_dtype(xi.dtype))
+    if backend == "numpy":
+        return TailRoPEForward(x, cosine, sine, out, backend="numpy").execute(x, cosine, sine, out)
+    infos = [xi, A.describe(cosine, "cosine"), A.describe(sine, "sine")]
+    check_kinds(infos)  # all on the host, as x is: a mix is refused as the general API refuses one
+    _TailOp(TailRoPEForward(x, cosine, sine, out, backend="numpy").check_support()).validate((x, cosine, sine, out), 0)
+    (result,) = on_gpu(tuple(np.asarray(i.array) for i in infos), (), stream,
+                       lambda a, handle: (tail_rope(*a, backend="nvrtc", stream=handle)["out"],))
+    return TupleDict(out=result)

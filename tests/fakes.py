@@ -355,6 +355,9 @@ class FakeGPU:
         self._patch(qk_norm, "_local", threading.local())
         import cupy
 
+        from rope_rtc import backends
+
+        self._patch(backends, "_gpu_present", True)
         self._patch(rope, "_gpu_present", True)
         self._patch(rope, "_NDARRAY", cupy.ndarray)
         self._patch(rope, "_SIGNED", cupy.ndarray)

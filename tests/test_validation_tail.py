@@ -105,7 +105,7 @@ def test_check_support_rejects(name, value, exc, pattern):
         assert value.dlpack_calls == 0
 
 
-@pytest.mark.parametrize("backend", ["frost", "cudnn", "auto", "cuda", None])
+@pytest.mark.parametrize("backend", ["frost", "cudnn", "cuda", "NumPy", None])
 def test_unsupported_backend(backend):
     plan = TailRoPEForward(*arrays(), backend=backend)
     with pytest.raises(ValueError, match="backend: .* is not supported"):
@@ -148,13 +148,30 @@ def test_a_numpy_backend_plan_may_be_declared():
     assert out.tobytes() == tail_rope_reference(x, c, s).tobytes()
 
 
-def test_tail_rope_rejects_host_arrays_for_nvrtc():
-    x = np.zeros((T, H, D), BF16)
-    c = np.zeros((T, 32), np.float32)
-    with pytest.raises(TypeError, match="x: a NumPy \\(host\\) array"):
-        tail_rope(x, c, c)
+def test_auto_is_the_gpu_where_one_is(gpu):
+    """``backend="auto"`` (tail_rope's default, and the plan's when named) means the kernel on a
+    machine with a GPU; without one it is the NumPy backend (tests/test_numpy_backend.py)."""
+    x, c, s, o = arrays()
+    plan = TailRoPEForward(x, c, s, o, backend="auto").check_support()
+    assert plan.backend == "nvrtc"
+    plan.execute(x, c, s, o)
+    tail_rope(x, c, s)
+    assert len(gpu.launches) == 2
+
+
+def test_tail_rope_refuses_host_and_device_arrays_mixed(gpu):
+    """Host arrays go to the NumPy backend, or to the GPU and back; host and device arrays in one
+    call are refused before anything is allocated or launched, naming the host ones."""
+    x, c, s, _ = arrays()
+    host_x = np.zeros((T, H, D), BF16)
+    host_c = np.zeros((T, 32), np.float32)
+    with pytest.raises(TypeError, match="x: host \\(NumPy\\) arrays mixed with device arrays"):
+        tail_rope(host_x, c, s)
+    with pytest.raises(TypeError, match="cosine: a NumPy \\(host\\) array is not accepted here.*backend='numpy'"):
+        tail_rope(x, host_c, s)
     with pytest.raises(TypeError, match="x requires grad"):
-        tail_rope(FakeTorchTensor((T, H, D), np.float16), c, c)
+        tail_rope(FakeTorchTensor((T, H, D), np.float16), host_c, host_c)
+    assert gpu.launches == []
 
 
 def test_head_times_dim_limit():
