@@ -101,6 +101,16 @@ def host_array(info: A.ArrayInfo | None) -> np.ndarray | None:
     return None if info is None else (info.array if isinstance(info.array, np.ndarray) else np.asarray(info.array))
 
 
+def auto_without_gpu(requested: str, x) -> None:
+    """``"auto"`` settled on NumPy because no GPU is usable; a device array ``x`` then needs the
+    GPU, and :class:`rope_rtc.errors.NoDeviceError` says why there is none (rather than "the NumPy
+    backend takes host arrays", which the caller never asked for)."""
+    if requested != "numpy" and not isinstance(x, np.ndarray) and A.describe(x, "x").device is not None:
+        from . import driver
+
+        driver.require_gpu()
+
+
 def refuse_device(info: A.ArrayInfo) -> None:
     """TypeError for a device array given to ``backend="numpy"`` (validation has refused a mix)."""
     if info.device is not None:

@@ -30,7 +30,7 @@ from operator import itemgetter
 import numpy as np
 
 from . import arrays as A
-from .backends import host_array, on_gpu, refuse_device, resolve, token_positions, write_results
+from .backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
 from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
 from .prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
                        address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
@@ -626,10 +626,10 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return (q if q_out is None else q_out), (k if k_out is None else k_out)
-    backend = resolve(backend)
+    requested, backend = backend, resolve(backend)
     if backend == "numpy" or A.describe(q, "q").device is None:
         return _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options, k_scale, v_scale,
-                           q_out, k_out, offset, cu_seqlens, stream, backend)
+                           q_out, k_out, offset, cu_seqlens, stream, backend, requested)
     host_slots = isinstance(slot_mapping, np.ndarray)
     if host_slots:
         # Every check, the host slots value by value; then their device copy, made in the order
@@ -677,10 +677,11 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
 
 
 def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options: tuple, k_scale, v_scale, q_out,
-                k_out, offset, cu_seqlens, stream, backend: str):
+                k_out, offset, cu_seqlens, stream, backend: str, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then
     :func:`rope_rtc.reference.rope_and_cache_reference`, or the GPU through copies of the arrays
     (:func:`rope_rtc.backends.on_gpu`)."""
+    auto_without_gpu(requested, q)
     kv_layout, kv_cache_dtype, interleaved, rotary_dim = options
     creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
                                   kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out,

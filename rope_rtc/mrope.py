@@ -25,7 +25,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
-from .backends import host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, write_results
+from .backends import auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, write_results
 from .conventions import interface_view, shape_of
 from .launch import remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
@@ -348,11 +348,11 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
-    backend = resolve(backend)
+    requested, backend = backend, resolve(backend)
     qi = A.describe(q, names[0])
     if backend == "numpy" or qi.device is None:
         return _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim,
-                           inverse, q_out, k_out, stream, backend)
+                           inverse, q_out, k_out, stream, backend, requested)
     device = qi.device
     handle = stream_handle(stream, device)
     if q_out is None:
@@ -379,9 +379,10 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
 
 
 def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
-                k_out, stream, backend):
+                k_out, stream, backend, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
     float64 reference, or the GPU through copies of the arrays (:func:`rope_rtc.backends.on_gpu`)."""
+    auto_without_gpu(requested, q)
     req, pi, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
                                 layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
                                 names=names, host=True)

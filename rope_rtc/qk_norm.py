@@ -33,8 +33,8 @@ import numpy as np
 
 from . import arrays as A
 from . import launch, rope_plan
-from .backends import (host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, token_positions,
-                       write_results)
+from .backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
+                       token_positions, write_results)
 from .errors import UnsupportedLayoutError, shown
 from .launch import launch_prefix, load_kernel, remember, stream_handle
 from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
@@ -396,11 +396,11 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
         if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
             last.go(prefix, stream_handle(stream, last.device))
             return q_out, k_out
-    backend = resolve(backend)
+    requested, backend = backend, resolve(backend)
     qi = A.describe(q, "q")
     if backend == "numpy" or qi.device is None:
         return _apply_host(q, k, q_weight, k_weight, cos, sin, options, positions, offset, cu_seqlens, q_out, k_out,
-                           stream, backend)
+                           stream, backend, requested)
     device = qi.device
     handle = stream_handle(stream, device)
     given = q_out is not None and k_out is not None
@@ -429,10 +429,11 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
 
 
 def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, offset, cu_seqlens, q_out, k_out,
-                stream, backend: str):
+                stream, backend: str, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
     reference of the call's numerics, or the GPU through copies of the arrays
     (:func:`rope_rtc.backends.on_gpu`)."""
+    auto_without_gpu(requested, q)
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     req, qwi, kwi, _, eps32 = validate_qk_norm(q, k, q_weight, k_weight, cos, sin, eps=eps, numerics=numerics,
                                                positions=positions, offset=offset, cu_seqlens=cu_seqlens,

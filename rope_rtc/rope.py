@@ -19,7 +19,7 @@ import numpy as np
 
 from . import arrays as A
 from . import launch
-from .backends import host_array as _host
+from .backends import auto_without_gpu, host_array as _host
 from .backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
 from .launch import remember, stream_handle
@@ -365,9 +365,11 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
 
 def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
            opts: tuple):
-    backend = _resolve_backend(backend)
+    requested, backend = backend, _resolve_backend(backend)
     if backend == "nvrtc" and type(q) is _NDARRAY and (k is None or type(k) is _NDARRAY):
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
+    if backend == "numpy":
+        auto_without_gpu(requested, q)
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
                    k_out=k_out, names=names, **_kw(opts))
     host = req.q.device is None

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 from . import arrays as A
-from . import launch
+from . import driver, launch
 from .backends import BACKENDS, on_gpu, resolve
 from .descriptors import TensorDesc, TupleDict
 from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
@@ -378,7 +378,9 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
     try:
         one_call, plan = _local.last
     except AttributeError:  # this thread's first call
-        if resolve(backend) == "numpy":  # "auto" without a GPU, for device arrays: the NumPy backend names them
+        if resolve(backend) == "numpy":
+            if backend != "numpy":  # "auto" with device arrays and no usable GPU: say that
+                driver.require_gpu()
             return _tail_host(x, cosine, sine, "numpy", stream)
         _local.by_signature, _local.by_key, _local.last = {}, {}, _NO_LAST
         one_call, plan = _NO_LAST

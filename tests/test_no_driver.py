@@ -55,11 +55,26 @@ def test_apply_rope_with_the_nvrtc_backend_on_host_arrays():
         rope_rtc.apply_rope(x, c, s, backend="nvrtc")
 
 
+@pytest.mark.parametrize("fn", ["apply_rope", "apply_rope_qk", "tail_rope"])
+def test_auto_with_device_arrays_says_there_is_no_gpu(fn):
+    """backend='auto' settles on NumPy without a GPU; device arrays then need the GPU, and the
+    error says why there is none, not that the NumPy backend (never asked for) takes host arrays."""
+    q, k, cos, sin = _rope_arrays()
+    with pytest.raises(rope_rtc.NoDeviceError, match=WAY_OUT):
+        if fn == "apply_rope":
+            rope_rtc.apply_rope(q, cos, sin)
+        elif fn == "apply_rope_qk":
+            rope_rtc.apply_rope_qk(q, k, cos, sin)
+        else:
+            x = fake_cupy((T, H, 128), "bfloat16")
+            rope_rtc.tail_rope(x, fake_cupy((T, 32)), fake_cupy((T, 32)))
+
+
 def test_a_plan_of_declarations_compiles_to_the_librarys_error():
     """Declaring is GPU-free; loading a kernel is the first step that needs the device."""
     f32 = np.float32
     plan = rope_rtc.RopePlan(TensorDesc(f32, (1, T, H, D)), TensorDesc(f32, (1, T, H, D)),
-                             TensorDesc(f32, (ROWS, D // 2)), TensorDesc(f32, (ROWS, D // 2)))
+                             TensorDesc(f32, (ROWS, D // 2)), TensorDesc(f32, (ROWS, D // 2)), layout="bshd")
     with pytest.raises(rope_rtc.NoDeviceError, match=WAY_OUT):
         plan.compile()
 
