@@ -142,28 +142,6 @@ def test_editing_common_header_changes_every_key_that_includes_it(monkeypatch):
     assert all(after[s.name] != before[s.name] for s in specs)
 
 
-def test_a_file_no_kernel_includes_changes_no_key(monkeypatch):
-    before = _keys()
-    _set_sources(monkeypatch, {**dict(sources.all_sources()), "zz_unused.cuh": b"// nobody includes this\n"})
-    assert _keys() == before
-
-
-def test_headers_are_followed_transitively_and_cycles_end(monkeypatch):
-    files = {
-        "k.cu": b'#include "a.cuh"\nextern "C" __global__ void k() {}\n',
-        "a.cuh": b'#pragma once\n  #  include "b.cuh"\n#include <cuda_fp16.h>\n// #include "commented.cuh"\n',
-        "b.cuh": b'#pragma once\n#include "a.cuh"\n#include "not_ours.h"\n',
-        "commented.cuh": b"// only named in a comment\n",
-        "other.cuh": b"// unrelated\n",
-    }
-    _set_sources(monkeypatch, files)
-    assert [n for n, _ in sources.included_sources("k.cu")] == ["a.cuh", "b.cuh", "k.cu"]
-    spec = registry.KernelSpec("k", "k.cu", ("k",))
-    before = build.spec_key(spec, Target(90))
-    _set_sources(monkeypatch, {**files, "b.cuh": files["b.cuh"] + b"// edited two levels down\n"})
-    assert build.spec_key(spec, Target(90)) != before
-
-
 # -- one rotation for every kernel (cuda_src/rotation.cuh) ------------------------------------------
 
 # Every family that rotates pairs, with one build of each that all_specs() leaves out.
@@ -218,3 +196,25 @@ def test_the_cache_write_builds_compile(dtype):
         results = list(pool.map(lambda s: compile_source(s.name, s.source, s.defines, Target(90, "cubin")), specs))
     for spec, result in zip(specs, results):
         assert result.binary[:4] == ELF_MAGIC and b"rope_cache" in result.binary, spec.name
+
+
+def test_a_file_no_kernel_includes_changes_no_key(monkeypatch):
+    before = _keys()
+    _set_sources(monkeypatch, {**dict(sources.all_sources()), "zz_unused.cuh": b"// nobody includes this\n"})
+    assert _keys() == before
+
+
+def test_headers_are_followed_transitively_and_cycles_end(monkeypatch):
+    files = {
+        "k.cu": b'#include "a.cuh"\nextern "C" __global__ void k() {}\n',
+        "a.cuh": b'#pragma once\n  #  include "b.cuh"\n#include <cuda_fp16.h>\n// #include "commented.cuh"\n',
+        "b.cuh": b'#pragma once\n#include "a.cuh"\n#include "not_ours.h"\n',
+        "commented.cuh": b"// only named in a comment\n",
+        "other.cuh": b"// unrelated\n",
+    }
+    _set_sources(monkeypatch, files)
+    assert [n for n, _ in sources.included_sources("k.cu")] == ["a.cuh", "b.cuh", "k.cu"]
+    spec = registry.KernelSpec("k", "k.cu", ("k",))
+    before = build.spec_key(spec, Target(90))
+    _set_sources(monkeypatch, {**files, "b.cuh": files["b.cuh"] + b"// edited two levels down\n"})
+    assert build.spec_key(spec, Target(90)) != before
