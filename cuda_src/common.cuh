@@ -101,9 +101,3 @@ __device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
 __device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
     return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
 }
-
-// One rotation of the general kernels, each product rounded to FP32 before one FMA (as the tail
-// contract's): the same bits whatever the compiler contracts, so every build agrees exactly.
-//   re = x0 c - x1 s,  im = x1 c + x0 s
-__device__ __forceinline__ float rot_re(float x0, float x1, float c, float s) { return __fmaf_rn(x0, c, -__fmul_rn(x1, s)); }
-__device__ __forceinline__ float rot_im(float x0, float x1, float c, float s) { return __fmaf_rn(x1, c, __fmul_rn(x0, s)); }

@@ -44,6 +44,7 @@
 #include "common.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
+#include "rotation.cuh"
 
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(NORM_HQ) || \
     !defined(NORM_HK) || !defined(NORM_D) || !defined(NORM_RO) || !defined(NORM_RD) || !defined(NORM_WF32) || \
@@ -67,6 +68,7 @@ static_assert(NORM_HQ % NORM_HB == 0 && NORM_HK % NORM_HB == 0, "NORM_HB must di
 static_assert(NORM_RO % VEC == 0 && NORM_RO + NORM_RD <= NORM_D, "the window must start on a vector, inside the head");
 static_assert(ROPE_INTERLEAVED ? (NORM_RD % VEC == 0 && VEC % 2 == 0) : HALF % VEC == 0, "the window must be whole vectors");
 
+// rope_types.cuh's types, spelled out (see there).
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
@@ -84,7 +86,7 @@ struct NormParams {
     unsigned zero;  // always 0: the staged build's opaque zero (below)
 };
 
-__device__ __forceinline__ float round_to_dtype(float v) { return conv::to_float(conv::from_float(v)); }
+__device__ __forceinline__ float round_to_dtype(float v) { return round_to<conv>(v); }
 
 // The lane's VEC weights, one aligned vector load (the host aligns the weights to it).
 __device__ __forceinline__ void load_weights(u64 base, unsigned c0, float* w) {
@@ -118,15 +120,13 @@ __device__ __forceinline__ float normalised(float y, float r, float w) {
 #endif
 }
 
-// The rotation of (x0, x1): one rounding at the end (exact), or apply_rotary_pos_emb's in the
-// input dtype (transformers).
+// The rotation of (x0, x1) (rotation.cuh): every kernel's FP32 rotation (exact), or
+// apply_rotary_pos_emb's in the input dtype (transformers).
 __device__ __forceinline__ void rotated(float x0, float x1, float c, float s, float& re, float& im) {
 #if NORM_MODE == 0
-    re = rot_re(x0, x1, c, s);
-    im = rot_im(x0, x1, c, s);
+    rotate_pair(x0, x1, c, s, re, im);
 #else
-    re = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x0, c)), round_to_dtype(__fmul_rn(-x1, s))));
-    im = round_to_dtype(__fadd_rn(round_to_dtype(__fmul_rn(x1, c)), round_to_dtype(__fmul_rn(x0, s))));
+    rotate_pair_rounded<conv>(x0, x1, c, s, re, im);
 #endif
 }
 

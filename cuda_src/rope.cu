@@ -19,18 +19,8 @@
 // not once per head.
 #include "common.cuh"
 #include "positions.cuh"
+#include "rope_types.cuh"
 
-#if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC)
-#error "rope.cu needs -DROPE_DTYPE, -DROPE_INTERLEAVED and -DROPE_VEC"
-#endif
-
-#if ROPE_INTERLEAVED && (ROPE_VEC % 2)
-#error "interleaved pairs need an even vector width"
-#endif
-
-constexpr int VEC = ROPE_VEC;
-// Pairs (and so table entries) one vector unit touches.
-constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 // Heads per thread (ROPE_HEAD_BATCH, chosen by the host), loaded before any is stored (in place,
 // the compiler could not reorder a load of one head above the store of another on its own: the
 // pointers may alias).
@@ -38,9 +28,6 @@ constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 #error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
 #endif
 constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
-typedef Scalar<elem_t> conv;
-typedef conv::bits_t bits_t;
-typedef Vec<bits_t, VEC> vec_t;
 
 // Every field is 8 bytes so the host mirror (a ctypes Structure) has no padding to get wrong.
 struct RopeParams {
@@ -72,11 +59,6 @@ struct RopeParams {
     i64 narrow;
     u64 div_units, div_groups, div_tile, div_seq, div_copy_units, div_heads;  // fast_div packed
 };
-
-__device__ __forceinline__ void rotate(float x0, float x1, float c, float s, float& o0, float& o1) {
-    o0 = rot_re(x0, x1, c, s);
-    o1 = rot_im(x0, x1, c, s);
-}
 
 // Element offsets of head h (of q, or of k past the q heads) for token (b, s).
 struct HeadPtrs {
@@ -119,23 +101,11 @@ __device__ __forceinline__ void rotate_store(const HeadPtrs& hp, const Unit& u, 
                                              i64 rot_half) {
 #if ROPE_INTERLEAVED
     vec_t r;
-#pragma unroll
-    for (int j = 0; j < NPAIR; ++j) {
-        float o0, o1;
-        rotate(conv::to_float(u.a.v[2 * j]), conv::to_float(u.a.v[2 * j + 1]), c[j], sn[j], o0, o1);
-        r.v[2 * j] = conv::from_float(o0);
-        r.v[2 * j + 1] = conv::from_float(o1);
-    }
+    rotate_interleaved<conv, VEC>(u.a, c, sn, r);
     store_vec<bits_t, VEC>(hp.out, r);
 #else
     vec_t rlo, rhi;
-#pragma unroll
-    for (int j = 0; j < NPAIR; ++j) {
-        float o0, o1;
-        rotate(conv::to_float(u.a.v[j]), conv::to_float(u.b.v[j]), c[j], sn[j], o0, o1);
-        rlo.v[j] = conv::from_float(o0);
-        rhi.v[j] = conv::from_float(o1);
-    }
+    rotate_halves<conv, VEC>(u.a, u.b, c, sn, rlo, rhi);
     store_vec<bits_t, VEC>(hp.out, rlo);
     store_vec<bits_t, VEC>(hp.out + rot_half, rhi);
 #endif

@@ -19,15 +19,13 @@
 // one vector per unit of the channels past the window. v copies the same channels.
 #include "common.cuh"
 #include "positions.cuh"
+#include "rope_types.cuh"
 #include <cuda_fp8.h>
 
-#if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(CACHE_KIND) || \
-    !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD) || !defined(KV_HB)
+#if !defined(CACHE_KIND) || !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD) || !defined(KV_HB)
 #error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
 #endif
 
-constexpr int VEC = ROPE_VEC;
-constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr int HALF = KV_RD / 2;
 constexpr unsigned ROT_UNITS = (ROPE_INTERLEAVED ? KV_RD : HALF) / VEC;
 constexpr unsigned COPY_UNITS = (KV_D - KV_RD) / VEC;
@@ -38,9 +36,6 @@ static_assert((ROPE_INTERLEAVED ? KV_RD : HALF) % VEC == 0 && (KV_D - KV_RD) % V
 static_assert(CACHE_KIND == 0 || VEC >= 2, "an FP8 entry store needs at least 2 bytes");
 static_assert(KV_HQ % KV_HB == 0 && KV_HK % KV_HB == 0, "KV_HB must divide both head counts");
 
-typedef Scalar<elem_t> conv;
-typedef conv::bits_t bits_t;
-typedef Vec<bits_t, VEC> vec_t;
 typedef Vec<unsigned char, VEC> fp8_vec_t;
 
 // [0] is q, [1] is k, [2] is v (element strides of the token and head axes; the channel axis is
@@ -153,20 +148,11 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
         table_slice(p, t, u, c, sn);
 #pragma unroll
         for (int k = 0; k < KV_HB; ++k) {
+            // In place: each pair is read before its results are written.
 #if ROPE_INTERLEAVED
-#pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                const float x0 = conv::to_float(a[k].v[2 * j]), x1 = conv::to_float(a[k].v[2 * j + 1]);
-                a[k].v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-                a[k].v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-            }
+            rotate_interleaved<conv, VEC>(a[k], c, sn, a[k]);
 #else
-#pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                const float x0 = conv::to_float(a[k].v[j]), x1 = conv::to_float(b[k].v[j]);
-                a[k].v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-                b[k].v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-            }
+            rotate_halves<conv, VEC>(a[k], b[k], c, sn, a[k], b[k]);
 #endif
         }
     }

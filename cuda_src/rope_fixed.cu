@@ -44,6 +44,7 @@
 #include "angles.cuh"
 #include "fixed_params.cuh"
 #include "positions.cuh"
+#include "rope_types.cuh"
 
 #if !defined(FIX_HQ) || !defined(FIX_HK) || !defined(FIX_D) || !defined(FIX_RO) || !defined(FIX_RD) || \
     !defined(FIX_HB) || !defined(FIX_ORDER) || !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) ||  \
@@ -51,8 +52,6 @@
 #error "rope_fixed.cu needs every compile-time parameter (rope_rtc/registry.py: FixedGeometry)"
 #endif
 
-constexpr int VEC = ROPE_VEC;
-constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 constexpr int HALF = FIX_RD / 2;
 constexpr unsigned UNITS = (ROPE_INTERLEAVED ? FIX_RD : HALF) / VEC;
 constexpr unsigned HEADS = FIX_HQ + FIX_HK;
@@ -83,9 +82,6 @@ static_assert(!ROPE_INTERLEAVED, "multimodal RoPE rotates half-split pairs");
 static_assert(FIX_MT + FIX_MH + FIX_MW == HALF, "the MRoPE sections must sum to FIX_RD / 2");
 #endif
 
-typedef Scalar<elem_t> conv;
-typedef conv::bits_t bits_t;
-typedef Vec<bits_t, VEC> vec_t;
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
 
 // q and k are streamed once: evict-first loads and stores (ld/st.global.cs) keep them from
@@ -312,12 +308,7 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) {
         vec_t o;
-#pragma unroll
-        for (int j = 0; j < NPAIR; ++j) {
-            const float x0 = conv::to_float(x[k].v[2 * j]), x1 = conv::to_float(x[k].v[2 * j + 1]);
-            o.v[2 * j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-            o.v[2 * j + 1] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-        }
+        rotate_interleaved<conv, VEC>(x[k], c, sn, o);
         store_stream(out + k * out_sh, o);
     }
 #else
@@ -334,12 +325,7 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
 #pragma unroll
     for (int k = 0; k < FIX_HB; ++k) {
         vec_t olo, ohi;
-#pragma unroll
-        for (int j = 0; j < NPAIR; ++j) {
-            const float x0 = conv::to_float(lo[k].v[j]), x1 = conv::to_float(hi[k].v[j]);
-            olo.v[j] = conv::from_float(rot_re(x0, x1, c[j], sn[j]));
-            ohi.v[j] = conv::from_float(rot_im(x0, x1, c[j], sn[j]));
-        }
+        rotate_halves<conv, VEC>(lo[k], hi[k], c, sn, olo, ohi);
         store_stream(out + k * out_sh, olo);
         store_stream(out + k * out_sh + HALF, ohi);
     }

@@ -4,13 +4,15 @@
 // channels of every head are rotated in adjacent pairs (a, b):
 //     real = bf16_rne(fma(a, c, -fp32(b * s)))
 //     imag = bf16_rne(fma(b, c,  fp32(a * s)))
-// __fmul_rn is never contracted into an FMA by the compiler, and __fmaf_rn is one correctly
-// rounded FMA, so the expression holds whatever --fmad says. The prefix is copied bit for bit.
+// That is rotation.cuh's rotate_pair, every kernel's rotation: __fmul_rn is never contracted into
+// an FMA by the compiler, and __fmaf_rn is one correctly rounded FMA, so the expression holds
+// whatever --fmad says. The prefix is copied bit for bit.
 //
 // Compile-time: TAIL_HEADS (H) and TAIL_DIM (D in {128, 512}): the contract specialises on
 // them, and knowing them turns the token index into a multiply-shift instead of a 64-bit
 // division on every 16 bytes.
 #include "common.cuh"
+#include "rotation.cuh"
 
 #if !defined(TAIL_HEADS) || !defined(TAIL_DIM)
 #error "tail_rope.cu needs -DTAIL_HEADS and -DTAIL_DIM"
@@ -31,8 +33,8 @@ __device__ __forceinline__ float bf16_hi(unsigned w) { return __uint_as_float(w 
 
 __device__ __forceinline__ unsigned rotate_word(unsigned w, float c, float s) {
     const float a = bf16_lo(w), b = bf16_hi(w);
-    const float re = __fmaf_rn(a, c, -__fmul_rn(b, s));
-    const float im = __fmaf_rn(b, c, __fmul_rn(a, s));
+    float re, im;
+    rotate_pair(a, b, c, s, re, im);  // the contract's arithmetic (rotation.cuh)
     const __nv_bfloat16 lo = __float2bfloat16_rn(re);
     const __nv_bfloat16 hi = __float2bfloat16_rn(im);
     return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);

@@ -142,6 +142,62 @@ def test_editing_common_header_changes_every_key_that_includes_it(monkeypatch):
     assert all(after[s.name] != before[s.name] for s in specs)
 
 
+# -- one rotation for every kernel (cuda_src/rotation.cuh) ------------------------------------------
+
+# Every family that rotates pairs, with one build of each that all_specs() leaves out.
+_NORM = registry.NormGeometry("bfloat16", False, 8, 2, 128, 0, 128, 8, False, "exact", 2)
+ROTATING = {"rope", "rope_fixed", "rope_cache", "qk_norm_rope", "tail"}
+ALL_FAMILIES = [*registry.all_specs(tail_heads=(8,)), BENCH_COPY, _NORM.spec(),
+                registry.cache_spec("float16", True, 8, 1, 8, 2, 128, 128)]
+
+
+def test_every_kernel_that_rotates_includes_the_rotation_header_and_is_keyed_on_it(monkeypatch):
+    """An edit of the rotation must reach every kernel that rotates (and no other): a kernel
+    that did not include rotation.cuh would be served a binary of the old rotation."""
+    assert {s.family for s in ALL_FAMILIES} >= ROTATING
+    for s in ALL_FAMILIES:
+        assert ("rotation.cuh" in dict(sources.included_sources(s.source))) == (s.family in ROTATING), s.name
+    before = _keys(ALL_FAMILIES)
+    _edit(monkeypatch, "rotation.cuh")
+    after = _keys(ALL_FAMILIES)
+    assert {s.name for s in ALL_FAMILIES if after[s.name] != before[s.name]} == {
+        s.name for s in ALL_FAMILIES if s.family in ROTATING}
+
+
+def test_the_rotation_is_written_only_in_the_rotation_header():
+    """A pair rotated as the contract says (an FMA of a product rounded by __fmul_rn) appears in
+    rotation.cuh alone: every kernel calls it, so no two kernels can round a rotation differently."""
+    rotation = re.compile(rb"__fmaf_rn\([^;]*__fmul_rn\(")
+    assert [name for name, data in sources.all_sources() if rotation.search(data)] == ["rotation.cuh"]
+
+
+def test_the_general_builds_share_their_element_and_vector_types():
+    """The generic, specialised and cache-write builds read and round their elements through one
+    definition (rope_types.cuh), not each its own."""
+    typedef = re.compile(rb"typedef\s+Scalar<elem_t>\s+conv\s*;")
+    for name in ("rope.cu", "rope_fixed.cu", "rope_cache.cu"):
+        assert "rope_types.cuh" in dict(sources.included_sources(name)), name
+        assert not typedef.search(sources.read_source(name)), f"{name} defines its own element types"
+
+
+@pytest.mark.parametrize("dtype", sorted(registry.DTYPE_CODES))
+def test_the_cache_write_builds_compile(dtype):
+    """Every cache kind and pair style of the fused RoPE + KV-cache write compiles (all_specs()
+    leaves them to `warm --model`): both pair styles, the widest and narrowest widths each kind
+    builds, a window shorter than the head."""
+    specs = []
+    for interleaved in (False, True):
+        for kind in registry.CACHE_KIND_NAMES:
+            widths = [w for w in registry.cache_vector_widths(dtype, interleaved, kind) if kind == 0 or w >= 2]
+            specs += [registry.cache_spec(dtype, interleaved, w, kind, 8, 2, 128, 128) for w in {widths[0], widths[-1]}]
+        specs.append(registry.cache_spec(dtype, interleaved, registry.cache_vector_widths(dtype, interleaved)[0], 0,
+                                         8, 2, 128, 64))
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(lambda s: compile_source(s.name, s.source, s.defines, Target(90, "cubin")), specs))
+    for spec, result in zip(specs, results):
+        assert result.binary[:4] == ELF_MAGIC and b"rope_cache" in result.binary, spec.name
+
+
 def test_a_file_no_kernel_includes_changes_no_key(monkeypatch):
     before = _keys()
     _set_sources(monkeypatch, {**dict(sources.all_sources()), "zz_unused.cuh": b"// nobody includes this\n"})
