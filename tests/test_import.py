@@ -47,7 +47,8 @@ def test_import_rope_rtc_loads_neither_cupy_nor_the_cuda_driver():
 
 def test_offline_tooling_imports_no_device_library():
     """The cache, the compiler, warm and the CLI run on build machines without a GPU."""
-    result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build, rope_rtc.compiler, rope_rtc.cache, rope_rtc.registry")
+    result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build.kernels, rope_rtc.build.compiler, rope_rtc.build.cache, "
+                   "rope_rtc.build.registry")
     assert result["heavy"] == []
 
 
@@ -177,8 +178,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_reads_this_package():
     graph = import_graph()
-    assert "rope_rtc.dtypes" in graph["rope_rtc.arrays"] and "rope_rtc.descriptors" in graph["rope_rtc.arrays"]
-    assert "rope_rtc.cache.store" in graph and "rope_rtc.errors" in graph["rope_rtc.descriptors"]
+    assert "rope_rtc.core.dtypes" in graph["rope_rtc.core.arrays"]
+    assert "rope_rtc.core.descriptors" in graph["rope_rtc.core.arrays"]
+    assert "rope_rtc.build.cache.store" in graph and "rope_rtc.errors" in graph["rope_rtc.core.descriptors"]
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
@@ -186,9 +188,9 @@ def test_arrays_and_descriptors_do_not_import_each_other(module_level_only):
     """``arrays`` checks arrays and declarations; ``descriptors`` declares them: one direction only,
     counting imports inside functions too (a deferred import is still a cycle in the design)."""
     graph = import_graph(module_level_only=module_level_only)
-    assert "rope_rtc.arrays" not in graph["rope_rtc.descriptors"]
+    assert "rope_rtc.core.arrays" not in graph["rope_rtc.core.descriptors"]
     for cycle in import_cycles(graph):
-        assert not {"rope_rtc.arrays", "rope_rtc.descriptors"} & set(cycle), cycle
+        assert not {"rope_rtc.core.arrays", "rope_rtc.core.descriptors"} & set(cycle), cycle
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
@@ -198,7 +200,7 @@ def test_the_library_has_no_import_cycle(module_level_only):
 
 
 def test_the_dtype_names_keep_their_import_path_through_arrays():
-    from rope_rtc import arrays, descriptors, dtypes
+    from rope_rtc.core import arrays, descriptors, dtypes
 
     assert arrays.dtype_name is dtypes.dtype_name and arrays.numpy_dtype is dtypes.numpy_dtype
     assert arrays.BFLOAT16 is dtypes.BFLOAT16 and arrays.FLOAT_DTYPES is dtypes.FLOAT_DTYPES
@@ -254,7 +256,7 @@ def test_no_library_module_imports_the_benchmark():
 def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path, monkeypatch):
     sample = REPO / "rope_rtc" / "demo.py"
     names = {name for _, name in _imported_modules(sample)}
-    assert "rope_rtc.measure" in names and "rope_rtc.rope" in names  # relative imports resolved
+    assert "rope_rtc.measure" in names and "rope_rtc.ops.rope" in names  # relative imports resolved
     fake = tmp_path / "rope_rtc" / "sub" / "mod.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("from .. import benchmark\nfrom ..benchmark.runner import x\nimport rope_rtc.benchmark.cli\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rope_rtc import launch as L
+from rope_rtc.core import launch as L
 from rope_rtc.errors import CudaError
 
 PREFIX = (0xF00, 1, 1, 1, 256, 1, 1, 0)  # an int function handle, as CUfunction converts to

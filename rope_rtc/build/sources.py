@@ -20,7 +20,7 @@ SOURCE_SUFFIXES = (".cu", ".cuh")
 # An include on a line of its own, quoted or <angled>. Conditional includes count whether or not
 # the condition holds (keying one file too many is harmless). Quoted ones name project headers,
 # keyed by their bytes; <angle> ones are CUDA's headers, keyed by their version
-# (rope_rtc/toolchain.py), and by their bytes too when ROPE_RTC_CUDA_INCLUDE names them.
+# (rope_rtc/build/toolchain.py), and by their bytes too when ROPE_RTC_CUDA_INCLUDE names them.
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*(?:"([^"\r\n]+)"|<([^>\r\n]+)>)', re.MULTILINE)
 
 

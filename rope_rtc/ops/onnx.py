@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays as A
-from .errors import UnsupportedLayoutError, rename_arguments
+from ..core import arrays as A
+from ..errors import UnsupportedLayoutError, rename_arguments
 
 
 def _int_attr(name: str, value) -> int:
@@ -89,7 +89,7 @@ def _where_X_is(info: A.ArrayInfo, xi: A.ArrayInfo) -> None:
                          f"cupy.asarray under cupy.cuda.Device({xi.device})")
 
 
-# The general API (rope_rtc.rope_request) runs its own checks for the operator and names the arrays
+# The general API (rope_rtc.ops.rope_request) runs its own checks for the operator and names the arrays
 # as its arguments are named; the operator's caller passed them as these inputs. Its checks stay
 # where they are, called rather than copied here, and their messages are renamed on the way out.
 _ONNX_NAMES = {"x": "X", "q": "X", "cos": "cos_cache", "sin": "sin_cache", "positions": "position_ids"}
@@ -104,7 +104,7 @@ def _module_of(x):
     """numpy for host arrays, cupy for device ones (the module that makes their helper arrays)."""
     if isinstance(x, np.ndarray):
         return np
-    from .driver import device_cupy
+    from ..core.driver import device_cupy
 
     return device_cupy()
 
@@ -229,8 +229,8 @@ class _launch_order:
     def __enter__(self):
         if self.xp is np:
             return self.stream
-        from . import arrays as arr
-        from .launch import cupy_stream, stream_handle
+        from ..core import arrays as arr
+        from ..core.launch import cupy_stream, stream_handle
 
         device = arr.describe(self.X, "X").device
         handle = stream_handle(self.stream, device)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import shown
+from ..errors import shown
 
 __all__ = ["MAX_POSITIONS", "MAX_ROTARY_DIM", "MAX_TABLE_ENTRIES", "NUMERICS", "ROPE_TYPES", "inverse_frequencies",
            "rope_tables"]

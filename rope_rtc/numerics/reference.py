@@ -18,7 +18,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .registry import TAIL_DIMS as TAIL_HEAD_DIMS  # D values the contract allows (named once)
+from ..build.registry import TAIL_DIMS as TAIL_HEAD_DIMS  # D values the contract allows (named once)
 
 __all__ = [
     "TAIL_CHANNELS",
@@ -646,7 +646,7 @@ def _cache_copy(cache, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
 def rope_and_cache_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
                              kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, interleaved: bool = False,
                              rotary_dim: int | None = None):
-    """``(q_out, k_out, k_cache, v_cache)`` after :func:`rope_rtc.kv_cache.rope_and_cache`, bit for
+    """``(q_out, k_out, k_cache, v_cache)`` after :func:`rope_rtc.ops.kv_cache.rope_and_cache`, bit for
     bit, on host arrays (new arrays; the inputs are not modified). ``positions``: one absolute
     position per token; caches as the API takes them (uint8 for FP8), or FP8 caches typed as
     ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` (the format ``kv_cache_dtype`` names), returned
