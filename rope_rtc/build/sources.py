@@ -31,7 +31,7 @@ def includes(data: bytes) -> list[tuple[bool, str]]:
 
 @functools.lru_cache(maxsize=1)
 def source_dir() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the package: this module is in its build/ folder
     for candidate in (here.parent / "cuda_src", here / "cuda_src"):
         if (candidate / "common.cuh").is_file():
             return candidate

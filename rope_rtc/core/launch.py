@@ -174,7 +174,8 @@ def recall(cache: dict, key):
     return value
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's folder (this module is in its core/ folder): every module of rope_rtc is under it.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _caller_level() -> int:
