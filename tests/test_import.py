@@ -93,6 +93,66 @@ def test_lazy_exports_resolve_and_unknown_names_raise():
         rope_rtc.no_such_name  # noqa: B018
 
 
+
+# -- public import paths ------------------------------------------------------------------------
+
+# Modules users import by path; the code lives in the layer folders, these paths are aliases of it.
+PUBLIC_MODULES = {"rope_rtc.tables": "rope_rtc.numerics.tables", "rope_rtc.reference": "rope_rtc.numerics.reference",
+                  "rope_rtc.onnx": "rope_rtc.ops.onnx"}
+ALIASES = """
+import importlib, json, sys
+public = {public!r}
+order = {order!r}
+seen = {{}}
+for name in order:
+    importlib.import_module(name)
+import rope_rtc
+for alias, real in public.items():
+    seen[alias] = (sys.modules[alias] is sys.modules[real]
+                   and getattr(rope_rtc, alias.rpartition(".")[2]) is sys.modules[real])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("alias_first", [True, False], ids=["alias-first", "real-first"])
+def test_public_module_paths_are_the_real_modules(alias_first):
+    """``import rope_rtc.tables`` (and ``reference``, ``onnx``) gives the module in its layer folder,
+    imported first or second, in a fresh interpreter, and ``rope_rtc.tables`` is that module too."""
+    order = list(PUBLIC_MODULES) + list(PUBLIC_MODULES.values())
+    if not alias_first:
+        order.reverse()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", ALIASES.format(public=PUBLIC_MODULES, order=order)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {alias: True for alias in PUBLIC_MODULES}
+
+
+def test_public_paths_import(monkeypatch):
+    """Every public name resolves through ``rope_rtc``; the public module paths are the real modules,
+    so ``from rope_rtc.tables import _private`` and a monkeypatch through the public path reach the code."""
+    import rope_rtc.numerics.reference
+    import rope_rtc.numerics.tables
+    import rope_rtc.ops.onnx
+    import rope_rtc.reference
+    import rope_rtc.tables
+    from rope_rtc import onnx, reference, tables
+    from rope_rtc.tables import _DEFAULT_BASE
+
+    for name in rope_rtc.__all__:
+        assert getattr(rope_rtc, name) is not None, name
+    for alias, real in PUBLIC_MODULES.items():
+        assert importlib.import_module(alias) is importlib.import_module(real), alias
+    assert rope_rtc.tables is tables is rope_rtc.numerics.tables
+    assert rope_rtc.reference is reference is rope_rtc.numerics.reference
+    assert rope_rtc.onnx is onnx is rope_rtc.ops.onnx
+    assert _DEFAULT_BASE == rope_rtc.numerics.tables._DEFAULT_BASE
+    monkeypatch.setattr("rope_rtc.tables._DEFAULT_BASE", 500000.0)
+    assert rope_rtc.numerics.tables._DEFAULT_BASE == 500000.0
+    assert rope_rtc.rope_tables is rope_rtc.numerics.tables.rope_tables
+    assert rope_rtc.onnx.rotary_embedding.__module__ == "rope_rtc.ops.onnx"
+
 # -- the module import graph -------------------------------------------------------------------
 
 PACKAGE = REPO / "rope_rtc"

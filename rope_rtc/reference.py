@@ -1,0 +1,7 @@
+"""``rope_rtc.reference``, the public path of the NumPy references: the code is in
+rope_rtc/numerics/reference.py. This module replaces itself in sys.modules with that one, so private
+names and monkeypatching reach it."""
+import importlib
+import sys
+
+sys.modules[__name__] = importlib.import_module("rope_rtc.numerics.reference")
