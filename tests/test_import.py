@@ -259,6 +259,33 @@ def test_the_library_has_no_import_cycle(module_level_only):
     assert import_cycles(import_graph(module_level_only=module_level_only)) == []
 
 
+# What each layer of the package may import besides itself (docs/design.md, "Imports, top to
+# bottom"): ops -> core -> build, with numerics beside core (the references and model configs
+# name the registry's builds), and errors, env and _version under everything. The top level (the
+# tools, the benchmark, the public aliases) may import any of them.
+LAYERS = {"ops": {"core", "build", "numerics", "leaf"}, "core": {"build", "numerics", "leaf"},
+          "numerics": {"build", "leaf"}, "build": {"leaf"}, "leaf": {"leaf"}}
+
+
+def _layer(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    if part in ("errors", "env", "_version"):
+        return "leaf"
+    return part if part in LAYERS else "top"
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
+def test_the_layers_import_downwards_only(module_level_only):
+    """An arrow between the folders only ever points down: no build module imports an op, no core
+    module imports an op, nothing below the tools imports them."""
+    upward = []
+    for importer, imported in import_graph(module_level_only=module_level_only).items():
+        here = _layer(importer)
+        if importer == "rope_rtc" or here == "top":
+            continue
+        upward += [f"{importer} -> {m}" for m in sorted(imported) if _layer(m) not in LAYERS[here] | {here}]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
 def test_the_dtype_names_keep_their_import_path_through_arrays():
     from rope_rtc.core import arrays, descriptors, dtypes
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..ops.rope_params import POS_CU_SEQLENS, POS_MODES
+# pos_mode codes (rope.cu: POS_*): the position scheme a build may fix at compile time (FIX_POS).
+POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS = 0, 1, 2, 3
+POS_MODES = (POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS)
 
 # dtype name -> code of ROPE_DTYPE in cuda_src/common.cuh
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
