@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._version import __version__
-from .cache.entry import terminal_text
+from .build.cache.entry import terminal_text
 from .errors import SettingError, count, shown
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -105,7 +105,7 @@ def _cache_dir_arg(text: str) -> str:
 
 
 def _arch_arg(text: str) -> str:
-    from .toolchain import parse_arch
+    from .build.toolchain import parse_arch
 
     try:
         parse_arch(text)
@@ -116,7 +116,7 @@ def _arch_arg(text: str) -> str:
 
 def _disk_store(cache_dir: str | None):
     """A store over the versioned directory for inspection; never creates the directory."""
-    from .cache import DiskStore, versioned_cache_dir
+    from .build.cache import DiskStore, versioned_cache_dir
     from .env import settings
 
     return DiskStore(versioned_cache_dir(cache_dir), trust_shared=settings().trust_shared_cache, create=False)
@@ -142,7 +142,8 @@ def _entry_name(e) -> str:
 # -- info ------------------------------------------------------------------------------------
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from . import driver, toolchain
+    from .core import driver
+    from .build import toolchain
     from .env import settings
 
     rows: list[tuple[str, str]] = [
@@ -270,7 +271,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 # -- warm ------------------------------------------------------------------------------------
 
 def _default_archs() -> list[str]:
-    from . import driver
+    from .core import driver
 
     if not driver.available():
         raise _Usage(f"no GPU found: {driver.unavailable_reason() or 'no CUDA device'}; say which "
@@ -318,7 +319,7 @@ _MODEL_FLAGS = (("dtype", "--dtype"), ("head_dim", "--head-dim"), ("q_heads", "-
 def _warm_selection(args: argparse.Namespace) -> tuple[str, ...]:
     """The flags of this ``warm`` that chose its kernels, as typed (shell-quoted), for the command
     its report suggests: it must warm the same set (a model's kernels, not every registered one)."""
-    from .registry import DEFAULT_TAIL_HEADS
+    from .build.registry import DEFAULT_TAIL_HEADS
 
     flags: list[str] = []
     if args.model is not None:
@@ -338,7 +339,7 @@ def _warm_selection(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _model_from_args(args: argparse.Namespace):
     """The model geometry of ``warm --model`` and its field flags, or None (warm everything)."""
-    from .model import from_config
+    from .numerics.model import from_config
 
     given = {field: getattr(args, field) for field, _ in _MODEL_FLAGS if getattr(args, field) is not None}
     if args.model is None and not given and not args.interleaved and not args.qk_norm and not args.inv_freq:
@@ -424,7 +425,7 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     sources, by another NVRTC or against other CUDA headers: never loaded, never deleted by a
     load), None when it loads. Any kernel the library builds is recognised, whatever built it
     (`warm`, `warm --model`, a first call, the benchmark)."""
-    from . import build, toolchain
+    from .build import kernels as build, toolchain
     from .warm import build_of
 
     if entry.rope_rtc != __version__:
@@ -511,7 +512,7 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
     if _cannot_read(store):
         _err("clear: nothing removed")
         return EXIT_FAILED
-    from .cache.store import Refused
+    from .build.cache.store import Refused
 
     try:
         done = store.clear()
@@ -585,8 +586,8 @@ def _add_cache_dir(p: argparse.ArgumentParser) -> None:
 
 
 def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
-    from .model import MAX_HEAD_DIM, MAX_HEADS
-    from .registry import DEFAULT_TAIL_HEADS
+    from .numerics.model import MAX_HEAD_DIM, MAX_HEADS
+    from .build.registry import DEFAULT_TAIL_HEADS
 
     w.add_argument("--arch", action="append", metavar="ARCH",
                    help="architecture to build for, e.g. sm_90 (repeatable, or comma-separated); "

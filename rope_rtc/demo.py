@@ -60,7 +60,7 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     """
     ns = args if isinstance(args, argparse.Namespace) else parse_args(args)
     arch, cache_dir = getattr(ns, "arch", None) or "sm_90", getattr(ns, "cache_dir", None)
-    from . import driver
+    from .core import driver
 
     if driver.available():
         return gpu_demo()
@@ -81,8 +81,8 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
 
 def worked_example() -> int:
     """The blog's worked example on the NumPy backend; 0 when it matches the exact values."""
-    from .rope import apply_rope
-    from .tables import rope_tables
+    from .ops.rope import apply_rope
+    from .numerics.tables import rope_tables
 
     cos, sin = rope_tables(WORKED_POSITION + 1, WORKED_DIM, base=WORKED_BASE)
     x = np.asarray(WORKED_X, np.float32).reshape(1, 1, 1, WORKED_DIM)
@@ -102,8 +102,8 @@ def rotate_half_example() -> int:
     """Hugging Face's ``rotate_half`` formula, written out here in float64, against
     ``apply_rope(..., interleaved=False)`` on the NumPy backend: half-split pairs are that
     formula. 0 when they agree."""
-    from .rope import apply_rope
-    from .tables import rope_tables
+    from .ops.rope import apply_rope
+    from .numerics.tables import rope_tables
 
     B, S, H, D = ROTATE_HALF_SHAPE
     x = np.random.default_rng(0).standard_normal(ROTATE_HALF_SHAPE).astype(np.float32)
@@ -127,7 +127,7 @@ def toolchain_problem() -> str | None:
     """Why this installation cannot compile kernels (no NVRTC, no cuda-bindings: the ``cuda``
     extra is not installed), or None when it can."""
     from .errors import ToolchainError
-    from .toolchain import nvrtc_version, supported_archs
+    from .build.toolchain import nvrtc_version, supported_archs
 
     try:
         nvrtc_version()
@@ -151,8 +151,8 @@ def print_warm_hint(arch: str, problem: str | None) -> None:
 def warm_cache(arch: str, cache_dir: str | None, problem: str | None = None) -> int:
     """Compile every registered kernel (the library's and the demo's) for ``arch`` into the cache;
     0 when every one is there."""
-    from . import registry
-    from .toolchain import parse_arch
+    from .build import registry
+    from .build.toolchain import parse_arch
     from .warm import warm
 
     number = parse_arch(arch)
@@ -187,8 +187,8 @@ def gpu_demo() -> int:
     import cupy as cp
 
     from .measure import CopyRunner, gpu_us
-    from .reference import assert_rope_close, rope_reference
-    from .tables import rope_tables
+    from .numerics.reference import assert_rope_close, rope_reference
+    from .numerics.tables import rope_tables
 
     B, H, S, D = (BLOG_SHAPE[k] for k in ("B", "H", "S", "D"))
     moved = blog_bytes_moved(B, H, S, D)
@@ -241,8 +241,8 @@ def _variant_call(variant: str, q, k, cos, sin, q_out, k_out):
     """A callable running one of the blog's kernels on these arrays, prepared once, so that a timed
     call only launches, as in the benchmark ("auto": the production kernel through the one-call
     ``apply_rope_qk``)."""
-    from .blog import prepare_blog_variant
-    from .rope import apply_rope_qk
+    from .ops.blog import prepare_blog_variant
+    from .ops.rope import apply_rope_qk
 
     if variant == "auto":
         return partial(apply_rope_qk, q, k, cos, sin, layout="bhsd", interleaved=True, q_out=q_out, k_out=k_out)

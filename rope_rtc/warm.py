@@ -1,7 +1,7 @@
 """Offline cache warming: compile every kernel the library launches for a list of architectures.
 
 A build machine needs no GPU: NVRTC runs on the CPU, and each binary goes through the same
-lifecycle a first call would use (:func:`rope_rtc.build.get_binary`), so what is warmed is
+lifecycle a first call would use (:func:`rope_rtc.build.kernels.get_binary`), so what is warmed is
 exactly what a server later looks up. Entries already present and valid are left untouched
 (the file is not rewritten); a corrupt one is deleted and rebuilt.
 
@@ -22,12 +22,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import cache, registry, sources
-from .build import get_binary, spec_key
+from .build import cache, registry, sources
+from .build.kernels import get_binary, spec_key
+from .build.registry import KernelSpec
+from .build.toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
 from .env import cache_root_path, settings
 from .errors import CompileError, KernelNotCachedError, RopeRtcError, shown
-from .registry import KernelSpec
-from .toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
 
 
 class WarmError(RopeRtcError):
@@ -293,7 +293,7 @@ def warm(
     progress
         Show a progress bar on a terminal.
     specs
-        Exactly these specialisations instead of the registry's (``rope_rtc.model.ModelRope.specs``:
+        Exactly these specialisations instead of the registry's (``rope_rtc.numerics.model.ModelRope.specs``:
         what one model needs); ``kernels`` still filters them.
 
     A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import build
-from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.store import CacheStore, DiskStore
+from rope_rtc.build import kernels as build
+from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache.store import CacheStore, DiskStore
 
 
 @pytest.fixture(autouse=True)

@@ -75,7 +75,7 @@ def gpu_unavailable_reason() -> str | None:
     insufficient", which sends a user after the wrong fix.
     """
     if not _GPU_REASON:
-        from rope_rtc import driver
+        from rope_rtc.core import driver
         from rope_rtc.errors import ToolchainError
 
         reason = driver.unavailable_reason()

@@ -269,7 +269,7 @@ class FakeGPU:
 
     Inside ``with FakeGPU() as gpu:`` the public APIs run their real host code down to the
     launch: the one-call functions' plan caches, the plans' validation, templates and argument
-    blocks (rope_rtc.prepared). Replaced are the bottom layers alone:
+    blocks (rope_rtc.core.prepared). Replaced are the bottom layers alone:
 
     * the kernel loaders (``rope_plan.load_rope_functions``, ``load_fixed_function``,
       ``tail.load_tail_function``, ``qk_norm.load_norm_function``) return descriptive tuples/names instead of function handles;
@@ -302,15 +302,16 @@ class FakeGPU:
     def __enter__(self) -> "FakeGPU":
         import threading
 
-        from rope_rtc import driver, launch, prepared, rope, rope_plan, tail
+        from rope_rtc.core import driver, launch, prepared
+        from rope_rtc.ops import rope, rope_plan, tail
 
         def load_rope_functions(dtype, interleaved, vec, head_batch, device):
-            from rope_rtc.registry import ROPE_ENTRIES
+            from rope_rtc.build.registry import ROPE_ENTRIES
 
             return tuple((e, dtype, interleaved, vec, head_batch) for e in ROPE_ENTRIES)
 
         def load_tail_function(heads, dim, device):
-            from rope_rtc.registry import tail_spec
+            from rope_rtc.build.registry import tail_spec
 
             return tail_spec(heads, dim).entries[0]
 
@@ -326,7 +327,7 @@ class FakeGPU:
         def load_cache_function(creq, device):
             return ("rope_cache", creq.without_arrays())  # a real entry point holds no caller's array either
 
-        from rope_rtc import kv_cache
+        from rope_rtc.ops import kv_cache
 
         self._patch(kv_cache, "load_cache_function", load_cache_function)
         self._patch(kv_cache, "stream_handle", stream_handle)
@@ -334,7 +335,7 @@ class FakeGPU:
         self._patch(kv_cache, "_local", threading.local())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
         self._patch(rope_plan, "load_fixed_function", load_fixed_function)
-        from rope_rtc import rope_launch
+        from rope_rtc.ops import rope_launch
 
         self._patch(rope_launch, "USE_FIXED", self.fixed)
         self._patch(tail, "load_tail_function", load_tail_function)
@@ -344,18 +345,18 @@ class FakeGPU:
         # The repeat path's current stream (cupy.cuda.get_current_stream): the handle stream_handle gives None.
         self._patch(rope, "_CURRENT", lambda device=-1: types.SimpleNamespace(ptr=stream_handle(None)))
         self._patch(tail, "stream_handle", stream_handle)
-        from rope_rtc import mrope
+        from rope_rtc.ops import mrope
 
         self._patch(mrope, "stream_handle", stream_handle)
         self._patch(mrope, "_local", threading.local())
-        from rope_rtc import qk_norm
+        from rope_rtc.ops import qk_norm
 
         self._patch(qk_norm, "load_norm_function", lambda g, device: ("qk_norm_rope", g))
         self._patch(qk_norm, "stream_handle", stream_handle)
         self._patch(qk_norm, "_local", threading.local())
         import cupy
 
-        from rope_rtc import backends
+        from rope_rtc.core import backends
 
         self._patch(backends, "_gpu_present", True)
         self._patch(rope, "_gpu_present", True)
@@ -390,7 +391,7 @@ class _RecordingLauncher:
         import ctypes
         import threading
 
-        from rope_rtc.rope_params import RopeParams
+        from rope_rtc.ops.rope_params import RopeParams
 
         fn = prefix[0]
         record = {"fn": fn, "grid": tuple(prefix[1:4]), "block": tuple(prefix[4:7]), "stream": stream,
@@ -400,18 +401,18 @@ class _RecordingLauncher:
             record["vec"] = fn[3]
             record["itemsize"] = {"float32": 4, "float16": 2, "bfloat16": 2}[fn[1]]
         elif isinstance(fn, tuple) and fn[0] == "rope_cache":
-            from rope_rtc.rope_params import CacheParams
+            from rope_rtc.ops.rope_params import CacheParams
 
             record["cache"] = CacheParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(CacheParams)))
             record["request"] = fn[1]
         elif isinstance(fn, tuple) and fn[0] == "qk_norm_rope":
-            from rope_rtc.rope_params import NormParams
+            from rope_rtc.ops.rope_params import NormParams
 
             record["norm"] = NormParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(NormParams)))
             record["geometry"] = fn[1]
             record["vec"] = fn[1].vec
         elif isinstance(fn, tuple) and fn[0] == "rope_fixed":
-            from rope_rtc.rope_params import FixedParams
+            from rope_rtc.ops.rope_params import FixedParams
 
             record["fixed"] = FixedParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(FixedParams)))
             record["geometry"] = fn[1]
@@ -432,8 +433,8 @@ class _RecordingLauncher:
 
 def rope_host_steps(req, num_sms: int = 132):
     """What the general API does on the host before a launch: ``(vec, params, grid, block)``."""
-    from rope_rtc import rope_launch
-    from rope_rtc.rope_params import RopeParams
+    from rope_rtc.ops import rope_launch
+    from rope_rtc.ops.rope_params import RopeParams
 
     vec = rope_launch.choose_vector(req)
     params = RopeParams()

@@ -9,8 +9,8 @@ import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
 from rope_rtc import RopePlan, apply_rope, apply_rope_qk, inverse_frequencies, rope_tables
-from rope_rtc.registry import ANGLE_MODES, angle_geometries, angle_head_batch
-from rope_rtc.rope_request import ANGLE_POSITIONS
+from rope_rtc.build.registry import ANGLE_MODES, angle_geometries, angle_head_batch
+from rope_rtc.ops.rope_request import ANGLE_POSITIONS
 from rope_rtc.tables import angle_rows
 
 SCALINGS = [None, {"rope_type": "linear", "factor": 4.0},

@@ -480,7 +480,8 @@ def test_no_gpu_message_on_this_machine(capsys):
 
 
 def test_demo_without_gpu(tmp_path, capsys):
-    from rope_rtc import demo, driver
+    from rope_rtc import demo
+    from rope_rtc.core import driver
 
     if driver.available():
         pytest.skip("a GPU is present: the demo times the blog's kernels instead")
@@ -512,7 +513,7 @@ def test_rotation_continues_across_batches():
 
 
 def test_compile_log_lines_are_parsed():
-    # the format rope_rtc/build.py logs with ROPE_RTC_LOG_COMPILES=1
+    # the format rope_rtc/build/kernels.py logs with ROPE_RTC_LOG_COMPILES=1
     line = ("compiled rope[ROPE_DTYPE=2,ROPE_INTERLEAVED=0,ROPE_VEC=8] for sm_90 in 0.287 s "
             "(10240 bytes of cubin); options: -arch=sm_90 -std=c++17")
     m = runner._COMPILE_LOG.search("rope_rtc: compiling x for sm_90 (first use; cached afterwards)\n" + line)

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import build, cache, registry, sources
-from rope_rtc.cache import Entry, EntryError, decode_entry, encode_entry
-from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.store import CacheWarning, DiskStore
+from rope_rtc.build import kernels as build, cache, registry, sources
+from rope_rtc.build.cache import Entry, EntryError, decode_entry, encode_entry
+from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache.store import CacheWarning, DiskStore
 from rope_rtc.cli import main as cli_main
 from rope_rtc.errors import KernelNotCachedError
-from rope_rtc.toolchain import Target
+from rope_rtc.build.toolchain import Target
 from cache_fixtures import compiles, fresh_store, isolated  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_spec_key_follows_the_bytes_of_an_overridden_header_folder(tmp_path, mon
     entries with the headers it was copied from, whatever CUDA_VERSION it still declares."""
     import shutil
 
-    from rope_rtc import toolchain
+    from rope_rtc.build import toolchain
 
     spec = registry.rope_spec("bfloat16", False, 8)
     default = build.spec_key(spec, SM90)
@@ -642,7 +642,7 @@ def test_warm_killed_at_random_moments_leaves_a_cache_that_verifies(tmp_path, ca
 
 _PUBLISHER = """
 import sys, os
-from rope_rtc.cache import DiskStore, Entry
+from rope_rtc.build.cache import DiskStore, Entry
 disk = DiskStore(sys.argv[1])
 i = 0
 while True:
@@ -689,7 +689,7 @@ def header_entry(fields: dict, payload: bytes = b"\x7fELF payload") -> bytes:
     """An entry whose header carries ``fields`` as given, with a checksum that matches them."""
     import json
 
-    from rope_rtc.cache.entry import MAGIC, _digest
+    from rope_rtc.build.cache.entry import MAGIC, _digest
 
     fields = dict(fields, size=len(payload))
     header = json.dumps(dict(fields, sha256=_digest(fields, payload)), sort_keys=True).encode()
@@ -702,7 +702,7 @@ def good_fields(key: str = "ab" * 32) -> dict:
 
 
 def test_an_entry_larger_than_any_entry_is_corrupt_and_never_read_whole(tmp_path, monkeypatch, compiles):
-    from rope_rtc.cache.entry import MAX_ENTRY_BYTES
+    from rope_rtc.build.cache.entry import MAX_ENTRY_BYTES
 
     d = tmp_path / "c"
     key = build.spec_key(SPEC, SM90)
@@ -728,7 +728,7 @@ def test_an_entry_larger_than_any_entry_is_corrupt_and_never_read_whole(tmp_path
     b"3",
 ])
 def test_an_unparsable_header_is_an_entry_error(header):
-    from rope_rtc.cache.entry import MAGIC
+    from rope_rtc.build.cache.entry import MAGIC
 
     data = MAGIC + len(header).to_bytes(8, "little") + header + b"payload"
     with pytest.raises(EntryError):
@@ -767,7 +767,7 @@ def test_a_checksummed_header_with_a_field_out_of_range_is_an_entry_error_and_no
 def test_a_header_whose_size_no_entry_has_is_an_entry_error_in_a_short_message(size):
     import json
 
-    from rope_rtc.cache.entry import MAGIC, _digest
+    from rope_rtc.build.cache.entry import MAGIC, _digest
 
     fields = dict(good_fields(), size=size)
     header = json.dumps(dict(fields, sha256=_digest(fields, b"x")), sort_keys=True).encode()
@@ -786,7 +786,7 @@ def test_a_header_missing_a_field_or_with_a_bad_size_is_an_entry_error():
 
 @pytest.mark.parametrize("bad", ["deep", "created", "unbounded", "far"])
 def test_a_malformed_header_is_removed_and_recompiled_not_raised(tmp_path, compiles, bad):
-    from rope_rtc.cache.entry import MAGIC
+    from rope_rtc.build.cache.entry import MAGIC
 
     d = tmp_path / "c"
     key = build.spec_key(SPEC, SM90)

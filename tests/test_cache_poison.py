@@ -22,13 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import build, cache, registry
-from rope_rtc.cache import decode_entry
-from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.entry import MAGIC, MAX_ENTRY_BYTES
-from rope_rtc.cache.store import CacheWarning
+from rope_rtc.build import kernels as build, cache, registry
+from rope_rtc.build.cache import decode_entry
+from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache.entry import MAGIC, MAX_ENTRY_BYTES
+from rope_rtc.build.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
-from rope_rtc.toolchain import Target
+from rope_rtc.build.toolchain import Target
 from cache_fixtures import CAN_SWITCH_USER, as_other_user, compiles, isolated, tree_snapshot  # noqa: F401
 
 SM90 = Target(90, "cubin")

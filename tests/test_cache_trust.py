@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import build, cache, registry
+from rope_rtc.build import kernels as build, cache, registry
 from rope_rtc._version import __version__
-from rope_rtc.cache import Entry, decode_entry, encode_entry
-from rope_rtc.cache import store as store_mod
-from rope_rtc.cache.store import CacheWarning
+from rope_rtc.build.cache import Entry, decode_entry, encode_entry
+from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
-from rope_rtc.toolchain import Target, nvrtc_version
+from rope_rtc.build.toolchain import Target, nvrtc_version
 from cache_fixtures import CAN_SWITCH_USER, as_other_user, compiles, fresh_store, isolated  # noqa: F401 (fixtures)
 
 SM90 = Target(90, "cubin")

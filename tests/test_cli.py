@@ -15,9 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_rtc import build, cache, cli, driver, registry, toolchain
+from rope_rtc.build import kernels as build, cache, registry, toolchain
+from rope_rtc import cli
+from rope_rtc.core import driver
 from rope_rtc._version import __version__
-from rope_rtc.cache import store as store_mod
+from rope_rtc.build.cache import store as store_mod
 from rope_rtc.errors import CompileError
 from rope_rtc.warm import _Glob, select_specs
 from cache_fixtures import isolated  # noqa: F401 (fixture)
@@ -297,7 +299,7 @@ def test_cache_list_verify_clear(capsys, tmp_path):
 
 
 def test_cache_verify_flags_an_entry_from_another_rope_rtc(capsys, tmp_path):
-    from rope_rtc.cache import Entry, encode_entry
+    from rope_rtc.build.cache import Entry, encode_entry
 
     root = tmp_path / "c"
     d = cache.versioned_cache_dir(root)
@@ -398,7 +400,7 @@ def _planted_header(path: Path, **fields) -> None:
     that matches: a file anyone who can write the directory could leave."""
     import json
 
-    from rope_rtc.cache.entry import MAGIC, _digest, decode_entry
+    from rope_rtc.build.cache.entry import MAGIC, _digest, decode_entry
 
     e = decode_entry(path.read_bytes())
     f = dict(key=e.key, kernel=e.kernel, target=e.target, kind=e.kind, nvrtc=e.nvrtc, rope_rtc=e.rope_rtc,
@@ -498,7 +500,7 @@ def test_warm_check_of_a_corrupt_entry_says_what_happens_and_keeps_the_models_fl
 
 def test_warm_from_python_of_a_models_specs_suggests_the_model_placeholder(tmp_path, monkeypatch):
     from rope_rtc import warm as warming
-    from rope_rtc.model import from_config
+    from rope_rtc.numerics.model import from_config
 
     model = from_config({}, dtype="bfloat16", head_dim=64, q_heads=4, kv_heads=2)
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
@@ -605,7 +607,7 @@ def _rewrite_header(path: Path, **fields) -> None:
     comparison of header and key can tell."""
     from dataclasses import replace
 
-    from rope_rtc.cache import decode_entry, encode_entry
+    from rope_rtc.build.cache import decode_entry, encode_entry
 
     path.write_bytes(encode_entry(replace(decode_entry(path.read_bytes()), **fields)))
 
@@ -637,7 +639,7 @@ def test_cache_verify_checks_model_builds_as_current_and_finds_a_tampered_one(ca
 
 
 def test_cache_verify_never_advises_clearing_entries_in_use(capsys, tmp_path):
-    from rope_rtc.cache import Entry, encode_entry
+    from rope_rtc.build.cache import Entry, encode_entry
 
     root = tmp_path / "c"
     warm_small(root, capsys)

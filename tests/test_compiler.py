@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rope_rtc import compiler, registry, sources, toolchain
+from rope_rtc.build import compiler, registry, sources, toolchain
 from rope_rtc.errors import CompileError, ToolchainError
-from rope_rtc.toolchain import Target
+from rope_rtc.build.toolchain import Target
 
 BROKEN_SOURCE = b"""#include "common.cuh"
 extern "C" __global__ void broken_kernel(float* out) {

@@ -280,7 +280,7 @@ def test_a_plan_in_the_engines_convention_takes_new_flat_arrays_without_views(mo
     with tables); now the template's generated checks run on the flat arrays and the cache itself.
     Every block equals a fresh plan's for the same arguments."""
     from fakes import counted
-    from rope_rtc import conventions, rope_plan, rope_request
+    from rope_rtc.ops import conventions, rope_plan, rope_request
 
     T, HQ, HK, D = 8, 4, 2, 64
     with FakeGPU(fixed=True) as gpu:
@@ -313,7 +313,7 @@ def test_a_plan_in_the_engines_convention_takes_new_flat_arrays_without_views(mo
 
 def test_a_plan_of_flat_arrays_with_separate_tables_takes_new_arrays_the_same_way(monkeypatch):
     from fakes import counted
-    from rope_rtc import rope_request
+    from rope_rtc.ops import rope_request
 
     T, HQ, HK, D = 8, 4, 2, 64
     with FakeGPU(fixed=True) as gpu:

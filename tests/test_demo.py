@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import cli, demo, driver, registry, toolchain
+from rope_rtc import cli, demo
+from rope_rtc.core import driver
+from rope_rtc.build import registry, toolchain
 from rope_rtc import warm as _warm  # noqa: F401 - imported before any test patches the toolchain it binds
 from rope_rtc.errors import ToolchainError
 
@@ -112,7 +114,7 @@ def test_gpu_demo_prepares_each_blog_kernel_once_before_timing_it(monkeypatch, c
     if not driver.available():
         pytest.skip(f"no GPU: {driver.unavailable_reason()}")
     pytest.importorskip("cupy")
-    from rope_rtc import blog
+    from rope_rtc.ops import blog
 
     calls = []
     real = blog.prepare_blog_variant

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import driver
+from rope_rtc.core import driver
 from rope_rtc.errors import CudaError, NoDeviceError, RopeRtcError, ToolchainError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ class _FakeDriver:
 @pytest.mark.skipif(_libcuda_loadable(), reason="this machine has a CUDA driver library")
 def test_a_machine_without_a_driver_says_no_cuda_driver_found():
     """What a user on a CPU-only machine reads: not "driver version is insufficient"."""
-    code = "from rope_rtc import driver; print(driver.unavailable_reason())"
+    code = "from rope_rtc.core import driver; print(driver.unavailable_reason())"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -146,7 +146,7 @@ def test_cache_dir_relative_path_is_an_error(monkeypatch, value):
 
 def test_cache_dir_false_creates_no_directory(monkeypatch, tmp_path):
     # Before: ROPE_RTC_CACHE_DIR=false put the cache in ./false/.
-    from rope_rtc.cache import cache_root, open_store, versioned_cache_dir
+    from rope_rtc.build.cache import cache_root, open_store, versioned_cache_dir
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", "false")

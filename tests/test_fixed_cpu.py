@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fakes import BF16, FakeGPU, fake_cupy
-from rope_rtc import apply_rope, apply_rope_qk, registry, rope, rope_launch, rope_plan
-from rope_rtc.registry import fixed_geometry, model_fixed_specs
+from rope_rtc import apply_rope, apply_rope_qk
+from rope_rtc.build import registry
+from rope_rtc.ops import rope, rope_launch, rope_plan
+from rope_rtc.build.registry import fixed_geometry, model_fixed_specs
 
 
 @pytest.fixture
@@ -239,8 +241,8 @@ def test_the_host_mirror_of_FixedParams_has_the_device_structs_fields_in_its_ord
     import ctypes
     import re
 
-    from rope_rtc.rope_params import FIXED_FIELDS
-    from rope_rtc.sources import source_dir
+    from rope_rtc.ops.rope_params import FIXED_FIELDS
+    from rope_rtc.build.sources import source_dir
 
     text = (source_dir() / "fixed_params.cuh").read_text()
     body = re.search(r"struct FixedParams \{(.*?)\};", text, re.S).group(1)

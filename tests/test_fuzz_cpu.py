@@ -42,7 +42,7 @@ from rope_rtc import RopePlan, TailRoPEForward, TensorDesc, apply_rope, apply_ro
 from rope_rtc.errors import RopeRtcError
 from rope_rtc.reference import rope_reference, round_to_dtype, tail_rope_reference
 from rope_rtc.tables import rope_tables
-from rope_rtc.registry import rope_vector_widths
+from rope_rtc.build.registry import rope_vector_widths
 
 CLEAR_ERRORS = (TypeError, ValueError, NotImplementedError)
 LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gpu_util import host_random, host_tables, poisoned
-from rope_rtc.blog import prepare_blog_variant
+from rope_rtc.ops.blog import prepare_blog_variant
 from rope_rtc.reference import rope_reference
 
 pytestmark = pytest.mark.gpu

@@ -63,7 +63,7 @@ def test_new_flat_arrays_every_call_take_the_repeat_path_and_match_the_first_cal
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc import rope
+    from rope_rtc.ops import rope
 
     def call(q, k, pos, qo, ko, cache, plan=None):
         if plan is None:

@@ -27,7 +27,7 @@ def cp():
 def launched(monkeypatch):
     """The launch prefixes of the calls that follow, in order: a spy on the launcher's entries
     (a plan's call through the quick path keeps no Call to read them from)."""
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     got: list = []
     plain, one_call = launch.Launcher.__call__, launch.Launcher.launch
@@ -59,7 +59,7 @@ def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_plac
     """One RopePlan call; returns (q_out, k_out) on the host and the plan. ``dense``: whether dense
     arrays may take the dense build (rope_launch.USE_DENSE)."""
     import rope_rtc
-    from rope_rtc import rope_launch
+    from rope_rtc.ops import rope_launch
 
     monkeypatch.setattr(rope_launch, "USE_FIXED", use_fixed)
     monkeypatch.setattr(rope_launch, "USE_DENSE", dense)
@@ -130,7 +130,7 @@ def test_dense_build_on_fused_qkv_views_and_padded_rows(cp, monkeypatch, launche
     stride), and bhsd q and k whose rows are padded to a longer sequence (dense, with the padded
     head stride), in place and into fresh outputs, equal the generic kernel bit for bit."""
     import rope_rtc
-    from rope_rtc import rope_launch
+    from rope_rtc.ops import rope_launch
 
     B, S, Hq, Hk, D, P = 2, 19, 8, 2, 128, 64
     dt = DTYPES["bfloat16"]

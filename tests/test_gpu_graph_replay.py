@@ -1,4 +1,4 @@
-"""Plans replay a repeated launch as a one-node CUDA graph (rope_rtc.launch.Launcher): the replay
+"""Plans replay a repeated launch as a one-node CUDA graph (rope_rtc.core.launch.Launcher): the replay
 sees in-place changes of the inputs, keeps stream order, never reaches a capturing stream, and
 its instantiation does not disturb another stream's capture. Outputs are re-poisoned before
 every call; tail results are compared bit for bit."""
@@ -173,7 +173,7 @@ def test_one_call_tail_rope_keeps_no_graphs_or_arrays(cp):
     for _ in range(3):
         out, = rope_rtc.tail_rope(x, c, s)
         _exact(cp, (x_h, c_h, s_h), out)
-    from rope_rtc import tail
+    from rope_rtc.ops import tail
 
     for plan in tail._local.by_key.values():
         assert not plan._core.launcher._graphs and not plan._core.launcher._seen

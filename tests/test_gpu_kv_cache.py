@@ -228,7 +228,7 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc import kv_cache
+    from rope_rtc.ops import kv_cache
 
     sets = [_arrays(cp, "bfloat16", kind, "nhd", seed=10 * i) for i in range(5)]
     names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")

@@ -434,7 +434,7 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc import mrope
+    from rope_rtc.ops import mrope
 
     T = 9
     cos, sin = (cp.asarray(t) for t in host_tables(P, D // 2, 31))

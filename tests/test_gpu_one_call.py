@@ -29,7 +29,7 @@ def test_eight_threads_own_arrays_and_streams_exact(cp):
     equals, bit for bit, what one call of the same kernel gave on the main thread, and no thread
     ever ran another thread's plan."""
     import rope_rtc
-    from rope_rtc import rope
+    from rope_rtc.ops import rope
 
     cos_h, sin_h = host_tables(ROWS, D // 2, 0)
     cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
@@ -148,7 +148,7 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, mon
     from cupy.lib.stride_tricks import as_strided
 
     import rope_rtc
-    from rope_rtc import launch
+    from rope_rtc.core import launch
     from rope_rtc.reference import tail_rope_reference
 
     cos_h, sin_h = host_tables(ROWS, D // 2, 2)
@@ -235,7 +235,7 @@ def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
     out = rope_rtc.apply_rope(x, cos, sin, positions=bad, layout="bshd")
     assert np.isnan(cp.asnumpy(out)[1, 1]).all() and not np.isnan(cp.asnumpy(out)[0]).any()
     monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
-    from rope_rtc import rope
+    from rope_rtc.ops import rope
 
     monkeypatch.setattr(rope, "_local", threading.local())  # plans read the switch when made
     with pytest.raises(ValueError, match=r"positions: entry 4 is 64, outside the table's 64 rows"):

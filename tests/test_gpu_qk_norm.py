@@ -226,7 +226,7 @@ def test_the_staged_build_writes_the_register_builds_bits(monkeypatch, dtype, d,
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.qk_norm import QKNormRopePlan
+    from rope_rtc.ops.qk_norm import QKNormRopePlan
 
     B, S = (1, 12288) if layout == "thd" else (2, 6144)
     dt = DTYPES[dtype]
@@ -273,7 +273,7 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc import qk_norm
+    from rope_rtc.ops import qk_norm
 
     B, S, D = 2, 5, 128
     dt = DTYPES["bfloat16"]

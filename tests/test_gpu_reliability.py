@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, bits, host_random, host_tables
-from rope_rtc.blog import prepare_blog_variant
+from rope_rtc.ops.blog import prepare_blog_variant
 from rope_rtc.reference import assert_rope_close, rope_reference, tail_rope_reference
 from tail_cases import tail_random_inputs
 
@@ -68,8 +68,8 @@ def test_threads_on_separate_streams_exact(cp):
 
 @pytest.mark.gpu
 def test_module_table_loads_once_under_threads(cp, monkeypatch):
-    from rope_rtc import driver, launch
-    from rope_rtc.registry import tail_spec
+    from rope_rtc.core import driver, launch
+    from rope_rtc.build.registry import tail_spec
 
     spec = tail_spec(5, 128)
     for key in [k for k in launch._loaded if k[0] == spec.name]:
@@ -124,7 +124,7 @@ def test_out_of_memory_is_cupys_error_and_nothing_written(cp):
 @pytest.mark.gpu
 def test_launch_failure_names_the_cuda_error_and_plan_survives(cp):
     import rope_rtc
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     th = tail_random_inputs(4, 2, 128, seed=9)
     x, c, s = (cp.asarray(a) for a in th)
@@ -172,7 +172,7 @@ def test_two_devices(cp):
     """A plan built for device 1 while device 0 is current runs on device 1; arrays on the wrong
     device are rejected naming both; kernels load once per device; both devices at once."""
     import rope_rtc
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     dt = DTYPES["bfloat16"]
     cos_h, sin_h = host_tables(32, 64, 7)

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_util import (DTYPES, after_current_stream, assert_half_split_qk, count_allocations, count_compiles,
                       fill_behind_busy_kernel, host_random, host_tables, poisoned)
-from rope_rtc.layouts import to_bshd_index
+from rope_rtc.core.layouts import to_bshd_index
 from rope_rtc.reference import assert_rope_close, rope_reference
 
 pytestmark = pytest.mark.gpu
@@ -110,7 +110,7 @@ def kernel_path(request, monkeypatch):
     with a grid of one block, so every thread loops (what only tensors past 2^31 indices get)."""
     import threading
 
-    from rope_rtc import rope, rope_launch
+    from rope_rtc.ops import rope, rope_launch
 
     # The one-call functions keep templates per thread, each with its choice of build: start empty.
     monkeypatch.setattr(rope, "_local", threading.local())
@@ -139,8 +139,8 @@ def test_plan_through_each_build(cp, kernel_path, layout, interleaved, in_place)
 
 def test_kernel_path_fixture_reaches_each_build(cp, monkeypatch):
     """The monkeypatched limits really change the build and entry a launch takes."""
-    from rope_rtc import rope_launch
-    from rope_rtc.rope_request import validate
+    from rope_rtc.ops import rope_launch
+    from rope_rtc.ops.rope_request import validate
 
     q = cp.asarray(host_random((2, 50, 3, 64), DTYPES["float16"], 1))  # 100 tokens x 3 heads x 4 units
     cos, sin = (cp.asarray(a) for a in host_tables(64, 32, 2))
@@ -233,7 +233,7 @@ def test_more_than_2_31_elements(cp, monkeypatch, entry):
     64-bit offsets throughout (checked on sampled tokens, no element left unwritten). The 64-bit
     entry runs naturally only past 2^31 threads (2^35 elements here); the limit is lowered."""
     import rope_rtc
-    from rope_rtc import rope_launch
+    from rope_rtc.ops import rope_launch
 
     if entry == "rope_apply_wide":
         monkeypatch.setattr(rope_launch, "NARROW_LIMIT", 0)

@@ -217,7 +217,7 @@ def test_rejects_misaligned_noncontiguous_overlapping(cp, which):
 def test_plan_stays_on_its_device(cp, monkeypatch):
     """A plan built while device 0 is current keeps device 0 when another device becomes current."""
     import rope_rtc
-    from rope_rtc import descriptors
+    from rope_rtc.core import descriptors
 
     desc = rope_rtc.TensorDesc(ml_dtypes.bfloat16, (4, 2, 128), device="cuda")
     tab = rope_rtc.TensorDesc("float32", (4, 32), device="cuda")

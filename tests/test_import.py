@@ -47,7 +47,8 @@ def test_import_rope_rtc_loads_neither_cupy_nor_the_cuda_driver():
 
 def test_offline_tooling_imports_no_device_library():
     """The cache, the compiler, warm and the CLI run on build machines without a GPU."""
-    result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build, rope_rtc.compiler, rope_rtc.cache, rope_rtc.registry")
+    result = probe("rope_rtc.cli, rope_rtc.warm, rope_rtc.build.kernels, rope_rtc.build.compiler, rope_rtc.build.cache, "
+                   "rope_rtc.build.registry")
     assert result["heavy"] == []
 
 
@@ -91,6 +92,66 @@ def test_lazy_exports_resolve_and_unknown_names_raise():
     with pytest.raises(AttributeError, match="no_such_name"):
         rope_rtc.no_such_name  # noqa: B018
 
+
+
+# -- public import paths ------------------------------------------------------------------------
+
+# Modules users import by path; the code lives in the layer folders, these paths are aliases of it.
+PUBLIC_MODULES = {"rope_rtc.tables": "rope_rtc.numerics.tables", "rope_rtc.reference": "rope_rtc.numerics.reference",
+                  "rope_rtc.onnx": "rope_rtc.ops.onnx"}
+ALIASES = """
+import importlib, json, sys
+public = {public!r}
+order = {order!r}
+seen = {{}}
+for name in order:
+    importlib.import_module(name)
+import rope_rtc
+for alias, real in public.items():
+    seen[alias] = (sys.modules[alias] is sys.modules[real]
+                   and getattr(rope_rtc, alias.rpartition(".")[2]) is sys.modules[real])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("alias_first", [True, False], ids=["alias-first", "real-first"])
+def test_public_module_paths_are_the_real_modules(alias_first):
+    """``import rope_rtc.tables`` (and ``reference``, ``onnx``) gives the module in its layer folder,
+    imported first or second, in a fresh interpreter, and ``rope_rtc.tables`` is that module too."""
+    order = list(PUBLIC_MODULES) + list(PUBLIC_MODULES.values())
+    if not alias_first:
+        order.reverse()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", ALIASES.format(public=PUBLIC_MODULES, order=order)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {alias: True for alias in PUBLIC_MODULES}
+
+
+def test_public_paths_import(monkeypatch):
+    """Every public name resolves through ``rope_rtc``; the public module paths are the real modules,
+    so ``from rope_rtc.tables import _private`` and a monkeypatch through the public path reach the code."""
+    import rope_rtc.numerics.reference
+    import rope_rtc.numerics.tables
+    import rope_rtc.ops.onnx
+    import rope_rtc.reference
+    import rope_rtc.tables
+    from rope_rtc import onnx, reference, tables
+    from rope_rtc.tables import _DEFAULT_BASE
+
+    for name in rope_rtc.__all__:
+        assert getattr(rope_rtc, name) is not None, name
+    for alias, real in PUBLIC_MODULES.items():
+        assert importlib.import_module(alias) is importlib.import_module(real), alias
+    assert rope_rtc.tables is tables is rope_rtc.numerics.tables
+    assert rope_rtc.reference is reference is rope_rtc.numerics.reference
+    assert rope_rtc.onnx is onnx is rope_rtc.ops.onnx
+    assert _DEFAULT_BASE == rope_rtc.numerics.tables._DEFAULT_BASE
+    monkeypatch.setattr("rope_rtc.tables._DEFAULT_BASE", 500000.0)
+    assert rope_rtc.numerics.tables._DEFAULT_BASE == 500000.0
+    assert rope_rtc.rope_tables is rope_rtc.numerics.tables.rope_tables
+    assert rope_rtc.onnx.rotary_embedding.__module__ == "rope_rtc.ops.onnx"
 
 # -- the module import graph -------------------------------------------------------------------
 
@@ -177,8 +238,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_reads_this_package():
     graph = import_graph()
-    assert "rope_rtc.dtypes" in graph["rope_rtc.arrays"] and "rope_rtc.descriptors" in graph["rope_rtc.arrays"]
-    assert "rope_rtc.cache.store" in graph and "rope_rtc.errors" in graph["rope_rtc.descriptors"]
+    assert "rope_rtc.core.dtypes" in graph["rope_rtc.core.arrays"]
+    assert "rope_rtc.core.descriptors" in graph["rope_rtc.core.arrays"]
+    assert "rope_rtc.build.cache.store" in graph and "rope_rtc.errors" in graph["rope_rtc.core.descriptors"]
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
@@ -186,9 +248,9 @@ def test_arrays_and_descriptors_do_not_import_each_other(module_level_only):
     """``arrays`` checks arrays and declarations; ``descriptors`` declares them: one direction only,
     counting imports inside functions too (a deferred import is still a cycle in the design)."""
     graph = import_graph(module_level_only=module_level_only)
-    assert "rope_rtc.arrays" not in graph["rope_rtc.descriptors"]
+    assert "rope_rtc.core.arrays" not in graph["rope_rtc.core.descriptors"]
     for cycle in import_cycles(graph):
-        assert not {"rope_rtc.arrays", "rope_rtc.descriptors"} & set(cycle), cycle
+        assert not {"rope_rtc.core.arrays", "rope_rtc.core.descriptors"} & set(cycle), cycle
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
@@ -197,8 +259,35 @@ def test_the_library_has_no_import_cycle(module_level_only):
     assert import_cycles(import_graph(module_level_only=module_level_only)) == []
 
 
+# What each layer of the package may import besides itself (docs/design.md, "Imports, top to
+# bottom"): ops -> core -> build, with numerics beside core (the references and model configs
+# name the registry's builds), and errors, env and _version under everything. The top level (the
+# tools, the benchmark, the public aliases) may import any of them.
+LAYERS = {"ops": {"core", "build", "numerics", "leaf"}, "core": {"build", "numerics", "leaf"},
+          "numerics": {"build", "leaf"}, "build": {"leaf"}, "leaf": {"leaf"}}
+
+
+def _layer(module: str) -> str:
+    part = module.split(".")[1] if "." in module else ""
+    if part in ("errors", "env", "_version"):
+        return "leaf"
+    return part if part in LAYERS else "top"
+
+
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])
+def test_the_layers_import_downwards_only(module_level_only):
+    """An arrow between the folders only ever points down: no build module imports an op, no core
+    module imports an op, nothing below the tools imports them."""
+    upward = []
+    for importer, imported in import_graph(module_level_only=module_level_only).items():
+        here = _layer(importer)
+        if importer == "rope_rtc" or here == "top":
+            continue
+        upward += [f"{importer} -> {m}" for m in sorted(imported) if _layer(m) not in LAYERS[here] | {here}]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
 def test_the_dtype_names_keep_their_import_path_through_arrays():
-    from rope_rtc import arrays, descriptors, dtypes
+    from rope_rtc.core import arrays, descriptors, dtypes
 
     assert arrays.dtype_name is dtypes.dtype_name and arrays.numpy_dtype is dtypes.numpy_dtype
     assert arrays.BFLOAT16 is dtypes.BFLOAT16 and arrays.FLOAT_DTYPES is dtypes.FLOAT_DTYPES
@@ -254,7 +343,7 @@ def test_no_library_module_imports_the_benchmark():
 def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path, monkeypatch):
     sample = REPO / "rope_rtc" / "demo.py"
     names = {name for _, name in _imported_modules(sample)}
-    assert "rope_rtc.measure" in names and "rope_rtc.rope" in names  # relative imports resolved
+    assert "rope_rtc.measure" in names and "rope_rtc.ops.rope" in names  # relative imports resolved
     fake = tmp_path / "rope_rtc" / "sub" / "mod.py"
     fake.parent.mkdir(parents=True)
     fake.write_text("from .. import benchmark\nfrom ..benchmark.runner import x\nimport rope_rtc.benchmark.cli\n")

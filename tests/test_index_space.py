@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from fakes import FakeDeviceArray, fake_like, rope_host_steps
-from rope_rtc import rope_launch as RL
-from rope_rtc.rope_request import validate
-from rope_rtc.registry import rope_head_batch
-from rope_rtc.rope_params import fast_div, fast_divisor
+from rope_rtc.ops import rope_launch as RL
+from rope_rtc.ops.rope_request import validate
+from rope_rtc.build.registry import rope_head_batch
+from rope_rtc.ops.rope_params import fast_div, fast_divisor
 
 
 def _exact(d: int, ns: np.ndarray) -> None:

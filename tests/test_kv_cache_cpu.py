@@ -227,7 +227,8 @@ def test_a_plan_refuses_at_construction_what_execute_would_refuse():
 def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
     """``ROPE_RTC_CHECK_POSITIONS=1`` reads device positions back before the launch for
     rope_and_cache and RopeCachePlan as for the general API (the read-back itself: GPU tests)."""
-    from rope_rtc import RopeCachePlan, kv_cache, rope_plan
+    from rope_rtc import RopeCachePlan
+    from rope_rtc.ops import kv_cache, rope_plan
 
     checked = []
     monkeypatch.setattr(rope_plan, "check_device_positions", lambda req: checked.append(req.positions.ptr))
@@ -357,8 +358,8 @@ def test_caches_reshaped_in_place_are_bound_again():
 def test_new_arrays_of_a_seen_signature_bind_without_full_validation(monkeypatch):
     """A plan's second call with new arrays of the same shapes, strides and dtypes takes only the
     address checks: full validation does not run again, and the block holds the new addresses."""
-    from rope_rtc import kv_cache
-    from rope_rtc.kv_cache import RopeCachePlan
+    from rope_rtc.ops import kv_cache
+    from rope_rtc.ops.kv_cache import RopeCachePlan
 
     names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
     with FakeGPU() as gpu:
@@ -388,7 +389,7 @@ def test_new_arrays_of_a_seen_signature_bind_without_full_validation(monkeypatch
 def test_a_seen_signature_with_overlapping_new_arrays_is_refused(case, exc, match):
     """The address checks of a seen signature send an overlapping call to full validation, which
     refuses it before any launch (the same arrays as a valid call would pass the signature)."""
-    from rope_rtc.kv_cache import RopeCachePlan
+    from rope_rtc.ops.kv_cache import RopeCachePlan
 
     names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
     with FakeGPU() as gpu:
@@ -410,7 +411,7 @@ def test_a_seen_signature_with_overlapping_new_arrays_is_refused(case, exc, matc
 
 
 def test_heads_per_thread_and_vector_preference():
-    from rope_rtc.registry import cache_head_batch, cache_vector_widths
+    from rope_rtc.build.registry import cache_head_batch, cache_vector_widths
 
     assert cache_head_batch(32, 8, "bfloat16", False, 4) == 2 and cache_head_batch(32, 8, "bfloat16", True, 8) == 2
     assert cache_head_batch(32, 8, "float32", False, 4) == 1 and cache_head_batch(32, 8, "float32", True, 4) == 2
@@ -445,8 +446,8 @@ def test_fused_qkv_views_and_one_kv_allocation_of_new_buffers_bind_without_full_
     """q, k and v as views of one fused projection, and the k and v caches as the halves of one
     [blocks, 2, block_size, H, D] allocation: new buffers of the same layout take the address checks
     alone (their views meet in extent, at the offsets validation accepted)."""
-    from rope_rtc import kv_cache
-    from rope_rtc.kv_cache import RopeCachePlan
+    from rope_rtc.ops import kv_cache
+    from rope_rtc.ops.kv_cache import RopeCachePlan
 
     def arrays():
         qkv = fake_cupy((T, HQ + 2 * HK, D), BF16)
@@ -483,7 +484,7 @@ def test_options_of_the_wrong_type_are_refused_after_a_valid_call_too(option, va
 
 
 def test_a_bool_offset_is_refused_after_an_int_one_of_the_same_signature():
-    from rope_rtc.kv_cache import RopeCachePlan
+    from rope_rtc.ops.kv_cache import RopeCachePlan
 
     names = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
     with FakeGPU() as gpu:
@@ -574,7 +575,7 @@ def test_two_tokens_writing_one_slot_are_refused_when_the_slots_come_from_the_ho
             rope_and_cache(**_call(slot_mapping=np.array([0, 7, -1, 7, 9])))
         assert gpu.launches == []
         # The checks alone (the one-call function then copies the slots to the device).
-        from rope_rtc.kv_cache import validate_cache_call
+        from rope_rtc.ops.kv_cache import validate_cache_call
 
         creq, _ = validate_cache_call(**_call(slot_mapping=np.array([0, -1, 2, -1, 9])), allow_host_slots=True)
         assert creq.slots.shape == (T,)
@@ -663,7 +664,8 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
     """rope_and_cache computed the signature of its 15 arguments twice and bound the template on
     every call (about five times apply_rope_qk's host time); now the thread's last generated path."""
     from fakes import counted
-    from rope_rtc import kv_cache, prepared
+    from rope_rtc.ops import kv_cache
+    from rope_rtc.core import prepared
 
     with FakeGPU() as gpu:
         sets = [_call() for _ in range(8)]

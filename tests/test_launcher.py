@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rope_rtc import launch as L
+from rope_rtc.core import launch as L
 from rope_rtc.errors import CudaError
 
 PREFIX = (0xF00, 1, 1, 1, 256, 1, 1, 0)  # an int function handle, as CUfunction converts to
@@ -394,3 +394,15 @@ def test_a_bad_stream_is_refused_before_anything_is_allocated_or_launched():
         with pytest.raises(ValueError, match="stream: -5"):
             tail_rope(x, fake_cupy((2, 32), np.float32), fake_cupy((2, 32), np.float32), stream=-5)
         assert len(gpu.launches) == n
+
+
+@pytest.mark.parametrize("folder", ["ops", "core", "build", "."])
+def test_warnings_point_past_every_frame_of_the_package(folder):
+    """A warning the launcher raises names the caller's line: the first frame outside rope_rtc,
+    whichever of the package's folders the frames between come from (an op's module calls it)."""
+    from pathlib import Path
+
+    where = Path(L.__file__).resolve().parents[1] / folder / "caller.py"
+    namespace = {"L": L}
+    exec(compile("def inside():\n    return L._caller_level()\n", str(where), "exec"), namespace)
+    assert namespace["inside"]() == 2  # 1 is the package's frame, 2 this test's

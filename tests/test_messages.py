@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fakes import FakeDeviceArray
-from rope_rtc import arrays as A
+from rope_rtc.core import arrays as A
 from rope_rtc.errors import count, one_of
 
 

@@ -12,11 +12,12 @@ from pathlib import Path
 import ml_dtypes
 import pytest
 
-from rope_rtc import RopePlan, TensorDesc, cli, rope_plan
+from rope_rtc import RopePlan, TensorDesc, cli
+from rope_rtc.ops import rope_plan
 from rope_rtc.errors import KernelNotCachedError
-from rope_rtc.model import ModelRope, from_config
-from rope_rtc.registry import rope_spec
-from rope_rtc.rope_params import POS_POSITIONS
+from rope_rtc.numerics.model import ModelRope, from_config
+from rope_rtc.build.registry import rope_spec
+from rope_rtc.ops.rope_params import POS_POSITIONS
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_attention_heads": 32,
              "num_key_value_heads": 8, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
@@ -101,10 +102,10 @@ def test_geometry_given_beyond_any_model_is_refused(kw, pattern):
 
 
 def test_the_largest_geometry_is_read_and_its_builds_compile(tmp_path):
-    from rope_rtc import cache
-    from rope_rtc.build import get_binary
-    from rope_rtc.model import MAX_HEAD_DIM, MAX_HEADS
-    from rope_rtc.toolchain import Target
+    from rope_rtc.build import cache
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.numerics.model import MAX_HEAD_DIM, MAX_HEADS
+    from rope_rtc.build.toolchain import Target
 
     model = from_config({"num_attention_heads": MAX_HEADS, "head_dim": MAX_HEAD_DIM, "torch_dtype": "bfloat16"})
     assert (model.q_heads, model.kv_heads, model.head_dim, model.rotary_dim) == (MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM,
@@ -275,8 +276,8 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "model: head_dim 128, 32 q heads, 8 kv heads, rotary_dim 128, bfloat16, half-split pairs" in out
     assert "warmed 106 kernels for sm_90, sm_80" in out
-    from rope_rtc.cache import open_store
-    from rope_rtc.cache.location import versioned_cache_dir
+    from rope_rtc.build.cache import open_store
+    from rope_rtc.build.cache.location import versioned_cache_dir
 
     listed = sorted((e.entry.kernel, e.entry.target) for e in open_store(versioned_cache_dir(root)).disk.list())
     want = sorted((s.name, t) for s in from_config(LLAMA3_8B).specs() for t in ("sm_90", "sm_80"))
@@ -292,8 +293,8 @@ def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
 
 
 def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, monkeypatch):
-    from rope_rtc.build import get_binary
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
@@ -304,8 +305,8 @@ def test_a_missing_kernel_under_no_compile_names_the_model_command(tmp_path, mon
 @pytest.mark.parametrize("family,flag", [("rope_fixed", ""), ("rope_cache", ""), ("qk_norm_rope", " --qk-norm")])
 def test_a_missing_specialised_kernel_names_the_model_command(tmp_path, monkeypatch, family, flag):
     """The command named builds the kernel: the family is in the model's set with that flag."""
-    from rope_rtc.build import get_binary
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
@@ -317,10 +318,10 @@ def test_a_missing_specialised_kernel_names_the_model_command(tmp_path, monkeypa
 
 
 def test_a_miss_says_when_the_disk_cache_was_not_read(tmp_path, monkeypatch):
-    from rope_rtc.build import get_binary
-    from rope_rtc.cache.location import versioned_cache_dir
-    from rope_rtc.registry import tail_spec
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.cache.location import versioned_cache_dir
+    from rope_rtc.build.registry import tail_spec
+    from rope_rtc.build.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
@@ -338,9 +339,9 @@ def test_a_miss_says_when_the_disk_cache_was_not_read(tmp_path, monkeypatch):
 
 def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):
     # The default warm builds a fixed list of tail head counts; the command must build this one.
-    from rope_rtc.build import get_binary
-    from rope_rtc.registry import tail_spec
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.registry import tail_spec
+    from rope_rtc.build.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
@@ -350,9 +351,9 @@ def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):
 
 def test_cache_builds_of_an_odd_geometry_all_compile(tmp_path):
     """rotary_dim / 2 odd: no FP8 build (its entries need 2-byte stores), and what is listed compiles."""
-    from rope_rtc.build import get_binary
-    from rope_rtc.cache import open_store
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.cache import open_store
+    from rope_rtc.build.toolchain import target_for
 
     model = ModelRope(head_dim=100, q_heads=4, kv_heads=2, rotary_dim=50, dtype="bfloat16")
     specs = model.cache_specs()
@@ -367,7 +368,7 @@ def test_cache_builds_of_an_odd_geometry_all_compile(tmp_path):
                                        "rope_type": "default"}}}, (24, 20, 20), True),            # Qwen3-VL
 ])
 def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interleaved):
-    from rope_rtc.model import from_config
+    from rope_rtc.numerics.model import from_config
 
     config = {"head_dim": 128, "num_attention_heads": 28, "num_key_value_heads": 4, "torch_dtype": "bfloat16", **rope}
     model = from_config(config)
@@ -380,7 +381,7 @@ def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interlea
     # the builds a plan of this model loads are among them
     import dataclasses
 
-    from rope_rtc.registry import fixed_geometry, mrope_head_batch
+    from rope_rtc.build.registry import fixed_geometry, mrope_head_batch
 
     g = fixed_geometry("bfloat16", False, 28, 4, 128, 0, 128, False)
     for small in (True, False):
@@ -390,7 +391,7 @@ def test_a_vision_language_config_warms_its_mrope_builds(rope, section, interlea
 
 
 def test_a_bad_mrope_section_is_named():
-    from rope_rtc.model import from_config
+    from rope_rtc.numerics.model import from_config
 
     config = {"head_dim": 128, "num_attention_heads": 28, "num_key_value_heads": 4, "torch_dtype": "bfloat16",
               "rope_scaling": {"mrope_section": [16, 24, 20]}}
@@ -405,7 +406,7 @@ def test_a_bad_mrope_section_is_named():
 def test_a_qk_norm_model_warms_its_fused_builds(config, want):
     """Qwen3 and Gemma 3 normalise each q and k head: their warm set holds the fused QK-norm
     builds a QKNormRopePlan loads (every vector width and the staged twin, both numerics)."""
-    from rope_rtc.registry import NormGeometry, norm_vector_widths
+    from rope_rtc.build.registry import NormGeometry, norm_vector_widths
 
     base = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "torch_dtype": "bfloat16"}
@@ -426,9 +427,9 @@ def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch,
     """``--inv-freq``: the builds that compute cos and sin in the kernel, for q with k, q alone and
     k alone, both thread orders, decode and prefill; a missing one under ROPE_RTC_NO_COMPILE
     names the flag; what is listed compiles and is then found by a plan's build choice."""
-    from rope_rtc.build import get_binary
-    from rope_rtc.registry import angle_geometries
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.registry import angle_geometries
+    from rope_rtc.build.toolchain import target_for
 
     base = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}
     assert from_config(base).angle_specs() == []
@@ -614,7 +615,7 @@ def test_a_model_path_that_is_not_a_regular_file_is_refused_before_reading(tmp_p
 
 def test_a_model_path_far_larger_than_any_config_is_refused(tmp_path, monkeypatch):
     """A weights file given by mistake is not read whole into memory; a config within the bound reads."""
-    from rope_rtc import model
+    from rope_rtc.numerics import model
 
     monkeypatch.setattr(model, "MAX_CONFIG_BYTES", 100)
     path = tmp_path / "model.safetensors"

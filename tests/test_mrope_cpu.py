@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
-from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk, mrope, registry
-from rope_rtc.registry import fixed_geometry
+from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk
+from rope_rtc.ops import mrope
+from rope_rtc.build import registry
+from rope_rtc.build.registry import fixed_geometry
 
 T, HQ, HK, D = 6, 4, 2, 128
 SECTION = [16, 24, 24]
@@ -162,8 +164,8 @@ def test_the_one_call_function_reuses_its_plan(gpu):
 def test_sectioned_builds_compile(arch, dtype, tmp_path, monkeypatch):
     import dataclasses
 
-    from rope_rtc.build import get_binary
-    from rope_rtc.toolchain import target_for
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.toolchain import target_for
 
     monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
     for style, sec in ((1, (16, 24, 24)), (2, (24, 20, 20))):
@@ -203,7 +205,7 @@ def test_a_numpy_section_is_accepted(gpu):
 
 
 def test_a_missing_build_is_named_not_an_assertion(gpu, monkeypatch):
-    from rope_rtc import rope_plan
+    from rope_rtc.ops import rope_plan
     from rope_rtc.errors import KernelNotCachedError
 
     def missing(g, device):
@@ -384,7 +386,7 @@ def test_the_repeat_paths_launch_what_a_cold_call_launches():
 
 def test_new_arrays_of_a_seen_signature_take_the_generated_path(gpu, monkeypatch):
     from fakes import counted
-    from rope_rtc import rope_request
+    from rope_rtc.ops import rope_request
 
     sets = [_call() for _ in range(8)]
     for kw in sets[:2]:

@@ -15,7 +15,8 @@ import pytest
 
 import rope_rtc
 from fakes import fake_cupy
-from rope_rtc import TensorDesc, driver, launch
+from rope_rtc import TensorDesc
+from rope_rtc.core import driver, launch
 
 pytestmark = pytest.mark.skipif(driver.available(), reason="this machine has a usable GPU")
 

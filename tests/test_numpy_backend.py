@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rope_rtc import RopePlan, TailRoPEForward, apply_rope, apply_rope_qk, tail_rope
-from rope_rtc import backends
-from rope_rtc import rope as R
+from rope_rtc.core import backends
+from rope_rtc.ops import rope as R
 from rope_rtc.reference import assert_rope_close, tail_rope_reference
 from fakes import FakeDeviceArray, FakeGPU
 from tail_cases import tail_edge_inputs, tail_random_inputs
@@ -379,7 +379,7 @@ def test_errors_leave_in_place_input_unchanged():
 
 
 def test_auto_backend_falls_back_to_numpy_once(monkeypatch):
-    from rope_rtc import driver
+    from rope_rtc.core import driver
 
     if driver.available():
         pytest.skip("a GPU is present: backend='auto' uses it")
@@ -545,7 +545,7 @@ def test_the_cpu_fallback_warning_points_at_the_callers_line(monkeypatch):
     cos, sin = make_tables(16, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        from rope_rtc import driver
+        from rope_rtc.core import driver
 
         if driver.available():
             pytest.skip("a GPU is present: backend='auto' does not fall back")
@@ -877,7 +877,7 @@ def _bits(result):
 
 @pytest.fixture
 def no_gpu():
-    from rope_rtc import driver
+    from rope_rtc.core import driver
 
     if driver.available():
         pytest.skip("a GPU is present: backend='auto' uses it and 'nvrtc' runs")
@@ -1059,7 +1059,7 @@ def test_an_invalid_call_raises_the_same_error_on_both_backends(op, change):
 
 def test_the_onnx_operators_fallback_warning_names_the_callers_line(no_gpu, monkeypatch):
     """The operator runs on apply_rope, a frame further from the caller than apply_rope's own
-    callers: the one-time warning names the caller's line, not the operator's in rope_rtc/onnx.py."""
+    callers: the one-time warning names the caller's line, not the operator's in rope_rtc/ops/onnx.py."""
     monkeypatch.setattr(backends, "_fallback_warned", False)
     monkeypatch.setattr(R, "_gpu_present", False)
     cos, sin = make_tables(16, 16)

@@ -13,7 +13,9 @@ import pytest
 
 from fakes import BF16, FakeDeviceArray, FakeGPU, fake_alloc, fake_cupy
 from fakes import counted as _counted
-from rope_rtc import apply_rope, apply_rope_qk, env, prepared, rope, rope_plan, rope_request, tail_rope
+from rope_rtc import apply_rope, apply_rope_qk, env, tail_rope
+from rope_rtc.core import prepared
+from rope_rtc.ops import rope, rope_plan, rope_request
 
 B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
 
@@ -184,7 +186,7 @@ def test_tail_rope_one_call_keeps_no_arrays(table):
             out, = tail_rope(x, c, s)
             assert out.shape == x.shape and out.data.ptr != x.data.ptr
             assert gpu.launches[-1]["fn"] == "tail_rope_bf16_x1"
-        from rope_rtc import tail
+        from rope_rtc.ops import tail
 
         plans = list(tail._local.by_key.values())
         assert len(plans) == 1 and plans[0]._decl is None
@@ -350,7 +352,7 @@ def test_a_plan_call_with_another_librarys_array_is_launched_without_a_token(gpu
 def test_a_plan_keeps_the_argument_set_it_uses_all_along(gpu, monkeypatch):
     """A plan forgets the least recently used of its remembered argument sets, not the oldest:
     the set an engine uses on every step, between ever new ones, is bound once."""
-    from rope_rtc import prepared
+    from rope_rtc.core import prepared
 
     cos, sin = fake_cupy((64, 32), np.float32), fake_cupy((64, 32), np.float32)
     steady = fake_cupy((2, 8, 4, 64), np.float32)
@@ -462,7 +464,7 @@ def _tail_binds_new_arrays(tail, n: int) -> None:
 
 
 def test_tail_rope_repeat_path_binds_new_arrays_without_full_validation(monkeypatch):
-    from rope_rtc import tail
+    from rope_rtc.ops import tail
 
     with FakeGPU() as gpu:
         x = fake_cupy((4, 64, 512), BF16)
@@ -686,7 +688,7 @@ def test_options_of_the_wrong_type_are_refused_after_the_last_repeat_path_too(ta
 
 
 def test_tail_rope_last_repeat_path_checks_the_signature_and_alignment(monkeypatch):
-    from rope_rtc import tail
+    from rope_rtc.ops import tail
 
     with FakeGPU() as gpu:
         c, s = fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
@@ -722,7 +724,7 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     """``launch.empty`` asks CuPy's current allocator (looked up on every call, so a
     ``using_allocator`` block is honoured) for exactly the output's bytes and wraps that memory as
     an array of the shape and dtype; an empty shape goes through ``cupy.empty``."""
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     asked, made = [], []
 
@@ -760,7 +762,7 @@ class _Pool:
 def recycling(monkeypatch):
     """``launch.allocate`` over real CuPy arrays on fake memory (counted as they are made), with an
     allocator to switch and an empty recycling cache."""
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     made = []
     default = _Pool()
@@ -909,7 +911,7 @@ def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
     (whose reference counts are not exact) recycles nothing."""
     import sysconfig
 
-    from rope_rtc import launch
+    from rope_rtc.core import launch
 
     free = launch._calibrate()
     assert free is not None and launch._FREE == free
@@ -945,7 +947,7 @@ def test_a_missing_cupy_on_a_gpu_machine_is_a_toolchain_error(monkeypatch):
     (ToolchainError), not a bare ImportError from the one-call path's own imports."""
     import sys
 
-    from rope_rtc import driver
+    from rope_rtc.core import driver
     from rope_rtc.errors import ToolchainError
 
     monkeypatch.setitem(sys.modules, "cupy", None)
@@ -980,7 +982,7 @@ def test_the_engines_convention_takes_a_repeat_path_too(monkeypatch):
     call split the cache and viewed every array again, then validated the views in full (about ten
     times a table call's host time); a seen signature now runs the generated checks on the flat
     arrays, with the cache's halves kept while the same cache comes back."""
-    from rope_rtc import conventions
+    from rope_rtc.ops import conventions
 
     with FakeGPU(fixed=True) as gpu:
         cache = fake_cupy((ROWS, D), np.float32)
@@ -1061,7 +1063,7 @@ def test_the_engines_convention_repeat_path_serves_only_its_own_calls(change):
 
 
 def test_the_engines_convention_repeat_path_of_apply_rope(monkeypatch):
-    from rope_rtc import conventions
+    from rope_rtc.ops import conventions
 
     with FakeGPU(fixed=True) as gpu:
         cache = fake_cupy((ROWS, D), np.float32)

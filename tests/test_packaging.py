@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rope_rtc import cli, toolchain
+from rope_rtc import cli
+from rope_rtc.build import toolchain
 from rope_rtc._version import __version__
 from rope_rtc.errors import ToolchainError
 
@@ -94,7 +95,7 @@ def test_installed_package_finds_its_sources_inside_itself(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check",
                         "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    code = ("import json, rope_rtc, rope_rtc.sources as s; "
+    code = ("import json, rope_rtc, rope_rtc.build.sources as s; "
             "print(json.dumps({'package': rope_rtc.__file__, 'dir': str(s.source_dir()), "
             "'names': [n for n, _ in s.all_sources()], 'version': rope_rtc.__version__}))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, counted, fake_cupy
-from rope_rtc import prepared, rope, rope_plan, rope_request
-from rope_rtc.rope_plan import RopePlan, one_call_signature
+from rope_rtc.core import prepared
+from rope_rtc.ops import rope, rope_plan, rope_request
+from rope_rtc.ops.rope_plan import RopePlan, one_call_signature
 
 B, HQ, HK, D, ROWS = 8, 32, 8, 128, 4096
 
@@ -220,8 +221,8 @@ def test_a_tail_plan_with_new_arrays_takes_the_quick_path(monkeypatch):
     validation, no bind, no launcher token; each call's block holds its own addresses and the
     call returns its own output. Before the tail op had a quick path every such call was bound,
     copied into the remembered sets and handed to the launcher as a new token."""
-    from rope_rtc import tail
-    from rope_rtc.tail import TailRoPEForward
+    from rope_rtc.ops import tail
+    from rope_rtc.ops.tail import TailRoPEForward
 
     with FakeGPU() as gpu:
         first = _tail_set()
@@ -244,7 +245,7 @@ def test_a_tail_plan_with_new_arrays_takes_the_quick_path(monkeypatch):
 def test_a_tail_plans_quick_path_checks_the_callers_output(bad):
     """The output is the caller's here: one of another dtype, shape or layout, or over the input,
     is declined by the quick path and refused by full validation before any launch."""
-    from rope_rtc.tail import TailRoPEForward
+    from rope_rtc.ops.tail import TailRoPEForward
 
     with FakeGPU() as gpu:
         first = _tail_set()

@@ -48,7 +48,7 @@ def test_reference_against_hand_computed_values():
 
 
 def test_heads_per_lane_group():
-    from rope_rtc.registry import norm_head_batch
+    from rope_rtc.build.registry import norm_head_batch
 
     assert norm_head_batch(32, 8) == 4 and norm_head_batch(6, 2) == 2 and norm_head_batch(5, 1) == 1
 
@@ -97,7 +97,7 @@ def test_large_launches_take_the_staged_build(gpu, tokens, dtype, interleaved, w
     with half-split pairs over the whole head in 16-byte vectors; everything else, and smaller
     launches, take the register build."""
     import rope_rtc
-    from rope_rtc.registry import NORM_STAGED_THREADS
+    from rope_rtc.build.registry import NORM_STAGED_THREADS
 
     w = dict(q_weight=fake_cupy((D,), dtype, byte_offset=weight_offset),
              k_weight=fake_cupy((D,), dtype, byte_offset=weight_offset))
@@ -150,7 +150,7 @@ def test_an_output_over_a_weight_is_refused_on_the_repeat_path_too(gpu):
 
 def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkeypatch):
     import rope_rtc
-    from rope_rtc import qk_norm
+    from rope_rtc.ops import qk_norm
 
     plan = rope_rtc.QKNormRopePlan(**_call(), numerics="transformers")
     plan.execute(**_arrays(_call()))
@@ -173,7 +173,7 @@ def test_new_arrays_of_a_seen_signature_take_the_address_checks_only(gpu, monkey
 
 
 def test_lanes_per_head_by_pair_style_and_window():
-    from rope_rtc.registry import NormGeometry, norm_vector_widths
+    from rope_rtc.build.registry import NormGeometry, norm_vector_widths
 
     def lanes(dtype, interleaved, rotary_offset, rotary_dim, d=D):
         vec = norm_vector_widths(dtype, interleaved, d, rotary_offset, rotary_dim)[0]
@@ -190,8 +190,8 @@ def test_lanes_per_head_by_pair_style_and_window():
 
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_the_builds_compile(arch, tmp_path, monkeypatch):
-    from rope_rtc import compiler, toolchain
-    from rope_rtc.registry import NormGeometry, norm_stageable, norm_vector_widths
+    from rope_rtc.build import compiler, toolchain
+    from rope_rtc.build.registry import NormGeometry, norm_stageable, norm_vector_widths
 
     if arch not in toolchain.supported_archs():
         pytest.skip(f"this NVRTC does not know sm_{arch}")
@@ -370,7 +370,7 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
     apply_rope_qk's. Neither it nor a plan with new arrays validates again."""
     import rope_rtc
     from fakes import counted
-    from rope_rtc import qk_norm, rope_request
+    from rope_rtc.ops import qk_norm, rope_request
 
     with FakeGPU() as gpu:
         sets = [_call() for _ in range(8)]

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rope_rtc import build, registry, sources
-from rope_rtc.compiler import compile_source
-from rope_rtc.toolchain import Target
+from rope_rtc.build import kernels as build, registry, sources
+from rope_rtc.build.compiler import compile_source
+from rope_rtc.build.toolchain import Target
 
 ELF_MAGIC = b"\x7fELF"
 
@@ -237,7 +237,7 @@ def test_default_warm_selection_holds_no_demo_or_benchmark_kernel():
 
 
 def test_a_model_warm_holds_no_blog_kernel():
-    from rope_rtc.model import from_config
+    from rope_rtc.numerics.model import from_config
 
     model = from_config({"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
                                    "num_key_value_heads": 8, "torch_dtype": "bfloat16"})

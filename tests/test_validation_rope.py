@@ -16,12 +16,12 @@ import rope_rtc
 from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_like, fake_strided,
                    fake_torch_bf16_cai, fused_qkv, rope_host_steps)
 from rope_rtc import RopePlan, TensorDesc, apply_rope, apply_rope_qk
-from rope_rtc import arrays as A
-from rope_rtc import rope as R
-from rope_rtc import rope_launch as RL
-from rope_rtc.prepared import RECENT_SETS
+from rope_rtc.core import arrays as A
+from rope_rtc.ops import rope as R
+from rope_rtc.ops import rope_launch as RL
+from rope_rtc.core.prepared import RECENT_SETS
 
-from rope_rtc.rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
+from rope_rtc.ops.rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
 B, S, H, HK, D, ROWS = 2, 8, 4, 2, 64, 16
 
@@ -31,7 +31,7 @@ def _no_gpu_errors():
 
 
 def _gpu_present() -> bool:
-    from rope_rtc import driver
+    from rope_rtc.core import driver
 
     return driver.available()
 
@@ -305,12 +305,12 @@ def test_backend_named(gpu):
 
 
 def test_the_blog_kernels_are_not_an_api_option(gpu):
-    # The blog's kernels live in rope_rtc.blog (benchmark, demo); the API has one kernel family.
+    # The blog's kernels live in rope_rtc.ops.blog (benchmark, demo); the API has one kernel family.
     q = fake_like((B, S, H, D), np.float16)
     c, s = tables()
     with pytest.raises(TypeError, match="variant"):
         apply_rope(q, c, s, backend="nvrtc", variant="baseline")
-    from rope_rtc.blog import prepare_blog_variant
+    from rope_rtc.ops.blog import prepare_blog_variant
 
     with pytest.raises(ValueError, match=r"variant: 'fastest' is not one of"):
         prepare_blog_variant("fastest", q, None, c, s, q_out=q)

@@ -16,8 +16,8 @@ import pytest
 
 from fakes import BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
 from rope_rtc import TailRoPEForward, TensorDesc, TupleDict, tail_rope
-from rope_rtc import arrays as A
-from rope_rtc import tail as tail_mod
+from rope_rtc.core import arrays as A
+from rope_rtc.ops import tail as tail_mod
 
 T, H, D = 4, 2, 128
 NAMES = ("x", "cosine", "sine", "out")
@@ -274,7 +274,7 @@ def test_one_problem_raises_one_type_on_the_first_and_a_later_call(gpu):
 
 
 def test_execute_large_inputs_cover_every_vector(gpu):
-    from rope_rtc.registry import tail_spec
+    from rope_rtc.build.registry import tail_spec
 
     t, h, d = 16384, 64, 512
     x, c, s, o = arrays(t, h, d)
@@ -438,7 +438,7 @@ def test_plan_keeps_its_declared_device(gpu, monkeypatch):
 # TensorDesc and TupleDict
 
 def test_tensor_desc_binds_a_device():
-    from rope_rtc import driver
+    from rope_rtc.core import driver
 
     current = 0
     if driver.available():
@@ -572,7 +572,7 @@ def test_reused_validation_keeps_pointer_checks(gpu):
 
 def test_recent_argument_sets_restore_their_own_pointers(gpu):
     from fakes import fake_cupy
-    from rope_rtc import tail as tail_mod
+    from rope_rtc.ops import tail as tail_mod
 
     def arrays(T=5):
         return (fake_cupy((T, 4, 128), BF16), fake_cupy((T, 32), np.float32), fake_cupy((T, 32), np.float32),

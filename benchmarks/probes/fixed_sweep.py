@@ -28,9 +28,9 @@ def main(cases):
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.launch import Launcher, StructArg, launch_prefix, load_kernel
-    from rope_rtc.registry import DTYPE_CODES, KernelSpec
-    from rope_rtc.rope_params import FixedParams, fast_divisor
+    from rope_rtc.core.launch import Launcher, StructArg, launch_prefix, load_kernel
+    from rope_rtc.build.registry import DTYPE_CODES, KernelSpec
+    from rope_rtc.ops.rope_params import FixedParams, fast_divisor
 
     dev = cp.cuda.runtime.getDevice()
     bf16 = ml_dtypes.bfloat16

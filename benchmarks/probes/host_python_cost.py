@@ -18,7 +18,7 @@ import numpy as np
 
 import rope_rtc
 from fakes import FakeGPU, fake_cupy
-from rope_rtc import prepared
+from rope_rtc.core import prepared
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 T, HQ, HK, D, ROWS, SETS = 8, 32, 8, 128, 4096, 64

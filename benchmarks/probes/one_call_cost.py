@@ -44,7 +44,7 @@ def main() -> None:
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc import launch, prepared
+    from rope_rtc.core import launch, prepared
 
     bf16 = ml_dtypes.bfloat16
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)

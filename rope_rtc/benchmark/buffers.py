@@ -32,7 +32,7 @@ def bf16_bits_to_f32(xp, bits):
 def host_tables(rows: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """FP32 cos/sin [rows, dim/2] (rope_tables when importable, else the same formula in NumPy)."""
     try:
-        from ..tables import rope_tables
+        from ..numerics.tables import rope_tables
 
         c, s = rope_tables(rows, dim)
         return np.ascontiguousarray(c, np.float32), np.ascontiguousarray(s, np.float32)
@@ -150,7 +150,7 @@ def _bits(a):
 
 def _canonical_subsample(a, layout: str, bi, si, hi):
     """Rows (b in bi, s in si, h in hi) of a [B, S, H, D]-permuted view, on the device."""
-    from ..layouts import to_bshd_index
+    from ..core.layouts import to_bshd_index
 
     is_torch = _is_torch(a)
     a = _bits(a)

@@ -159,7 +159,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
             del copy8
         check8 = "-"
         try:  # on fresh copies: the entries against the NumPy reference's quantisation of RoPE's output
-            from rope_rtc.reference import fp8_quantize
+            from rope_rtc.numerics.reference import fp8_quantize
 
             q8, k8 = q.copy(), k.copy()
             kc8c, vc8c = cp.zeros(shape, cp.uint8), cp.zeros(shape, cp.uint8)
@@ -199,7 +199,7 @@ def _onnx_record(ctx, measure, copy_runner) -> dict:
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.onnx import rotary_embedding
+    from rope_rtc.ops.onnx import rotary_embedding
 
     B, H, S, D = 4, 32, 4096, 128
     rows_pos = 8192
@@ -279,7 +279,7 @@ def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
     import ml_dtypes
 
     import rope_rtc
-    from rope_rtc.reference import mrope_reference
+    from rope_rtc.numerics.reference import mrope_reference
 
     from .buffers import tolerance_check
     from .cases import Wrong
@@ -344,7 +344,7 @@ def _mrope_peers(ctx, measure, torch, q, k, cos, sin, pos, small: bool, checked,
     """Hugging Face's rotation (cos/sin recombined by section once per step, as the model does,
     in bf16; out of place) and Liger's Qwen2-VL MRoPE kernel (in place; contiguous sections), on
     bshd memory seen as [1, H, T, D]."""
-    from ..reference import mrope_streams
+    from ..numerics.reference import mrope_streams
     from .impls import to_torch
 
     T, hq, d = q.shape
@@ -426,7 +426,7 @@ def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
     import ml_dtypes
 
     import rope_rtc
-    from rope_rtc.reference import qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference
+    from rope_rtc.numerics.reference import qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference
 
     hq, hk, d = QKNORM_HEADS
     small = T <= 64

@@ -212,7 +212,7 @@ def _cupy_capture(ctx, fns):
 
 
 def setup_ours_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
-    from ..rope import RopePlan
+    from ..ops.rope import RopePlan
 
     decode = case.group == "decode"
     plan = RopePlan(bufs.q(0), bufs.k(0), bufs.cos(0), bufs.sin(0), positions=bufs.pos(0) if decode else None,
@@ -229,7 +229,7 @@ def setup_ours_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
 def setup_one_call_general(ctx, case: Case, bufs: SetBuffers) -> Runner:
     """``apply_rope_qk`` on the plan's buffers, in place: each buffer set is a new set of arrays
     of one signature, so a call costs the one-call path (address checks and a launch)."""
-    from ..rope import apply_rope_qk
+    from ..ops.rope import apply_rope_qk
 
     fns = [partial(apply_rope_qk, bufs.q(i), bufs.k(i), bufs.cos(i), bufs.sin(i), layout=case.layout,
                    interleaved=case.interleaved, q_out=bufs.q(i), k_out=bufs.k(i)) for i in range(bufs.n)]
@@ -244,7 +244,7 @@ def setup_engine_decode(ctx, case: Case, bufs: SetBuffers) -> Runner:
     a RopePlan in place."""
     import cupy as cp
 
-    from ..rope import RopePlan
+    from ..ops.rope import RopePlan
 
     cache = cp.ascontiguousarray(cp.concatenate([bufs.cos(0), bufs.sin(0)], axis=1))
     D = case.D
@@ -262,7 +262,7 @@ def setup_engine_decode(ctx, case: Case, bufs: SetBuffers) -> Runner:
 
 
 def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runner:
-    from ..blog import prepare_blog_variant
+    from ..ops.blog import prepare_blog_variant
 
     # Validated and packed once (the blog prepares its (cos, sin) table ahead too): the timed
     # calls are the blog's launches alone, capturable like ours.
@@ -273,7 +273,7 @@ def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runne
 
 
 def setup_ours_tail(ctx, case: Case, bufs: SetBuffers) -> Runner:
-    from ..tail import TailRoPEForward
+    from ..ops.tail import TailRoPEForward
 
     plan = TailRoPEForward(bufs.q(0), bufs.cos(0), bufs.sin(0), bufs.out(0)).check_support().compile()
     fns = [partial(plan.execute, bufs.q(i), bufs.cos(i), bufs.sin(i), bufs.out(i)) for i in range(bufs.n)]

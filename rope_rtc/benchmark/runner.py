@@ -41,7 +41,7 @@ def check_runner(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
     """Run the first call of set 0 and compare it with the reference; raises Wrong."""
     if case.group == "tail":
         return _check_tail(ctx, case, bufs, runner)
-    from ..reference import assert_rope_close, rope_reference
+    from ..numerics.reference import assert_rope_close, rope_reference
 
     heads = (case.H, case.Hkv)
     inputs = [general_sample(case, a, bufs.layout, h) for a, h in ((bufs.q(0, False), heads[0]),
@@ -67,7 +67,7 @@ def check_runner(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
 
 
 def _check_tail(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
-    from ..reference import tail_rope_reference
+    from ..numerics.reference import tail_rope_reference
 
     cp = ctx.cp
     ti = _subsample_indices(case.T, TAIL_CHECK_TOKENS)
@@ -85,7 +85,7 @@ def _check_tail(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
     lo = case.D - 2 * TAIL_COLS
     if not np.array_equal(actual[..., :lo].view(np.uint16), x[..., :lo].view(np.uint16)):
         raise Wrong("the unrotated prefix was changed")
-    from ..reference import rope_reference
+    from ..numerics.reference import rope_reference
 
     n, h, d = x.shape
     xt = x[..., lo:].reshape(n, h, 2 * TAIL_COLS)
@@ -122,8 +122,8 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
 
 def _bench_kernels(device: int):
     """``cuda_src/bench_copy.cu`` loaded on ``device``: the copy and spin kernels."""
-    from ..launch import load_kernel
-    from ..registry import KernelSpec
+    from ..core.launch import load_kernel
+    from ..build.registry import KernelSpec
 
     return load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin")), device)
 
@@ -131,7 +131,7 @@ def _bench_kernels(device: int):
 def _plain_launcher(device: int, fields: list) -> tuple:
     """``(args, launcher)`` for a benchmark kernel: its own argument pack, launched plainly (no
     graph replay), as a caller's kernel would be."""
-    from ..launch import ArgPack, Launcher
+    from ..core.launch import ArgPack, Launcher
 
     args = ArgPack(fields)
     launcher = Launcher(args.address, device)
@@ -148,7 +148,7 @@ class CopyKernelRunner:
     def __init__(self, stream, copy: CopyRunner, device: int) -> None:
         import ctypes
 
-        from ..launch import launch_prefix
+        from ..core.launch import launch_prefix
 
         fn = _bench_kernels(device).functions["bench_copy_16b"]
         n16 = copy.half // 16
@@ -170,7 +170,7 @@ class GpuHold:
     def __init__(self, stream, device: int) -> None:
         import ctypes
 
-        from ..launch import launch_prefix
+        from ..core.launch import launch_prefix
 
         self._args, self._launch = _plain_launcher(device, [("ns", ctypes.c_int64)])
         self._prefix = launch_prefix(_bench_kernels(device).functions["bench_spin"], (1, 1, 1), (1, 1, 1))
@@ -293,8 +293,8 @@ def _recover(ctx) -> None:
 
 def run_host_section(ctx) -> list[dict]:
     """Host µs per call of the prepared plans and the one-call APIs (small shapes, same arrays)."""
-    from ..rope import RopePlan, apply_rope_qk
-    from ..tail import TailRoPEForward, tail_rope
+    from ..ops.rope import RopePlan, apply_rope_qk
+    from ..ops.tail import TailRoPEForward, tail_rope
 
     cp = ctx.cp
     recs = []
@@ -327,8 +327,8 @@ def one_call_host_records(ctx) -> list[dict]:
     call (ONE_CALL_POOL array sets made beforehand and cycled, so neither CuPy's slicing nor an
     identity cache is in the figure), beside the same arrays every call, RopePlan.execute, a
     bare cudaMemcpyAsync and CuPy's ``x * 2``. Run on the measuring stream made current."""
-    from ..rope import RopePlan, apply_rope, apply_rope_qk
-    from ..tail import TailRoPEForward, tail_rope
+    from ..ops.rope import RopePlan, apply_rope, apply_rope_qk
+    from ..ops.tail import TailRoPEForward, tail_rope
 
     cp = ctx.cp
     recs = []
@@ -494,7 +494,7 @@ COLDSTART_CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np, ml_dtypes, cupy as cp
-import rope_rtc, rope_rtc.rope, rope_rtc.tail, rope_rtc.launch, rope_rtc.build
+import rope_rtc, rope_rtc.ops.rope, rope_rtc.ops.tail, rope_rtc.core.launch, rope_rtc.build.kernels
 from cuda.bindings import driver as _drv
 t1 = time.perf_counter()
 cp.cuda.Device(0).use(); cp.empty(1); cp.cuda.runtime.deviceSynchronize()
@@ -609,7 +609,7 @@ def gpu_unavailable_reason() -> str | None:
     except Exception as exc:
         return f"CuPy is not importable ({type(exc).__name__}: {exc})"
     try:
-        from .. import driver
+        from ..core import driver
 
         reason = driver.unavailable_reason()
         if reason:
@@ -645,7 +645,7 @@ def environment(ctx) -> dict:
         env["cuda_runtime"] = _cuda_version_text(cp.cuda.runtime.runtimeGetVersion())
         env["cuda_driver"] = _cuda_version_text(cp.cuda.runtime.driverGetVersion())
     with contextlib.suppress(Exception):
-        from ..toolchain import nvrtc_version
+        from ..build.toolchain import nvrtc_version
 
         env["nvrtc"] = "%d.%d" % nvrtc_version()
     for dist in ("cuda-bindings", "numpy", "ml_dtypes", "torch", "triton", "transformers", "liger-kernel", "matplotlib"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .._version import __version__
-from ..env import settings
+from ..._version import __version__
+from ...env import settings
 from .key import KEY_FORMAT
 
 

@@ -18,11 +18,11 @@ import math
 
 import numpy as np
 
-from . import arrays as A
-from .descriptors import TensorDesc
-from .errors import shown
-from .layouts import Canonical, canonical, check_layout, default_layout
-from .registry import ANGLE_MODES
+from ..build.registry import ANGLE_MODES
+from ..core import arrays as A
+from ..core.descriptors import TensorDesc
+from ..core.layouts import Canonical, canonical, check_layout, default_layout
+from ..errors import shown
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
 #: Positions an ``inv_freq`` call accepts: 0 .. 2**31 - 1 (the kernel's 32-bit conversions; also
@@ -320,7 +320,7 @@ def validate(q, k, cos, sin, *, positions=None, offset=0, cu_seqlens=None, layou
              names=("q", "k"), allow_desc=False, attention_scaling=None) -> Request:
     """Every check of the general API, before anything is launched or written.
 
-    ``layout=None``: q's rank decides (:func:`~rope_rtc.layouts.default_layout`: 3-d is ``"thd"``,
+    ``layout=None``: q's rank decides (:func:`~rope_rtc.core.layouts.default_layout`: 3-d is ``"thd"``,
     4-d is refused), and the request holds the layout it settled. ``attention_scaling`` not None:
     cos and sin are computed in the kernel, ``cos`` holds the inverse frequencies and ``sin`` is
     None (the public functions' ``inv_freq=``)."""

@@ -31,15 +31,16 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import arrays as A
-from . import launch, rope_plan
-from .backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
-                       token_positions, write_results)
-from .errors import UnsupportedLayoutError, shown
-from .launch import launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
-from .registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
-                       norm_head_batch, norm_stageable, norm_vector_widths)
+from ..build.registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
+                              norm_head_batch, norm_stageable, norm_vector_widths)
+from ..core import arrays as A
+from ..core import launch
+from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
+                             token_positions, write_results)
+from ..core.launch import launch_prefix, load_kernel, remember, stream_handle
+from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
+from ..errors import UnsupportedLayoutError, shown
+from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
 from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, generated_quick_path,
@@ -128,7 +129,7 @@ def norm_geometry(req: Request, weights: tuple, numerics: str) -> NormGeometry:
             "kernel needs head_dim to be a power-of-two number (at most 32) of its vectors and the window whole "
             "vectors; normalise separately, then call apply_rope_qk")
     for vec in widths:  # q/k/outputs and the weights are read in vectors (with or without tokens)
-        if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.backends.on_gpu)
+        if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.core.backends.on_gpu)
             break
         if _strides_allow(req, vec) and not any(ptr & mask for ptr, mask in _vector_masks(req, weights, vec)):
             break
@@ -432,7 +433,7 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
                 stream, backend: str, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
     reference of the call's numerics, or the GPU through copies of the arrays
-    (:func:`rope_rtc.backends.on_gpu`)."""
+    (:func:`rope_rtc.core.backends.on_gpu`)."""
     auto_without_gpu(requested, q)
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     req, qwi, kwi, _, eps32 = validate_qk_norm(q, k, q_weight, k_weight, cos, sin, eps=eps, numerics=numerics,
@@ -442,7 +443,7 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
                                                k_out=k_out, host=True)
     if backend == "numpy":
         refuse_device(req.q)
-        from .reference import qk_norm_rope_reference, qk_norm_rope_transformers_reference, round_to_dtype
+        from ..numerics.reference import qk_norm_rope_reference, qk_norm_rope_transformers_reference, round_to_dtype
 
         pos = token_positions(req)
         kw = dict(eps=eps32, interleaved=req.interleaved, rotary_dim=req.rotary_dim,

@@ -19,13 +19,13 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import shown
-from .registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
-                       cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
-                       rope_head_batches, rope_spec, rope_vector_widths)
+from ..build.registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
+                              cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
+                              rope_head_batches, rope_spec, rope_vector_widths)
+from ..errors import shown
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
-# head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.qk_norm).
+# head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.ops.qk_norm).
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3_vl_moe", "qwen3_vl_moe_text",
                        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                        "gemma3", "gemma3_text")
@@ -98,10 +98,10 @@ class ModelRope:
                              f"q_heads / kv_heads q heads); check the config's num_key_value_heads and "
                              f"num_attention_heads, or --kv-heads and --heads")
         if self.mrope_section and self.interleaved:
-            raise ValueError("mrope_section: the multimodal RoPE builds rotate half-split pairs only (rope_rtc.mrope), "
-                             "and this model rotates adjacent pairs (interleaved): no build serves it; warm its plain "
-                             "builds with --head-dim, --heads, --kv-heads, --rotary-dim and --interleaved instead of "
-                             "--model")
+            raise ValueError("mrope_section: the multimodal RoPE builds rotate half-split pairs only "
+                             "(rope_rtc.ops.mrope), and this model rotates adjacent pairs (interleaved): no build "
+                             "serves it; warm its plain builds with --head-dim, --heads, --kv-heads, --rotary-dim "
+                             "and --interleaved instead of --model")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype: {shown(self.dtype)} is not one of {sorted(set(DTYPES.values()))}")
         for d in self.inv_freq:
@@ -136,7 +136,7 @@ class ModelRope:
                                                    self.rotary_dim, dt, denser, mode))))
 
     def qk_norm_specs(self) -> list[KernelSpec]:
-        """The fused QK-norm + RoPE builds (rope_rtc.qk_norm) a ``QKNormRopePlan.compile`` loads:
+        """The fused QK-norm + RoPE builds (rope_rtc.ops.qk_norm) a ``QKNormRopePlan.compile`` loads:
         every vector width the geometry allows and the staged twins (large launches), for weights
         of the model's dtype in both numerics and for float32 weights in the exact one (Gemma 3's
         ``1 + weight``)."""
@@ -150,7 +150,7 @@ class ModelRope:
                                      self.rotary_dim, f32, numerics)]
 
     def mrope_specs(self) -> list[KernelSpec]:
-        """The multimodal RoPE builds (rope_rtc.mrope) of a model with ``mrope_section``: q with k,
+        """The multimodal RoPE builds (rope_rtc.ops.mrope) of a model with ``mrope_section``: q with k,
         q alone and k alone, both thread orders, for small and large launches."""
         if not self.mrope_section:
             return []
@@ -160,7 +160,7 @@ class ModelRope:
                                                        self.mrope_section, self.mrope_interleaved, denser))]
 
     def cache_specs(self) -> list[KernelSpec]:
-        """The fused RoPE + KV-cache-write builds (rope_rtc.kv_cache) for aligned arrays: the cache
+        """The fused RoPE + KV-cache-write builds (rope_rtc.ops.kv_cache) for aligned arrays: the cache
         in the model's dtype, FP8 e4m3 and FP8 e5m2."""
         span = self.rotary_dim if self.interleaved else self.rotary_dim // 2
         out = []

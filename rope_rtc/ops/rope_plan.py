@@ -1,5 +1,5 @@
 """``RopePlan``: the general API prepared once, as a thin layer over the prepared-launch core
-(rope_rtc.prepared): what the plan fixes, how a call is validated (rope_request) and how the
+(rope_rtc.core.prepared): what the plan fixes, how a call is validated (rope_request) and how the
 argument block is filled (rope_launch). The one-call functions in ``rope`` keep plans of their
 own, per thread."""
 
@@ -13,14 +13,14 @@ from operator import is_, itemgetter
 
 import numpy as np
 
-from . import arrays as A
-from .launch import StructArg, launch_prefix, load_kernel, single_device
-from .prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
-    cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
-from .registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
+from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
+from ..core import arrays as A
+from ..core.launch import StructArg, launch_prefix, load_kernel, single_device
+from ..core.prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
+    cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
+from ..errors import KernelNotCachedError
 from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
-from .errors import KernelNotCachedError
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, FixedParams, RopeParams
@@ -90,7 +90,7 @@ class RopePlan:
         elif attention_scaling is not None:
             raise TypeError("attention_scaling: only with inv_freq (a table already holds the factor: rope_tables "
                             "applies it)")
-        # Engine conventions (rope_rtc.conventions): a combined cos|sin table, flat [T, H * D] q/k.
+        # Engine conventions (rope_rtc.ops.conventions): a combined cos|sin table, flat [T, H * D] q/k.
         if inv_freq is None:
             cos, sin = split_cos_sin_cache(cos_sin_cache, cos, sin, rotary_dim, head_dim_of(q, head_dim, layout))
         self._flat_head_dim = head_dim
@@ -282,7 +282,7 @@ class RopePlan:
 
     def _ensure_core(self) -> Prepared:
         if self._core is None:
-            from .env import settings
+            from ..env import settings
 
             self._check_positions = settings().check_positions
             self._core = Prepared(self._op(), StructArg(RopeParams), self.device)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .rope_params import POS_CU_SEQLENS, POS_MODES
+# pos_mode codes (rope.cu: POS_*): the position scheme a build may fix at compile time (FIX_POS).
+POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS = 0, 1, 2, 3
+POS_MODES = (POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS)
 
 # dtype name -> code of ROPE_DTYPE in cuda_src/common.cuh
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -45,7 +47,7 @@ def blog_spec() -> KernelSpec:
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))
 
 
-#: Families that only ``rope-rtc demo`` and the benchmark launch (rope_rtc.blog). A production
+#: Families that only ``rope-rtc demo`` and the benchmark launch (rope_rtc.ops.blog). A production
 #: cache never needs them, so ``warm`` leaves them out unless ``--kernels`` names them; the demo
 #: and the benchmark compile them on first use.
 DEMO_FAMILIES = frozenset({"blog"})
@@ -115,7 +117,7 @@ class FixedGeometry:
     vec: int
     head_batch: int
     order: int  # 0: (token, head group, unit), heads denser; 1: (batch, head group, token, unit), bhsd
-    # Multimodal RoPE (rope_rtc.mrope): (style, t, h, w), style 1 contiguous sections, 2 interleaved; () for none.
+    # Multimodal RoPE (rope_rtc.ops.mrope): (style, t, h, w), style 1 contiguous sections, 2 interleaved; () for none.
     mrope: tuple = ()
     # cos/sin computed in the kernel (cuda_src/angles.cuh): 0 tables, ANGLE_MODES[inv_freq dtype] otherwise.
     angles: int = 0
@@ -143,7 +145,7 @@ class FixedGeometry:
              ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))) + mrope)
 
 
-# Per-head RMSNorm fused with RoPE (cuda_src/qk_norm_rope.cu, rope_rtc/qk_norm.py).
+# Per-head RMSNorm fused with RoPE (cuda_src/qk_norm_rope.cu, rope_rtc/ops/qk_norm.py).
 NORM_ENTRIES = ("qk_norm_rope",)
 NORM_MODES = {"exact": 0, "transformers": 1}
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-from .launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
-from .registry import blog_spec
+from ..build.registry import blog_spec
+from ..core.launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
 
 BLOG_BLOCK = 256
 VARIANTS = ("baseline", "vectorized", "fused")

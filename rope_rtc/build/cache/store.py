@@ -435,7 +435,7 @@ class DiskStore:
 
     def _discarded(self, removed: bool) -> str:
         """What became of a bad entry, and of its kernel, in words."""
-        from ..env import settings
+        from ...env import settings
 
         try:
             no_compile = settings().no_compile
@@ -758,7 +758,7 @@ _stores_lock = threading.Lock()
 
 def open_store(directory: str | os.PathLike | None = None) -> CacheStore:
     """The process's store for ``directory`` (default: the configured versioned directory)."""
-    from ..env import settings
+    from ...env import settings
     from .location import versioned_cache_dir
 
     s = settings()

@@ -20,7 +20,7 @@ SOURCE_SUFFIXES = (".cu", ".cuh")
 # An include on a line of its own, quoted or <angled>. Conditional includes count whether or not
 # the condition holds (keying one file too many is harmless). Quoted ones name project headers,
 # keyed by their bytes; <angle> ones are CUDA's headers, keyed by their version
-# (rope_rtc/toolchain.py), and by their bytes too when ROPE_RTC_CUDA_INCLUDE names them.
+# (rope_rtc/build/toolchain.py), and by their bytes too when ROPE_RTC_CUDA_INCLUDE names them.
 _INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*(?:"([^"\r\n]+)"|<([^>\r\n]+)>)', re.MULTILINE)
 
 
@@ -31,7 +31,7 @@ def includes(data: bytes) -> list[tuple[bool, str]]:
 
 @functools.lru_cache(maxsize=1)
 def source_dir() -> Path:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the package: this module is in its build/ folder
     for candidate in (here.parent / "cuda_src", here / "cuda_src"):
         if (candidate / "common.cuh").is_file():
             return candidate

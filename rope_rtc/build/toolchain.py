@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..env import settings
+from ..errors import ToolchainError
 from . import sources
-from .env import settings
-from .errors import ToolchainError
 
 # Architectures the project supports and tests (sm_80 and newer: 16-byte loads, bf16 math).
 MIN_ARCH = 80

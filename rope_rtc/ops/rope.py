@@ -17,17 +17,17 @@ import threading
 
 import numpy as np
 
-from . import arrays as A
-from . import launch
-from .backends import auto_without_gpu, host_array as _host
-from .backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
+from ..core import arrays as A
+from ..core import launch
+from ..core.backends import auto_without_gpu, host_array as _host
+from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
+from ..core.launch import remember, stream_handle
+from ..core.prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
-from .launch import remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
 from .rope_plan import SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate
 
-# backends (rope_rtc.backends resolves the switch; this module keeps what its own quick paths read)
+# backends (rope_rtc.core.backends resolves the switch; this module keeps what its own quick paths read)
 
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 _NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
@@ -49,7 +49,7 @@ def _resolve_backend(backend: str) -> str:
 
 def _gpu_seen() -> None:
     global _gpu_present, _NDARRAY, _SIGNED, _CURRENT
-    from .driver import import_cupy
+    from ..core.driver import import_cupy
 
     _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
     _CURRENT = import_cupy().cuda.get_current_stream  # the repeat path's stream when none is given
@@ -60,12 +60,12 @@ def _gpu_seen() -> None:
 # the NumPy backend
 
 def _numpy_one(x: A.ArrayInfo, req: Request, pos: np.ndarray) -> np.ndarray:
-    from .reference import rope_reference, round_to_dtype
+    from ..numerics.reference import rope_reference, round_to_dtype
 
     arr = _host(x)
     flat, shape = token_heads(arr, req.layout)
     if req.angles:  # each token's row, as the kernel computes it (the table's entries, tables.angle_rows)
-        from .tables import angle_rows
+        from ..numerics.tables import angle_rows
 
         cos, sin = angle_rows(pos, _host(req.cos), req.attention)
         pos = np.arange(pos.size, dtype=np.int64)

@@ -16,13 +16,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+from .._version import __version__
+from ..env import settings
+from ..errors import KernelNotCachedError
 from . import sources
-from ._version import __version__
 from .cache import Entry, cache_key, open_store
 from .cache.store import SOURCE_SUFFIX, CacheStore
 from .compiler import assembled_source, compile_options, compile_source
-from .env import settings
-from .errors import KernelNotCachedError
 from .registry import KernelSpec
 from .toolchain import Target, cuda_headers, nvrtc_version
 

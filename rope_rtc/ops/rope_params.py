@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 
+# The pos_mode codes are the registry's (a build fixes one), here beside the blocks that carry them.
+from ..build.registry import POS_CU_SEQLENS, POS_MODES, POS_OFFSET, POS_OFFSETS, POS_POSITIONS  # noqa: F401
+
 _U64 = ctypes.c_uint64
 _I64 = ctypes.c_int64
 
@@ -30,9 +33,6 @@ class RopeParams(ctypes.Structure):
     _fields_ = FIELDS
 
 
-# pos_mode codes (rope.cu: POS_*)
-POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS = 0, 1, 2, 3
-POS_MODES = (POS_OFFSET, POS_OFFSETS, POS_POSITIONS, POS_CU_SEQLENS)
 # index_flags bits (rope.cu: IDX_*)
 IDX_POSITIONS_I64, IDX_OFFSETS_I64, IDX_CU_SEQLENS_I64 = 1, 2, 4
 

@@ -18,11 +18,11 @@ import weakref
 
 import numpy as np
 
+from ..build.kernels import Binary, get_binary
+from ..build.registry import KernelSpec
+from ..build.toolchain import target_for
+from ..errors import CudaError
 from . import driver
-from .build import Binary, get_binary
-from .errors import CudaError
-from .registry import KernelSpec
-from .toolchain import target_for
 
 
 class ArgPack:
@@ -133,7 +133,7 @@ def stream_handle(stream, device: int | None = None) -> int:
     )
 
 
-# Argument sets a plan remembers by identity (rope_rtc.prepared), and graphs a launcher keeps:
+# Argument sets a plan remembers by identity (rope_rtc.core.prepared), and graphs a launcher keeps:
 # engines cycle through a few buffers (per layer, per double-buffered step).
 RECENT_SETS = 16
 
@@ -174,7 +174,8 @@ def recall(cache: dict, key):
     return value
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The package's folder (this module is in its core/ folder): every module of rope_rtc is under it.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _caller_level() -> int:
@@ -261,7 +262,7 @@ class Launcher:
     that device's context whichever device is current.
 
     Graph replay: a plan passes ``token``, an object whose identity changes whenever the
-    argument block's values change (a plan's :class:`~rope_rtc.prepared.Call`). The second launch of a token
+    argument block's values change (a plan's :class:`~rope_rtc.core.prepared.Call`). The second launch of a token
     (among the last ``RECENT_SETS``) instantiates the launch once as a one-kernel-node CUDA
     graph; that launch and later ones of the token replay it, because ``cudaGraphLaunch`` of a
     one-node graph costs the host less than ``cuLaunchKernel`` (the benchmark's host section
@@ -280,7 +281,7 @@ class Launcher:
     def __init__(self, args_address: int, device: int | None = None) -> None:
         import cupy
 
-        from .env import settings
+        from ..env import settings
 
         self._launch, self._launch_error = _kernel_launch()
         self._graph_launch = cupy.cuda.runtime.graphLaunch

@@ -3,10 +3,10 @@
 A ``"|".join`` key is not injective and a truncated hash can collide; so every field is fed as
 ``label, length, bytes`` and the full 64-hex digest names the entry. Only inputs are hashed,
 never compiler output. The key changes whenever the binary could: every source file the
-specialisation includes (rope_rtc/sources.py), the specialisation, every option, the NVRTC
+specialisation includes (rope_rtc/build/sources.py), the specialisation, every option, the NVRTC
 version, the CUDA headers' version, the target architecture and output kind, rope_rtc's
 version, and KEY_FORMAT. Headers from a folder ROPE_RTC_CUDA_INCLUDE names are keyed by their
-bytes as well, through an option (rope_rtc/compiler.py).
+bytes as well, through an option (rope_rtc/build/compiler.py).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import functools
 import sys
 import threading
 
-from .errors import CudaError, NoDeviceError, ToolchainError
-from .toolchain import install_hint
+from ..build.toolchain import install_hint
+from ..errors import CudaError, NoDeviceError, ToolchainError
 
 # The driver library the dynamic loader must find; the CUDA toolkit's libcuda.so is only a stub.
 LIBCUDA = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"

@@ -14,16 +14,16 @@ import threading
 
 import numpy as np
 
-from . import arrays as A
-from . import driver, launch
-from .backends import BACKENDS, on_gpu, resolve
-from .descriptors import TensorDesc, TupleDict
-from .launch import RECENT_SETS  # noqa: F401 - part of this module's interface
-from .launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, \
+from ..build.registry import TAIL_DIMS, tail_spec
+from ..core import arrays as A
+from ..core import driver, launch
+from ..core.backends import BACKENDS, on_gpu, resolve
+from ..core.descriptors import TensorDesc, TupleDict
+from ..core.launch import RECENT_SETS  # noqa: F401 - part of this module's interface
+from ..core.launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
+from ..core.prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, \
     cupy_ndarray, generated, made_once, pointers
-from .reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
-from .registry import TAIL_DIMS, tail_spec
+from ..numerics.reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .rope_request import check_kinds
 
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
@@ -142,7 +142,7 @@ class TailRoPEForward:
         return core.execute((x, cosine, sine, out), 0, current_stream)
 
     def _execute_numpy(self, x, cosine, sine, out) -> TupleDict:
-        from .reference import tail_rope_reference
+        from ..numerics.reference import tail_rope_reference
 
         if not self._supported:
             self.check_support()
@@ -424,7 +424,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
 
 def _tail_host(x, cosine, sine, backend, stream) -> TupleDict:
     """``tail_rope`` of host arrays, or with ``backend="numpy"``: the NumPy backend's checks, then
-    the reference, or the kernel through copies of the arrays (:func:`rope_rtc.backends.on_gpu`)."""
+    the reference, or the kernel through copies of the arrays (:func:`rope_rtc.core.backends.on_gpu`)."""
     check_backend(backend)  # the contract's name gets its hint
     backend = resolve(backend)
     xi = A.describe(x, "x")  # before any conversion: a device array or a tensor that requires grad is named

@@ -23,14 +23,16 @@ import threading
 
 import numpy as np
 
-from . import arrays as A
-from . import launch, rope_plan
-from .backends import auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads, write_results
+from ..build.registry import FixedGeometry, both_strides, mrope_geometries
+from ..core import arrays as A
+from ..core import launch
+from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
+                             write_results)
+from ..core.launch import remember, stream_handle
+from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
+from ..numerics.reference import mrope_streams
+from . import rope_plan
 from .conventions import interface_view, shape_of
-from .launch import remember, stream_handle
-from .prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
-from .reference import mrope_streams
-from .registry import FixedGeometry, both_strides, mrope_geometries
 from .rope_launch import (FIXED_SMALL_THREADS, NARROW_LIMIT, check_fixed_block, fixed_threads, misaligned_view,
                           with_dense)
 from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate, generated_quick_path
@@ -381,7 +383,7 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
 def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections, layout, rotary_dim, inverse, q_out,
                 k_out, stream, backend, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then the
-    float64 reference, or the GPU through copies of the arrays (:func:`rope_rtc.backends.on_gpu`)."""
+    float64 reference, or the GPU through copies of the arrays (:func:`rope_rtc.core.backends.on_gpu`)."""
     auto_without_gpu(requested, q)
     req, pi, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
                                 layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
@@ -389,7 +391,7 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
     sections = tuple(int(v) for v in section)
     if backend == "numpy":
         refuse_device(req.q)
-        from .reference import mrope_reference, round_to_dtype
+        from ..numerics.reference import mrope_reference, round_to_dtype
 
         pos = host_array(pi).reshape(3, -1).astype(np.int64)  # [3, B*S]: the token order of token_heads
         cos_t, sin_t = host_array(req.cos), host_array(req.sin)

@@ -6,8 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from ..errors import shown
 from .dtypes import dtype_name
-from .errors import shown
 
 
 class TensorDesc:

@@ -4,7 +4,7 @@ and k and writes the rotated k and the unrotated v into the caches at ``slot_map
 
 - :func:`rope_and_cache`: the one-call function (a plan per signature and thread, as
   ``apply_rope_qk`` keeps).
-- :class:`RopeCachePlan`: the prepared form, on the prepared-launch core (rope_rtc.prepared):
+- :class:`RopeCachePlan`: the prepared form, on the prepared-launch core (rope_rtc.core.prepared):
   validated once, then ``execute`` (device arrays only) allocates nothing, never synchronises
   and is capturable in a CUDA graph; new arrays of a signature seen before take only the
   address checks (alignment, overlap), as the general plan's do.
@@ -29,13 +29,13 @@ from operator import itemgetter
 
 import numpy as np
 
-from . import arrays as A
-from .backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
-from .launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
-from .prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
-                       address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
-                       preferred_predicate, repeat_signature, signature, signature_checks)
-from .registry import cache_head_batch, cache_spec, cache_vector_widths
+from ..build.registry import cache_head_batch, cache_spec, cache_vector_widths
+from ..core import arrays as A
+from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
+from ..core.launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
+from ..core.prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
+                             address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
+                             preferred_predicate, repeat_signature, signature, signature_checks)
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset
@@ -254,7 +254,7 @@ def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kin
         raise NotImplementedError(f"rotary_dim {R} / head dim {D}: the fused kernel needs the window and the rest of "
                                   f"the head to be whole vectors of at least {2 if kind else 1} elements"
                                   f"{' for FP8 entries' if kind else ''}; use apply_rope_qk and a separate cache write")
-    if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.backends.on_gpu)
+    if req.device is None:  # host arrays: the kernel reads copies of them (rope_rtc.core.backends.on_gpu)
         return fits[0]
     arrays = [info for _, info in _vector_arrays(req, vi, kc, vc)]
     for vec in fits:
@@ -523,7 +523,7 @@ class RopeCachePlan:
         self.device = int(r.device if r.device is not None else _current_device())
         self._functions: dict = {}
         self._core = Prepared(_CacheOp(self), StructArg(CacheParams), self.device)
-        from .env import settings
+        from ..env import settings
 
         self._check_positions = settings().check_positions  # read once per plan, as every plan does
 
@@ -638,7 +638,7 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
                                       kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                                       v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
                                       interleaved=interleaved, rotary_dim=rotary_dim, allow_host_slots=True)
-        from .driver import device_cupy
+        from ..core.driver import device_cupy
 
         cupy = device_cupy()
         device = creq.rope.device
@@ -680,7 +680,7 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
                 k_out, offset, cu_seqlens, stream, backend: str, requested: str = "numpy"):
     """A call with host arrays (or with ``backend="numpy"``): the GPU path's checks, then
     :func:`rope_rtc.reference.rope_and_cache_reference`, or the GPU through copies of the arrays
-    (:func:`rope_rtc.backends.on_gpu`)."""
+    (:func:`rope_rtc.core.backends.on_gpu`)."""
     auto_without_gpu(requested, q)
     kv_layout, kv_cache_dtype, interleaved, rotary_dim = options
     creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
@@ -691,7 +691,7 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
     q_out, k_out = req.q_out or req.q, req.k_out or req.k  # in place unless given
     if backend == "numpy":
         refuse_device(req.q)
-        from .reference import rope_and_cache_reference
+        from ..numerics.reference import rope_and_cache_reference
 
         scales = [None if i is None else host_array(i).reshape(-1)[0] for i in (creq.k_scale, creq.v_scale)]
         arrays = [host_array(i) for i in (req.q, req.k, creq.v, req.cos, req.sin)]
@@ -715,6 +715,6 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
 
 
 def _current_device() -> int:
-    from .driver import device_cupy
+    from ..core.driver import device_cupy
 
     return int(device_cupy().cuda.runtime.getDevice())

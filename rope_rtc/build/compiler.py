@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import CompileError, ToolchainError
 from . import sources
-from .errors import CompileError, ToolchainError
 from .toolchain import Target, _nvrtc, _ok, cuda_headers, headers_digest
 
 # Options every compile gets (the key hashes them; paths are deliberately absent: the include

@@ -1,4 +1,4 @@
-"""How a validated :class:`~rope_rtc.rope_request.Request` becomes a launch of the general kernel
+"""How a validated :class:`~rope_rtc.ops.rope_request.Request` becomes a launch of the general kernel
 (cuda_src/rope.cu): the vector width, the argument block, the index space, the build (heads per
 thread, 32- or 64-bit entry) and the grid. The one-call APIs and the plans share it.
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from . import arrays as A
-from .layouts import canonical
-from .registry import FixedGeometry, angle_geometries, fixed_geometry, rope_head_batch, rope_vector_widths
+from ..build.registry import FixedGeometry, angle_geometries, fixed_geometry, rope_head_batch, rope_vector_widths
+from ..core import arrays as A
+from ..core.layouts import canonical
 from .rope_params import IDX_CU_SEQLENS_I64, IDX_OFFSETS_I64, IDX_POSITIONS_I64, FixedParams, RopeParams, fast_divisor
 from .rope_request import Request
 

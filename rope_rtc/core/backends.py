@@ -27,7 +27,7 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 
 _fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # rope_rtc/, above core/
 
 
 def resolve(backend: str) -> str:

@@ -15,8 +15,8 @@ import numpy as np
 
 from .descriptors import TensorDesc, bind_device
 # The dtype names stay importable from here too (arrays.dtype_name, arrays.BFLOAT16, ...).
+from ..errors import UnsupportedLayoutError, one_of
 from .dtypes import BFLOAT16, FLOAT_DTYPES, INDEX_DTYPES, dtype_name, numpy_dtype  # noqa: F401
-from .errors import UnsupportedLayoutError, one_of
 
 # The widest global access; tail RoPE requires it of every non-empty array (seed contract).
 ALIGN_BYTES = 16

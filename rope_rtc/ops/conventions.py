@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import arrays as A
-from .descriptors import TensorDesc
-from .errors import UnsupportedLayoutError, rename_arguments
+from ..core import arrays as A
+from ..core.descriptors import TensorDesc
+from ..errors import UnsupportedLayoutError, rename_arguments
 
 
 class _InterfaceView:

@@ -1,0 +1,1 @@
+"""Frequencies, cos/sin tables, model configs and the NumPy references (the CPU backend)."""
