@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kernel_specs():
     """The registry's list, then the op families' builds for a spread of geometries, unique by name."""
-    from rope_rtc import registry as r
+    from rope_rtc.build import registry as r
 
     specs = list(r.all_specs())
     # The fused QK-norm + RoPE kernel: every pair style, dtype and numerics, whole and partial
@@ -113,7 +113,7 @@ def disk_sources() -> dict[str, bytes]:
 
 
 def make_tree(where: Path, files: dict[str, bytes]) -> Path:
-    """This checkout's package beside the given sources (rope_rtc.sources finds ../cuda_src)."""
+    """This checkout's package beside the given sources (rope_rtc.build.sources finds cuda_src/ beside the package)."""
     shutil.copytree(ROOT / "rope_rtc", where / "rope_rtc", ignore=shutil.ignore_patterns("__pycache__"))
     (where / "cuda_src").mkdir()
     for name, data in files.items():
@@ -134,12 +134,12 @@ def compile_tree(tree: Path, specs, archs, kinds, out: Path, jobs: int) -> None:
 
 def worker() -> None:
     job = json.loads(sys.stdin.read())
-    from rope_rtc import sources
-    from rope_rtc.compiler import compile_source
+    from rope_rtc.build import sources
+    from rope_rtc.build.compiler import compile_source
+    from rope_rtc.build.toolchain import Target
     from rope_rtc.errors import CompileError
-    from rope_rtc.toolchain import Target
 
-    here = Path(sources.__file__).resolve().parents[1]
+    here = Path(sources.__file__).resolve().parents[2]
     assert sources.source_dir() == here / "cuda_src", f"the worker reads {sources.source_dir()}, not {here}"
     out = Path(job["out"])
 
