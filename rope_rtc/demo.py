@@ -140,7 +140,7 @@ def toolchain_problem() -> str | None:
 def print_warm_hint(arch: str, problem: str | None) -> None:
     """How to compile the kernels ahead of a GPU machine, one flag away."""
     if problem is not None:
-        print(f"\nno CUDA toolchain here ({problem}): rope_rtc runs on the NumPy reference. With the extra "
+        print(f"\nno CUDA toolchain here, so rope_rtc runs on the NumPy reference: {problem}\nWith the extra "
               "installed, `rope-rtc demo --warm` compiles the kernels into the cache.")
         return
     print(f"\nthe kernels are compiled on first use, or ahead: `rope-rtc demo --warm` compiles every kernel for "
