@@ -38,7 +38,8 @@ from ..core import launch
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              token_positions, write_results)
 from ..core.launch import launch_prefix, load_kernel, remember, stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
+from ..core.codegen import preferred_predicate
+from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, signature
 from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
@@ -179,7 +180,7 @@ def _vector_masks(req: Request, weights: tuple, vec: int, *, indices: bool = Fal
 
 def preferred_masks(req: Request, weights: tuple, g: NormGeometry) -> tuple:
     """``(argument index, mask)`` of the narrowest build wider than ``g`` (widths are preferred
-    widest first) that the call's signature allows, for ``prepared.preferred_predicate``; empty
+    widest first) that the call's signature allows, for ``codegen.preferred_predicate``; empty
     when ``g`` is the widest."""
     widths = norm_vector_widths(req.dtype, req.interleaved, req.cq.D, req.rotary_offset, req.rotary_dim)
     wider = [vec for vec in widths if vec > g.vec and _strides_allow(req, vec)]
@@ -213,7 +214,7 @@ class _NormTemplate(_RopeTemplate):
         self.prepare_checks()
         # Built for a call off a wider build's alignment: aligned calls go back to validation.
         self.preferred_masks = preferred_masks(req, (qw, kw), g)
-        self._preferred = preferred_predicate(self.preferred_masks)
+        self._preferred = preferred_predicate(self.preferred_masks, owner=type(self.plan).__name__)
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)

@@ -17,8 +17,9 @@ from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeom
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
 from ..core.launch import StructArg, launch_prefix, load_kernel, single_device
-from ..core.prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
-    cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
+from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
+from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature, \
+    signature
 from ..errors import KernelNotCachedError
 from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
@@ -487,7 +488,7 @@ class _RopeTemplate:
     #: general block and these arguments and nothing else, which the path then writes alike.
     EXTRA_ARGS: tuple = ()
     #: ``(argument, mask)`` of a build the signature prefers to this template's (its first call was
-    #: off that build's alignment: prepared.preferred_predicate); empty for the preferred one.
+    #: off that build's alignment: codegen.preferred_predicate); empty for the preferred one.
     preferred_masks: tuple = ()
 
     def __init__(self, plan: RopePlan, req: Request) -> None:
@@ -557,10 +558,11 @@ class _RopeTemplate:
         self.prepare_checks()
 
     def prepare_checks(self) -> None:
-        """The address checks as a predicate on a call's pointers (prepared.address_predicate). A
+        """The address checks as a predicate on a call's pointers (codegen.address_predicate). A
         subclass that adds checks calls it again. (The one-call path writes the same checks into
         its generated function: one_call.)"""
-        self._addresses = address_predicate(self.same_view, self.disjoint, self.natural)
+        self._addresses = address_predicate(self.same_view, self.disjoint, self.natural,
+                                            owner=type(self.plan).__name__)
 
     pointers = staticmethod(pointers)
 
@@ -671,7 +673,9 @@ class _RopeTemplate:
                 + ("    return prefix if tv else strided\n" if strided is not None else "    return prefix\n"))
         namespace.update(core=core, tmpl=self, pack=FIXED_CALL.pack_into, block=self.plan._fixed_bytes,
                          prefix=self._fixed_prefix, strided=strided, **extra_namespace)
-        return generated("one_call", ", ".join(names) + ", offset", body, namespace)
+        owner = type(self.plan).__name__
+        return generated("repeat_path", ", ".join(names) + ", offset", body, namespace,
+                         title=f"{owner} repeat path ({arrays_title(names, sig)})", qualname=f"{owner}.repeat_path")
 
     def _extra_writes(self) -> tuple[str, dict]:
         """Statements of a generated repeat path that write ``EXTRA_ARGS``' pointers (``p9``, ...)
