@@ -108,3 +108,65 @@ def test_a_plans_repeat_path_fails_with_its_line_in_the_traceback():
     assert "RopePlan.repeat_path" in text or "in repeat_path" in text
     line = [ln for ln in text.splitlines() if "<= offset <=" in ln]
     assert line and "if not (" in line[0], text
+
+
+def _count_cold_and_warm(monkeypatch, call) -> tuple[dict, dict]:
+    """``(cold, warm)``: the validations, array descriptions and Python function calls of
+    ``call()`` made first (a cold call: the thread's caches empty) and then again with new arrays
+    of the same signature (the repeat path)."""
+    import sys
+
+    from rope_rtc.core import arrays
+    from rope_rtc.ops import rope, rope_plan, rope_request
+
+    counts: dict = {}
+
+    def counting(owner, name):
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for module in (rope, rope_plan, rope_request):
+        counting(module, "validate")
+    counting(arrays, "describe")
+
+    def measured(fn) -> dict:
+        counts.clear()
+        calls = [0]
+
+        def profile(frame, event, arg):
+            if event == "call" or event == "c_call":
+                calls[0] += 1
+
+        sys.setprofile(profile)
+        try:
+            fn()
+        finally:
+            sys.setprofile(None)
+        return dict(counts, python_calls=calls[0])
+
+    return measured(call), measured(call)
+
+
+def test_a_cold_apply_rope_qk_validates_once(monkeypatch):
+    """A cold apply_rope_qk validates its call once and hands the request to the plan and its
+    template. Failed while the one-call path validated three times (``_plan_for``, the RopePlan
+    constructor, the core's bind). A repeat call still validates nothing."""
+    import rope_rtc
+
+    with FakeGPU(fixed=True) as gpu:
+        cos, sin = fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32)
+
+        def call():
+            q, k = fake_cupy((B, 1, HQ, D), BF16), fake_cupy((B, 1, HK, D), BF16)
+            rope_rtc.apply_rope_qk(q, k, cos, sin, offset=5, layout="bshd")
+
+        cold, warm = _count_cold_and_warm(monkeypatch, call)
+        assert len(gpu.launches) == 2 and gpu.launches[0]["fn"][0] == gpu.launches[1]["fn"][0] == "rope_fixed"
+    print(f"cold {cold}, warm {warm}")
+    assert cold["validate"] == 1, cold
+    assert "validate" not in warm and "describe" not in warm, warm

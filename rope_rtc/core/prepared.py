@@ -195,13 +195,20 @@ class Op:
     #: in-place reshape keeps an array's size and memory, so the launch of any other argument
     #: reads and writes exactly the bytes validated before, whatever its shape now.
     watched: tuple = (0, 1)
+    #: Whether ``validate`` takes a request the caller validated (``Prepared.bind``'s ``request``).
+    takes_request: bool = False
 
     def signature(self, arrays: tuple) -> tuple | None:
         return signature(arrays)
 
-    def validate(self, arrays: tuple, scalar: int):
+    def validate(self, arrays: tuple, scalar: int, request=None):
         """Every check of a call; returns a template, or raises TypeError/ValueError/
-        NotImplementedError naming the argument before anything is launched or written."""
+        NotImplementedError naming the argument before anything is launched or written.
+
+        ``request``: the call's arguments as the op's own validation gives them, when the caller
+        (a one-call function's first call) has validated them already with this op's options; an
+        op that takes it runs only its plan's checks on it. Given only to ops that declare
+        ``takes_request``."""
         raise NotImplementedError
 
     def quick_path(self, template, arrays: tuple):
@@ -277,15 +284,16 @@ class Prepared:
             self.launcher(last.prefix, stream, last if last is self.last else None)
         return last.result
 
-    def bind(self, arrays: tuple, scalar: int) -> Call:
-        """Check and write ``arrays`` into the block, remembering nothing about them.
+    def bind(self, arrays: tuple, scalar: int, request=None) -> Call:
+        """Check and write ``arrays`` into the block, remembering nothing about them (``request``:
+        the call already validated, for an op that ``takes_request``: see ``Op.validate``).
 
         A signature keeps the templates validated for it, widest first: a call off the first one's
         alignment adds a narrower template beside it rather than replacing it, so one misaligned
         call never moves later aligned ones to a narrower build (``with_template``)."""
-        return self._bind(arrays, scalar)[0]
+        return self._bind(arrays, scalar, request)[0]
 
-    def _bind(self, arrays: tuple, scalar: int) -> tuple:
+    def _bind(self, arrays: tuple, scalar: int, request=None) -> tuple:
         """``bind``, and the signature it found (None: not every argument is a CuPy array)."""
         sig = self.op.signature(arrays)
         tmpls = self.templates.get(sig, ()) if sig is not None else ()
@@ -293,7 +301,10 @@ class Prepared:
             call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
             if call is not None:
                 return call, sig
-        tmpl = self.op.validate(arrays, scalar)  # raises on a real problem
+        op = self.op
+        # raises on a real problem
+        tmpl = op.validate(arrays, scalar, request) if request is not None and op.takes_request else \
+            op.validate(arrays, scalar)
         call = tmpl.bind(self, arrays, scalar, tmpl.validated_pointers)
         if call is None:  # pragma: no cover - a template must accept the call it validated
             raise AssertionError("rope_rtc: a validated call was declined by its own template")
@@ -371,8 +382,9 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
     them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
     plan and template that bound it last: a hit runs only the template's address checks (on
     ``ptrs``, the arrays' data pointers, when the caller has them). On a miss, or when the
-    template declines, ``plan_for(*plan_args)`` gives the plan (validating the call) and its core
-    binds it (raising on a real problem)."""
+    template declines, ``plan_for(*plan_args)`` gives ``(plan, request)``, validating the call, and
+    the plan's core binds it (raising on a real problem) from that request when there is one
+    (not None), so that a cold call is validated once."""
     try:
         hit = cache.get(key) if key is not None else None
     except TypeError:  # an unhashable option: full validation names it
@@ -384,8 +396,8 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
             return plan, call
     # The plan comes from full validation, not from the hit: a declined call (an output that is
     # no longer its input's view, say) may belong to another plan.
-    plan = plan_for(*plan_args)
-    call = plan._core.bind(arrays, scalar)
+    plan, request = plan_for(*plan_args)
+    call = plan._core.bind(arrays, scalar, request)
     # A call the remembered template declined for its alignment alone (the same plan served it with
     # a narrower one) leaves the entry as it was: aligned calls keep the wider build.
     if key is not None and (hit is None or hit[0] is not plan or not narrower(call.template, hit[1])):

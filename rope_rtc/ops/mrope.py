@@ -415,8 +415,9 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
     return tuple(on_gpu(arrays, (5, 6), stream, call))
 
 
-def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:
-    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+def _plan_for(arrays: tuple, options: tuple, device: int) -> tuple[MRopePlan, None]:
+    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
+    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
     names, layout, rotary_dim, inverse, interleaved_sections, section = options
     q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
     req, _, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
@@ -434,4 +435,4 @@ def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:
         plan._names = names
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None

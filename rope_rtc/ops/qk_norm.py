@@ -471,8 +471,9 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
     return tuple(on_gpu(arrays, (7, 8), stream, call))
 
 
-def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
-    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> tuple[QKNormRopePlan, None]:
+    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
+    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
     offset = scalar if offsets is None else offsets
@@ -493,4 +494,4 @@ def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNorm
                               rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None

@@ -112,12 +112,35 @@ class RopePlan:
             name_the_cache(exc, cos_sin_cache)
             raise
         # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
-        self.in_place = ((q_out is None or A.same_view(req.q_out, req.q))
-                         and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
-        if not self.in_place and k is not None and k_out is None:
+        in_place = ((q_out is None or A.same_view(req.q_out, req.q))
+                    and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
+        if not in_place and k is not None and k_out is None:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
-        if not self.in_place and q_out is None:  # execute() would refuse every call
+        if not in_place and q_out is None:  # execute() would refuse every call
             raise ValueError("q_out: an out-of-place plan (k_out given) needs q_out too")
+        self._configure(req, in_place, device)
+
+    @classmethod
+    def _from_request(cls, req: Request, opts: dict, names: tuple[str, str], device: int | None = None) -> "RopePlan":
+        """The plan of a call already validated into ``req`` (with both outputs given), by the
+        keywords ``opts`` (``validate``'s) and naming q and k ``names`` in its errors: what the
+        one-call functions build, so that their first call is validated once."""
+        plan = cls.__new__(cls)
+        plan._opts = {n: opts[n] for n in ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse")}
+        if req.angles:
+            plan._opts["attention_scaling"] = opts["attention_scaling"]
+        plan._flat_head_dim = None
+        plan._converted = plan._flat_quick = None
+        in_place = A.same_view(req.q_out, req.q) and (req.k is None or A.same_view(req.k_out, req.k))
+        plan._configure(req, in_place, device)
+        plan._names = names
+        return plan
+
+    def _configure(self, req: Request, in_place: bool, device: int | None) -> None:
+        """What the plan fixes, from its validated request; ``in_place``: whether it rotates q and k
+        in place."""
+        self.in_place = in_place
+        interleaved, inverse = req.interleaved, req.inverse
         # layout=None settled by q's rank (3-d: "thd"); every execute is validated against that.
         layout = self._opts["layout"] = req.layout
         self.dtype, self.layout = req.dtype, layout
@@ -125,7 +148,7 @@ class RopePlan:
         self.rotary_dim, self.rotary_offset = req.rotary_dim, req.rotary_offset
         self.q_heads, self.head_dim = req.cq.H, req.cq.D
         self.k_heads = req.ck.H if req.ck is not None else 0
-        self.has_k = k is not None
+        self.has_k = req.k is not None
         self.pos_mode = req.pos_mode
         self.angles, self.attention = req.angles, req.attention
         if req.angles:  # what no build serves is refused now, not at the first execute
@@ -408,6 +431,8 @@ def generated_quick_path(template, arrays: tuple, kind: type):
 class _RopeOp(Op):
     """What a RopePlan fixes and checks."""
 
+    takes_request = True  # the one-call functions' first call hands its request over (rope._plan_for)
+
     def __init__(self, plan: RopePlan) -> None:
         self.plan = plan
 
@@ -427,15 +452,19 @@ class _RopeOp(Op):
         does not expose its contiguity flag."""
         return generated_quick_path(template, arrays, _RopeTemplate)
 
-    def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
+    def validate(self, arrays: tuple, scalar: int, request: Request | None = None) -> "_RopeTemplate":
+        """Every check of a call (``request``: the call already validated by the caller with this
+        plan's options, which only the plan's own checks then compare with the plan)."""
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
         check_plan_arguments(plan, k, q_out, k_out)
         if plan.angles and sin is not None:
             raise TypeError("cos/sin: this plan computes cos and sin from inv_freq; pass inv_freq= to execute()")
-        req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                       cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
-                       **plan._opts)
+        req = request
+        if req is None:
+            req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                           cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
+                           **plan._opts)
         check_request_fits_plan(plan, req)
         if req.num_tokens:
             choose_vector(req)  # raises, naming the misaligned argument

@@ -344,15 +344,16 @@ _local = threading.local()
 _NO_LAST = (lambda x, cosine, sine, out: None, None)
 
 
-def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
-    """The thread's plan for tail_rope calls of this H, D and device (built once)."""
+def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> tuple[TailRoPEForward, None]:
+    """``(plan, None)``: the thread's plan for tail_rope calls of this H, D and device (built once),
+    whose core validates the call (``prepared.bind_once``)."""
     key = (shape[1:], device)
     plan = by_key.get(key)
     if plan is None:
         plan = TailRoPEForward(*arrays).check_support().compile()
         plan._decl = None  # a thread's plan must not keep the caller's arrays alive
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDict:
