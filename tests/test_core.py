@@ -170,3 +170,47 @@ def test_a_cold_apply_rope_qk_validates_once(monkeypatch):
     print(f"cold {cold}, warm {warm}")
     assert cold["validate"] == 1, cold
     assert "validate" not in warm and "describe" not in warm, warm
+
+
+def _private_imports_between_ops() -> list[str]:
+    """``module: name from other`` for each underscore name an ops/ module imports from another
+    ops/ module (``from .other import _name``, ``from . import other`` then ``other._name``)."""
+    found = []
+    ops = PACKAGE / "ops"
+    for path in sorted(ops.glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        modules = set()  # sibling modules imported as names
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            sibling = node.level == 1 and node.module is not None
+            absolute = node.level == 0 and (node.module or "").startswith("rope_rtc.ops.")
+            if node.level == 1 and node.module is None:
+                modules.update(a.asname or a.name for a in node.names)
+            elif sibling or absolute:
+                other = node.module.rsplit(".", 1)[-1]
+                found += [f"{path.stem}: {a.name} from {other}" for a in node.names
+                          if a.name.startswith("_") and other != path.stem]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                found.append(f"{path.stem}: {node.attr} from {node.value.id}")
+    return sorted(set(found))
+
+
+def test_no_op_imports_another_ops_private_names():
+    """What the fused ops share with the general op is public inside the package (or in core):
+    no ops/ module reaches into another's underscore names."""
+    assert _private_imports_between_ops() == []
+
+
+def test_ops_launch_only_through_the_core():
+    """No ops/ module builds a launcher or calls the driver's launch itself: launches go through
+    the core (a plan's Prepared, or prepared.direct_launcher)."""
+    found = []
+    for path in sorted((PACKAGE / "ops").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in ("Launcher", "cuLaunchKernel"):
+                found.append(f"{path.stem}:{node.lineno} {name}")
+    assert found == []

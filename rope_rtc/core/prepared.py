@@ -142,9 +142,18 @@ def made_once(functions: dict, sig: tuple, make):
     return fn
 
 
+def direct_launcher(args_address: int, device: int) -> Launcher:
+    """A launcher of the argument block at ``args_address`` on ``device`` that launches every call
+    with ``cuLaunchKernel`` (no graph replay): for callers that time each launch as itself (the
+    blog's kernels)."""
+    launcher = Launcher(args_address, device)
+    launcher.replay = False
+    return launcher
+
+
 class LastPath:
     """A thread's last generated repeat path of a one-call function (the fused ops'; rope.py keeps
-    its own, compared by identity): the template's function (``_RopeTemplate.one_call``), the
+    its own, compared by identity): the template's function (``RopeTemplate.one_call``), the
     options it serves (plain values whose types the caller checked, compared with ``==``) and
     where it launches: ``go(prefix, handle)``, the plan's ``Launcher.launch`` with a raw stream
     handle, on ``device``. It holds no array."""

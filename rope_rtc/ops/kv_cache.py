@@ -329,7 +329,7 @@ _NATURAL_ARGS = (COS, SIN, POSITIONS, SLOTS, K_SCALE, V_SCALE, CU_SEQLENS, OFFSE
 class _CacheTemplate:
     """What full validation established for one signature, minus the addresses (it holds no
     caller's array): new arrays of the signature bind after the address checks alone, as the
-    general plan's template does (rope_plan._RopeTemplate); anything those checks cannot settle
+    general plan's template does (rope_plan.RopeTemplate); anything those checks cannot settle
     goes back to full validation."""
 
     def __init__(self, plan: "RopeCachePlan", creq: CacheRequest) -> None:
@@ -380,7 +380,7 @@ class _CacheTemplate:
         offsets, offset)`` checks each argument against the signature, runs this template's address
         and offset checks, writes the block and returns the launch prefix, or returns None (the
         caller then goes the full way). Generated once per signature, as the general template's
-        (rope_plan._RopeTemplate.one_call); None when there is nothing to launch."""
+        (rope_plan.RopeTemplate.one_call); None when there is nothing to launch."""
         return made_once(self._one_calls, sig, self._one_call_function)
 
     def _one_call_function(self, sig: tuple):

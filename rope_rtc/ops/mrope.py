@@ -35,7 +35,7 @@ from . import rope_plan
 from .conventions import interface_view, shape_of
 from .rope_launch import (FIXED_SMALL_THREADS, NARROW_LIMIT, check_fixed_block, fixed_threads, misaligned_view,
                           with_dense)
-from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate, generated_quick_path
+from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, RopeTemplate, generated_quick_path
 from .rope_request import Request, validate
 
 # The stride between position streams travels in a 32-bit field of the block.
@@ -140,7 +140,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     return chosen if stream_stride == req.num_tokens else dataclasses.replace(chosen, dense=False)
 
 
-class _MRopeTemplate(_RopeTemplate):
+class _MRopeTemplate(RopeTemplate):
     """The general template with the MRoPE build, the whole positions array in the address checks,
     and no generic fallback."""
 

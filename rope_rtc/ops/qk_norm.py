@@ -44,7 +44,7 @@ from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
-from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, generated_quick_path,
+from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, RopeTemplate, check_positions_of, generated_quick_path,
                         split_offset)
 from .rope_request import Request, check_kinds, float_or_inf, validate
 
@@ -197,7 +197,7 @@ def norm_threads(req: Request, g: NormGeometry) -> int:
     return req.num_tokens * (g.q_heads + g.k_heads) // g.head_batch * g.lanes
 
 
-class _NormTemplate(_RopeTemplate):
+class _NormTemplate(RopeTemplate):
     """The general template with the fused norm build, the weights in the address checks and no
     generic fallback."""
 

@@ -187,7 +187,7 @@ class RopePlan:
         return self
 
     def _flat_quick_for(self, views: tuple, given: tuple, positions, offset, cu_seqlens):
-        """The template's generated repeat path (``_RopeTemplate.one_call``) written for a converted
+        """The template's generated repeat path (``RopeTemplate.one_call``) written for a converted
         call's own arrays: the flat q/k and the cos_sin_cache itself (sin: the second half of its
         rows), from the template that serves its views' signature; None where there is none (no
         bind of that signature yet, another library's arrays, positions checked on the device)."""
@@ -198,7 +198,7 @@ class RopePlan:
         vq, vk, vc, vs, vqo, vko = views
         sig = core.op.signature((vq, vk, vc, vs, positions, vqo, vko, cu_seqlens, offsets))
         tmpls = core.templates.get(sig) if sig is not None else None
-        if not tmpls or type(tmpls[0]) is not _RopeTemplate:
+        if not tmpls or type(tmpls[0]) is not RopeTemplate:
             return None
         q, k, cache, cos, sin, q_out, k_out = given
         c, s = (cos, sin) if cache is None else (cache, None)
@@ -419,7 +419,7 @@ _OWN_INPUT = {Q_OUT: Q, K_OUT: K}  # in place: the output is its input
 def generated_quick_path(template, arrays: tuple, kind: type):
     """``Op.quick_path`` for the plans on the general template and its subclasses (multimodal, fused
     norm): ``(fn, result)`` with ``fn`` the template's generated repeat path for ``arrays``'
-    signature (``_RopeTemplate.one_call``); None for a template that is not exactly ``kind`` (a
+    signature (``RopeTemplate.one_call``); None for a template that is not exactly ``kind`` (a
     subclass writes more than ``kind``'s path does) or has no such path, or where CuPy does not
     expose its contiguity flag."""
     if type(template) is not kind or not hasattr(cupy_ndarray(), "_c_contiguous"):
@@ -444,15 +444,15 @@ class _RopeOp(Op):
 
     def quick_path(self, template, arrays: tuple):
         """The one-call functions' generated repeat path of ``template`` for ``arrays``' signature
-        (``_RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
+        (``RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
         takes the same checks and block write as ``apply_rope_qk``, where a bind, a remembered
         set and a token the launcher has never seen cost it more on the host
         (``benchmarks/probes/plan_new_arrays_cost.py``). None where the template has none (no
         specialised build) or CuPy
         does not expose its contiguity flag."""
-        return generated_quick_path(template, arrays, _RopeTemplate)
+        return generated_quick_path(template, arrays, RopeTemplate)
 
-    def validate(self, arrays: tuple, scalar: int, request: Request | None = None) -> "_RopeTemplate":
+    def validate(self, arrays: tuple, scalar: int, request: Request | None = None) -> "RopeTemplate":
         """Every check of a call (``request``: the call already validated by the caller with this
         plan's options, which only the plan's own checks then compare with the plan)."""
         plan = self.plan
@@ -468,7 +468,7 @@ class _RopeOp(Op):
         check_request_fits_plan(plan, req)
         if req.num_tokens:
             choose_vector(req)  # raises, naming the misaligned argument
-        return _RopeTemplate(plan, req)
+        return RopeTemplate(plan, req)
 
 
 def check_plan_arguments(plan: RopePlan, k, q_out, k_out) -> None:
@@ -505,9 +505,10 @@ def check_request_fits_plan(plan: RopePlan, req: Request) -> None:
         raise ValueError("execute: " + "; ".join(problems))
 
 
-class _RopeTemplate:
+class RopeTemplate:
     """What full validation established for one argument signature, minus the addresses (it
-    holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS)."""
+    holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS). The base of the
+    fused ops' templates (multimodal, QK-norm), which add their builds and arguments to it."""
 
     OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
     generic = True  # whether a call the specialised build cannot take runs the generic kernel
@@ -656,7 +657,7 @@ class _RopeTemplate:
         says; then the address checks, the offset's range, the block's refill when another
         template wrote it last, and one pack of the call's fields. What the dictionary, the
         signature's tuples and the pointer tuple cost a repeated call, it does not."""
-        if not self.fixed_align or (type(self)._write_fixed is not _RopeTemplate._write_fixed and not self.EXTRA_ARGS):
+        if not self.fixed_align or (type(self)._write_fixed is not RopeTemplate._write_fixed and not self.EXTRA_ARGS):
             return None
         core = self.plan._ensure_core()
         names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets") + self.EXTRA_ARGS
