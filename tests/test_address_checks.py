@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rope_rtc.core.prepared import address_predicate
+from rope_rtc.core.codegen import address_predicate
 
 
 def reference(same_view, pairs, natural, aligned, align, p) -> bool:

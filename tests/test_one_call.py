@@ -403,7 +403,7 @@ def test_repeat_path_at_the_specialised_build_binds_without_a_call_record(table,
         _counted(monkeypatch, env, "settings", counts)
         _counted(monkeypatch, rope_request, "validate", counts)
         _counted(monkeypatch, rope, "validate", counts)
-        _counted(monkeypatch, rope_plan._RopeTemplate, "bind", counts)  # the path that builds a Call
+        _counted(monkeypatch, rope_plan.RopeTemplate, "bind", counts)  # the path that builds a Call
         _counted(monkeypatch, prepared, "Call", counts)
         sets = [decode_arrays() for _ in range(64)]
         for i in range(130):

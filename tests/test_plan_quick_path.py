@@ -52,7 +52,7 @@ def test_new_arrays_of_a_bound_signature_take_the_quick_path(fixed, tables, monk
     counts: dict = {}
     counted(monkeypatch, rope_request, "validate", counts)
     counted(monkeypatch, rope_plan, "validate", counts)
-    counted(monkeypatch, rope_plan._RopeTemplate, "bind", counts)
+    counted(monkeypatch, rope_plan.RopeTemplate, "bind", counts)
     counted(monkeypatch, prepared.Prepared, "_bind", counts)
     for _ in range(40):
         q, k, offs = _decode_set()

@@ -111,84 +111,6 @@ def disjoint_pairs(extents: tuple, written: tuple, own: dict, validated_pointers
     return tuple(pairs)
 
 
-def address_terms(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0,
-                  ref=lambda i: f"p[{i}]") -> list[str]:
-    """A template's address checks on a call's pointers ``p``, as Python expressions that all
-    hold when the call may be bound.
-
-    True when every written argument validated as its input's view still is (``same_view``:
-    ``(o, own)`` pairs), no pair of :func:`disjoint_pairs` meets at an offset full validation
-    did not accept, every table and index array is on its natural alignment (``natural``:
-    ``(argument, mask)``) and, with ``align``, the arguments ``aligned`` are on ``align`` bytes.
-    A pair validated apart (its offset outside the extents' meeting range) needs no exception.
-    ``ref(i)``: how the expressions name argument ``i``'s pointer."""
-    terms = [f"{ref(o)} == {ref(own)}" for o, own in same_view]
-    for o, j, lo, hi, v in pairs:
-        lo, hi, v = int(lo), int(hi), int(v)
-        terms.append(f"not {lo} < {ref(j)} - {ref(o)} < {hi}" if not lo < v < hi else
-                     f"not ({lo} < (d := {ref(j)} - {ref(o)}) < {hi} and d != {v})")
-    if align and aligned:
-        if align & (align - 1):
-            raise ValueError(f"align: {align} is not a power of two")
-        natural = tuple(natural) + tuple((i, int(align) - 1) for i in aligned)
-    term = aligned_term(natural, ref)
-    if term:
-        terms.append(term)
-    return terms
-
-
-def aligned_term(masks, ref=lambda i: f"p[{i}]") -> str:
-    """One expression, true when every ``(argument, mask)`` of ``masks`` has its pointer on that
-    alignment (masks are alignments less one: powers of two less one); '' when there is nothing to
-    check. One mask per group of arguments, in one term."""
-    groups: dict[int, list[int]] = {}
-    for i, mask in masks:
-        groups.setdefault(int(mask), []).append(i)
-    masked = [f"({' | '.join(ref(i) for i in dict.fromkeys(args))}) & {mask}"
-              for mask, args in groups.items() if mask]
-    return f"not ({' | '.join(masked)})" if masked else ""
-
-
-def preferred_predicate(masks: tuple):
-    """``fits(ptrs) -> bool`` for a template whose build is not the one its signature prefers (its
-    first call was off the preferred builds' alignment), or None when no build is preferred to it:
-    whether a call's pointers are on every ``(argument, mask)`` of the least demanding preferred
-    build (an address on one alignment is on every smaller one). Such a call is declined, so that
-    full validation makes the preferred template, which then serves the aligned calls of the
-    signature; without it a misaligned first call kept every later aligned one on its build."""
-    term = aligned_term(masks)
-    return generated("fits", "p", f"    return {term}\n") if term else None
-
-
-def generated(name: str, params: str, body: str, namespace: dict | None = None):
-    """A function compiled from ``body`` (statements, indented by four spaces) over integers and
-    the names in ``namespace``: checks written out as straight-line Python once per template, as
-    ``dataclasses`` writes its methods. A loop over the same tuples was a tenth of a one-call
-    function's host time (docs/design.md)."""
-    namespace = dict(namespace or {})
-    exec(f"def {name}({params}):\n{body}", namespace)  # noqa: S102 - integers and the given names only
-    return namespace[name]
-
-
-def array_checks(name: str, ref: str, entry: tuple, several: bool, namespace: dict) -> tuple[str, str]:
-    """``(condition, statements)`` that a generated repeat path (``generated``) runs on the CuPy
-    array argument ``name`` of signature entry ``entry``, ``(shape, strides, dtype, device)``
-    (strides None: C-contiguous): the condition holds when the argument is a CuPy array of that
-    shape, layout and dtype (the dtype by identity: an equal dtype of another identity takes the
-    signature's dictionary instead); the statements set ``ref`` to its data pointer, returning
-    None from a device other than ``device`` (only where the process sees ``several``)."""
-    shape, strides, dtype, device = entry
-    namespace[f"{ref}_dtype"] = dtype
-    layout = (f"{name}._c_contiguous" if strides is None else
-              f"not {name}._c_contiguous and {name}.strides == {tuple(map(int, strides))!r}")
-    condition = (f"type({name}) is nd and {layout} and {name}.shape == {tuple(map(int, shape))!r} "
-                 f"and {name}.dtype is {ref}_dtype")
-    statements = f"    d = {name}.data\n"
-    if several:
-        statements += f"    if d.device_id != {int(device)}:\n        return None\n"
-    return condition, statements + f"    {ref} = d.ptr\n"
-
-
 def repeat_signature(arrays: tuple, own_input: dict) -> tuple:
     """The signature a generated repeat path checks (``signature_checks``), of a call's CuPy arrays:
     each argument's (shape, dtype, device), with its strides before the dtype when it is not
@@ -220,41 +142,18 @@ def made_once(functions: dict, sig: tuple, make):
     return fn
 
 
-def signature_checks(names: tuple, sig: tuple, own_input: dict, several: bool, namespace: dict,
-                     special=None) -> tuple[str, str]:
-    """``(condition, statements)`` of a generated repeat path (``generated``) for the arguments
-    ``names`` of signature ``sig``: each entry None (absent), True (an output that is its own input,
-    ``own_input``: output index -> input index) or an array's ``(shape, dtype, device)`` (with its
-    strides before the dtype when not C-contiguous: ``array_checks``). The statements set ``p0``,
-    ``p1``, ... to the pointers, inputs before the outputs that name them. ``special(i, name,
-    entry)``: ``(condition, statement)`` for an entry of the caller's own kind, or None."""
-    conds, reads = [], []
-    for i, (name, entry) in enumerate(zip(names, sig)):
-        own = None if special is None else special(i, name, entry)
-        if own is not None:
-            cond, read = own
-        elif entry is None:
-            cond, read = f"{name} is None", f"    p{i} = 0\n"
-        elif entry is True:
-            cond, read = f"{name} is {names[own_input[i]]}", f"    p{i} = p{own_input[i]}\n"
-        else:  # (shape, dtype, device), or (shape, strides, dtype, device) when not C-contiguous
-            full = entry if len(entry) == 4 else (entry[0], None, entry[1], entry[2])
-            cond, read = array_checks(name, f"p{i}", full, several, namespace)
-        conds.append(cond)
-        reads.append(read)
-    order = [i for i in range(len(names)) if sig[i] is not True] + [i for i in range(len(names)) if sig[i] is True]
-    return " and ".join(conds), "".join(reads[i] for i in order)
-
-
-def address_predicate(same_view: tuple, pairs: tuple, natural: tuple, aligned: tuple = (), align: int = 0):
-    """``ok(ptrs) -> bool``: :func:`address_terms` as one expression."""
-    terms = address_terms(same_view, pairs, natural, aligned, align)
-    return generated("ok", "p", f"    return {' and '.join(terms) or 'True'}\n")
+def direct_launcher(args_address: int, device: int) -> Launcher:
+    """A launcher of the argument block at ``args_address`` on ``device`` that launches every call
+    with ``cuLaunchKernel`` (no graph replay): for callers that time each launch as itself (the
+    blog's kernels)."""
+    launcher = Launcher(args_address, device)
+    launcher.replay = False
+    return launcher
 
 
 class LastPath:
     """A thread's last generated repeat path of a one-call function (the fused ops'; rope.py keeps
-    its own, compared by identity): the template's function (``_RopeTemplate.one_call``), the
+    its own, compared by identity): the template's function (``RopeTemplate.one_call``), the
     options it serves (plain values whose types the caller checked, compared with ``==``) and
     where it launches: ``go(prefix, handle)``, the plan's ``Launcher.launch`` with a raw stream
     handle, on ``device``. It holds no array."""
@@ -305,13 +204,20 @@ class Op:
     #: in-place reshape keeps an array's size and memory, so the launch of any other argument
     #: reads and writes exactly the bytes validated before, whatever its shape now.
     watched: tuple = (0, 1)
+    #: Whether ``validate`` takes a request the caller validated (``Prepared.bind``'s ``request``).
+    takes_request: bool = False
 
     def signature(self, arrays: tuple) -> tuple | None:
         return signature(arrays)
 
-    def validate(self, arrays: tuple, scalar: int):
+    def validate(self, arrays: tuple, scalar: int, request=None):
         """Every check of a call; returns a template, or raises TypeError/ValueError/
-        NotImplementedError naming the argument before anything is launched or written."""
+        NotImplementedError naming the argument before anything is launched or written.
+
+        ``request``: the call's arguments as the op's own validation gives them, when the caller
+        (a one-call function's first call) has validated them already with this op's options; an
+        op that takes it runs only its plan's checks on it. Given only to ops that declare
+        ``takes_request``."""
         raise NotImplementedError
 
     def quick_path(self, template, arrays: tuple):
@@ -387,15 +293,16 @@ class Prepared:
             self.launcher(last.prefix, stream, last if last is self.last else None)
         return last.result
 
-    def bind(self, arrays: tuple, scalar: int) -> Call:
-        """Check and write ``arrays`` into the block, remembering nothing about them.
+    def bind(self, arrays: tuple, scalar: int, request=None) -> Call:
+        """Check and write ``arrays`` into the block, remembering nothing about them (``request``:
+        the call already validated, for an op that ``takes_request``: see ``Op.validate``).
 
         A signature keeps the templates validated for it, widest first: a call off the first one's
         alignment adds a narrower template beside it rather than replacing it, so one misaligned
         call never moves later aligned ones to a narrower build (``with_template``)."""
-        return self._bind(arrays, scalar)[0]
+        return self._bind(arrays, scalar, request)[0]
 
-    def _bind(self, arrays: tuple, scalar: int) -> tuple:
+    def _bind(self, arrays: tuple, scalar: int, request=None) -> tuple:
         """``bind``, and the signature it found (None: not every argument is a CuPy array)."""
         sig = self.op.signature(arrays)
         tmpls = self.templates.get(sig, ()) if sig is not None else ()
@@ -403,7 +310,10 @@ class Prepared:
             call = tmpl.bind(self, arrays, scalar, tmpl.pointers(arrays))
             if call is not None:
                 return call, sig
-        tmpl = self.op.validate(arrays, scalar)  # raises on a real problem
+        op = self.op
+        # raises on a real problem
+        tmpl = op.validate(arrays, scalar, request) if request is not None and op.takes_request else \
+            op.validate(arrays, scalar)
         call = tmpl.bind(self, arrays, scalar, tmpl.validated_pointers)
         if call is None:  # pragma: no cover - a template must accept the call it validated
             raise AssertionError("rope_rtc: a validated call was declined by its own template")
@@ -481,8 +391,9 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
     them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
     plan and template that bound it last: a hit runs only the template's address checks (on
     ``ptrs``, the arrays' data pointers, when the caller has them). On a miss, or when the
-    template declines, ``plan_for(*plan_args)`` gives the plan (validating the call) and its core
-    binds it (raising on a real problem)."""
+    template declines, ``plan_for(*plan_args)`` gives ``(plan, request)``, validating the call, and
+    the plan's core binds it (raising on a real problem) from that request when there is one
+    (not None), so that a cold call is validated once."""
     try:
         hit = cache.get(key) if key is not None else None
     except TypeError:  # an unhashable option: full validation names it
@@ -494,8 +405,8 @@ def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *pla
             return plan, call
     # The plan comes from full validation, not from the hit: a declined call (an output that is
     # no longer its input's view, say) may belong to another plan.
-    plan = plan_for(*plan_args)
-    call = plan._core.bind(arrays, scalar)
+    plan, request = plan_for(*plan_args)
+    call = plan._core.bind(arrays, scalar, request)
     # A call the remembered template declined for its alignment alone (the same plan served it with
     # a narrower one) leaves the entry as it was: aligned calls keep the wider build.
     if key is not None and (hit is None or hit[0] is not plan or not narrower(call.template, hit[1])):

@@ -33,9 +33,10 @@ from ..build.registry import cache_head_batch, cache_spec, cache_vector_widths
 from ..core import arrays as A
 from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
 from ..core.launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
-from ..core.prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, address_predicate,
-                             address_terms, aligned_term, cupy_ndarray, disjoint_pairs, generated, made_once, pointers,
-                             preferred_predicate, repeat_signature, signature, signature_checks)
+from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
+                            preferred_predicate, signature_checks)
+from ..core.prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once,
+                             pointers, repeat_signature, signature)
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset
@@ -269,7 +270,7 @@ def _vector(req: Request, vi: A.ArrayInfo, kc: A.ArrayInfo, vc: A.ArrayInfo, kin
 
 def preferred_masks(creq: CacheRequest) -> tuple:
     """``(argument index, mask)`` of the least demanding vector that :func:`_widths` prefers to the
-    request's and its signature (strides) allows, for ``prepared.preferred_predicate``; empty when
+    request's and its signature (strides) allows, for ``codegen.preferred_predicate``; empty when
     none is preferred."""
     arrays = _vector_arrays(creq.rope, creq.v, creq.k_cache, creq.v_cache)
     widths = _widths(creq.rope, creq.kind)
@@ -328,7 +329,7 @@ _NATURAL_ARGS = (COS, SIN, POSITIONS, SLOTS, K_SCALE, V_SCALE, CU_SEQLENS, OFFSE
 class _CacheTemplate:
     """What full validation established for one signature, minus the addresses (it holds no
     caller's array): new arrays of the signature bind after the address checks alone, as the
-    general plan's template does (rope_plan._RopeTemplate); anything those checks cannot settle
+    general plan's template does (rope_plan.RopeTemplate); anything those checks cannot settle
     goes back to full validation."""
 
     def __init__(self, plan: "RopeCachePlan", creq: CacheRequest) -> None:
@@ -353,10 +354,10 @@ class _CacheTemplate:
         self.masks = tuple((i, vec_bytes - 1) for i in _VECTOR_ARGS) + tuple(
             (i, cache_bytes - 1) for i in (K_CACHE, V_CACHE)) + tuple(
             (i, infos[i].itemsize - 1) for i in _NATURAL_ARGS if infos[i] is not None)
-        self._addresses = address_predicate(self.same_view, self.disjoint, self.masks)
+        self._addresses = address_predicate(self.same_view, self.disjoint, self.masks, owner="RopeCachePlan")
         # Built for a call off a preferred build's alignment: aligned calls go back to validation.
         self.preferred_masks = preferred_masks(creq)
-        self._preferred = preferred_predicate(self.preferred_masks)
+        self._preferred = preferred_predicate(self.preferred_masks, owner="RopeCachePlan")
         self._one_calls: dict = {}  # signature -> its generated repeat path (one_call)
         self.has_positions = r.positions is not None
         # Tokens read from the offset on: all of them (offset scheme); with cu_seqlens each sequence
@@ -379,7 +380,7 @@ class _CacheTemplate:
         offsets, offset)`` checks each argument against the signature, runs this template's address
         and offset checks, writes the block and returns the launch prefix, or returns None (the
         caller then goes the full way). Generated once per signature, as the general template's
-        (rope_plan._RopeTemplate.one_call); None when there is nothing to launch."""
+        (rope_plan.RopeTemplate.one_call); None when there is nothing to launch."""
         return made_once(self._one_calls, sig, self._one_call_function)
 
     def _one_call_function(self, sig: tuple):
@@ -412,7 +413,9 @@ class _CacheTemplate:
         namespace.update(core=core, tmpl=self, fill=fill_cache_params, block=core.block, creq=self.creq,
                          raw=(ctypes.c_char * ctypes.sizeof(CacheParams)).from_address(ctypes.addressof(core.block)),
                          arrays=_ARRAYS.pack_into, caches=_CACHES.pack_into, rest=_REST.pack_into, prefix=self.prefix)
-        return generated("one_call", ", ".join(ARGS) + ", offset", body, namespace)
+        return generated("repeat_path", ", ".join(ARGS) + ", offset", body, namespace,
+                         title=f"RopeCachePlan repeat path ({arrays_title(ARGS, sig)})",
+                         qualname="RopeCachePlan.repeat_path")
 
     def _offset_ok(self, offset: int) -> bool:
         if self.has_positions and offset:

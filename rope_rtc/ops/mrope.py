@@ -35,7 +35,7 @@ from . import rope_plan
 from .conventions import interface_view, shape_of
 from .rope_launch import (FIXED_SMALL_THREADS, NARROW_LIMIT, check_fixed_block, fixed_threads, misaligned_view,
                           with_dense)
-from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, _RopeTemplate, generated_quick_path
+from .rope_plan import K, K_OUT, POSITIONS, Q, Q_OUT, RopePlan, RopeTemplate, generated_quick_path
 from .rope_request import Request, validate
 
 # The stride between position streams travels in a 32-bit field of the block.
@@ -140,7 +140,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     return chosen if stream_stride == req.num_tokens else dataclasses.replace(chosen, dense=False)
 
 
-class _MRopeTemplate(_RopeTemplate):
+class _MRopeTemplate(RopeTemplate):
     """The general template with the MRoPE build, the whole positions array in the address checks,
     and no generic fallback."""
 
@@ -415,8 +415,9 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
     return tuple(on_gpu(arrays, (5, 6), stream, call))
 
 
-def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:
-    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+def _plan_for(arrays: tuple, options: tuple, device: int) -> tuple[MRopePlan, None]:
+    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
+    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
     names, layout, rotary_dim, inverse, interleaved_sections, section = options
     q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
     req, _, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
@@ -434,4 +435,4 @@ def _plan_for(arrays: tuple, options: tuple, device: int) -> MRopePlan:
         plan._names = names
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None

@@ -38,12 +38,13 @@ from ..core import launch
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              token_positions, write_results)
 from ..core.launch import launch_prefix, load_kernel, remember, stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, preferred_predicate, signature
+from ..core.codegen import preferred_predicate
+from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, signature
 from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
-from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, _RopeTemplate, check_positions_of, generated_quick_path,
+from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, RopeTemplate, check_positions_of, generated_quick_path,
                         split_offset)
 from .rope_request import Request, check_kinds, float_or_inf, validate
 
@@ -179,7 +180,7 @@ def _vector_masks(req: Request, weights: tuple, vec: int, *, indices: bool = Fal
 
 def preferred_masks(req: Request, weights: tuple, g: NormGeometry) -> tuple:
     """``(argument index, mask)`` of the narrowest build wider than ``g`` (widths are preferred
-    widest first) that the call's signature allows, for ``prepared.preferred_predicate``; empty
+    widest first) that the call's signature allows, for ``codegen.preferred_predicate``; empty
     when ``g`` is the widest."""
     widths = norm_vector_widths(req.dtype, req.interleaved, req.cq.D, req.rotary_offset, req.rotary_dim)
     wider = [vec for vec in widths if vec > g.vec and _strides_allow(req, vec)]
@@ -196,7 +197,7 @@ def norm_threads(req: Request, g: NormGeometry) -> int:
     return req.num_tokens * (g.q_heads + g.k_heads) // g.head_batch * g.lanes
 
 
-class _NormTemplate(_RopeTemplate):
+class _NormTemplate(RopeTemplate):
     """The general template with the fused norm build, the weights in the address checks and no
     generic fallback."""
 
@@ -213,7 +214,7 @@ class _NormTemplate(_RopeTemplate):
         self.prepare_checks()
         # Built for a call off a wider build's alignment: aligned calls go back to validation.
         self.preferred_masks = preferred_masks(req, (qw, kw), g)
-        self._preferred = preferred_predicate(self.preferred_masks)
+        self._preferred = preferred_predicate(self.preferred_masks, owner=type(self.plan).__name__)
         # fill_fixed's view of the build (the block's shared fields), the norm's own thread count.
         self._as_fixed = FixedGeometry(g.dtype, g.interleaved, g.q_heads, g.k_heads, g.head_dim, g.rotary_offset,
                                        g.rotary_dim, g.vec, 1, 0)
@@ -470,8 +471,9 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
     return tuple(on_gpu(arrays, (7, 8), stream, call))
 
 
-def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
-    """The thread's plan for a call's fixed properties (validating the call; built lazily)."""
+def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> tuple[QKNormRopePlan, None]:
+    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
+    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
     offset = scalar if offsets is None else offsets
@@ -492,4 +494,4 @@ def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> QKNorm
                               rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None

@@ -202,26 +202,23 @@ def _kw(opts: tuple) -> dict:
     return dict(zip(OPTION_NAMES, opts))
 
 
-def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -> RopePlan:
-    """The thread's plan for a call's fixed properties (built and compiled lazily)."""
+def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -> tuple[RopePlan, Request]:
+    """``(plan, request)``: the thread's plan for a call's fixed properties (built and compiled
+    lazily) and the call validated, which the plan's core binds (``prepared.bind_once``)."""
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
+    kw = _kw(opts)
     req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **_kw(opts))
+                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **kw)
     key = (opts, names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
            req.in_place, req.pos_mode, req.angles, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
                                                                                       req.cu_seqlens)), req.device)
     _, by_key = _thread_caches()
     plan = by_key.get(key)
     if plan is None:
-        kw = _kw(opts)
-        if opts[5] is not None:  # angles computed in the kernel: inv_freq in the cos slot
-            kw["inv_freq"], cos = cos, None
-        plan = RopePlan(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                        cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, device=req.device, **kw)
-        plan._names = names
+        plan = RopePlan._from_request(req, kw, names, req.device)
         plan._ensure_core()
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, req
 
 
 def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets) -> tuple:

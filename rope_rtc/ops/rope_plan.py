@@ -17,8 +17,9 @@ from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeom
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
 from ..core.launch import StructArg, launch_prefix, load_kernel, single_device
-from ..core.prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
-    cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
+from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
+from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature, \
+    signature
 from ..errors import KernelNotCachedError
 from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unflatten_heads
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
@@ -111,12 +112,35 @@ class RopePlan:
             name_the_cache(exc, cos_sin_cache)
             raise
         # Omitted outputs, or q_out=q / k_out=k, mean in place (Request.in_place needs both given).
-        self.in_place = ((q_out is None or A.same_view(req.q_out, req.q))
-                         and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
-        if not self.in_place and k is not None and k_out is None:
+        in_place = ((q_out is None or A.same_view(req.q_out, req.q))
+                    and (k_out is None or k is None or A.same_view(req.k_out, req.k)))
+        if not in_place and k is not None and k_out is None:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
-        if not self.in_place and q_out is None:  # execute() would refuse every call
+        if not in_place and q_out is None:  # execute() would refuse every call
             raise ValueError("q_out: an out-of-place plan (k_out given) needs q_out too")
+        self._configure(req, in_place, device)
+
+    @classmethod
+    def _from_request(cls, req: Request, opts: dict, names: tuple[str, str], device: int | None = None) -> "RopePlan":
+        """The plan of a call already validated into ``req`` (with both outputs given), by the
+        keywords ``opts`` (``validate``'s) and naming q and k ``names`` in its errors: what the
+        one-call functions build, so that their first call is validated once."""
+        plan = cls.__new__(cls)
+        plan._opts = {n: opts[n] for n in ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse")}
+        if req.angles:
+            plan._opts["attention_scaling"] = opts["attention_scaling"]
+        plan._flat_head_dim = None
+        plan._converted = plan._flat_quick = None
+        in_place = A.same_view(req.q_out, req.q) and (req.k is None or A.same_view(req.k_out, req.k))
+        plan._configure(req, in_place, device)
+        plan._names = names
+        return plan
+
+    def _configure(self, req: Request, in_place: bool, device: int | None) -> None:
+        """What the plan fixes, from its validated request; ``in_place``: whether it rotates q and k
+        in place."""
+        self.in_place = in_place
+        interleaved, inverse = req.interleaved, req.inverse
         # layout=None settled by q's rank (3-d: "thd"); every execute is validated against that.
         layout = self._opts["layout"] = req.layout
         self.dtype, self.layout = req.dtype, layout
@@ -124,7 +148,7 @@ class RopePlan:
         self.rotary_dim, self.rotary_offset = req.rotary_dim, req.rotary_offset
         self.q_heads, self.head_dim = req.cq.H, req.cq.D
         self.k_heads = req.ck.H if req.ck is not None else 0
-        self.has_k = k is not None
+        self.has_k = req.k is not None
         self.pos_mode = req.pos_mode
         self.angles, self.attention = req.angles, req.attention
         if req.angles:  # what no build serves is refused now, not at the first execute
@@ -163,7 +187,7 @@ class RopePlan:
         return self
 
     def _flat_quick_for(self, views: tuple, given: tuple, positions, offset, cu_seqlens):
-        """The template's generated repeat path (``_RopeTemplate.one_call``) written for a converted
+        """The template's generated repeat path (``RopeTemplate.one_call``) written for a converted
         call's own arrays: the flat q/k and the cos_sin_cache itself (sin: the second half of its
         rows), from the template that serves its views' signature; None where there is none (no
         bind of that signature yet, another library's arrays, positions checked on the device)."""
@@ -174,7 +198,7 @@ class RopePlan:
         vq, vk, vc, vs, vqo, vko = views
         sig = core.op.signature((vq, vk, vc, vs, positions, vqo, vko, cu_seqlens, offsets))
         tmpls = core.templates.get(sig) if sig is not None else None
-        if not tmpls or type(tmpls[0]) is not _RopeTemplate:
+        if not tmpls or type(tmpls[0]) is not RopeTemplate:
             return None
         q, k, cache, cos, sin, q_out, k_out = given
         c, s = (cos, sin) if cache is None else (cache, None)
@@ -395,7 +419,7 @@ _OWN_INPUT = {Q_OUT: Q, K_OUT: K}  # in place: the output is its input
 def generated_quick_path(template, arrays: tuple, kind: type):
     """``Op.quick_path`` for the plans on the general template and its subclasses (multimodal, fused
     norm): ``(fn, result)`` with ``fn`` the template's generated repeat path for ``arrays``'
-    signature (``_RopeTemplate.one_call``); None for a template that is not exactly ``kind`` (a
+    signature (``RopeTemplate.one_call``); None for a template that is not exactly ``kind`` (a
     subclass writes more than ``kind``'s path does) or has no such path, or where CuPy does not
     expose its contiguity flag."""
     if type(template) is not kind or not hasattr(cupy_ndarray(), "_c_contiguous"):
@@ -406,6 +430,8 @@ def generated_quick_path(template, arrays: tuple, kind: type):
 
 class _RopeOp(Op):
     """What a RopePlan fixes and checks."""
+
+    takes_request = True  # the one-call functions' first call hands its request over (rope._plan_for)
 
     def __init__(self, plan: RopePlan) -> None:
         self.plan = plan
@@ -418,27 +444,31 @@ class _RopeOp(Op):
 
     def quick_path(self, template, arrays: tuple):
         """The one-call functions' generated repeat path of ``template`` for ``arrays``' signature
-        (``_RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
+        (``RopeTemplate.one_call``): a plan called with new arrays of a signature it has bound
         takes the same checks and block write as ``apply_rope_qk``, where a bind, a remembered
         set and a token the launcher has never seen cost it more on the host
         (``benchmarks/probes/plan_new_arrays_cost.py``). None where the template has none (no
         specialised build) or CuPy
         does not expose its contiguity flag."""
-        return generated_quick_path(template, arrays, _RopeTemplate)
+        return generated_quick_path(template, arrays, RopeTemplate)
 
-    def validate(self, arrays: tuple, scalar: int) -> "_RopeTemplate":
+    def validate(self, arrays: tuple, scalar: int, request: Request | None = None) -> "RopeTemplate":
+        """Every check of a call (``request``: the call already validated by the caller with this
+        plan's options, which only the plan's own checks then compare with the plan)."""
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
         check_plan_arguments(plan, k, q_out, k_out)
         if plan.angles and sin is not None:
             raise TypeError("cos/sin: this plan computes cos and sin from inv_freq; pass inv_freq= to execute()")
-        req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                       cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
-                       **plan._opts)
+        req = request
+        if req is None:
+            req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                           cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=plan._names,
+                           **plan._opts)
         check_request_fits_plan(plan, req)
         if req.num_tokens:
             choose_vector(req)  # raises, naming the misaligned argument
-        return _RopeTemplate(plan, req)
+        return RopeTemplate(plan, req)
 
 
 def check_plan_arguments(plan: RopePlan, k, q_out, k_out) -> None:
@@ -475,9 +505,10 @@ def check_request_fits_plan(plan: RopePlan, req: Request) -> None:
         raise ValueError("execute: " + "; ".join(problems))
 
 
-class _RopeTemplate:
+class RopeTemplate:
     """What full validation established for one argument signature, minus the addresses (it
-    holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS)."""
+    holds no caller's array). Argument order: the core's (Q, K, ... OFFSETS). The base of the
+    fused ops' templates (multimodal, QK-norm), which add their builds and arguments to it."""
 
     OUTPUTS = ((Q_OUT, Q), (K_OUT, K))  # (output, its own input)
     generic = True  # whether a call the specialised build cannot take runs the generic kernel
@@ -487,7 +518,7 @@ class _RopeTemplate:
     #: general block and these arguments and nothing else, which the path then writes alike.
     EXTRA_ARGS: tuple = ()
     #: ``(argument, mask)`` of a build the signature prefers to this template's (its first call was
-    #: off that build's alignment: prepared.preferred_predicate); empty for the preferred one.
+    #: off that build's alignment: codegen.preferred_predicate); empty for the preferred one.
     preferred_masks: tuple = ()
 
     def __init__(self, plan: RopePlan, req: Request) -> None:
@@ -557,10 +588,11 @@ class _RopeTemplate:
         self.prepare_checks()
 
     def prepare_checks(self) -> None:
-        """The address checks as a predicate on a call's pointers (prepared.address_predicate). A
+        """The address checks as a predicate on a call's pointers (codegen.address_predicate). A
         subclass that adds checks calls it again. (The one-call path writes the same checks into
         its generated function: one_call.)"""
-        self._addresses = address_predicate(self.same_view, self.disjoint, self.natural)
+        self._addresses = address_predicate(self.same_view, self.disjoint, self.natural,
+                                            owner=type(self.plan).__name__)
 
     pointers = staticmethod(pointers)
 
@@ -625,7 +657,7 @@ class _RopeTemplate:
         says; then the address checks, the offset's range, the block's refill when another
         template wrote it last, and one pack of the call's fields. What the dictionary, the
         signature's tuples and the pointer tuple cost a repeated call, it does not."""
-        if not self.fixed_align or (type(self)._write_fixed is not _RopeTemplate._write_fixed and not self.EXTRA_ARGS):
+        if not self.fixed_align or (type(self)._write_fixed is not RopeTemplate._write_fixed and not self.EXTRA_ARGS):
             return None
         core = self.plan._ensure_core()
         names = ("q", "k", "cos", "sin", "positions", "q_out", "k_out", "cu_seqlens", "offsets") + self.EXTRA_ARGS
@@ -671,7 +703,9 @@ class _RopeTemplate:
                 + ("    return prefix if tv else strided\n" if strided is not None else "    return prefix\n"))
         namespace.update(core=core, tmpl=self, pack=FIXED_CALL.pack_into, block=self.plan._fixed_bytes,
                          prefix=self._fixed_prefix, strided=strided, **extra_namespace)
-        return generated("one_call", ", ".join(names) + ", offset", body, namespace)
+        owner = type(self.plan).__name__
+        return generated("repeat_path", ", ".join(names) + ", offset", body, namespace,
+                         title=f"{owner} repeat path ({arrays_title(names, sig)})", qualname=f"{owner}.repeat_path")
 
     def _extra_writes(self) -> tuple[str, dict]:
         """Statements of a generated repeat path that write ``EXTRA_ARGS``' pointers (``p9``, ...)

@@ -21,8 +21,8 @@ from ..core.backends import BACKENDS, on_gpu, resolve
 from ..core.descriptors import TensorDesc, TupleDict
 from ..core.launch import RECENT_SETS  # noqa: F401 - part of this module's interface
 from ..core.launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, array_checks, bind_once, \
-    cupy_ndarray, generated, made_once, pointers
+from ..core.codegen import array_checks, arrays_title, generated
+from ..core.prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, made_once, pointers
 from ..numerics.reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .rope_request import check_kinds
 
@@ -322,7 +322,9 @@ class _TailTemplate:
                 "        return None\n"
                 f"    pack(block, 0, p0, po, p1, p2, {int(self.n_vec)})\n"
                 "    return prefix\n")
-        return generated("one_call", "x, cosine, sine, out" + (", scalar" if len(key) == 4 else ""), body, namespace)
+        owner = "TailRoPEForward" if len(key) == 4 else "tail_rope"
+        return generated("repeat_path", "x, cosine, sine, out" + (", scalar" if len(key) == 4 else ""), body, namespace,
+                         title=f"{owner} repeat path ({arrays_title(names, key)})", qualname=f"{owner}.repeat_path")
 
 
 def _result(arrays: tuple) -> TupleDict:
@@ -342,15 +344,16 @@ _local = threading.local()
 _NO_LAST = (lambda x, cosine, sine, out: None, None)
 
 
-def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> TailRoPEForward:
-    """The thread's plan for tail_rope calls of this H, D and device (built once)."""
+def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> tuple[TailRoPEForward, None]:
+    """``(plan, None)``: the thread's plan for tail_rope calls of this H, D and device (built once),
+    whose core validates the call (``prepared.bind_once``)."""
     key = (shape[1:], device)
     plan = by_key.get(key)
     if plan is None:
         plan = TailRoPEForward(*arrays).check_support().compile()
         plan._decl = None  # a thread's plan must not keep the caller's arrays alive
         remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan
+    return plan, None
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDict:
