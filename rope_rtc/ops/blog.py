@@ -11,7 +11,7 @@ import ctypes
 from collections.abc import Callable
 
 from ..build.registry import blog_spec
-from ..core.launch import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
+from ..core.launcher import ArgPack, Launcher, launch_prefix, load_kernel, stream_handle
 
 BLOG_BLOCK = 256
 VARIANTS = ("baseline", "vectorized", "fused")

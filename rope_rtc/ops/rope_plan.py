@@ -16,7 +16,7 @@ import numpy as np
 from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
-from ..core.launch import StructArg, launch_prefix, load_kernel, single_device
+from ..core.launcher import StructArg, launch_prefix, load_kernel, single_device
 from ..core.prepared import Call, Op, Prepared, address_predicate, address_terms, aligned_term, \
     cupy_ndarray, disjoint_pairs, generated, made_once, pointers, repeat_signature, signature, signature_checks
 from ..errors import KernelNotCachedError
