@@ -37,7 +37,7 @@ _EXPORTS = {
     "tail_rope": "ops.tail",
     "TensorDesc": "core.descriptors",
     "TupleDict": "core.descriptors",
-    "release_outputs": "core.launch",
+    "release_outputs": "core.outputs",
     "RopeRtcError": "errors",
     "NoDeviceError": "errors",
     "UnsupportedLayoutError": "errors",

@@ -302,7 +302,8 @@ class FakeGPU:
     def __enter__(self) -> "FakeGPU":
         import threading
 
-        from rope_rtc.core import driver, launch, prepared
+        from rope_rtc.core import driver, outputs, prepared
+        from rope_rtc.core import launcher as launch
         from rope_rtc.ops import rope, rope_plan, tail
 
         def load_rope_functions(dtype, interleaved, vec, head_batch, device):
@@ -340,7 +341,7 @@ class FakeGPU:
         self._patch(rope_launch, "USE_FIXED", self.fixed)
         self._patch(tail, "load_tail_function", load_tail_function)
         self._patch(prepared.Prepared, "_new_launcher", staticmethod(self.launcher))
-        self._patch(launch, "allocate", allocate)
+        self._patch(outputs, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
         # The repeat path's current stream (cupy.cuda.get_current_stream): the handle stream_handle gives None.
         self._patch(rope, "_CURRENT", lambda device=-1: types.SimpleNamespace(ptr=stream_handle(None)))

@@ -27,7 +27,7 @@ def cp():
 def launched(monkeypatch):
     """The launch prefixes of the calls that follow, in order: a spy on the launcher's entries
     (a plan's call through the quick path keeps no Call to read them from)."""
-    from rope_rtc.core import launch
+    from rope_rtc.core import launcher as launch
 
     got: list = []
     plain, one_call = launch.Launcher.__call__, launch.Launcher.launch

@@ -1,4 +1,4 @@
-"""Plans replay a repeated launch as a one-node CUDA graph (rope_rtc.core.launch.Launcher): the replay
+"""Plans replay a repeated launch as a one-node CUDA graph (rope_rtc.core.launcher.Launcher): the replay
 sees in-place changes of the inputs, keeps stream order, never reaches a capturing stream, and
 its instantiation does not disturb another stream's capture. Outputs are re-poisoned before
 every call; tail results are compared bit for bit."""

@@ -148,7 +148,7 @@ def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, mon
     from cupy.lib.stride_tricks import as_strided
 
     import rope_rtc
-    from rope_rtc.core import launch
+    from rope_rtc.core import outputs as launch
     from rope_rtc.reference import tail_rope_reference
 
     cos_h, sin_h = host_tables(ROWS, D // 2, 2)

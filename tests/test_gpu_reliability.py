@@ -68,7 +68,8 @@ def test_threads_on_separate_streams_exact(cp):
 
 @pytest.mark.gpu
 def test_module_table_loads_once_under_threads(cp, monkeypatch):
-    from rope_rtc.core import driver, launch
+    from rope_rtc.core import driver
+    from rope_rtc.core import launcher as launch
     from rope_rtc.build.registry import tail_spec
 
     spec = tail_spec(5, 128)
@@ -124,7 +125,7 @@ def test_out_of_memory_is_cupys_error_and_nothing_written(cp):
 @pytest.mark.gpu
 def test_launch_failure_names_the_cuda_error_and_plan_survives(cp):
     import rope_rtc
-    from rope_rtc.core import launch
+    from rope_rtc.core import launcher as launch
 
     th = tail_random_inputs(4, 2, 128, seed=9)
     x, c, s = (cp.asarray(a) for a in th)
@@ -172,7 +173,7 @@ def test_two_devices(cp):
     """A plan built for device 1 while device 0 is current runs on device 1; arrays on the wrong
     device are rejected naming both; kernels load once per device; both devices at once."""
     import rope_rtc
-    from rope_rtc.core import launch
+    from rope_rtc.core import launcher as launch
 
     dt = DTYPES["bfloat16"]
     cos_h, sin_h = host_tables(32, 64, 7)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rope_rtc.core import launch as L
+from rope_rtc.core import graphs, recent
+from rope_rtc.core import launcher as L
 from rope_rtc.errors import CudaError
 
 PREFIX = (0xF00, 1, 1, 1, 256, 1, 1, 0)  # an int function handle, as CUfunction converts to
@@ -64,13 +65,13 @@ def test_a_plan_launch_of_many_threads_is_never_replayed(rig):
     """A launch of REPLAY_THREADS threads or more keeps cuLaunchKernel (its GPU time hides the
     host's, and a graph launch costs the GPU more); one just below replays as before."""
     launcher, stream, calls, made = rig
-    big = (0xF00, L.REPLAY_THREADS // 256, 1, 1, 256, 1, 1, 0)
+    big = (0xF00, graphs.REPLAY_THREADS // 256, 1, 1, 256, 1, 1, 0)
     token = ("big set",)
     for _ in range(4):
         launcher(big, None, token)
     assert calls == [("plain", 7)] * 4 and made == []
     calls.clear()
-    edge = (0xF00, L.REPLAY_THREADS // 256 - 1, 1, 1, 256, 1, 1, 0)
+    edge = (0xF00, graphs.REPLAY_THREADS // 256 - 1, 1, 1, 256, 1, 1, 0)
     token = ("set below the bound",)
     for _ in range(3):
         launcher(edge, None, token)
@@ -115,12 +116,12 @@ def test_new_argument_sets_each_call_never_instantiate(rig):
     for step in range(40):  # a decode loop with a new scalar offset every step
         launcher(PREFIX, None, ("offset", step))
     assert made == [] and {c[0] for c in calls} == {"plain"}
-    assert len(launcher._seen) <= L.RECENT_SETS
+    assert len(launcher._seen) <= recent.RECENT_SETS
 
 
 def test_alternating_sets_each_get_a_graph_and_the_cache_is_bounded(rig):
     launcher, stream, calls, made = rig
-    tokens = [("set", i) for i in range(L.RECENT_SETS + 4)]
+    tokens = [("set", i) for i in range(recent.RECENT_SETS + 4)]
     for _ in range(2):
         for t in tokens[:2]:
             launcher(PREFIX, None, t)
@@ -128,7 +129,7 @@ def test_alternating_sets_each_get_a_graph_and_the_cache_is_bounded(rig):
     for t in tokens:
         launcher(PREFIX, None, t)
         launcher(PREFIX, None, t)
-    assert len(launcher._graphs) == L.RECENT_SETS
+    assert len(launcher._graphs) == recent.RECENT_SETS
     launcher.forget()
     assert not launcher._graphs and not launcher._seen
 
@@ -138,24 +139,24 @@ def test_a_set_launched_all_along_keeps_its_graph_while_others_come_and_go(rig):
     steady argument set, launched between ever new ones, is instantiated once."""
     launcher, stream, calls, made = rig
     hot = ("steady set",)
-    others = [("passing set", i) for i in range(3 * L.RECENT_SETS)]
+    others = [("passing set", i) for i in range(3 * recent.RECENT_SETS)]
     for other in others:
         launcher(PREFIX, None, hot)
         launcher(PREFIX, None, other)
         launcher(PREFIX, None, other)  # each passing set gets a graph too
     assert made.count(id(hot)) == 1
-    assert len(launcher._graphs) == L.RECENT_SETS
+    assert len(launcher._graphs) == recent.RECENT_SETS
 
 
 def test_one_call_graphs_are_dropped_least_recently_launched_first(rig):
     launcher, stream, calls, made = rig
     hot = (0xF01, 1, 1, 1, 256, 1, 1, 0)
-    others = [(0xF02 + i, 1, 1, 1, 256, 1, 1, 0) for i in range(3 * L.RECENT_SETS)]
+    others = [(0xF02 + i, 1, 1, 1, 256, 1, 1, 0) for i in range(3 * recent.RECENT_SETS)]
     for other in others:
         launcher.launch(hot, 7)
         launcher.launch(other, 7)
     assert made.count(id(hot)) == 1
-    assert len(launcher._updated) == L.RECENT_SETS
+    assert len(launcher._updated) == recent.RECENT_SETS
 
 
 def test_replay_off_never_instantiates(rig):
@@ -252,10 +253,10 @@ def test_one_call_launches_update_one_graph_per_prefix(rig):
     launcher.launch(other, 9)
     launcher.launch(PREFIX, 9)  # another stream: a graph of its own (below)
     assert made == [id(PREFIX), id(other), id(PREFIX)] and calls[-1] == ("graph", id(PREFIX), 9)
-    prefixes = [(0xC00 + i, 1, 1, 1, 32, 1, 1, 0) for i in range(L.RECENT_SETS + 3)]
+    prefixes = [(0xC00 + i, 1, 1, 1, 32, 1, 1, 0) for i in range(recent.RECENT_SETS + 3)]
     for p in prefixes:
         launcher.launch(p, 7)
-    assert len(launcher._updated) == L.RECENT_SETS
+    assert len(launcher._updated) == recent.RECENT_SETS
     launcher.forget()
     assert not launcher._updated and launcher._last_updated is None
 
@@ -335,8 +336,8 @@ def test_one_call_launches_of_many_threads_are_kernel_launches(rig):
     """A launch whose GPU time hides the host's (more than GRAPH_NODE_THREADS threads) takes
     cuLaunchKernel: no graph is made for it."""
     launcher, stream, calls, made = rig
-    big = (0xF00, L.GRAPH_NODE_THREADS // 256 + 1, 1, 1, 256, 1, 1, 0)
-    edge = (0xF00, L.GRAPH_NODE_THREADS // 256, 1, 1, 256, 1, 1, 0)
+    big = (0xF00, graphs.GRAPH_NODE_THREADS // 256 + 1, 1, 1, 256, 1, 1, 0)
+    edge = (0xF00, graphs.GRAPH_NODE_THREADS // 256, 1, 1, 256, 1, 1, 0)
     launcher.launch(big, 7)
     launcher.launch(big, 7)
     assert calls == [("plain", 7), ("plain", 7)] and made == []
@@ -349,12 +350,12 @@ def test_remembering_a_key_already_held_drops_no_other_entry():
     key: the cache keeps its other entries (before: a full cache dropped its oldest one, leaving
     15), and the key becomes the newest."""
     cache: dict = {}
-    for i in range(L.RECENT_SETS):
-        L.remember(cache, i, str(i))
-    L.remember(cache, 5, "again")
-    assert len(cache) == L.RECENT_SETS and 0 in cache and list(cache)[-1] == 5 and cache[5] == "again"
-    L.remember(cache, "new", "x")
-    assert len(cache) == L.RECENT_SETS and 0 not in cache and 1 in cache
+    for i in range(recent.RECENT_SETS):
+        recent.remember(cache, i, str(i))
+    recent.remember(cache, 5, "again")
+    assert len(cache) == recent.RECENT_SETS and 0 in cache and list(cache)[-1] == 5 and cache[5] == "again"
+    recent.remember(cache, "new", "x")
+    assert len(cache) == recent.RECENT_SETS and 0 not in cache and 1 in cache
 
 
 @pytest.mark.parametrize("stream,exc,match", [
@@ -403,6 +404,6 @@ def test_warnings_point_past_every_frame_of_the_package(folder):
     from pathlib import Path
 
     where = Path(L.__file__).resolve().parents[1] / folder / "caller.py"
-    namespace = {"L": L}
-    exec(compile("def inside():\n    return L._caller_level()\n", str(where), "exec"), namespace)
+    namespace = {"graphs": graphs}
+    exec(compile("def inside():\n    return graphs._caller_level()\n", str(where), "exec"), namespace)
     assert namespace["inside"]() == 2  # 1 is the package's frame, 2 this test's

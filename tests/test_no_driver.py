@@ -16,7 +16,7 @@ import pytest
 import rope_rtc
 from fakes import fake_cupy
 from rope_rtc import TensorDesc
-from rope_rtc.core import driver, launch
+from rope_rtc.core import driver, launcher, outputs
 
 pytestmark = pytest.mark.skipif(driver.available(), reason="this machine has a usable GPU")
 
@@ -27,8 +27,8 @@ WAY_OUT = r"no usable CUDA GPU: .*backend='numpy'"
 @pytest.fixture(autouse=True)
 def nothing_remembered(monkeypatch):
     """CuPy's current-stream lookup and allocator are looked up once per process: as if for the first time."""
-    monkeypatch.setattr(launch, "_CURRENT_STREAM", [None])
-    monkeypatch.setattr(launch, "_EMPTY", [])
+    monkeypatch.setattr(launcher, "_CURRENT_STREAM", [None])
+    monkeypatch.setattr(outputs, "_EMPTY", [])
 
 
 def _rope_arrays():
@@ -121,6 +121,6 @@ def test_onnx_rotary_embedding(stream):
 
 def test_the_first_stream_lookup_and_allocation():
     with pytest.raises(rope_rtc.NoDeviceError, match=WAY_OUT):
-        launch.stream_handle(None, 0)
+        launcher.stream_handle(None, 0)
     with pytest.raises(rope_rtc.NoDeviceError, match=WAY_OUT):
-        launch.empty((4,), np.dtype(np.float32))
+        outputs.empty((4,), np.dtype(np.float32))

@@ -724,7 +724,7 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     """``launch.empty`` asks CuPy's current allocator (looked up on every call, so a
     ``using_allocator`` block is honoured) for exactly the output's bytes and wraps that memory as
     an array of the shape and dtype; an empty shape goes through ``cupy.empty``."""
-    from rope_rtc.core import launch
+    from rope_rtc.core import outputs as launch
 
     asked, made = [], []
 
@@ -762,7 +762,7 @@ class _Pool:
 def recycling(monkeypatch):
     """``launch.allocate`` over real CuPy arrays on fake memory (counted as they are made), with an
     allocator to switch and an empty recycling cache."""
-    from rope_rtc.core import launch
+    from rope_rtc.core import outputs as launch
 
     made = []
     default = _Pool()
@@ -911,7 +911,7 @@ def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
     (whose reference counts are not exact) recycles nothing."""
     import sysconfig
 
-    from rope_rtc.core import launch
+    from rope_rtc.core import outputs as launch
 
     free = launch._calibrate()
     assert free is not None and launch._FREE == free

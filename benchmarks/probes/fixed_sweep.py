@@ -28,7 +28,7 @@ def main(cases):
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.core.launch import Launcher, StructArg, launch_prefix, load_kernel
+    from rope_rtc.core.launcher import Launcher, StructArg, launch_prefix, load_kernel
     from rope_rtc.build.registry import DTYPE_CODES, KernelSpec
     from rope_rtc.ops.rope_params import FixedParams, fast_divisor
 

@@ -44,7 +44,8 @@ def main() -> None:
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.core import launch, prepared
+    from rope_rtc.core import launcher as launch_core
+    from rope_rtc.core import prepared
 
     bf16 = ml_dtypes.bfloat16
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
@@ -91,7 +92,7 @@ def main() -> None:
         cu_launch.restype = ctypes.c_int
         rows.append(("cuLaunchKernel (ctypes)",
                      per_call_us(lambda: cu_launch(fnp, gx, gy, gz, bx, by, bz, shared, h, args, None))))
-        launcher = launch.Launcher(args, core.device)
+        launcher = launch_core.Launcher(args, core.device)
         launcher.replay = False
         rows.append(("Launcher (plain)", per_call_us(lambda: launcher(call.prefix, h))))
         # One graph, new kernel arguments before each replay.

@@ -122,7 +122,7 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
 
 def _bench_kernels(device: int):
     """``cuda_src/bench_copy.cu`` loaded on ``device``: the copy and spin kernels."""
-    from ..core.launch import load_kernel
+    from ..core.launcher import load_kernel
     from ..build.registry import KernelSpec
 
     return load_kernel(KernelSpec("bench_copy", "bench_copy.cu", ("bench_copy_16b", "bench_spin")), device)
@@ -131,7 +131,7 @@ def _bench_kernels(device: int):
 def _plain_launcher(device: int, fields: list) -> tuple:
     """``(args, launcher)`` for a benchmark kernel: its own argument pack, launched plainly (no
     graph replay), as a caller's kernel would be."""
-    from ..core.launch import ArgPack, Launcher
+    from ..core.launcher import ArgPack, Launcher
 
     args = ArgPack(fields)
     launcher = Launcher(args.address, device)
@@ -148,7 +148,7 @@ class CopyKernelRunner:
     def __init__(self, stream, copy: CopyRunner, device: int) -> None:
         import ctypes
 
-        from ..core.launch import launch_prefix
+        from ..core.launcher import launch_prefix
 
         fn = _bench_kernels(device).functions["bench_copy_16b"]
         n16 = copy.half // 16
@@ -170,7 +170,7 @@ class GpuHold:
     def __init__(self, stream, device: int) -> None:
         import ctypes
 
-        from ..core.launch import launch_prefix
+        from ..core.launcher import launch_prefix
 
         self._args, self._launch = _plain_launcher(device, [("ns", ctypes.c_int64)])
         self._prefix = launch_prefix(_bench_kernels(device).functions["bench_spin"], (1, 1, 1), (1, 1, 1))
@@ -494,7 +494,7 @@ COLDSTART_CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np, ml_dtypes, cupy as cp
-import rope_rtc, rope_rtc.ops.rope, rope_rtc.ops.tail, rope_rtc.core.launch, rope_rtc.build.kernels
+import rope_rtc, rope_rtc.ops.rope, rope_rtc.ops.tail, rope_rtc.core.launcher, rope_rtc.build.kernels
 from cuda.bindings import driver as _drv
 t1 = time.perf_counter()
 cp.cuda.Device(0).use(); cp.empty(1); cp.cuda.runtime.deviceSynchronize()

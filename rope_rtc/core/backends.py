@@ -179,7 +179,7 @@ def on_gpu(arrays: tuple, written: tuple[int, ...], stream, call) -> list:
     """
     import cupy
 
-    from .launch import cupy_stream, stream_handle
+    from .launcher import cupy_stream, stream_handle
 
     handle = stream_handle(stream, cupy.cuda.runtime.getDevice())
     copies: dict[tuple, object] = {}

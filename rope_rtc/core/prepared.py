@@ -30,7 +30,8 @@ import ctypes
 import weakref
 from operator import is_, itemgetter
 
-from .launch import RECENT_SETS, Launcher, recall, remember
+from .launcher import Launcher
+from .recent import RECENT_SETS, recall, remember
 
 # Signatures a core keeps templates for: engines use a few shapes (prefill lengths, decode).
 TEMPLATES = 64

@@ -11,7 +11,7 @@ import ctypes
 from collections.abc import Callable
 
 from ..build.registry import blog_spec
-from ..core.launch import ArgPack, launch_prefix, load_kernel, stream_handle
+from ..core.launcher import ArgPack, launch_prefix, load_kernel, stream_handle
 from ..core.prepared import direct_launcher
 
 BLOG_BLOCK = 256

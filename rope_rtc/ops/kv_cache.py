@@ -32,11 +32,12 @@ import numpy as np
 from ..build.registry import cache_head_batch, cache_spec, cache_vector_widths
 from ..core import arrays as A
 from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
-from ..core.launch import StructArg, cupy_stream, launch_prefix, load_kernel, remember, single_device, stream_handle
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
+from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
 from ..core.prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once,
                              pointers, repeat_signature, signature)
+from ..core.recent import remember
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset

@@ -25,11 +25,12 @@ import numpy as np
 
 from ..build.registry import FixedGeometry, both_strides, mrope_geometries
 from ..core import arrays as A
-from ..core import launch
+from ..core import outputs as launch
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              write_results)
-from ..core.launch import remember, stream_handle
+from ..core.launcher import stream_handle
 from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
+from ..core.recent import remember
 from ..numerics.reference import mrope_streams
 from . import rope_plan
 from .conventions import interface_view, shape_of

@@ -230,7 +230,7 @@ class _launch_order:
         if self.xp is np:
             return self.stream
         from ..core import arrays as arr
-        from ..core.launch import cupy_stream, stream_handle
+        from ..core.launcher import cupy_stream, stream_handle
 
         device = arr.describe(self.X, "X").device
         handle = stream_handle(self.stream, device)

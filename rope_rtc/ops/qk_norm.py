@@ -34,12 +34,13 @@ import numpy as np
 from ..build.registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
                               norm_head_batch, norm_stageable, norm_vector_widths)
 from ..core import arrays as A
-from ..core import launch
+from ..core import outputs as launch
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              token_positions, write_results)
-from ..core.launch import launch_prefix, load_kernel, remember, stream_handle
 from ..core.codegen import preferred_predicate
+from ..core.launcher import launch_prefix, load_kernel, stream_handle
 from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, signature
+from ..core.recent import remember
 from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed

@@ -18,11 +18,12 @@ import threading
 import numpy as np
 
 from ..core import arrays as A
-from ..core import launch
+from ..core import outputs as launch
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
-from ..core.launch import remember, stream_handle
+from ..core.launcher import stream_handle
 from ..core.prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
+from ..core.recent import remember
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
 from .rope_plan import SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate

@@ -16,8 +16,8 @@ import numpy as np
 from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
-from ..core.launch import StructArg, launch_prefix, load_kernel, single_device
 from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
+from ..core.launcher import StructArg, launch_prefix, load_kernel, single_device
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature, \
     signature
 from ..errors import KernelNotCachedError

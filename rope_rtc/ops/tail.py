@@ -16,13 +16,15 @@ import numpy as np
 
 from ..build.registry import TAIL_DIMS, tail_spec
 from ..core import arrays as A
-from ..core import driver, launch
+from ..core import driver
+from ..core import outputs as launch
 from ..core.backends import BACKENDS, on_gpu, resolve
 from ..core.descriptors import TensorDesc, TupleDict
-from ..core.launch import RECENT_SETS  # noqa: F401 - part of this module's interface
-from ..core.launch import ArgPack, launch_prefix, load_kernel, remember, stream_handle
 from ..core.codegen import array_checks, arrays_title, generated
+from ..core.launcher import ArgPack, launch_prefix, load_kernel, stream_handle
 from ..core.prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, made_once, pointers
+from ..core.recent import RECENT_SETS  # noqa: F401 - part of this module's interface
+from ..core.recent import remember
 from ..numerics.reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .rope_request import check_kinds
 
