@@ -25,7 +25,7 @@ import numpy as np
 
 from ..build.registry import FixedGeometry, both_strides, mrope_geometries
 from ..core import arrays as A
-from ..core import outputs as launch
+from ..core import outputs
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              write_results)
 from ..core.launcher import stream_handle
@@ -359,10 +359,10 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
     device = qi.device
     handle = stream_handle(stream, device)
     if q_out is None:
-        q_out = launch.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
+        q_out = outputs.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
     if k is not None and k_out is None:
         ki = A.describe(k, names[1], allow_host=False)
-        k_out = launch.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
+        k_out = outputs.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
     arrays = (q, k, cos, sin, positions, q_out, k_out, None, None)
     sig = signature(arrays)
     key = None if sig is None or not plain else (options, sig, q_out is q, k_out is k)

@@ -34,7 +34,7 @@ import numpy as np
 from ..build.registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, FixedGeometry, NormGeometry, norm_builds,
                               norm_head_batch, norm_stageable, norm_vector_widths)
 from ..core import arrays as A
-from ..core import outputs as launch
+from ..core import outputs
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              token_positions, write_results)
 from ..core.codegen import preferred_predicate
@@ -408,10 +408,10 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     handle = stream_handle(stream, device)
     given = q_out is not None and k_out is not None
     if q_out is None:
-        q_out = launch.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
+        q_out = outputs.allocate(qi.shape, A.numpy_dtype(qi.dtype), device, handle)
     if k_out is None:
         ki = A.describe(k, "k", allow_host=False)
-        k_out = launch.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
+        k_out = outputs.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
     scalar, offsets = split_offset(offset)
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight)
     sig = signature(arrays)

@@ -18,7 +18,7 @@ import threading
 import numpy as np
 
 from ..core import arrays as A
-from ..core import outputs as launch
+from ..core import launcher, outputs
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from ..core.launcher import stream_handle
@@ -311,9 +311,9 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         device = q.data.device_id
     handle = stream_handle(stream, device)
     if q_out is None:
-        q_out = launch.allocate(q.shape, q.dtype, device, handle, stream is None)
+        q_out = outputs.allocate(q.shape, q.dtype, device, handle, stream is None)
     if k is not None and k_out is None:
-        k_out = launch.allocate(k.shape, k.dtype, device, handle, stream is None)
+        k_out = outputs.allocate(k.shape, k.dtype, device, handle, stream is None)
     layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
     try:
         last = _local.last
@@ -381,7 +381,7 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
         handle = stream_handle(stream, req.device)
         for i, info in ((7, req.q), (8, req.k)):
             if view[i] is None and info is not None:
-                view[i] = launch.allocate(info.shape, A.numpy_dtype(info.dtype), req.device, handle)
+                view[i] = outputs.allocate(info.shape, A.numpy_dtype(info.dtype), req.device, handle)
         stream = handle
         qo, ko = _run_device(view[0], view[1], view[2], view[3], view[4], req.offset if view[5] is None else view[5],
                              view[6], view[7], view[8], stream, opts, names, req.device)
@@ -396,7 +396,7 @@ def _run_staged(req: Request, names, q, k, stream, opts: tuple):
 
     device = cupy.cuda.runtime.getDevice()
     handle = stream_handle(stream, device)
-    with launch.cupy_stream(handle):  # the uploads and the kernel in one stream's order
+    with launcher.cupy_stream(handle):  # the uploads and the kernel in one stream's order
         staged = [None if x is None else cupy.asarray(_host(x)) for x in (req.q, req.k, req.cos,
                                                                           None if req.angles else req.sin,
                                                                           req.positions, req.offsets, req.cu_seqlens)]
@@ -562,7 +562,7 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
                 if out is None:  # allocated as _run_device would, which takes it if the path declines
                     device = x.data.device_id
                     handle = _CURRENT(device).ptr if stream is None else stream_handle(stream, device)
-                    out = launch.allocate(x.shape, x.dtype, device, handle, stream is None)
+                    out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
                 else:
                     handle = _CURRENT(last.device).ptr if stream is None else stream_handle(stream, last.device)
                 if type(offset) is int:

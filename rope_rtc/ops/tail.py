@@ -17,7 +17,7 @@ import numpy as np
 from ..build.registry import TAIL_DIMS, tail_spec
 from ..core import arrays as A
 from ..core import driver
-from ..core import outputs as launch
+from ..core import launcher, outputs
 from ..core.backends import BACKENDS, on_gpu, resolve
 from ..core.descriptors import TensorDesc, TupleDict
 from ..core.codegen import array_checks, arrays_title, generated
@@ -300,7 +300,7 @@ class _TailTemplate:
 
     def _one_call_function(self, key: tuple, core: Prepared):
         names = ("x", "cosine", "sine", "out")[:len(key)]
-        several = not launch.single_device()
+        several = not launcher.single_device()
         namespace: dict = {"nd": cupy_ndarray(), "pack": _ARGS.pack_into, "block": core.block_bytes,
                            "prefix": self.prefix}
         conds, reads = [], []
@@ -390,7 +390,7 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
         _local.by_signature, _local.by_key, _local.last = {}, {}, _NO_LAST
         one_call, plan = _NO_LAST
     handle = stream_handle(stream, device)
-    out = launch.allocate(shape, dtype, device, handle, stream is None)
+    out = outputs.allocate(shape, dtype, device, handle, stream is None)
     # The thread's last repeat path: the generated checks of its signature, alignment and overlap.
     prefix = one_call(x, cosine, sine, out)
     if prefix is not None:
