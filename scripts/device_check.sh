@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check: every test with ROPE_RTC_REQUIRE_GPU=1 (a skipped GPU or device test is a
-# failure), then the benchmark. Results land under $OUT (default ./out). Run from the repository
+# failure; the slow CPU tests are left to CI, tests/conftest.py), then the benchmark. Results land under $OUT (default ./out). Run from the repository
 # root on a GPU machine:
 #     bash scripts/device_check.sh [--quick-bench|--full-bench|--no-bench] [--shards N] [extra pytest args]
 # --shards N runs the tests in N processes side by side (ROPE_RTC_TEST_SHARD, tests/conftest.py),

@@ -9,6 +9,20 @@ Markers
 ``stress``  repeats a scenario many times under load (a minute at most on the device): deselected
             unless ``ROPE_RTC_STRESS=1``, so the suite never runs it by default, e.g.
             ``ROPE_RTC_STRESS=1 ROPE_RTC_REQUIRE_GPU=1 python -m pytest -q -m stress tests``.
+``slow``    a slow CPU test worth keeping (every kernel compiled for three architectures, a
+            model's kernels warmed): deselected unless a ``-m`` expression is given or the test
+            is named by its node id, so ``python -m pytest -q`` stays quick; CI runs them after
+            the suite with ``python -m pytest -q -m slow``.
+
+Fixtures shared by every module: ``gpu`` (a ``fakes.FakeGPU`` recording what the host logic
+would launch, for CPU tests), ``no_device`` (the driver probe says there is no GPU) and ``cp``
+(CuPy, for GPU tests). Helpers shared by several modules live in ``helpers.py`` (CPU and GPU),
+``fakes.py`` (fake device arrays) and ``gpu_util.py`` (GPU only).
+
+One rule tells CPU tests from GPU tests by the file name: a test carrying ``gpu``, ``device`` or
+``multigpu`` lives in a ``tests/test_gpu_*.py`` file, and every test of such a file carries one of
+them (``pytestmark`` at the top of the module does it). Collection stops with an error naming each
+test that breaks the rule.
 
 With ``ROPE_RTC_REQUIRE_GPU=1`` (set by ``scripts/device_check.sh``) a skip of a test
 carrying ``gpu`` or ``device`` becomes a failure: on the device those tests are not optional.
@@ -50,6 +64,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: needs the device machine (GPU, torch, transformers)")
     config.addinivalue_line("markers", "multigpu: needs two or more CUDA devices")
     config.addinivalue_line("markers", "stress: repeats a scenario under load; runs only with ROPE_RTC_STRESS=1")
+    config.addinivalue_line("markers", "slow: a slow CPU test; runs only under -m (CI: -m slow) or named by node id")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -92,6 +107,33 @@ def gpu_unavailable_reason() -> str | None:
     return _GPU_REASON[0]
 
 
+@pytest.fixture
+def gpu():
+    """A fake GPU (tests/fakes.py) for the CPU tests of host logic: records what would launch."""
+    from fakes import FakeGPU
+
+    with FakeGPU() as fake:
+        yield fake
+
+
+@pytest.fixture
+def no_device(monkeypatch):
+    """rope_rtc's driver probe answers that this machine has no GPU, whatever it has."""
+    from rope_rtc.core import driver
+
+    monkeypatch.setattr(driver, "available", lambda: False)
+    # Shaped as the real reason: the loader's words in parentheses.
+    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver found (libcuda.so.1: simulated)")
+
+
+@pytest.fixture(scope="session")
+def cp():
+    """CuPy, for the GPU tests (each is skipped before its fixtures where no GPU can run it)."""
+    import cupy
+
+    return cupy
+
+
 def _gpu_count() -> int:
     import cupy
 
@@ -112,7 +154,7 @@ def _shard() -> tuple[int, int] | None:
 
 
 # A module of at most this many tests goes to one shard whole: a few modules end with a test that
-# reads what the module's other tests recorded (test_fuzz_gpu's counts).
+# reads what the module's other tests recorded (test_gpu_fuzz's counts).
 _WHOLE_MODULE = 50
 
 
@@ -138,16 +180,66 @@ def _shard_items(items: list[pytest.Item], index: int, count: int) -> list[pytes
     return [item for item in items if id(item) in mine]
 
 
+GPU_MARKERS = ("gpu", "device", "multigpu")
+GPU_FILE_PREFIX = "test_gpu_"
+
+
+_MISPLACED = pytest.StashKey[list]()
+
+
+def misplaced(item: pytest.Item) -> str | None:
+    """How ``item`` breaks the file-name rule, with the way out, or None: a GPU-marked test
+    outside a ``test_gpu_*.py`` file, or an unmarked test inside one."""
+    in_gpu_file = item.path.name.startswith(GPU_FILE_PREFIX)
+    marked = [name for name in GPU_MARKERS if item.get_closest_marker(name) is not None]
+    if marked and not in_gpu_file:
+        return (f"{item.nodeid}: marked {marked[0]!r} outside a {GPU_FILE_PREFIX}*.py file; move it to one "
+                f"(tests that need a GPU live there)")
+    if in_gpu_file and not marked:
+        return (f"{item.nodeid}: a test in a {GPU_FILE_PREFIX}*.py file without a gpu, device or multigpu "
+                f"marker; mark it, or move it to a CPU test file")
+    return None
+
+
+# Every collected test, before -k or -m choose: the rule holds for the whole suite.
+def pytest_itemcollected(item: pytest.Item) -> None:
+    problem = misplaced(item)
+    if problem is not None:
+        item.config.stash.setdefault(_MISPLACED, []).append(problem)
+
+
+def _named_by_node_id(config: pytest.Config, item: pytest.Item) -> bool:
+    """Whether the command line names this test (``file.py::test``, a parametrisation or a class)."""
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if not sep or (config.invocation_params.dir / path).resolve() != item.path.resolve():
+            continue
+        name = item.nodeid.split("::", 1)[1]
+        if name == rest or name.startswith((rest + "[", rest + "::")):
+            return True
+    return False
+
+
 # Last: after pytest's own -k/-m/--deselect filtering (a conftest's hooks otherwise run before
 # the built-in plugins'), so the shards split what was selected.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    problems = config.stash.get(_MISPLACED, [])
+    if problems:
+        raise pytest.UsageError("tests on the wrong side of the CPU/GPU file-name rule (tests/conftest.py):\n  "
+                                + "\n  ".join(problems))
     if os.environ.get("ROPE_RTC_STRESS", "") in ("", "0"):
         # Deselected rather than skipped: under ROPE_RTC_REQUIRE_GPU=1 a skipped GPU test fails.
         stress = [item for item in items if "stress" in item.keywords]
         if stress:
             config.hook.pytest_deselected(items=stress)
             items[:] = [item for item in items if "stress" not in item.keywords]
+    if not config.option.markexpr:
+        slow = [item for item in items if item.get_closest_marker("slow") and not _named_by_node_id(config, item)]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            slow_ids = {id(item) for item in slow}
+            items[:] = [item for item in items if id(item) not in slow_ids]
     shard = _shard()
     if shard is not None:
         kept = _shard_items(items, *shard)

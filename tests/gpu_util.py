@@ -6,6 +6,7 @@ import contextlib
 
 import ml_dtypes
 import numpy as np
+from helpers import bits  # noqa: F401 (the GPU tests import it from here)
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -23,10 +24,6 @@ def host_tables(rows: int, half: int, seed: int) -> tuple[np.ndarray, np.ndarray
 def poisoned(cp, shape, dtype):
     """An output buffer full of NaN: an element the kernel fails to write stays NaN."""
     return cp.full(shape, np.nan, dtype=dtype)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
 @contextlib.contextmanager

@@ -28,13 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def no_device(monkeypatch):
-    monkeypatch.setattr(driver, "available", lambda: False)
-    # Shaped as the real reason: the loader's words in parentheses.
-    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver found (libcuda.so.1: simulated)")
-
-
-@pytest.fixture
 def two_devices(monkeypatch):
     """An H200 and a device newer than this NVRTC knows."""
     newest = max(toolchain.supported_archs())

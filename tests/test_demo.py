@@ -1,5 +1,5 @@
 """``rope-rtc demo``: quick on a machine without a GPU, with or without the CUDA toolchain;
-compiling only when ``--warm`` asks; on a GPU, each kernel prepared once before it is timed."""
+compiling only when ``--warm`` asks (the demo on a GPU: test_gpu_demo.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from rope_rtc import cli, demo
-from rope_rtc.core import driver
 from rope_rtc.build import registry, toolchain
 from rope_rtc import warm as _warm  # noqa: F401 - imported before any test patches the toolchain it binds
 from rope_rtc.errors import ToolchainError
@@ -20,12 +19,6 @@ from rope_rtc.errors import ToolchainError
 REPO = Path(__file__).resolve().parents[1]
 # The demo's promise on a CPU machine, cold (a fresh process, an empty cache).
 CPU_DEMO_SECONDS = 10.0
-
-
-@pytest.fixture
-def no_device(monkeypatch):
-    monkeypatch.setattr(driver, "available", lambda: False)
-    monkeypatch.setattr(driver, "unavailable_reason", lambda: "no CUDA driver: simulated")
 
 
 @pytest.fixture
@@ -107,26 +100,6 @@ def test_the_blog_case_moves_what_the_benchmark_counts():
 
     B, H, S, D = (demo.BLOG_SHAPE[k] for k in ("B", "H", "S", "D"))
     assert demo.blog_bytes_moved(B, H, S, D) == Case("blog", "float32", "bhsd", True, B, S, H, H, D).bytes_moved()
-
-
-def test_gpu_demo_prepares_each_blog_kernel_once_before_timing_it(monkeypatch, capsys):
-    """A timed call only launches: validation and the packed table are built before the clock."""
-    if not driver.available():
-        pytest.skip(f"no GPU: {driver.unavailable_reason()}")
-    pytest.importorskip("cupy")
-    from rope_rtc.ops import blog
-
-    calls = []
-    real = blog.prepare_blog_variant
-
-    def counting(*args, **kwargs):
-        calls.append(args[0])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(blog, "prepare_blog_variant", counting)
-    assert demo.gpu_demo() == 0, capsys.readouterr().out
-    # One preparation for the check, one for the timed calls, per blog kernel.
-    assert sorted(calls) == sorted(2 * ["baseline", "vectorized", "fused"]), calls
 
 
 def test_gpu_us_times_bursts_by_events_and_returns_the_median_per_call():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, after_current_stream, bits, host_random, poisoned
-from test_gpu_rope import _shape
+from helpers import layout_shape
 
 pytestmark = pytest.mark.gpu
 
@@ -26,13 +26,6 @@ SCALINGS = {
                  "long_factor": [2.0 + 0.1 * i for i in range(64)], "original_max_position_embeddings": 4096,
                  "max_position_embeddings": 131072},
 }
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
 
 
 def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -166,8 +159,8 @@ def test_rotation_matches_the_table_call(cp, dtype, layout, interleaved, scheme,
     else:
         kw = {"cu_seqlens": cp.asarray(np.array([0, 30, B * S], np.int32)),
               "offset": cp.asarray(np.array([3, 600], np.int64))}
-    q = cp.asarray(host_random(_shape(layout, B, S, Hq, D), dt, 5))
-    k = cp.asarray(host_random(_shape(layout, B, S, Hk, D), dt, 6))
+    q = cp.asarray(host_random(layout_shape(layout, B, S, Hq, D), dt, 5))
+    k = cp.asarray(host_random(layout_shape(layout, B, S, Hk, D), dt, 6))
     want = rope_rtc.apply_rope_qk(q, k, cos, sin, layout=layout, interleaved=interleaved, **kw)
     if in_place:
         qo, ko = q.copy(), k.copy()

@@ -13,13 +13,6 @@ from gpu_util import after_current_stream
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def test_gpu_hold_keeps_the_stream_busy_and_calls_queue_behind_it(cp):
     from rope_rtc.benchmark.runner import GpuHold
 

@@ -12,13 +12,6 @@ from rope_rtc.reference import rope_reference
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _ref_bhsd(x, cos, sin, offset=0):
     B, H, S, D = x.shape
     canon = np.transpose(x, (0, 2, 1, 3)).reshape(-1, H, D)

@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, bits, host_random, host_tables, poisoned
-from test_gpu_rope import _shape
+from helpers import layout_shape
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
 
 
 @pytest.fixture
@@ -65,8 +58,8 @@ def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_plac
     monkeypatch.setattr(rope_launch, "USE_DENSE", dense)
     B, S, P = 2, 37, 128
     dt = DTYPES[dtype]
-    q = cp.asarray(host_random(_shape(layout, B, S, Hq, D), dt, 11))
-    k = cp.asarray(host_random(_shape(layout, B, S, Hk, D), dt, 12)) if with_k else None
+    q = cp.asarray(host_random(layout_shape(layout, B, S, Hq, D), dt, 11))
+    k = cp.asarray(host_random(layout_shape(layout, B, S, Hk, D), dt, 12)) if with_k else None
     cos, sin = (cp.asarray(a) for a in host_tables(P, (rotary_dim or D) // 2, 13))
     rng = np.random.default_rng(14)
     if scheme == "offset":

@@ -17,13 +17,6 @@ pytestmark = pytest.mark.gpu
 T, H, D = 33, 4, 128
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _tail_plan(cp, seed=1):
     import rope_rtc
 

@@ -17,13 +17,6 @@ BF16 = ml_dtypes.bfloat16
 B, HQ, HK, D, ROWS = 8, 32, 8, 128, 4096
 
 
-@pytest.fixture
-def cp():
-    import cupy
-
-    return cupy
-
-
 def test_eight_threads_own_arrays_and_streams_exact(cp):
     """8 threads, 1,000 apply_rope_qk calls each on their own arrays and streams: every result
     equals, bit for bit, what one call of the same kernel gave on the main thread, and no thread

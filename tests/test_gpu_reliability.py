@@ -14,13 +14,6 @@ from rope_rtc.reference import assert_rope_close, rope_reference, tail_rope_refe
 from tail_cases import tail_random_inputs
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _check_general(cp, got, x, cos, sin, pos):
     xc = x.reshape(-1, x.shape[-2], x.shape[-1])
     assert_rope_close(cp.asnumpy(got).reshape(xc.shape), rope_reference(xc, cos, sin, pos, interleaved=False), xc,

@@ -10,26 +10,10 @@ import pytest
 
 from gpu_util import (DTYPES, after_current_stream, assert_half_split_qk, count_allocations, count_compiles,
                       fill_behind_busy_kernel, host_random, host_tables, poisoned)
-from rope_rtc.core.layouts import to_bshd_index
+from helpers import layout_shape, token_rows
 from rope_rtc.reference import assert_rope_close, rope_reference
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
-def _shape(layout, B, S, H, D):
-    return {"bshd": (B, S, H, D), "bhsd": (B, H, S, D), "sbhd": (S, B, H, D), "thd": (B * S, H, D)}[layout]
-
-
-def _canon(x, layout):
-    c = np.transpose(x, to_bshd_index(layout))
-    return c.reshape(-1, c.shape[-2], c.shape[-1])
 
 
 def _positions(scheme, B, S, P, rng):
@@ -65,8 +49,8 @@ def _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, B=2
             pos = t - cu[seq] + offs[seq]
     else:
         kw, pos = _positions(scheme, B, S, P, rng)
-    q = host_random(_shape(layout, B, S, Hq, D), dt, seed + 1)
-    k = host_random(_shape(layout, B, S, Hk, D), dt, seed + 2)
+    q = host_random(layout_shape(layout, B, S, Hq, D), dt, seed + 1)
+    k = host_random(layout_shape(layout, B, S, Hk, D), dt, seed + 2)
     cos, sin = host_tables(P, (rdim or D) // 2, seed + 3)
     qd, kd, cd, sd = (cp.asarray(a) for a in (q, k, cos, sin))
     kwd = {n: (cp.asarray(v) if isinstance(v, np.ndarray) else v) for n, v in kw.items()}
@@ -82,9 +66,9 @@ def _run_case(cp, dtype, layout, interleaved, window, scheme, in_place, gqa, B=2
         rope_rtc.apply_rope_qk(qd, kd, cd, sd, layout=layout, interleaved=interleaved, rotary_dim=rdim,
                                rotary_offset=roff, q_out=qo, k_out=ko, **kwd)
     for got, x in ((qo, q), (ko, k)):
-        xc = _canon(x, layout)
+        xc = token_rows(x, layout)
         ref = rope_reference(xc, cos, sin, pos, interleaved=interleaved, rotary_dim=rdim, rotary_offset=roff)
-        assert_rope_close(_canon(cp.asnumpy(got), layout), ref, xc, interleaved=interleaved, rotary_dim=rdim,
+        assert_rope_close(token_rows(cp.asnumpy(got), layout), ref, xc, interleaved=interleaved, rotary_dim=rdim,
                           rotary_offset=roff, dtype=np.dtype(dt))
     if not in_place:
         assert np.array_equal(cp.asnumpy(qd).view(np.uint8), q.view(np.uint8))

@@ -17,13 +17,6 @@ SHAPES = [(1, None, 128), (4, 32, 128), (17, 3, 128), (4096, 1, 512), (4096, 64,
 FULL_COMPARE = 40_000_000
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def _inputs(cp, T, H, D, gen):
     """(host triple or None, device triple). Large shapes are generated on the GPU and compared
     on sampled tokens; small ones alternate planted edge cases with plain random data."""

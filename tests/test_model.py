@@ -267,6 +267,8 @@ def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
         assert {s.family for s in model.cache_specs()} == {"rope_cache"} and len(model.cache_specs()) == 3
 
 
+# Slow (a hundred kernels for two architectures): CI runs it under -m slow.
+@pytest.mark.slow
 def test_warm_model_compiles_exactly_the_models_kernels(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(LLAMA3_8B))
@@ -423,6 +425,8 @@ def test_a_qk_norm_model_warms_its_fused_builds(config, want):
     assert NormGeometry("bfloat16", False, 32, 8, 128, 0, 128, 8, False, "exact", 4, staged=True).spec() in specs
 
 
+# Slow (compiles every in-kernel angle build of a model): CI runs it under -m slow.
+@pytest.mark.slow
 def test_warm_inv_freq_builds_what_an_inv_freq_plan_loads(tmp_path, monkeypatch, capsys):
     """``--inv-freq``: the builds that compute cos and sin in the kernel, for q with k, q alone and
     k alone, both thread orders, decode and prefill; a missing one under ROPE_RTC_NO_COMPILE

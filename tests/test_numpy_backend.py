@@ -19,6 +19,7 @@ from rope_rtc.core import backends
 from rope_rtc.ops import rope as R
 from rope_rtc.reference import assert_rope_close, tail_rope_reference
 from fakes import FakeDeviceArray, FakeGPU
+from helpers import bits
 from tail_cases import tail_edge_inputs, tail_random_inputs
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -404,10 +405,6 @@ def test_plan_needs_device_arrays():
 # ---------------------------------------------------------------------------------------------
 # tail RoPE: bit for bit
 
-def _bits(a):
-    return np.asarray(a).view(np.uint16)
-
-
 @pytest.mark.parametrize("T,H,D", [(1, None, 128), (4, 32, 128), (17, 3, 128), (5, None, 512), (3, 2, 512),
                                    (0, 2, 128), (0, None, 512)])
 @pytest.mark.parametrize("inputs", ["random", "edge"])
@@ -419,16 +416,16 @@ def test_tail_numpy_bit_exact(T, H, D, inputs):
     result = tail_rope(x, cosine, sine, backend="numpy")
     (out,) = result
     assert out is result["out"] and out.dtype == BF16 and out.shape == x.shape
-    np.testing.assert_array_equal(_bits(out), _bits(want))
+    np.testing.assert_array_equal(bits(out), bits(want))
     out2 = np.full_like(x, np.nan)
     plan = TailRoPEForward(x, cosine, sine, out2, backend="numpy")
     assert plan.check_support() is plan and plan.compile() is plan and plan.scratch_workspace_bytes() == 0
     assert plan.execute(x, cosine, sine, out2)["out"] is out2
-    np.testing.assert_array_equal(_bits(out2), _bits(want))
+    np.testing.assert_array_equal(bits(out2), bits(want))
     # The opposite angle: the negated sine table.
     neg = plan.execute(x, cosine, -sine, out2)["out"]
-    np.testing.assert_array_equal(_bits(neg), _bits(tail_rope_reference(x, cosine, -sine)))
-    np.testing.assert_array_equal(_bits(x), _bits(x0))  # the input is never written
+    np.testing.assert_array_equal(bits(neg), bits(tail_rope_reference(x, cosine, -sine)))
+    np.testing.assert_array_equal(bits(x), bits(x0))  # the input is never written
 
 
 def test_tail_numpy_plan_token_count_changes():
@@ -438,7 +435,7 @@ def test_tail_numpy_plan_token_count_changes():
         x, cosine, sine = tail_edge_inputs(T, 4, 128, seed=T)
         out = np.empty_like(x)
         plan.execute(x, cosine, sine, out)
-        np.testing.assert_array_equal(_bits(out), _bits(tail_rope_reference(x, cosine, sine)))
+        np.testing.assert_array_equal(bits(out), bits(tail_rope_reference(x, cosine, sine)))
     with pytest.raises(ValueError, match="does not match the plan's H=4"):
         x, cosine, sine = tail_random_inputs(2, 3, 128, seed=2)
         plan.execute(x, cosine, sine, np.empty_like(x))
@@ -450,7 +447,7 @@ def test_tail_numpy_errors_leave_inputs_unchanged():
     plan = TailRoPEForward(x, cosine, sine, np.empty_like(x), backend="numpy").check_support()
     with pytest.raises(ValueError, match="out overlaps x"):
         plan.execute(x, cosine, sine, x)
-    np.testing.assert_array_equal(_bits(x), _bits(x0))
+    np.testing.assert_array_equal(bits(x), bits(x0))
     with pytest.raises(TypeError, match="x: dtype float32"):
         tail_rope(x.astype(np.float32), cosine, sine, backend="numpy")
     with pytest.raises(NotImplementedError, match="non-contiguous"):
@@ -871,7 +868,7 @@ def _host_calls():
 OPS = sorted(_host_calls())
 
 
-def _bits(result):
+def _byte_views(result):
     return [np.asarray(r).view(np.uint8) for r in (result if isinstance(result, tuple) else (result,))]
 
 
@@ -894,7 +891,7 @@ def test_auto_without_a_gpu_is_numpy_with_one_warning_at_the_callers_line(op, no
     (w,) = [c for c in caught if "runs the NumPy reference" in str(c.message)]
     assert w.category is RuntimeWarning and w.filename == __file__, w.filename
     want = call("numpy")
-    for a, b, c in zip(_bits(got), _bits(again), _bits(want)):
+    for a, b, c in zip(_byte_views(got), _byte_views(again), _byte_views(want)):
         np.testing.assert_array_equal(a, c)
         np.testing.assert_array_equal(b, c)
 

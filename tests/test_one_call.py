@@ -28,12 +28,6 @@ def decode_arrays(seed: int = 0):
 
 
 @pytest.fixture
-def gpu():
-    with FakeGPU() as g:
-        yield g
-
-
-@pytest.fixture
 def table():
     return fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32)
 

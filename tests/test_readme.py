@@ -1,6 +1,6 @@
 """The README and docs/ as a user meets them: the README is a front page whose commands CI runs,
 every Python example runs as written (the README's first, NumPy, and the docs' CPU ones
-everywhere; the others on a GPU), shell lines are safe to paste, and the pages read as a product.
+everywhere; the others on a GPU, in test_gpu_readme.py), shell lines are safe to paste, and the pages read as a product.
 
 A docs page marks each Python example with the line before its fence: ``<!-- example: cpu -->``
 (runs anywhere) or ``<!-- example: gpu -->`` (needs a GPU and CuPy)."""
@@ -85,14 +85,6 @@ def test_first_example_runs_anywhere():
 @pytest.mark.parametrize(("name", "code"), CPU_EXAMPLES, ids=[n for n, _ in CPU_EXAMPLES])
 def test_cpu_examples_run_anywhere(name, code):
     assert "cupy" not in code and "torch" not in code, f"{name} is marked cpu but needs a GPU library"
-    _run(name, code)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("name", "code"), GPU_EXAMPLES, ids=[n for n, _ in GPU_EXAMPLES])
-def test_gpu_examples_run(name, code):
-    if re.search(r"^import torch", code, re.M):
-        pytest.importorskip("torch")
     _run(name, code)
 
 

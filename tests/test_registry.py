@@ -68,6 +68,9 @@ def test_unknown_dtype_is_refused():
         registry.rope_spec("float64", False, 2)
 
 
+# Slow (every kernel for three architectures): CI runs it under -m slow. The default suite still
+# compiles every kernel `rope-rtc warm` builds for sm_80 and sm_90 (test_cache.py's warmed_root).
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [80, 90, 100])
 def test_every_registered_kernel_compiles(arch):
     specs = registry.all_specs()

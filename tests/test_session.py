@@ -28,9 +28,9 @@ def test_a_test_session_leaves_no_temporary_directory(tmp_path):
     assert not [p for p in left if p.endswith("test_uses_tmp_path0")], left
 
 
-def _collect(tmp_path, shard: str | None, *args: str, stress: bool = False) -> tuple[int, list[str]]:
-    """The tests a session of the probe modules under ``tmp_path`` keeps with ROPE_RTC_TEST_SHARD=shard
-    (and ROPE_RTC_STRESS=1 with ``stress``)."""
+def _session(tmp_path, shard: str | None, *args: str, stress: bool = False) -> subprocess.CompletedProcess:
+    """A ``--collect-only`` session of the probe modules under ``tmp_path`` with
+    ROPE_RTC_TEST_SHARD=shard (and ROPE_RTC_STRESS=1 with ``stress``)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD", "ROPE_RTC_STRESS")}
     env.update(PYTHONPATH=str(ROOT))
@@ -38,10 +38,16 @@ def _collect(tmp_path, shard: str | None, *args: str, stress: bool = False) -> t
         env["ROPE_RTC_STRESS"] = "1"
     if shard is not None:
         env["ROPE_RTC_TEST_SHARD"] = shard
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
-                          "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--confcutdir",
-                          str(ROOT / "tests"), "-p", "conftest", *args, str(tmp_path)],
-                         cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                           "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--confcutdir",
+                           str(ROOT / "tests"), "-p", "conftest", *args, str(tmp_path)],
+                          cwd=ROOT / "tests", env=env, capture_output=True, text=True, timeout=120)
+
+
+def _collect(tmp_path, shard: str | None, *args: str, stress: bool = False) -> tuple[int, list[str]]:
+    """The tests a session of the probe modules under ``tmp_path`` keeps with ROPE_RTC_TEST_SHARD=shard
+    (and ROPE_RTC_STRESS=1 with ``stress``)."""
+    run = _session(tmp_path, shard, *args, stress=stress)
     return run.returncode, [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line]
 
 
@@ -105,3 +111,46 @@ def test_stress_tests_run_only_when_asked_for(tmp_path):
     assert rc == 0 and len(everything) == 4, everything
     assert sorted(_collect(tmp_path, "0/2", stress=True)[1] + _collect(tmp_path, "1/2", stress=True)[1]) == \
         sorted(everything)
+
+
+def test_gpu_tests_live_in_test_gpu_files_and_only_there(tmp_path):
+    """The file name tells a CPU test from a GPU test: a test marked gpu, device or multigpu
+    outside a ``test_gpu_*.py`` file, or an unmarked test in one, stops the collection with an
+    error naming each such test, whatever ``-k`` selects."""
+    (tmp_path / "test_cpu_side.py").write_text("import pytest\n\n\ndef test_plain():\n    pass\n\n\n"
+                                               "@pytest.mark.device\ndef test_needs_torch():\n    pass\n")
+    (tmp_path / "test_gpu_side.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_kernel():\n    pass\n"
+                                               "\n\ndef test_unmarked():\n    pass\n")
+    run = _session(tmp_path, None, "-k", "plain")
+    assert run.returncode == 4, run.stdout + run.stderr  # pytest's usage error
+    assert "test_cpu_side.py::test_needs_torch: marked 'device' outside a test_gpu_*.py file" in run.stderr
+    assert "test_gpu_side.py::test_unmarked: a test in a test_gpu_*.py file without a gpu" in run.stderr
+    assert "test_plain" not in run.stderr and "test_kernel" not in run.stderr
+    (tmp_path / "test_cpu_side.py").write_text("def test_plain():\n    pass\n")
+    (tmp_path / "test_gpu_side.py").write_text("import pytest\n\npytestmark = pytest.mark.gpu\n\n\n"
+                                               "def test_kernel():\n    pass\n\n\n"
+                                               "@pytest.mark.multigpu\ndef test_two():\n    pass\n")
+    rc, kept = _collect(tmp_path, None)
+    assert rc == 0 and sorted(kept) == ["test_kernel", "test_plain", "test_two"], kept
+
+
+def test_slow_tests_run_under_a_marker_expression_or_by_name(tmp_path):
+    """A test marked ``slow`` is deselected by default (``python -m pytest -q`` stays quick); ``-m
+    slow`` (CI's second command) runs only them, and naming one by its node id runs it."""
+    (tmp_path / "test_mixed.py").write_text("import pytest\n\n\ndef test_quick():\n    pass\n\n\n"
+                                            "@pytest.mark.slow\n@pytest.mark.parametrize('r', range(2))\n"
+                                            "def test_long(r):\n    pass\n")
+    rc, kept = _collect(tmp_path, None)
+    assert rc == 0 and kept == ["test_quick"], kept
+    rc, kept = _collect(tmp_path, None, "-m", "slow")
+    assert rc == 0 and kept == ["test_long[0]", "test_long[1]"], kept
+    rc, kept = _collect(tmp_path, None, "-m", "slow or not slow")
+    assert rc == 0 and len(kept) == 3, kept
+    probe = tmp_path / "test_mixed.py"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                          "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--confcutdir",
+                          str(ROOT / "tests"), "-p", "conftest", f"{probe}::test_long[1]", f"{probe}::test_quick"],
+                         cwd=ROOT / "tests", env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line] == ["test_long[1]", "test_quick"]

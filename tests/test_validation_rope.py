@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 import rope_rtc
-from fakes import (BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_like, fake_strided,
+from fakes import (BF16, FakeDeviceArray, FakeTorchTensor, fake_cupy, fake_like, fake_strided,
                    fake_torch_bf16_cai, fused_qkv, rope_host_steps)
+from helpers import layout_shape
 from rope_rtc import RopePlan, TensorDesc, apply_rope, apply_rope_qk
 from rope_rtc.core import arrays as A
 from rope_rtc.ops import rope as R
@@ -38,12 +39,6 @@ def _gpu_present() -> bool:
 
 needs_no_gpu = pytest.mark.skipif(_gpu_present(), reason="shows where a call stops without a GPU; with one, the "
                                   "fake pointers would reach a real launch")
-
-
-@pytest.fixture
-def gpu():
-    with FakeGPU() as g:
-        yield g
 
 
 def tables(rows=ROWS, cols=D // 2, dtype=np.float32):
@@ -519,16 +514,12 @@ def _canonical_strides(layout, shape):
     return st["b"], st["s"], st["h"]
 
 
-def _layout_shape(layout, b, s, h, d):
-    return {"bshd": (b, s, h, d), "bhsd": (b, h, s, d), "sbhd": (s, b, h, d), "thd": (b * s, h, d)}[layout]
-
-
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "thd"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"])
 def test_request_canonical_view(layout, dtype):
-    shape = _layout_shape(layout, B, S, H, D)
+    shape = layout_shape(layout, B, S, H, D)
     q = fake_like(shape, dtype)
-    k = fake_like(_layout_shape(layout, B, S, HK, D), dtype)
+    k = fake_like(layout_shape(layout, B, S, HK, D), dtype)
     c, s = tables(rows=B * S)
     req = R.validate(q, k, c, s, layout=layout)
     sb, ss, sh = _canonical_strides(layout, shape)

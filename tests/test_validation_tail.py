@@ -14,19 +14,13 @@ import re
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
+from fakes import BF16, FakeDeviceArray, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
 from rope_rtc import TailRoPEForward, TensorDesc, TupleDict, tail_rope
 from rope_rtc.core import arrays as A
 from rope_rtc.ops import tail as tail_mod
 
 T, H, D = 4, 2, 128
 NAMES = ("x", "cosine", "sine", "out")
-
-
-@pytest.fixture
-def gpu():
-    with FakeGPU() as g:
-        yield g
 
 
 def arrays(t=T, h=H, d=D, rank=3, device=0):

@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fakes import BF16, FakeDeviceArray, FakeGPU, FakeTorchTensor, c_strides, fake_alloc, fake_cupy
+from helpers import bits, layout_shape, token_rows
 from rope_rtc import RopePlan, TailRoPEForward, TensorDesc, apply_rope, apply_rope_qk, tail_rope
 from rope_rtc.errors import RopeRtcError
 from rope_rtc.reference import rope_reference, round_to_dtype, tail_rope_reference
@@ -100,10 +101,6 @@ class Dice:
     def bad(self) -> bool:
         """Whether this ingredient is drawn from its invalid choices."""
         return bool(self.rng.random() < self.chaos)
-
-
-def _layout_shape(layout, b, s, h, d):
-    return {"bshd": (b, s, h, d), "bhsd": (b, h, s, d), "sbhd": (s, b, h, d), "thd": (b * s, h, d)}[layout]
 
 
 def _strides(dice, shape, *, contiguous=False, allow_negative=True):
@@ -239,11 +236,11 @@ def draw_general_case(data, *, with_k, paired=False):
     lay = layout
     if dice.bad():
         layout = dice.pick(["bsdh", "BSHD", "thd" if layout != "thd" else "bshd"])
-    q = fake_array(dice, _layout_shape(lay, b, s, h, d), dtype)
+    q = fake_array(dice, layout_shape(lay, b, s, h, d), dtype)
     k = None
     if with_k:
         kd = dice.pick([d_ for d_ in FLOATS if d_ != dtype] or [FLOATS[0]]) if dice.bad() else dtype
-        k = fake_array(dice, _layout_shape(lay, b, s + (1 if dice.bad() else 0), dice.int(0, 4), d), kd)
+        k = fake_array(dice, layout_shape(lay, b, s + (1 if dice.bad() else 0), dice.int(0, 4), d), kd)
     rotary_dim, rotary_offset = draw_window(dice, d)
     r = d if rotary_dim is None else rotary_dim
     tokens = b * s if lay == "thd" else s
@@ -274,8 +271,8 @@ def draw_general_case(data, *, with_k, paired=False):
     elif scheme == "cu_seqlens":
         if lay != "thd" and not dice.bad():
             kw["layout"] = layout = "thd"
-            q = fake_array(dice, _layout_shape("thd", b, s, h, d), dtype)
-            k = fake_array(dice, _layout_shape("thd", b, s, dice.int(0, 4), d), dtype) if with_k else None
+            q = fake_array(dice, layout_shape("thd", b, s, h, d), dtype)
+            k = fake_array(dice, layout_shape("thd", b, s, dice.int(0, 4), d), dtype) if with_k else None
             nseq = max(b, 1)
         kw["cu_seqlens"] = draw_index(dice, (nseq + 1,))
         if dice.one_in(2):
@@ -452,18 +449,6 @@ def _positions_for(layout, b, s, kw):
     return np.broadcast_to(int(off) + np.arange(s), (b, s)).reshape(-1)
 
 
-def _canon(a, layout):
-    """[tokens, H, D] in (b, s) token order."""
-    perm = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3), "thd": (0, 1, 2)}[layout]
-    c = np.transpose(a, perm)
-    return c.reshape(int(np.prod(c.shape[:-2])), c.shape[-2], c.shape[-1])
-
-
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
-
-
 @settings(FUZZ, max_examples=1000)
 @given(st.data())
 def test_fuzz_general_numpy_backend(data):
@@ -484,8 +469,8 @@ def test_fuzz_general_numpy_backend(data):
         layout = dice.pick(["bsdh", "thd" if layout != "thd" else "bshd"])
     if scheme == "cu_seqlens" and not dice.bad():
         layout = lay = "thd"
-    x = _host_array(dice, _layout_shape(lay, b, s, h, d), dtype, rng)
-    k = _host_array(dice, _layout_shape(lay, b, s, dice.int(0, 3), d), dtype, rng) if api == "apply_rope_qk" else None
+    x = _host_array(dice, layout_shape(lay, b, s, h, d), dtype, rng)
+    k = _host_array(dice, layout_shape(lay, b, s, dice.int(0, 3), d), dtype, rng) if api == "apply_rope_qk" else None
     rotary_dim, rotary_offset = draw_window(dice, d)
     r = d if rotary_dim is None else rotary_dim
     tokens = b * s if lay == "thd" else s
@@ -541,7 +526,7 @@ def test_fuzz_general_numpy_backend(data):
         out = np.lib.stride_tricks.as_strided(np.zeros(x.shape[-1:], dtype), x.shape,
                                               (0,) * (x.ndim - 1) + (dtype.itemsize,))
     k_out = k if k is not None and dice.one_in(2) else None
-    saved = [(a, _bits(a).copy()) for a in (x, k, cos, sin, out, k_out) if isinstance(a, np.ndarray)]
+    saved = [(a, bits(a).copy()) for a in (x, k, cos, sin, out, k_out) if isinstance(a, np.ndarray)]
     try:
         if api == "apply_rope":
             got, got_k = apply_rope(x, cos, sin, out=out, backend="numpy", **kw), None
@@ -549,8 +534,8 @@ def test_fuzz_general_numpy_backend(data):
             got, got_k = apply_rope_qk(x, k, cos, sin, q_out=out, k_out=k_out, backend="numpy", **kw)
     except CLEAR_ERRORS as exc:
         outcome = _check_clear(exc)
-        for a, bits in saved:  # nothing written: inputs, and the in-place output
-            np.testing.assert_array_equal(_bits(a), bits)
+        for a, saved_bits in saved:  # nothing written: inputs, and the in-place output
+            np.testing.assert_array_equal(bits(a), saved_bits)
         if chaos == 0:
             raise AssertionError(f"a valid case was rejected: {exc}") from exc
     else:
@@ -559,15 +544,15 @@ def test_fuzz_general_numpy_backend(data):
         for arr, res, own_out in ((x, got, out), (k, got_k, k_out)):
             if arr is None:
                 continue
-            before = next(bits for a, bits in saved if a is arr).view(arr.dtype).reshape(arr.shape)
-            want = round_to_dtype(rope_reference(_canon(before, lay), cos, sin, pos, interleaved=kw["interleaved"],
+            before = next(saved_bits for a, saved_bits in saved if a is arr).view(arr.dtype).reshape(arr.shape)
+            want = round_to_dtype(rope_reference(token_rows(before, lay), cos, sin, pos, interleaved=kw["interleaved"],
                                                  rotary_dim=rotary_dim, rotary_offset=rotary_offset,
                                                  inverse=kw["inverse"]), arr.dtype)
-            np.testing.assert_array_equal(_bits(_canon(res, lay)), _bits(want))
+            np.testing.assert_array_equal(bits(token_rows(res, lay)), bits(want))
             if own_out is not None:
                 assert res is own_out
             if own_out is not arr:  # out of place: the input is untouched
-                np.testing.assert_array_equal(_bits(arr), _bits(before))
+                np.testing.assert_array_equal(bits(arr), bits(before))
     COUNTS["general/numpy"][outcome] += 1
 
 
@@ -605,7 +590,7 @@ def test_fuzz_tail_numpy_backend(data):
         out = buf[8 : 8 + x.size].reshape(x.shape)
     else:
         out = cosine.view(xdt).reshape(-1)[: x.size]  # the table's bytes as the output
-    saved = [(a, _bits(a).copy()) for a in (x, cosine, sine)]
+    saved = [(a, bits(a).copy()) for a in (x, cosine, sine)]
     try:
         if one_call:
             result = tail_rope(x, cosine, sine, backend="numpy")
@@ -617,9 +602,9 @@ def test_fuzz_tail_numpy_backend(data):
             raise AssertionError(f"a valid case was rejected: {exc}") from exc
     else:
         outcome = "ok"
-        np.testing.assert_array_equal(_bits(result["out"]), _bits(tail_rope_reference(x, cosine, sine)))
-    for a, bits in saved:  # inputs are never written, whatever happened
-        np.testing.assert_array_equal(_bits(a), bits)
+        np.testing.assert_array_equal(bits(result["out"]), bits(tail_rope_reference(x, cosine, sine)))
+    for a, saved_bits in saved:  # inputs are never written, whatever happened
+        np.testing.assert_array_equal(bits(a), saved_bits)
     COUNTS["tail/numpy"][outcome] += 1
 
 
@@ -701,8 +686,8 @@ def test_fuzz_plan_revalidation_matches_full_validation(data):
     interleaved = data.draw(st.booleans(), label="interleaved")
     if scheme == "cu_seqlens":
         layout = "thd"
-    q = fake_array(first, _layout_shape(layout, b, s, h, d), dtype, kind="cupy", shift=0)
-    k = fake_array(first, _layout_shape(layout, b, s, first.int(0, 3), d), dtype, kind="cupy", shift=0)
+    q = fake_array(first, layout_shape(layout, b, s, h, d), dtype, kind="cupy", shift=0)
+    k = fake_array(first, layout_shape(layout, b, s, first.int(0, 3), d), dtype, kind="cupy", shift=0)
     rotary_dim, rotary_offset = draw_window(first, d)
     r = d if rotary_dim is None else rotary_dim
     tokens = b * s if layout == "thd" else s
@@ -879,7 +864,7 @@ def _hostile_general_case(rng, api):
     scheme = dice.pick(["default", "int", "offsets", "positions", "cu_seqlens"])
     if scheme == "cu_seqlens":
         layout = "thd"
-    x = _host_array(dice, _layout_shape(layout, b, s, h, d), dtype, dice.rng)
+    x = _host_array(dice, layout_shape(layout, b, s, h, d), dtype, dice.rng)
     rotary_dim, rotary_offset = draw_window(dice, d)
     r = d if rotary_dim is None else rotary_dim
     tokens = b * s if layout == "thd" else s
@@ -907,7 +892,7 @@ def _hostile_general_case(rng, api):
     if api == "apply_rope":
         call.update(x=x, out=outs[out_kind])
     else:
-        k = _host_array(dice, _layout_shape(layout, b, s, dice.int(1, 3), d), dtype, dice.rng)
+        k = _host_array(dice, layout_shape(layout, b, s, dice.int(1, 3), d), dtype, dice.rng)
         k_kind = dice.pick(["none", "same", "fresh"])
         call.update(q=x, k=k, q_out=outs[out_kind],
                     k_out={"none": None, "same": k, "fresh": np.full(k.shape, np.nan, dtype)}[k_kind])
@@ -985,7 +970,7 @@ def _general_expected(api, call, layout, b, s, before):
     pairs = [("x", "out")] if api == "apply_rope" else [("q", "q_out"), ("k", "k_out")]
     for name, _ in pairs:
         arr = _native(before[name])
-        yield name, round_to_dtype(rope_reference(_canon(arr, layout), cos, sin, pos,
+        yield name, round_to_dtype(rope_reference(token_rows(arr, layout), cos, sin, pos,
                                                   interleaved=bool(call["interleaved"]), rotary_dim=rotary_dim,
                                                   rotary_offset=int(call["rotary_offset"]),
                                                   inverse=bool(call["inverse"])), arr.dtype)
@@ -1040,7 +1025,7 @@ def test_fuzz_hostile_numpy_backend():
         try:
             for name, want in _general_expected(api, call, layout, b, s, before):
                 got = _native(results[name])
-                if not np.array_equal(_bits(_canon(got, layout)), _bits(want)):
+                if not np.array_equal(bits(token_rows(got, layout)), bits(want)):
                     tally.fail(f"{mutation}: accepted, result differs from the reference",
                                _repro(api, call, mutation, what))
                     break
@@ -1109,7 +1094,7 @@ def test_fuzz_hostile_tail_numpy_backend():
             continue
         try:
             want = tail_rope_reference(before["x"], _native(before["cosine"]), _native(before["sine"]))
-            same = np.array_equal(_bits(np.asarray(got)), _bits(want))
+            same = np.array_equal(bits(np.asarray(got)), bits(want))
         except Exception as exc:  # noqa: BLE001
             tally.fail(f"{mutation}: accepted what the reference rejects ({type(exc).__name__})", repro)
             tally.end("ok")

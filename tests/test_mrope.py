@@ -18,12 +18,6 @@ T, HQ, HK, D = 6, 4, 2, 128
 SECTION = [16, 24, 24]
 
 
-@pytest.fixture
-def gpu():
-    with FakeGPU() as g:
-        yield g
-
-
 def _call(**change):
     kw = dict(q=fake_cupy((T, HQ, D), BF16), k=fake_cupy((T, HK, D), BF16), cos=fake_cupy((64, D // 2), np.float32),
               sin=fake_cupy((64, D // 2), np.float32), positions=fake_cupy((3, T), np.int64),

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers import TO_BSHD, bits, layout_shape, token_rows
 from rope_rtc.reference import assert_rope_close, rope_reference, tail_rope_reference
 
 pytestmark = pytest.mark.gpu
@@ -23,11 +24,6 @@ COUNTS: dict[str, collections.Counter] = collections.defaultdict(collections.Cou
 FUZZ = settings(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FLOATS = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-PERM = {"bshd": (0, 1, 2, 3), "bhsd": (0, 2, 1, 3), "sbhd": (1, 0, 2, 3), "thd": (0, 1, 2)}
-
-
-def _shape(layout, b, s, h, d):
-    return {"bshd": (b, s, h, d), "bhsd": (b, h, s, d), "sbhd": (s, b, h, d), "thd": (b * s, h, d)}[layout]
 
 
 def _device_view(cp, host, pad, shift):
@@ -40,23 +36,6 @@ def _device_view(cp, host, pad, shift):
     return view
 
 
-def _canon(a, layout):
-    c = np.transpose(a, PERM[layout])
-    return c.reshape(-1, c.shape[-2], c.shape[-1])
-
-
-def _bits(cp, a):
-    h = cp.asnumpy(a)
-    return h.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[h.dtype.itemsize]).copy()
-
-
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 @settings(FUZZ, max_examples=300)
 @given(data=st.data())
 def test_fuzz_general_gpu(cp, data):
@@ -65,7 +44,7 @@ def test_fuzz_general_gpu(cp, data):
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
     api = data.draw(st.sampled_from(["apply_rope", "apply_rope_qk", "plan"]), label="api")
     dtype = data.draw(st.sampled_from(sorted(FLOATS)), label="dtype")
-    layout = data.draw(st.sampled_from(sorted(PERM)), label="layout")
+    layout = data.draw(st.sampled_from(sorted(TO_BSHD)), label="layout")
     b, s = data.draw(st.integers(0, 3), label="B"), data.draw(st.integers(0, 9), label="S")
     hq, hk = data.draw(st.integers(1, 5), label="Hq"), data.draw(st.integers(1, 3), label="Hk")
     d = data.draw(st.sampled_from([2, 6, 8, 16, 24, 64, 128]), label="D")
@@ -81,8 +60,8 @@ def test_fuzz_general_gpu(cp, data):
     dt = FLOATS[dtype]
     r = d if rdim is None else rdim
     rows = 16
-    xq = rng.standard_normal(_shape(layout, b, s, hq, d)).astype(np.float32).astype(dt)
-    xk = rng.standard_normal(_shape(layout, b, s, hk, d)).astype(np.float32).astype(dt)
+    xq = rng.standard_normal(layout_shape(layout, b, s, hq, d)).astype(np.float32).astype(dt)
+    xk = rng.standard_normal(layout_shape(layout, b, s, hk, d)).astype(np.float32).astype(dt)
     ang = rng.uniform(-8, 8, (rows, max(r // 2, 1)))
     cos_h, sin_h = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     q, k = _device_view(cp, xq, pad, shift), _device_view(cp, xk, pad, 0)
@@ -107,7 +86,7 @@ def test_fuzz_general_gpu(cp, data):
         q_out, k_out = k, cp.full(k.shape, cp.nan, dtype=dt)  # q_out is k: rejected (shape or overlap)
     else:
         q_out, k_out = cp.full(q.shape, cp.nan, dtype=dt), cp.full(k.shape, cp.nan, dtype=dt)
-    saved = [(a, _bits(cp, a)) for a in (q, k, cos, sin) + ((q_out, k_out) if not in_place else ())]
+    saved = [(a, bits(cp.asnumpy(a))) for a in (q, k, cos, sin) + ((q_out, k_out) if not in_place else ())]
     try:
         if api == "apply_rope":
             res_q, res_k = rope_rtc.apply_rope(q, cos, sin, out=q_out, **kw), None
@@ -126,15 +105,15 @@ def test_fuzz_general_gpu(cp, data):
         assert str(exc), "an error without a message"
         cp.cuda.get_current_stream().synchronize()
         for a, before in saved:  # nothing written
-            assert np.array_equal(_bits(cp, a), before)
+            assert np.array_equal(bits(cp.asnumpy(a)), before)
         COUNTS["general"]["rejected"] += 1
         return
     for res, x in ((res_q, xq), (res_k, xk)):
         if res is None:
             continue
-        xc = _canon(x, layout)
+        xc = token_rows(x, layout)
         ref = rope_reference(xc, cos_h, sin_h, pos, interleaved=interleaved, rotary_dim=rdim, rotary_offset=roff)
-        assert_rope_close(_canon(cp.asnumpy(res), layout), ref, xc, interleaved=interleaved, rotary_dim=rdim,
+        assert_rope_close(token_rows(cp.asnumpy(res), layout), ref, xc, interleaved=interleaved, rotary_dim=rdim,
                           rotary_offset=roff, dtype=np.dtype(dt))
     COUNTS["general"]["ok"] += 1
 
@@ -166,7 +145,7 @@ def test_fuzz_tail_gpu(cp, data):
         x[...] = cp.asarray(x_h)
     else:
         out = cp.full(x.shape, cp.nan, dtype=x.dtype)
-    saved = [(a, _bits(cp, a)) for a in (x, c, s, out)]
+    saved = [(a, bits(cp.asnumpy(a))) for a in (x, c, s, out)]
     try:
         plan = rope_rtc.TailRoPEForward(x, c, s, out).check_support().compile()
         plan.execute(x, c, s, out)
@@ -174,10 +153,10 @@ def test_fuzz_tail_gpu(cp, data):
     except CLEAR as exc:
         assert str(exc)
         for a, before in saved:
-            assert np.array_equal(_bits(cp, a), before)
+            assert np.array_equal(bits(cp.asnumpy(a)), before)
         COUNTS["tail"]["rejected"] += 1
         return
-    assert np.array_equal(_bits(cp, out), tail_rope_reference(x_h, c_h, s_h).view(np.uint16))
+    assert np.array_equal(bits(cp.asnumpy(out)), tail_rope_reference(x_h, c_h, s_h).view(np.uint16))
     COUNTS["tail"]["ok"] += 1
 
 

@@ -16,12 +16,6 @@ from rope_rtc.reference import qk_norm_reference, qk_norm_rope_reference
 B, S, HQ, HK, D, P = 2, 5, 4, 2, 128, 64
 
 
-@pytest.fixture
-def gpu():
-    with FakeGPU() as g:
-        yield g
-
-
 def _call(**change):
     kw = dict(q=fake_cupy((B, S, HQ, D), BF16), k=fake_cupy((B, S, HK, D), BF16), q_weight=fake_cupy((D,), BF16),
               k_weight=fake_cupy((D,), BF16), cos=fake_cupy((P, D // 2), np.float32),
