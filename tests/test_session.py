@@ -28,6 +28,13 @@ def test_a_test_session_leaves_no_temporary_directory(tmp_path):
     assert not [p for p in left if p.endswith("test_uses_tmp_path0")], left
 
 
+def _unsharded_env() -> dict[str, str]:
+    """This process's environment without the suite's own switches: a probe session run from a
+    shard of scripts/device_check.sh must not inherit that shard's selection."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("ROPE_RTC_CACHE_DIR", "ROPE_RTC_TEST_SHARD", "ROPE_RTC_STRESS")}
+
+
 def _session(tmp_path, shard: str | None, *args: str, stress: bool = False) -> subprocess.CompletedProcess:
     """A ``--collect-only`` session of the probe modules under ``tmp_path`` with
     ROPE_RTC_TEST_SHARD=shard (and ROPE_RTC_STRESS=1 with ``stress``)."""
@@ -150,7 +157,7 @@ def test_slow_tests_run_under_a_marker_expression_or_by_name(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
                           "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--confcutdir",
                           str(ROOT / "tests"), "-p", "conftest", f"{probe}::test_long[1]", f"{probe}::test_quick"],
-                         cwd=ROOT / "tests", env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                         cwd=ROOT / "tests", env={**_unsharded_env(), "PYTHONPATH": str(ROOT)}, capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert [line.split("::", 1)[1] for line in run.stdout.splitlines() if "::" in line] == ["test_long[1]", "test_quick"]
