@@ -98,7 +98,7 @@ def test_lazy_exports_resolve_and_unknown_names_raise():
 
 # Modules users import by path; the code lives in the layer folders, these paths are aliases of it.
 PUBLIC_MODULES = {"rope_rtc.tables": "rope_rtc.numerics.tables", "rope_rtc.reference": "rope_rtc.numerics.reference",
-                  "rope_rtc.onnx": "rope_rtc.ops.onnx"}
+                  "rope_rtc.onnx": "rope_rtc.ops.onnx", "rope_rtc.blog": "rope_rtc.ops.blog"}
 ALIASES = """
 import importlib, json, sys
 public = {public!r}

@@ -758,6 +758,20 @@ def test_qk_norm_numpy_outputs_and_in_place():
         np.testing.assert_array_equal(b.view(np.uint16), c.view(np.uint16))
 
 
+@pytest.mark.parametrize("numerics", ["exact", "transformers"])
+def test_qk_norm_numpy_without_a_layout_reads_3d_arrays_as_thd(numerics):
+    """A 3-d [T, H, D] call needs no layout on the NumPy backend either (it raised KeyError: None)."""
+    q, k, qw, kw, cos, sin = _qk_norm_case(BF16, seed=59)
+    q, k = q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for backend in ("numpy", "auto"):
+            got = apply_qk_norm_rope(q, k, qw, kw, cos, sin, numerics=numerics, backend=backend)
+            want = apply_qk_norm_rope(q, k, qw, kw, cos, sin, numerics=numerics, layout="thd", backend="numpy")
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE fused with the paged KV-cache write
 

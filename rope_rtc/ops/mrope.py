@@ -401,10 +401,10 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
         results = []
         for x, out in ((req.q, req.q_out), (req.k, req.k_out)):
             if x is not None:
-                flat, shape = token_heads(host_array(x), layout)
+                flat, shape = token_heads(host_array(x), req.layout)
                 res = mrope_reference(flat, cos_t, sin_t, pos, sections, interleaved_sections=interleaved_sections,
                                       rotary_dim=req.rotary_dim)
-                results.append((in_layout(round_to_dtype(res, flat.dtype), shape, layout), out))
+                results.append((in_layout(round_to_dtype(res, flat.dtype), shape, req.layout), out))
         returned = write_results(results)
         return returned[0], (returned[1] if len(returned) > 1 else None)
     arrays = tuple(host_array(i) for i in (req.q, req.k, req.cos, req.sin, pi, req.q_out, req.k_out))

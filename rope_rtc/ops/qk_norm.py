@@ -453,12 +453,12 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
         results = []
         cos_t, sin_t = host_array(req.cos), host_array(req.sin)
         for x, w, out in ((req.q, qwi, req.q_out), (req.k, kwi, req.k_out)):
-            flat, shape = token_heads(host_array(x), layout)
+            flat, shape = token_heads(host_array(x), req.layout)
             if numerics == "exact":
                 res = round_to_dtype(qk_norm_rope_reference(flat, host_array(w), cos_t, sin_t, pos, **kw), flat.dtype)
             else:
                 res = qk_norm_rope_transformers_reference(flat, host_array(w), cos_t, sin_t, pos, **kw)
-            results.append((in_layout(res, shape, layout), out))
+            results.append((in_layout(res, shape, req.layout), out))
         return tuple(write_results(results))
     arrays = tuple(host_array(i) for i in (req.q, req.k, qwi, kwi, req.cos, req.sin, req.positions, req.q_out,
                                            req.k_out, req.cu_seqlens, req.offsets))
