@@ -21,7 +21,7 @@ from ._version import __version__
 
 _EXPORTS = {
     "rope_tables": "numerics.tables",
-    "inverse_frequencies": "numerics.tables",
+    "inverse_frequencies": "numerics.frequencies",
     "cos_sin_cache": "numerics.tables",
     "apply_rope": "ops.rope",
     "apply_rope_qk": "ops.rope",

@@ -500,7 +500,7 @@ def test_clear_skips_files_that_vanish_while_it_runs(tmp_path, monkeypatch):
     old.write_bytes(b"torn")
     hours_ago = time.time() - 2 * 3600
     os.utime(old, (hours_ago, hours_ago))
-    real_lstat, real_unlink = store_mod._lstat_at, os.unlink
+    real_lstat, real_unlink = store_mod.lstat_at, os.unlink
 
     def lstat_racing_a_publish(name, dir_fd):
         if name == young.name and young.exists():
@@ -512,7 +512,7 @@ def test_clear_skips_files_that_vanish_while_it_runs(tmp_path, monkeypatch):
             real_unlink(name, dir_fd=dir_fd)  # another process got there first
         return real_unlink(name, *args, dir_fd=dir_fd, **kw)
 
-    monkeypatch.setattr(store_mod, "_lstat_at", lstat_racing_a_publish)
+    monkeypatch.setattr(store_mod, "lstat_at", lstat_racing_a_publish)
     monkeypatch.setattr(store_mod.os, "unlink", unlink_racing_another_clear)
     rc, out, err = _clear(root)
     assert rc == 0, out + err

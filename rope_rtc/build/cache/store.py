@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .entry import MAGIC, MAX_ENTRY_BYTES, Entry, EntryError, decode_entry, encode_entry, peek_header
+from .safety import (CREATE_FLAGS, READ_FLAGS, Refused, create_dirs, kind_of, lstat_at, open_dir_no_follow,
+                     untrusted_reason)
 
 ENTRY_SUFFIX = ".bin"
 SOURCE_SUFFIX = ".cu"
@@ -74,13 +76,6 @@ _SOURCE_NAME = re.compile(r"[0-9a-f]{64}\.cu")
 # Also the names tempfile.mkstemp gives (8 characters of [a-z0-9_]).
 _TEMP_NAME = re.compile(r"\.tmp-[0-9a-z_]{8,32}\.part")
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
-# O_NONBLOCK: a FIFO planted under an entry's name must not hang the reader.
-_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
-
 # Errors of the directory or the filesystem, not of one entry: publishing stops for the process.
 _DIRECTORY_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
@@ -98,11 +93,6 @@ def _warn_once(topic: str, where: str, message: str) -> None:
             return
         _warned.add((topic, where))
     warnings.warn(message, CacheWarning, stacklevel=4)
-
-
-class Refused(Exception):
-    """A directory or file the store will not use (a link, untrusted, not a directory): the
-    text says why and what to do."""
 
 
 class _NotAFile(Exception):
@@ -124,78 +114,6 @@ class _DirectoryError(Exception):
         super().__init__(str(error))
         self.error = error
 
-
-def _untrusted_reason(st: os.stat_result, what: str) -> str | None:
-    # Root may own what this user trusts: root can already write anything this process runs, and
-    # a cache warmed into an image at build time (as root, then `chmod a+rX`) is root's.
-    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
-        return f"{what} is owned by uid {st.st_uid}, neither this user (uid {os.getuid()}) nor root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{what} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def _kind_of(mode: int) -> str:
-    for test, text in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
-                       (stat.S_ISREG, "a regular file")):
-        if test(mode):
-            return text
-    return "not a regular file"
-
-
-def _lstat_at(name: str, dir_fd: int | None) -> os.stat_result:
-    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-
-
-def _open_dir_no_follow(path: str | os.PathLike, dir_fd: int | None, what: str, shown: Path) -> int:
-    try:
-        return os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        try:
-            st = _lstat_at(os.fspath(path), dir_fd)
-        except OSError:
-            raise exc from None
-        if stat.S_ISLNK(st.st_mode):
-            raise Refused(f"{what} {shown} is a symbolic link; rope_rtc never follows links in its cache: "
-                          "point ROPE_RTC_CACHE_DIR or --cache-dir at the real directory") from None
-        raise Refused(f"{what} {shown} is {_kind_of(st.st_mode)}, not a directory") from None
-
-
-def _makedirs(directory: Path, mode: int) -> None:
-    # os.makedirs gives only the last level its mode; every level created here gets ``mode``.
-    missing = []
-    d = directory
-    while True:
-        try:
-            os.lstat(d)
-            break
-        except FileNotFoundError:
-            missing.append(d)
-            if d.parent == d:
-                break
-            d = d.parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            pass
-
-
-def _create(directory: Path, mode: int) -> None:
-    """Create the cache root (and levels above it) and the version directory with ``mode``
-    (less the umask). The version directory is made through the root's descriptor, so a link
-    at the root is never followed to create it elsewhere."""
-    _makedirs(directory.parent, mode)
-    root_fd = os.open(directory.parent, _DIR_FLAGS)
-    try:
-        os.mkdir(directory.name, mode, dir_fd=root_fd)
-    except FileExistsError:
-        pass
-    finally:
-        os.close(root_fd)
 
 
 class MemoryStore:
@@ -291,7 +209,7 @@ class DiskStore:
         self._dir_mode, self._file_mode = (0o777, 0o666) if trust_shared else (0o700, 0o600)
         if create:
             try:
-                _create(self.directory, self._dir_mode)
+                create_dirs(self.directory, self._dir_mode)
             except OSError as exc:
                 create_error = exc
         try:
@@ -320,13 +238,13 @@ class DiskStore:
     def _open_directory(self) -> int:
         """A descriptor on the version directory, reached without following a link at the root or
         at the version level, and trusted. Raises Refused or OSError."""
-        root_fd = _open_dir_no_follow(self.directory.parent, None, "cache root", self.directory.parent)
+        root_fd = open_dir_no_follow(self.directory.parent, None, "cache root", self.directory.parent)
         try:
-            fd = _open_dir_no_follow(self.directory.name, root_fd, "cache directory", self.directory)
+            fd = open_dir_no_follow(self.directory.name, root_fd, "cache directory", self.directory)
         finally:
             os.close(root_fd)
         try:
-            reason = None if self.trust_shared else _untrusted_reason(os.fstat(fd), f"cache directory {self.directory}")
+            reason = None if self.trust_shared else untrusted_reason(os.fstat(fd), f"cache directory {self.directory}")
         except OSError:
             os.close(fd)
             raise
@@ -359,24 +277,24 @@ class DiskStore:
         """The bytes of the regular file ``name``; raises FileNotFoundError, _NotAFile, Refused
         (a link or an untrusted file), EntryError (larger than any entry) or OSError."""
         try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+            fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
         except FileNotFoundError:
             raise
         except OSError as exc:
             try:
-                st = _lstat_at(name, dir_fd)
+                st = lstat_at(name, dir_fd)
             except OSError:
                 raise exc from None
             if stat.S_ISLNK(st.st_mode):
                 raise Refused("is a symbolic link (never followed)") from None
             if not stat.S_ISREG(st.st_mode):  # a socket gives ENXIO
-                raise _NotAFile(_kind_of(st.st_mode)) from None
+                raise _NotAFile(kind_of(st.st_mode)) from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _NotAFile(_kind_of(st.st_mode))
-            reason = None if self.trust_shared else _untrusted_reason(st, f"cache entry {name}")
+                raise _NotAFile(kind_of(st.st_mode))
+            reason = None if self.trust_shared else untrusted_reason(st, f"cache entry {name}")
             if reason:
                 raise Refused(reason)
             if st.st_size > MAX_ENTRY_BYTES:
@@ -426,7 +344,7 @@ class DiskStore:
         if self.writable:
             try:
                 with self._dir() as dfd:
-                    if self._ours(_lstat_at(name, dfd)):
+                    if self._ours(lstat_at(name, dfd)):
                         os.unlink(name, dir_fd=dfd)
                         removed = True
             except (OSError, Refused):
@@ -510,14 +428,14 @@ class DiskStore:
             raise _DirectoryError(exc) from None
         try:
             try:
-                mode = _lstat_at(name, dfd).st_mode
+                mode = lstat_at(name, dfd).st_mode
                 if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed
-                    raise _NotAFile(_kind_of(mode))
+                    raise _NotAFile(kind_of(mode))
             except FileNotFoundError:
                 pass
             tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}"
             try:
-                fd = os.open(tmp, _CREATE_FLAGS, self._file_mode, dir_fd=dfd)
+                fd = os.open(tmp, CREATE_FLAGS, self._file_mode, dir_fd=dfd)
             except OSError as exc:
                 raise _DirectoryError(exc) from None
             try:
@@ -572,7 +490,7 @@ class DiskStore:
         read: by a `cache clear`, or a load that found it corrupt)."""
         path = self.directory / name
         try:
-            size = _lstat_at(name, dfd).st_size
+            size = lstat_at(name, dfd).st_size
         except FileNotFoundError:
             return None
         except OSError:
@@ -603,7 +521,7 @@ class DiskStore:
                     if not _TEMP_NAME.fullmatch(n):
                         continue
                     try:
-                        if stat.S_ISREG(_lstat_at(n, dfd).st_mode):
+                        if stat.S_ISREG(lstat_at(n, dfd).st_mode):
                             found.append(self.directory / n)
                     except FileNotFoundError:  # published (renamed) or removed since the listing
                         continue
@@ -633,13 +551,13 @@ class DiskStore:
             kind = "temporary"
         else:
             return None
-        st = _lstat_at(name, dfd)
+        st = lstat_at(name, dfd)
         if not stat.S_ISREG(st.st_mode):
             return None
         head = {"entries": MAGIC, "sources": SOURCE_HEAD}.get(kind)
         if head is not None:
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=dfd)
+                fd = os.open(name, READ_FLAGS, dir_fd=dfd)
             except PermissionError:
                 if self._ours(st):
                     raise
@@ -670,7 +588,7 @@ class DiskStore:
                 # what a clear wants, so that is no failure, whichever step finds it gone.
                 try:
                     kind = self._own_kind(dfd, name)
-                    if kind == "temporary" and _lstat_at(name, dfd).st_mtime >= cutoff:
+                    if kind == "temporary" and lstat_at(name, dfd).st_mtime >= cutoff:
                         done.in_progress.append(name)
                         continue
                 except FileNotFoundError:
@@ -717,7 +635,7 @@ class DiskStore:
                     if not _TEMP_NAME.fullmatch(name):
                         continue
                     try:
-                        st = _lstat_at(name, dfd)
+                        st = lstat_at(name, dfd)
                         if self._ours(st) and st.st_mtime < cutoff:
                             os.unlink(name, dir_fd=dfd)
                             removed += 1
