@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import numbers
+import os
 import re
 import reprlib
+import sys
 from typing import Any
 
 
@@ -120,3 +122,16 @@ def count(n: int, one: str, many: str) -> str:
     """``n`` and the words that agree with it: ``count(1, "entry", "entries")`` is ``"1 entry"``,
     ``count(2, "of them is", "of them are")`` is ``"2 of them are"``."""
     return f"{n} {one if n == 1 else many}"
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning, raised by the function that calls this one, at
+    the first frame outside rope_rtc: one-call functions and plans reach the same warning through
+    different numbers of the package's frames, and the user's line is the one to name."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -332,7 +332,7 @@ class FakeGPU:
 
         self._patch(kv_cache, "load_cache_function", load_cache_function)
         self._patch(kv_cache, "stream_handle", stream_handle)
-        self._patch(kv_cache, "_current_device", lambda: 0)
+        self._patch(kv_cache, "current_device", lambda: 0)
         self._patch(kv_cache, "_local", threading.local())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
         self._patch(rope_plan, "load_fixed_function", load_fixed_function)
@@ -366,8 +366,8 @@ class FakeGPU:
         self._patch(driver, "require_gpu", lambda: None)
         self._patch(rope, "_local", threading.local())
         self._patch(tail, "_local", threading.local())
-        self._patch(rope_plan, "_current_device", lambda: 0)
-        self._patch(tail, "_current_device", lambda: 0)
+        self._patch(rope_plan, "current_device", lambda: 0)
+        self._patch(tail, "current_device", lambda: 0)
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -404,6 +404,8 @@ def test_warnings_point_past_every_frame_of_the_package(folder):
     from pathlib import Path
 
     where = Path(L.__file__).resolve().parents[1] / folder / "caller.py"
-    namespace = {"graphs": graphs}
-    exec(compile("def inside():\n    return graphs._caller_level()\n", str(where), "exec"), namespace)
+    from rope_rtc.errors import caller_stacklevel
+
+    namespace = {"caller_stacklevel": caller_stacklevel}
+    exec(compile("def inside():\n    return caller_stacklevel()\n", str(where), "exec"), namespace)
     assert namespace["inside"]() == 2  # 1 is the package's frame, 2 this test's

@@ -14,11 +14,11 @@ which no kernel reads), so a call is refused the same way on both backends.
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import numpy as np
+
+from ..errors import caller_stacklevel
 
 from . import arrays as A
 from .layouts import to_bshd_index
@@ -27,7 +27,6 @@ BACKENDS = ("auto", "nvrtc", "numpy")
 
 _fallback_warned = False
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # rope_rtc/, above core/
 
 
 def resolve(backend: str) -> str:
@@ -71,7 +70,7 @@ def resolve(backend: str) -> str:
     if not _fallback_warned:
         _fallback_warned = True
         warnings.warn(f"rope_rtc: backend='auto' runs the NumPy reference on the CPU, since there is no usable GPU: "
-                      f"{driver.unavailable_reason()}", RuntimeWarning, stacklevel=_caller_level())
+                      f"{driver.unavailable_reason()}", RuntimeWarning, stacklevel=caller_stacklevel())
     return "numpy"
 
 
@@ -81,16 +80,6 @@ def _gpu_seen() -> None:
     import_cupy()  # a missing CuPy is a ToolchainError naming the extra, before "auto" settles on the GPU
     global _gpu_present
     _gpu_present = True
-
-
-def _caller_level() -> int:
-    """The ``stacklevel``, for a warning raised in :func:`resolve`, of the first frame outside
-    this package: however many of the package's functions lie between, the warning names the
-    caller's line."""
-    level, frame = 2, sys._getframe(2)  # resolve's caller; this function and resolve are 0 and 1
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 # ---------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ class TensorDesc:
         return f"TensorDesc({self.dtype_name}, shape={self.shape}, strides={self.strides}, device={self.device})"
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     """A Python int or a NumPy integer; never a bool (an int to ``isinstance``)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -62,7 +62,7 @@ def _ints(field: str, values) -> tuple[int, ...]:
     if not isinstance(values, (tuple, list)):
         raise TypeError(f"TensorDesc: {field} must be a tuple of ints, got {type(values).__name__} {shown(values)}")
     for i, v in enumerate(values):
-        if not _is_int(v):
+        if not is_int(v):
             raise TypeError(f"TensorDesc: {field} {shown(tuple(values))} has {shown(v)} ({type(v).__name__}) at "
                             f"index {i}; pass ints")
     return tuple(int(v) for v in values)
@@ -71,7 +71,7 @@ def _ints(field: str, values) -> tuple[int, ...]:
 def bind_device(device) -> int:
     """The device ordinal ``device`` names (``"cuda"``/``None``: the current device, bound now;
     ``"cuda:N"`` or an int N); 0 where no GPU can say which is current."""
-    if _is_int(device):
+    if is_int(device):
         if device < 0:
             raise ValueError(f"TensorDesc: device {int(device)} is not a device ordinal")
         return int(device)

@@ -175,6 +175,11 @@ def device_cupy():
     return import_cupy()
 
 
+def current_device() -> int:
+    """CuPy's current device ordinal, the device a plan without arrays of its own runs on."""
+    return int(device_cupy().cuda.runtime.getDevice())
+
+
 def import_cupy():
     """The ``cupy`` module; a :class:`ToolchainError` naming the extra to install when it is missing."""
     try:

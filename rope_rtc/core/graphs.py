@@ -9,11 +9,9 @@ off for that launcher (with a warning), and it launches with ``cuLaunchKernel`` 
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
-from ..errors import CudaError
+from ..errors import CudaError, caller_stacklevel
 from . import driver
 from .recent import remember
 
@@ -34,20 +32,6 @@ REPLAY_THREADS = 1 << 20
 def launch_threads(prefix: tuple) -> int:
     """Threads of a launch prefix ``(function, gx, gy, gz, bx, by, bz, shared_bytes)``."""
     return prefix[1] * prefix[2] * prefix[3] * prefix[4] * prefix[5] * prefix[6]
-
-
-# The package's folder (this module is in its core/ folder): every module of rope_rtc is under it.
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that points a warning raised here at the caller's line: the first frame
-    outside rope_rtc (a plan's ``execute`` or a one-call function reaches the launcher through a
-    different number of the package's frames)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _runtime_error_name(status: int) -> str:
@@ -124,7 +108,7 @@ class GraphReplay:
         self.forget()
         self.replay = False
         warnings.warn(f"rope_rtc: launching without graph replay from now on: {exc}", RuntimeWarning,
-                      stacklevel=_caller_level())
+                      stacklevel=caller_stacklevel())
 
     def _launch_graph(self, graph, handle: int, prefix: tuple) -> None:
         """``cudaGraphLaunch`` of ``graph`` on ``handle``; a failure is a CudaError, as a plain

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..build.registry import cache_head_batch, cache_spec, cache_vector_widths
 from ..core import arrays as A
+from ..core.driver import current_device
 from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
@@ -524,7 +525,7 @@ class RopeCachePlan:
                                       **self._opts)
         r = creq.rope
         self._fixed = (r.dtype, r.cq.H, r.ck.H, r.cq.D, creq.kind, r.pos_mode)
-        self.device = int(r.device if r.device is not None else _current_device())
+        self.device = int(r.device if r.device is not None else current_device())
         self._functions: dict = {}
         self._core = Prepared(_CacheOp(self), StructArg(CacheParams), self.device)
         from ..env import settings
@@ -718,7 +719,3 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
     return tuple(on_gpu(arrays, (7, 8, 11, 12), stream, call))
 
 
-def _current_device() -> int:
-    from ..core.driver import device_cupy
-
-    return int(device_cupy().cuda.runtime.getDevice())

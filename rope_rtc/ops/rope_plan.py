@@ -16,6 +16,7 @@ import numpy as np
 from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
+from ..core.driver import current_device
 from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
 from ..core.launcher import StructArg, launch_prefix, load_kernel, single_device
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature, \
@@ -154,7 +155,7 @@ class RopePlan:
         if req.angles:  # what no build serves is refused now, not at the first execute
             angle_builds(replace(req, q_out=req.q, k_out=req.k) if self.in_place else req, layout == "bhsd")
         if device is None:
-            device = req.device if req.device is not None else _current_device()
+            device = req.device if req.device is not None else current_device()
         self.device = int(device)
         self._kernels: dict[tuple[int, int], tuple] = {}
         self._fixed: dict[FixedGeometry, object] = {}
@@ -785,7 +786,3 @@ class RopeTemplate:
         return pre
 
 
-def _current_device() -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDevice())

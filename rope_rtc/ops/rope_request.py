@@ -20,7 +20,7 @@ import numpy as np
 
 from ..build.registry import ANGLE_MODES
 from ..core import arrays as A
-from ..core.descriptors import TensorDesc
+from ..core.descriptors import TensorDesc, is_int
 from ..core.layouts import Canonical, canonical, check_layout, default_layout
 from ..errors import shown
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
@@ -108,10 +108,6 @@ def _int_arg(value, name: str) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     return int(value)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def check_options(layout, interleaved, inverse) -> None:
@@ -263,13 +259,13 @@ def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, r
         if isinstance(offset, (float, np.floating, bool, np.bool_)):  # the type first, as without positions
             raise TypeError(f"offset: expected an int or an int array (one start per sequence), got "
                             f"{type(offset).__name__} {offset!r}")
-        if offset is not None and not (_is_int(offset) and int(offset) == 0):
+        if offset is not None and not (is_int(offset) and int(offset) == 0):
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
         want = (cq.S,) if layout == "thd" else (cq.B, cq.S)
         pi = _index_array(positions, "positions", ((len(want),), f"shape {want} (one position per token)"), allow_host)
         if pi.shape != want:
             raise ValueError(f"positions: expected shape {want} (one per token), got {pi.shape}")
-    elif _is_int(offset):
+    elif is_int(offset):
         off = int(offset)
         if cui is None and (off < 0 or off + cq.S > rows):
             raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside {position_range(rows)}")

@@ -17,6 +17,7 @@ import numpy as np
 from ..build.registry import TAIL_DIMS, tail_spec
 from ..core import arrays as A
 from ..core import driver
+from ..core.driver import current_device
 from ..core import launcher, outputs
 from ..core.backends import BACKENDS, on_gpu, resolve
 from ..core.descriptors import TensorDesc, TupleDict
@@ -116,7 +117,7 @@ class TailRoPEForward:
         if self.backend == "nvrtc":
             self.device = A.check_same_device(infos)
             if self.device is None:
-                self.device = _current_device()
+                self.device = current_device()
         self._supported = True
         return self
 
@@ -334,10 +335,6 @@ def _result(arrays: tuple) -> TupleDict:
     return TupleDict.of_out(arrays[3])
 
 
-def _current_device() -> int:
-    import cupy
-
-    return int(cupy.cuda.runtime.getDevice())
 
 
 # Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
