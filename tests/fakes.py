@@ -277,7 +277,8 @@ class FakeGPU:
     * every core's launcher is a recorder that appends ``{"fn", "grid", "block", "stream",
       "token", "thread", "params"}`` to ``gpu.launches`` (``params``: a copy of the general kernel's
       argument block, for ``rope_apply`` launches; ``fixed``: the specialised build's block and
-      ``geometry`` its FixedGeometry, for ``rope_fixed`` launches);
+      ``geometry`` its FixedGeometry, for ``rope_fixed`` launches; ``args``: the tail kernel's
+      block, as bytes);
     * output allocation makes fake CuPy arrays, stream resolution returns the handle given (0
       for ``None``), and the one-call functions' per-thread plan caches start empty.
 
@@ -291,10 +292,30 @@ class FakeGPU:
         self.fixed = fixed  # whether the specialised build serves the calls it fits (rope_launch.USE_FIXED)
         self.launches: list[dict] = []
         self._saved: list[tuple[object, str, object]] = []
+        # replay_allocations: the call whose outputs are being allocated, and how many it has had.
+        self._replay: list = [None, 0]
+        self._replayed: dict = {}
 
     def _patch(self, owner, name, value) -> None:
         self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
         setattr(owner, name, value)
+
+    def replay_allocations(self, call) -> None:
+        """From now on, the ``n``-th output allocated is at the address that the ``n``-th of an
+        earlier ``replay_allocations(call)`` got (``None``: fresh addresses again), so that one
+        call made twice launches the same argument block, allocated outputs and all."""
+        self._replay[:] = [call, 0]
+
+    def _allocate(self, shape, dtype, device):
+        call, n = self._replay
+        if call is None:
+            return fake_cupy(tuple(shape), np.dtype(dtype), device=device)
+        self._replay[1] = n + 1
+        key = (call, n, tuple(shape), np.dtype(dtype), device)
+        if key not in self._replayed:
+            self._replayed[key] = fake_alloc(span_bytes(shape, c_strides(shape, np.dtype(dtype).itemsize),
+                                                        np.dtype(dtype).itemsize) + 64)
+        return fake_cupy(tuple(shape), np.dtype(dtype), device=device, ptr=self._replayed[key])
 
     def launcher(self, args_address: int, device: int) -> "_RecordingLauncher":
         return _RecordingLauncher(self, args_address)
@@ -317,7 +338,7 @@ class FakeGPU:
             return tail_spec(heads, dim).entries[0]
 
         def allocate(shape, dtype, device, stream, current=False):
-            return fake_cupy(tuple(shape), np.dtype(dtype), device=device)
+            return self._allocate(shape, dtype, device)
 
         def stream_handle(stream, device=None):  # the real checks of a given stream; 0 for the current one
             return 0 if stream is None else launch.stream_handle(stream, device)
@@ -418,6 +439,10 @@ class _RecordingLauncher:
             record["fixed"] = FixedParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(FixedParams)))
             record["geometry"] = fn[1]
             record["vec"] = fn[1].vec
+        elif isinstance(fn, str) and fn.startswith("tail_rope"):
+            from rope_rtc.ops.tail import _ARGS
+
+            record["args"] = ctypes.string_at(self._block, _ARGS.size)
         self.gpu.launches.append(record)
 
     def launch(self, prefix, handle) -> None:
@@ -501,3 +526,21 @@ def in_a_fresh_thread(fn):
     if not ok:
         raise value
     return value
+
+
+def warm_and_cold(gpu: FakeGPU, calls, describe) -> tuple[list, list]:
+    """Each of ``calls`` (functions of no argument) made in order in this thread (warm: its
+    thread-local caches and repeat paths are those the calls before it left), then each again
+    in a fresh thread (cold): the two lists of :func:`launch_outcome`. The outputs a call has
+    allocated for it get the same addresses both times, so its argument blocks compare."""
+
+    def outcome(i):
+        gpu.replay_allocations(i)
+        return launch_outcome(gpu, calls[i], describe)
+
+    try:
+        warm = [outcome(i) for i in range(len(calls))]
+        cold = [in_a_fresh_thread(lambda: outcome(i)) for i in range(len(calls))]
+    finally:
+        gpu.replay_allocations(None)
+    return warm, cold

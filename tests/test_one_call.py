@@ -15,7 +15,7 @@ from fakes import BF16, FakeDeviceArray, FakeGPU, fake_alloc, fake_cupy
 from fakes import counted as _counted
 from rope_rtc import apply_rope, apply_rope_qk, env, tail_rope
 from rope_rtc.core import prepared
-from rope_rtc.ops import rope, rope_plan, rope_request
+from rope_rtc.ops import rope, rope_params, rope_plan, rope_request
 
 B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
 
@@ -1080,3 +1080,113 @@ def test_the_engines_convention_repeat_path_of_apply_rope(monkeypatch):
         q, k = fake_cupy((B, HQ * D), BF16), fake_cupy((B, HK * D), BF16)
         _engine_call(cache, q, k, sets[0][1])
         assert counts.get("validate", 0) >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# warm against cold: each repeat path launches what the same call in a fresh thread launches
+
+def _rope_record(rec) -> tuple:
+    """What a launch gives the kernel: entry, grid, block, stream and the argument block's bytes
+    that its build reads."""
+    if "fixed" not in rec:
+        return (rec["fn"], rec["grid"], rec["block"], rec["stream"], bytes(rec["params"]))
+    block = rope_params.FixedParams.from_buffer_copy(rec["fixed"])
+    if not rec["geometry"].mrope:
+        # Read by multimodal builds only, and never written for others: a plan's block keeps there
+        # what its last generic launch (a RopeParams over the same memory) left.
+        block.mrope_stride = 0
+    if rec["geometry"].k_heads == 0:  # apply_rope: a build without k reads none of k's fields
+        for name in ("in_", "out", "in_sb", "in_ss", "in_sh", "out_sb", "out_ss", "out_sh", "dense_in", "dense_out"):
+            getattr(block, name)[1] = 0
+    return (rec["fn"], rec["grid"], rec["block"], rec["stream"], bytes(block))
+
+
+def _rope_episode(rng, n: int) -> list:
+    """``n`` calls of one kind (an op, a dtype, a layout, a position source, a table or angle
+    source, outputs in place, given or allocated): new arrays each call, now and then one off the
+    16-byte alignment (a narrower build, or the error), of another token count, or a call that
+    must be refused."""
+    from helpers import layout_shape
+
+    bsz, hq, hk, d, rows = 2, 8, 2, 128, 64
+    qk = bool(rng.random() < 0.6)
+    dtype = [BF16, np.dtype(np.float16), np.dtype(np.float32)][int(rng.choice(3, p=[0.6, 0.2, 0.2]))]
+    source = str(rng.choice(["tables", "tables", "inv_freq", "engine"]))
+    layout = "thd" if source == "engine" else str(rng.choice(["bshd", "bshd", "thd", "sbhd", "bhsd"]))
+    pos_kind = str(rng.choice(["positions", "offset", "offsets", "cu_seqlens"] if layout == "thd"
+                              else ["positions", "offset", "offsets"]))
+    if source == "engine":
+        pos_kind = "positions"
+    if layout == "thd" and pos_kind == "offsets":
+        pos_kind = "offset"
+    outs = str(rng.choice(["in place", "given", "allocated"]))
+    opts = {} if source == "engine" else dict(interleaved=bool(rng.random() < 0.3))
+    if source == "tables" and rng.random() < 0.3:
+        opts["rotary_dim"] = d // 2
+    if source != "engine":
+        opts["layout"] = layout
+    rot = opts.get("rotary_dim", d)
+    cos, sin = fake_cupy((rows, rot // 2), np.float32), fake_cupy((rows, rot // 2), np.float32)
+    cache = fake_cupy((rows, rot), np.float32)
+    inv = fake_cupy((rot // 2,), np.float64 if rng.random() < 0.5 else np.float32)
+    scaling = float(rng.choice([1.0, 0.5])) if rng.random() < 0.5 else None
+    idx = np.int64 if rng.random() < 0.5 else np.int32
+    stream = None if rng.random() < 0.7 else 77
+    calls = []
+    for _ in range(n):
+        s = int(rng.choice([3, 3, 3, 5]))
+        off = 2 if rng.random() < 0.12 else 0  # 2 bytes: off every vector wider than one element
+        shapes = [layout_shape(layout, bsz, s, h, d) for h in ((hq, hk) if qk else (hq,))]
+        if source == "engine":
+            shapes = [(bsz * s, h * d) for h in ((hq, hk) if qk else (hq,))]
+        ins = [fake_cupy(sh, dtype, byte_offset=off if i == 0 else 0) for i, sh in enumerate(shapes)]
+        kw = dict(opts, stream=stream)
+        if source == "tables":
+            kw.update(cos=cos, sin=sin)
+        elif source == "inv_freq":
+            kw.update(inv_freq=inv, attention_scaling=scaling)
+        else:
+            kw.update(cos_sin_cache=cache, head_dim=d)
+        t = bsz * s
+        if pos_kind == "positions":
+            kw["positions"] = fake_cupy((t,) if layout == "thd" else (bsz, s), idx)
+        elif pos_kind == "offset":
+            kw["offset"] = int(rng.integers(0, 8))
+        elif pos_kind == "offsets":
+            kw["offset"] = fake_cupy((bsz,), idx)
+        else:
+            kw.update(cu_seqlens=fake_cupy((bsz + 1,), idx), offset=int(rng.integers(0, 4)))
+        refused = rng.random() < 0.06
+        if refused and "offset" in kw and type(kw["offset"]) is int and source != "inv_freq":
+            kw["offset"] = rows  # past the table
+        elif refused:
+            kw["rotary_offset"] = 1.0  # an option of the wrong type
+        out_names = ("q_out", "k_out") if qk else ("out",)
+        if outs == "in place" or source == "engine" and outs == "allocated" and rng.random() < 0.5:
+            kw.update(zip(out_names, ins))
+        elif outs == "given":
+            kw.update(zip(out_names, (fake_cupy(a.shape, dtype) for a in ins)))
+        calls.append((apply_rope_qk if qk else apply_rope, ins, kw))
+    return calls
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_the_one_call_repeat_paths_launch_what_a_cold_call_launches(fixed):
+    """Episodes of apply_rope and apply_rope_qk calls (tables, inv_freq, the engines' flat arrays
+    and cos_sin_cache; positions, an int offset, per-sequence offsets, cu_seqlens; outputs in
+    place, given or allocated; now and then misaligned, another token count, or refused): each
+    warm call (the thread's last repeat path, its convention path, its signature dictionary)
+    launches the same entry, grid, stream and block bytes as the same call in a fresh thread, or
+    raises the same."""
+    from fakes import warm_and_cold
+
+    rng = np.random.default_rng(21 + fixed)
+    calls = [c for _ in range(45) for c in _rope_episode(rng, 6)]
+    with FakeGPU(fixed=fixed) as gpu:
+        warm, cold = warm_and_cold(gpu, [lambda f=f, ins=ins, kw=kw: f(*ins, **kw) for f, ins, kw in calls],
+                                   _rope_record)
+    assert len(warm) == len(calls) and [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
+    launched = [w for w in warm if w and w[0] != "error"]
+    assert len(launched) > 200 and len(warm) - len(launched) > 5
+    if fixed:
+        assert {w[0][0][0] for w in launched} == {"rope_fixed", "rope_apply"}

@@ -586,3 +586,53 @@ def test_recent_argument_sets_restore_their_own_pointers(gpu):
                 assert (v.x, v.cos, v.sin, v.out, v.n) == (x.data.ptr, c.data.ptr, s.data.ptr, o.data.ptr, x.size // 8)
     assert len(plan._core.recent) == tail_mod.RECENT_SETS
     assert len(gpu.launches) == 2 * len(many) + 3 * (len(rotation) - 1)  # T = 0 launches nothing
+
+
+def _tail_record(rec) -> tuple:
+    return (rec["fn"], rec["grid"], rec["block"], rec["stream"], rec["args"])
+
+
+def test_the_repeat_paths_launch_what_a_cold_call_launches():
+    """Episodes of tail_rope calls (one H, D and rank each; new arrays every call, now and then
+    another token count, an array off the 16-byte alignment, a non-contiguous x) and of a plan's
+    execute: each warm call (the thread's last repeat path, its signature dictionary; the plan's
+    quick path) launches the same entry, grid, stream and block bytes as the same call in a fresh
+    thread or a fresh plan, or raises the same."""
+    from fakes import FakeGPU, warm_and_cold
+
+    rng = np.random.default_rng(31)
+    calls, planned = [], []
+    for _ in range(45):
+        h, d, rank = int(rng.choice([1, 2, 4])), int(rng.choice([128, 512])), int(rng.choice([2, 3]))
+        stream = None if rng.random() < 0.7 else 77
+        for _ in range(6):
+            t = int(rng.choice([4, 4, 4, 7, 0]))
+            shape = (t, h, d) if rank == 3 else (t, h * d)
+            odd = rng.random()
+            x = fake_cupy(shape, BF16, byte_offset=2 if odd < 0.06 else 0)
+            if 0.06 <= odd < 0.1:
+                x = fake_cupy(shape[:-1] + (2 * shape[-1],), BF16)[..., :shape[-1]]
+            c = fake_cupy((t, 32), np.float32, byte_offset=4 if 0.1 <= odd < 0.14 else 0)
+            calls.append((x, c, fake_cupy((t, 32), np.float32), stream))
+            if x.shape[0] and rank == 3:
+                planned.append((x, c, calls[-1][2], fake_cupy(shape, BF16), stream))
+    with FakeGPU() as gpu:
+        warm, cold = warm_and_cold(gpu, [lambda a=a: tail_rope(*a[:3], stream=a[3]) for a in calls], _tail_record)
+        # A plan per H, D of rank 3, made from its first call, and the same calls on a fresh one.
+        first = {}
+        for x, c, s, o, stream in planned:
+            if x._c_contiguous and not (x.data.ptr | c.data.ptr) % 16:
+                first.setdefault(x.shape[1:], (x, c, s, o))
+        planned = [a for a in planned if a[0].shape[1:] in first]
+        plans = {key: TailRoPEForward(*a).check_support().compile() for key, a in first.items()}
+        run_plan = [lambda a=a, p=plans[a[0].shape[1:]]: p.execute(*a[:4], current_stream=a[4]) for a in planned]
+        run_fresh = [lambda a=a: TailRoPEForward(*first[a[0].shape[1:]]).check_support().compile().execute(
+            *a[:4], current_stream=a[4]) for a in planned]
+        from fakes import launch_outcome
+
+        warm += [launch_outcome(gpu, run, _tail_record) for run in run_plan]
+        cold += [launch_outcome(gpu, run, _tail_record) for run in run_fresh]
+    assert len(warm) == len(cold) == len(calls) + len(planned)
+    assert [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
+    launched = [w for w in warm if w and w[0] != "error"]
+    assert len(launched) > 200 and len(warm) - len(launched) > 10
