@@ -21,7 +21,7 @@ import pytest
 
 from rope_rtc.build import kernels as build, cache, registry, sources
 from rope_rtc.build.cache import Entry, EntryError, decode_entry, encode_entry
-from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache import safety, store as store_mod
 from rope_rtc.build.cache.store import CacheWarning, DiskStore
 from rope_rtc.cli import main as cli_main
 from rope_rtc.errors import KernelNotCachedError
@@ -635,7 +635,7 @@ def test_warm_killed_at_random_moments_leaves_a_cache_that_verifies(tmp_path, ca
     assert cli_main(["cache", "clear", "--cache-dir", str(root)]) == 0
     capsys.readouterr()
     left = list(d.iterdir())
-    assert all(store_mod._TEMP_NAME.fullmatch(p.name) for p in left), left
+    assert all(safety.TEMP_NAME.fullmatch(p.name) for p in left), left
     DiskStore(d, create=False).remove_stale_temporaries(max_age_s=0)
     assert list(d.iterdir()) == []
 

@@ -19,7 +19,7 @@ import pytest
 from rope_rtc.build import kernels as build, cache, registry
 from rope_rtc._version import __version__
 from rope_rtc.build.cache import Entry, decode_entry, encode_entry
-from rope_rtc.build.cache import store as store_mod
+from rope_rtc.build.cache import maintenance as maintenance_mod
 from rope_rtc.build.cache.store import CacheWarning
 from rope_rtc.cli import main as cli_main
 from rope_rtc.build.toolchain import Target, nvrtc_version
@@ -459,7 +459,7 @@ def test_clear_of_a_cache_this_user_cannot_write_fails_naming_it_and_removes_not
     assert cli_main(["warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress", "--kernels", "blog"]) == 0
     d = cache.versioned_cache_dir(root)
     real_access = os.access
-    monkeypatch.setattr(store_mod.os, "access",
+    monkeypatch.setattr(maintenance_mod.os, "access",
                         lambda p, m, **kw: False if Path(p) == d else real_access(p, m, **kw))
     before = tree_snapshot(tmp_path)
     rc, out, err = _clear(root)
@@ -500,7 +500,7 @@ def test_clear_skips_files_that_vanish_while_it_runs(tmp_path, monkeypatch):
     old.write_bytes(b"torn")
     hours_ago = time.time() - 2 * 3600
     os.utime(old, (hours_ago, hours_ago))
-    real_lstat, real_unlink = store_mod.lstat_at, os.unlink
+    real_lstat, real_unlink = maintenance_mod.lstat_at, os.unlink
 
     def lstat_racing_a_publish(name, dir_fd):
         if name == young.name and young.exists():
@@ -512,8 +512,8 @@ def test_clear_skips_files_that_vanish_while_it_runs(tmp_path, monkeypatch):
             real_unlink(name, dir_fd=dir_fd)  # another process got there first
         return real_unlink(name, *args, dir_fd=dir_fd, **kw)
 
-    monkeypatch.setattr(store_mod, "lstat_at", lstat_racing_a_publish)
-    monkeypatch.setattr(store_mod.os, "unlink", unlink_racing_another_clear)
+    monkeypatch.setattr(maintenance_mod, "lstat_at", lstat_racing_a_publish)
+    monkeypatch.setattr(maintenance_mod.os, "unlink", unlink_racing_another_clear)
     rc, out, err = _clear(root)
     assert rc == 0, out + err
     assert "could not be removed" not in err and "No such file" not in out + err, err

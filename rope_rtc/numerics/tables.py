@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .frequencies import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, NUMERICS, ROPE_TYPES,
-                          _frequencies, _positive_int, _rotary_dim, inverse_frequencies)
+from .frequencies import ROPE_TYPES, _frequencies, inverse_frequencies
+from .frequency_checks import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, NUMERICS, _positive_int,
+                               _rotary_dim)
 
 __all__ = ["MAX_POSITIONS", "MAX_ROTARY_DIM", "MAX_TABLE_ENTRIES", "NUMERICS", "ROPE_TYPES", "inverse_frequencies",
            "rope_tables"]

@@ -1,12 +1,14 @@
-"""The cache directory's safety rules, for the stores in store.py: descriptors opened without
-following a link (``O_NOFOLLOW``, ``O_CLOEXEC``, and ``O_NONBLOCK`` for reads), the owner and mode
-a trusted directory or file has, and directories created with the store's mode at every level.
-The rules themselves are in store.py's docstring ("trust", "modes")."""
+"""The cache directory's safety rules, for the stores in store.py and maintenance.py: descriptors
+opened without following a link (``O_NOFOLLOW``, ``O_CLOEXEC``, and ``O_NONBLOCK`` for reads), the
+owner and mode a trusted directory or file has, directories created with the store's mode at every
+level, and the names of the store's own files (the only ones it writes or deletes). The rules
+themselves are in store.py's docstring ("trust", "modes")."""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -17,10 +19,27 @@ DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW | CLOEXEC
 READ_FLAGS = os.O_RDONLY | NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | CLOEXEC
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
 
+ENTRY_SUFFIX = ".bin"
+SOURCE_SUFFIX = ".cu"
+TEMP_PREFIX = ".tmp-"
+TEMP_SUFFIX = ".part"
+ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.bin")
+SOURCE_NAME = re.compile(r"[0-9a-f]{64}\.cu")
+# Also the names tempfile.mkstemp gives (8 characters of [a-z0-9_]).
+TEMP_NAME = re.compile(r"\.tmp-[0-9a-z_]{8,32}\.part")
+
+# What a saved source (ROPE_RTC_SAVE_SOURCE, compiler.assembled_source) begins with: a file at a
+# saved source's name that does not is someone else's, and is left alone.
+SOURCE_HEAD = b"// option: "
+
 
 class Refused(Exception):
     """A directory or file the store will not use (a link, untrusted, not a directory): the
     text says why and what to do."""
+
+
+class NotAFile(Exception):
+    """Something other than a regular file or a link sits at an entry's name."""
 
 
 

@@ -1,4 +1,5 @@
-"""Cache stores: a disk store that needs no lock to be correct, and a memory store.
+"""Cache stores: a disk store that needs no lock to be correct, and a memory store. Listing and
+clearing a disk store are in maintenance.py; the safety rules' mechanics in safety.py.
 
 Disk rules (docs/design.md, "The kernel cache"):
 - publish = write a temporary file in the same directory, fsync, ``os.replace``: a reader sees
@@ -44,37 +45,19 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import secrets
 import stat
 import threading
-import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from .entry import MAGIC, MAX_ENTRY_BYTES, Entry, EntryError, decode_entry, encode_entry, peek_header
-from .safety import (CREATE_FLAGS, READ_FLAGS, Refused, create_dirs, kind_of, lstat_at, open_dir_no_follow,
-                     untrusted_reason)
-
-ENTRY_SUFFIX = ".bin"
-SOURCE_SUFFIX = ".cu"
-TEMP_PREFIX = ".tmp-"
-TEMP_SUFFIX = ".part"
-# A temporary file this old belongs to no running publish (one takes milliseconds): a process
-# was killed between writing it and renaming it. `warm` removes such files when it starts.
-STALE_TEMP_SECONDS = 3600
-
-# What a saved source (ROPE_RTC_SAVE_SOURCE, compiler.assembled_source) begins with: a file at a
-# saved source's name that does not is someone else's, and is left alone.
-SOURCE_HEAD = b"// option: "
-
-_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.bin")
-_SOURCE_NAME = re.compile(r"[0-9a-f]{64}\.cu")
-# Also the names tempfile.mkstemp gives (8 characters of [a-z0-9_]).
-_TEMP_NAME = re.compile(r"\.tmp-[0-9a-z_]{8,32}\.part")
+from .entry import MAX_ENTRY_BYTES, Entry, EntryError, decode_entry, encode_entry
+from .maintenance import Cleared, ListedEntry, Maintenance  # noqa: F401 - part of this module's interface
+from .safety import SOURCE_SUFFIX  # noqa: F401 - part of this module's interface
+from .safety import (CREATE_FLAGS, ENTRY_SUFFIX, READ_FLAGS, TEMP_PREFIX, TEMP_SUFFIX, NotAFile, Refused, create_dirs,
+                     kind_of, lstat_at, open_dir_no_follow, untrusted_reason)
 
 # Errors of the directory or the filesystem, not of one entry: publishing stops for the process.
 _DIRECTORY_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
@@ -95,25 +78,12 @@ def _warn_once(topic: str, where: str, message: str) -> None:
     warnings.warn(message, CacheWarning, stacklevel=4)
 
 
-class _NotAFile(Exception):
-    """Something other than a regular file or a link sits at an entry's name."""
-
-
-class _OtherOwner(Exception):
-    """A file named and made as the store's own that another user owns: not ours to remove."""
-
-    def __init__(self, uid: int) -> None:
-        super().__init__(f"owned by uid {uid}")
-        self.uid = uid
-
-
 class _DirectoryError(Exception):
     """Publishing failed because of the directory, not the entry; wraps the OSError."""
 
     def __init__(self, error: OSError) -> None:
         super().__init__(str(error))
         self.error = error
-
 
 
 class MemoryStore:
@@ -131,60 +101,7 @@ class MemoryStore:
             self._entries[entry.key] = entry
 
 
-@dataclass
-class ListedEntry:
-    """One file at an entry's name: its entry when it verifies, else the error (and the header's
-    fields when they parse, so that a message can name the kernel of a damaged entry)."""
-
-    path: Path
-    size: int
-    entry: Entry | None
-    error: str | None
-    header: dict | None = None
-    #: something other than a file or a link sits at the name (a directory, a FIFO, a socket):
-    #: the store never deletes or replaces it, so only a person can remove it (a link or an
-    #: untrusted file is replaced by the next publish of its kernel)
-    foreign: bool = False
-
-    @property
-    def key(self) -> str:
-        return self.path.name[: -len(ENTRY_SUFFIX)]
-
-    def _field(self, name: str) -> str | None:
-        """A field of the verified entry, else of the header when it parsed (a damaged entry)."""
-        if self.entry is not None:
-            return getattr(self.entry, name)
-        value = (self.header or {}).get(name)
-        return value if isinstance(value, str) else None
-
-    @property
-    def kernel(self) -> str | None:
-        return self._field("kernel")
-
-    @property
-    def target(self) -> str | None:
-        return self._field("target")
-
-
-@dataclass
-class Cleared:
-    """What :meth:`DiskStore.clear` did: files removed by kind, names left because they are not
-    the cache's, and removals that failed (name, reason)."""
-
-    entries: int = 0
-    sources: int = 0
-    temporary: int = 0
-    left: list[str] = field(default_factory=list)
-    #: temporary files younger than STALE_TEMP_SECONDS: a publish may be writing them now
-    in_progress: list[str] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def removed(self) -> int:
-        return self.entries + self.sources + self.temporary
-
-
-class DiskStore:
+class DiskStore(Maintenance):
     """One versioned cache directory.
 
     ``usable``: entries may be read; ``writable``: entries may be published; ``problem``: why
@@ -274,7 +191,7 @@ class DiskStore:
 
     # -- reading -----------------------------------------------------------------------
     def _read_at(self, dir_fd: int, name: str) -> bytes:
-        """The bytes of the regular file ``name``; raises FileNotFoundError, _NotAFile, Refused
+        """The bytes of the regular file ``name``; raises FileNotFoundError, NotAFile, Refused
         (a link or an untrusted file), EntryError (larger than any entry) or OSError."""
         try:
             fd = os.open(name, READ_FLAGS, dir_fd=dir_fd)
@@ -288,12 +205,12 @@ class DiskStore:
             if stat.S_ISLNK(st.st_mode):
                 raise Refused("is a symbolic link (never followed)") from None
             if not stat.S_ISREG(st.st_mode):  # a socket gives ENXIO
-                raise _NotAFile(kind_of(st.st_mode)) from None
+                raise NotAFile(kind_of(st.st_mode)) from None
             raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise _NotAFile(kind_of(st.st_mode))
+                raise NotAFile(kind_of(st.st_mode))
             reason = None if self.trust_shared else untrusted_reason(st, f"cache entry {name}")
             if reason:
                 raise Refused(reason)
@@ -323,7 +240,7 @@ class DiskStore:
             return None
         except EntryError as exc:
             self.discard(key, f"corrupt cache entry {name} ({exc})")
-        except _NotAFile as exc:
+        except NotAFile as exc:
             _warn_once("not a file", str(path), f"rope_rtc: {path} is {exc}, not a cache entry; left alone "
                                                 "(compiling instead)")
         except Refused as exc:
@@ -386,7 +303,7 @@ class DiskStore:
             self._atomic_write(name, encode_entry(entry))
             self.write_errors.pop(entry.key, None)
             return True
-        except _NotAFile as exc:
+        except NotAFile as exc:
             why = f"{path} is {exc}, not a cache entry; left alone"
             topic = "not a file"
         except _DirectoryError as exc:
@@ -415,12 +332,12 @@ class DiskStore:
         if self.writable:
             try:
                 self._atomic_write(f"{key}{suffix}", text.encode())
-            except (OSError, _NotAFile, _DirectoryError, Refused):
+            except (OSError, NotAFile, _DirectoryError, Refused):
                 pass
 
     def _atomic_write(self, name: str, data: bytes) -> None:
         """Write ``data`` to a new temporary file, fsync it, rename it onto ``name``. Raises
-        _DirectoryError or Refused when the directory is at fault, _NotAFile when something
+        _DirectoryError or Refused when the directory is at fault, NotAFile when something
         that is not ours sits at ``name``, OSError when this one file failed."""
         try:
             dfd = self._open_directory()
@@ -430,7 +347,7 @@ class DiskStore:
             try:
                 mode = lstat_at(name, dfd).st_mode
                 if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed
-                    raise _NotAFile(kind_of(mode))
+                    raise NotAFile(kind_of(mode))
             except FileNotFoundError:
                 pass
             tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}"
@@ -461,189 +378,6 @@ class DiskStore:
                 pass
         finally:
             os.close(dfd)
-
-    # -- maintenance ---------------------------------------------------------------------
-    def _names(self, dfd: int) -> list[str]:
-        return sorted(os.listdir(dfd))
-
-    def list(self) -> list[ListedEntry]:
-        """Every file at an entry's name, verified. Never raises: when the directory cannot be
-        read, ``problem`` says why and the list is empty."""
-        out: list[ListedEntry] = []
-        if not self.usable:
-            return out
-        try:
-            with self._dir() as dfd:
-                for name in self._names(dfd):
-                    if _ENTRY_NAME.fullmatch(name):
-                        listed = self._listed(dfd, name)
-                        if listed is not None:
-                            out.append(listed)
-        except Refused as exc:
-            self._unusable(str(exc))
-        except OSError as exc:
-            self._unusable(f"cannot read cache directory {self.directory}: {exc.strerror}")
-        return out
-
-    def _listed(self, dfd: int, name: str) -> ListedEntry | None:
-        """The file at ``name``, verified; None when it is gone (removed since the directory was
-        read: by a `cache clear`, or a load that found it corrupt)."""
-        path = self.directory / name
-        try:
-            size = lstat_at(name, dfd).st_size
-        except FileNotFoundError:
-            return None
-        except OSError:
-            size = 0
-        data = b""
-        try:
-            data = self._read_at(dfd, name)
-            return ListedEntry(path, size, decode_entry(data, expect_key=name[: -len(ENTRY_SUFFIX)]), None)
-        except FileNotFoundError:
-            return None
-        except EntryError as exc:
-            return ListedEntry(path, size, None, str(exc), peek_header(data))
-        except _NotAFile as exc:
-            return ListedEntry(path, size, None, f"is {exc}, not a cache entry", foreign=True)
-        except Refused as exc:
-            return ListedEntry(path, size, None, str(exc))
-        except OSError as exc:
-            return ListedEntry(path, size, None, f"cannot be read ({exc.strerror})")
-
-    def temp_files(self) -> list[Path]:
-        """Temporary files of interrupted publishes (or of one in progress)."""
-        if not self.usable:
-            return []
-        found = []
-        try:
-            with self._dir() as dfd:
-                for n in self._names(dfd):
-                    if not _TEMP_NAME.fullmatch(n):
-                        continue
-                    try:
-                        if stat.S_ISREG(lstat_at(n, dfd).st_mode):
-                            found.append(self.directory / n)
-                    except FileNotFoundError:  # published (renamed) or removed since the listing
-                        continue
-        except (OSError, Refused):
-            return []
-        return found
-
-    def saved_sources(self) -> list[Path]:
-        if not self.usable:
-            return []
-        try:
-            with self._dir() as dfd:
-                return [self.directory / n for n in self._names(dfd) if _SOURCE_NAME.fullmatch(n)]
-        except (OSError, Refused):
-            return []
-
-    def _own_kind(self, dfd: int, name: str) -> str | None:
-        """"entries", "sources" or "temporary" when ``name`` is one of the store's own files
-        (a regular file we own, named as the store names them, an entry in the entry format);
-        None for anything else. Raises _OtherOwner for a file that looks like one of them but
-        that another user owns (this user may not remove it)."""
-        if _ENTRY_NAME.fullmatch(name):
-            kind = "entries"
-        elif _SOURCE_NAME.fullmatch(name):
-            kind = "sources"
-        elif _TEMP_NAME.fullmatch(name):
-            kind = "temporary"
-        else:
-            return None
-        st = lstat_at(name, dfd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        head = {"entries": MAGIC, "sources": SOURCE_HEAD}.get(kind)
-        if head is not None:
-            try:
-                fd = os.open(name, READ_FLAGS, dir_fd=dfd)
-            except PermissionError:
-                if self._ours(st):
-                    raise
-                raise _OtherOwner(st.st_uid) from None
-            try:
-                if os.read(fd, len(head)) != head:
-                    return None
-            finally:
-                os.close(fd)
-        if not self._ours(st):
-            raise _OtherOwner(st.st_uid)
-        return kind
-
-    def clear(self) -> Cleared:
-        """Remove the store's own files (entries, saved sources, temporary files); leave the rest,
-        and the temporary files a publish may be writing now (younger than STALE_TEMP_SECONDS:
-        removing one would fail that publish). A file of the cache that another user owns is not
-        removed, and is reported as a failure. Raises Refused, removing nothing, when this user
-        may not remove files from the directory (a cache warmed by root into an image)."""
-        done = Cleared()
-        cutoff = time.time() - STALE_TEMP_SECONDS
-        with self._dir() as dfd:
-            if not os.access(self.directory, os.W_OK | os.X_OK):
-                raise Refused(self._not_writable_reason(dfd))
-            for name in self._names(dfd):
-                # A file may go between the listing and its removal: a publish renames its
-                # temporary file onto an entry, another clear or a load removes an entry. Gone is
-                # what a clear wants, so that is no failure, whichever step finds it gone.
-                try:
-                    kind = self._own_kind(dfd, name)
-                    if kind == "temporary" and lstat_at(name, dfd).st_mtime >= cutoff:
-                        done.in_progress.append(name)
-                        continue
-                except FileNotFoundError:
-                    continue
-                except _OtherOwner as exc:
-                    done.failed.append((name, f"owned by uid {exc.uid}, not this user (uid {os.getuid()}): "
-                                              "only its owner may remove it"))
-                    continue
-                except OSError as exc:
-                    done.failed.append((name, exc.strerror or str(exc)))
-                    continue
-                if kind is None:
-                    done.left.append(name)
-                    continue
-                try:
-                    os.unlink(name, dir_fd=dfd)
-                except FileNotFoundError:
-                    continue
-                except OSError as exc:
-                    done.failed.append((name, exc.strerror or str(exc)))
-                else:
-                    setattr(done, kind, getattr(done, kind) + 1)
-        return done
-
-    def _not_writable_reason(self, dfd: int) -> str:
-        st = os.fstat(dfd)
-        if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            why = (f"it belongs to uid {st.st_uid} and this user (uid {os.getuid()}) may not remove files from it: "
-                   f"clear it as uid {st.st_uid}, or give --cache-dir a cache of your own")
-        else:
-            why = f"mode {stat.S_IMODE(st.st_mode):o}, or a read-only filesystem"
-        return f"cache directory {self.directory} is not writable ({why})"
-
-    def remove_stale_temporaries(self, max_age_s: float = STALE_TEMP_SECONDS) -> int:
-        """Remove our temporary files older than ``max_age_s`` (left by killed processes); a
-        younger one may belong to a publish in progress. Returns how many were removed."""
-        if not self.writable:
-            return 0
-        removed = 0
-        cutoff = time.time() - max_age_s
-        try:
-            with self._dir() as dfd:
-                for name in self._names(dfd):
-                    if not _TEMP_NAME.fullmatch(name):
-                        continue
-                    try:
-                        st = lstat_at(name, dfd)
-                        if self._ours(st) and st.st_mtime < cutoff:
-                            os.unlink(name, dir_fd=dfd)
-                            removed += 1
-                    except OSError:
-                        continue
-        except (OSError, Refused):
-            pass
-        return removed
 
 
 class CacheStore:
