@@ -321,9 +321,7 @@ class FakeGPU:
         return _RecordingLauncher(self, args_address)
 
     def __enter__(self) -> "FakeGPU":
-        import threading
-
-        from rope_rtc.core import driver, outputs, prepared
+        from rope_rtc.core import dispatch, driver, outputs, prepared
         from rope_rtc.core import launcher as launch
         from rope_rtc.ops import rope, rope_plan, tail
 
@@ -354,7 +352,7 @@ class FakeGPU:
         self._patch(kv_cache, "load_cache_function", load_cache_function)
         self._patch(kv_cache, "stream_handle", stream_handle)
         self._patch(kv_cache, "current_device", lambda: 0)
-        self._patch(kv_cache, "_local", threading.local())
+        self._patch(kv_cache.ONE_CALL, "_local", dispatch.ThreadState())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
         self._patch(rope_plan, "load_fixed_function", load_fixed_function)
         from rope_rtc.ops import rope_launch
@@ -364,18 +362,17 @@ class FakeGPU:
         self._patch(prepared.Prepared, "_new_launcher", staticmethod(self.launcher))
         self._patch(outputs, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
-        # The repeat path's current stream (cupy.cuda.get_current_stream): the handle stream_handle gives None.
-        self._patch(rope, "_CURRENT", lambda device=-1: types.SimpleNamespace(ptr=stream_handle(None)))
+        self._patch(dispatch, "stream_handle", stream_handle)
         self._patch(tail, "stream_handle", stream_handle)
         from rope_rtc.ops import mrope
 
         self._patch(mrope, "stream_handle", stream_handle)
-        self._patch(mrope, "_local", threading.local())
+        self._patch(mrope.ONE_CALL, "_local", dispatch.ThreadState())
         from rope_rtc.ops import qk_norm
 
         self._patch(qk_norm, "load_norm_function", lambda g, device: ("qk_norm_rope", g))
         self._patch(qk_norm, "stream_handle", stream_handle)
-        self._patch(qk_norm, "_local", threading.local())
+        self._patch(qk_norm.ONE_CALL, "_local", dispatch.ThreadState())
         import cupy
 
         from rope_rtc.core import backends
@@ -383,10 +380,10 @@ class FakeGPU:
         self._patch(backends, "_gpu_present", True)
         self._patch(rope, "_gpu_present", True)
         self._patch(rope, "_NDARRAY", cupy.ndarray)
-        self._patch(rope, "_SIGNED", cupy.ndarray)
         self._patch(driver, "require_gpu", lambda: None)
-        self._patch(rope, "_local", threading.local())
-        self._patch(tail, "_local", threading.local())
+        self._patch(rope.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(rope.CONVENTION, "_local", dispatch.ThreadState())
+        self._patch(tail.ONE_CALL, "_local", dispatch.ThreadState())
         self._patch(rope_plan, "current_device", lambda: 0)
         self._patch(tail, "current_device", lambda: 0)
         return self

@@ -28,7 +28,7 @@ def _switch(monkeypatch, name, value):
     """Set one of rope_launch's build switches or limits, and drop the one-call functions' plans
     (they chose their builds under the old value)."""
     monkeypatch.setattr(rope_launch, name, value)
-    rope._local.__dict__.clear()
+    rope.ONE_CALL.forget()
 
 
 def _table(rows=64, half=64):

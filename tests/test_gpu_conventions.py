@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, host_random, poisoned
+from rope_rtc.core import dispatch
 from rope_rtc.reference import assert_rope_close, rope_reference
 from test_conventions import vllm_cos_sin_cache
 
@@ -58,7 +59,7 @@ def test_new_flat_arrays_every_call_take_the_repeat_path_and_match_the_first_cal
     """An engine's layer loop: new flat q/k (and outputs) every call with one cos_sin_cache. From a
     signature's third call the one-call function (a plan: from its second) runs its generated
     checks on the flat arrays and the cache (sin at the second half of each row); every call's
-    bits equal those of the same arguments in a thread that has seen nothing (rope._local
+    bits equal those of the same arguments in a thread that has seen nothing (rope.ONE_CALL's
     cleared; a fresh plan)."""
     import cupy as cp
 
@@ -89,11 +90,11 @@ def test_new_flat_arrays_every_call_take_the_repeat_path_and_match_the_first_cal
     for q, k, pos, qo, ko, _, _ in calls:
         call(q, k, pos, qo, ko, cache, plan)
     if plan is None:
-        assert getattr(rope._local, "convention", None) is not None
+        assert rope.CONVENTION.thread().last is not dispatch.NO_LAST
     else:
         assert plan._flat_quick is not None
     for q, k, pos, qo, ko, q0, k0 in calls:
-        rope._local.__dict__.clear()
+        rope.ONE_CALL.forget()
         want_q, want_k = (q0.copy(), k0.copy()) if in_place else (poisoned(cp, q.shape, dt), poisoned(cp, k.shape, dt))
         a, b = (want_q, want_k) if in_place else (q0, k0)
         call(a, b, pos, want_q, want_k, cache, new_plan(a, b, pos, want_q, want_k, cache) if api == "plan" else None)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, poisoned
+from rope_rtc.core import dispatch
 from rope_rtc.reference import rope_and_cache_reference
 
 pytestmark = pytest.mark.gpu
@@ -240,9 +241,9 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     firsts = [{n: a.copy() for n, a in dev.items()} for _, dev in sets]
     for _, dev in sets:
         run(dev)
-    assert getattr(kv_cache._local, "last", None) is not None
+    assert kv_cache.ONE_CALL.thread().last is not dispatch.NO_LAST
     for (_, dev), first in zip(sets, firsts):
-        kv_cache._local.__dict__.clear()
+        kv_cache.ONE_CALL.forget()
         run(first)
         for n in ("q", "k", "k_cache", "v_cache"):
             assert np.array_equal(bits(cp.asnumpy(dev[n])) if dev[n].dtype != np.uint8 else cp.asnumpy(dev[n]),

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, keep_busy, poisoned
+from rope_rtc.core import dispatch
 from rope_rtc.reference import assert_rope_close, mrope_kernel_arithmetic, mrope_reference
 
 pytestmark = pytest.mark.gpu
@@ -448,9 +449,9 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     for q, k, pos, _, _ in calls:
         rope_rtc.apply_mrope_qk(q, k, cos, sin, pos, SECTIONS[interleaved_sections],
                                 interleaved_sections=interleaved_sections, q_out=q, k_out=k)
-    assert getattr(mrope._local, "last", None) is not None
+    assert mrope.ONE_CALL.thread().last is not dispatch.NO_LAST
     for q, k, pos, q0, k0 in calls:
-        mrope._local.__dict__.clear()
+        mrope.ONE_CALL.forget()
         rope_rtc.apply_mrope_qk(q0, k0, cos, sin, pos, SECTIONS[interleaved_sections],
                                 interleaved_sections=interleaved_sections, q_out=q0, k_out=k0)
         assert np.array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from gpu_util import bits, host_random, host_tables
+from rope_rtc.core import dispatch
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,7 @@ def test_eight_threads_own_arrays_and_streams_exact(cp):
                 q, k, starts, qo, ko = sets[i % len(sets)][:5]
                 rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, q_out=qo, k_out=ko, stream=stream, layout="bshd")
             stream.synchronize()
-            plans[t] = {id(p) for p in rope._local.by_key.values()}
+            plans[t] = {id(p) for p in rope.ONE_CALL.thread().by_key.values()}
             for _, _, _, qo, ko, eq, ek in sets:
                 assert np.array_equal(bits(cp.asnumpy(qo)), eq), f"thread {t}: q differs"
                 assert np.array_equal(bits(cp.asnumpy(ko)), ek), f"thread {t}: k differs"
@@ -230,7 +231,7 @@ def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):
     monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
     from rope_rtc.ops import rope
 
-    monkeypatch.setattr(rope, "_local", threading.local())  # plans read the switch when made
+    monkeypatch.setattr(rope.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
     with pytest.raises(ValueError, match=r"positions: entry 4 is 64, outside the table's 64 rows"):
         rope_rtc.apply_rope(x, cos, sin, positions=bad, out=x, layout="bshd")
     assert np.array_equal(cp.asnumpy(x), x0)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, poisoned
+from rope_rtc.core import dispatch
 from rope_rtc.reference import qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference
 
 pytestmark = pytest.mark.gpu
@@ -286,9 +287,9 @@ def test_one_calls_with_new_arrays_take_the_repeat_path_and_match_a_fresh_thread
     for q, k, off, _, _ in calls:
         rope_rtc.apply_qk_norm_rope(q, k, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q, k_out=k,
                                     layout="bshd")
-    assert getattr(qk_norm._local, "last", None) is not None
+    assert qk_norm.ONE_CALL.thread().last is not dispatch.NO_LAST
     for q, k, off, q0, k0 in calls:
-        qk_norm._local.__dict__.clear()
+        qk_norm.ONE_CALL.forget()
         rope_rtc.apply_qk_norm_rope(q0, k0, qw, kw, cos, sin, eps=EPS, numerics=numerics, offset=off, q_out=q0,
                                     k_out=k0, layout="bshd")
         assert np.array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))

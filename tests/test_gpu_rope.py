@@ -11,6 +11,7 @@ import pytest
 from gpu_util import (DTYPES, after_current_stream, assert_half_split_qk, count_allocations, count_compiles,
                       fill_behind_busy_kernel, host_random, host_tables, poisoned)
 from helpers import layout_shape, token_rows
+from rope_rtc.core import dispatch
 from rope_rtc.reference import assert_rope_close, rope_reference
 
 pytestmark = pytest.mark.gpu
@@ -97,7 +98,7 @@ def kernel_path(request, monkeypatch):
     from rope_rtc.ops import rope, rope_launch
 
     # The one-call functions keep templates per thread, each with its choice of build: start empty.
-    monkeypatch.setattr(rope, "_local", threading.local())
+    monkeypatch.setattr(rope.ONE_CALL, "_local", dispatch.ThreadState())
     if request.param != "fixed":
         monkeypatch.setattr(rope_launch, "USE_FIXED", False)
     if request.param in ("prefill", "wide"):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc.core import dispatch
 from rope_rtc import rope_and_cache
 from rope_rtc.reference import (assert_rope_close, fp8_quantize, rope_and_cache_reference, rope_kernel_arithmetic,
                                 rope_reference)
@@ -238,7 +239,7 @@ def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
         rope_and_cache(**kw)
         assert checked == [] and len(gpu.launches) == 2
         monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
-        monkeypatch.setattr(kv_cache, "_local", type(kv_cache._local)())  # plans read the switch when made
+        monkeypatch.setattr(kv_cache.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
         RopeCachePlan(**kw).execute(**kw)
         rope_and_cache(**kw)
         assert checked == [kw["positions"].data.ptr] * 2 and len(gpu.launches) == 4
@@ -673,7 +674,7 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
             rope_and_cache(**kw)
         counts: dict = {}
         counted(monkeypatch, kv_cache, "validate_cache_call", counts)
-        counted(monkeypatch, kv_cache, "signature", counts)
+        counted(monkeypatch, dispatch, "signature", counts)
         counted(monkeypatch, prepared.Prepared, "bind", counts)
         for i in range(24):
             kw = sets[i % len(sets)]

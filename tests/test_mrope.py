@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc.core import dispatch
 from rope_rtc import MRopePlan, apply_mrope, apply_mrope_qk
 from rope_rtc.ops import mrope
 from rope_rtc.build import registry
@@ -150,7 +151,7 @@ def test_the_one_call_function_reuses_its_plan(gpu):
     for _ in range(3):
         kw = _call()
         apply_mrope_qk(**kw, q_out=kw["q"], k_out=kw["k"])
-    assert len(mrope._local.by_key) == 1 and len(gpu.launches) == 3
+    assert len(mrope.ONE_CALL.thread().by_key) == 1 and len(gpu.launches) == 3
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -388,7 +389,7 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(gpu, monkeypatch
     plan = MRopePlan(**sets[0])
     plan.execute(*(sets[0][n] for n in ("q", "k", "cos", "sin", "positions")))
     counts: dict = {}
-    counted(monkeypatch, mrope, "bind_once", counts)
+    counted(monkeypatch, dispatch, "bind_once", counts)
     counted(monkeypatch, mrope, "validate_mrope", counts)
     counted(monkeypatch, rope_request, "validate", counts)
     for i in range(24):

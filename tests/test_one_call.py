@@ -14,7 +14,7 @@ import pytest
 from fakes import BF16, FakeDeviceArray, FakeGPU, fake_alloc, fake_cupy
 from fakes import counted as _counted
 from rope_rtc import apply_rope, apply_rope_qk, env, tail_rope
-from rope_rtc.core import prepared
+from rope_rtc.core import dispatch, prepared
 from rope_rtc.ops import rope, rope_params, rope_plan, rope_request
 
 B, S, HQ, HK, D, ROWS = 8, 1, 32, 8, 128, 4096
@@ -78,7 +78,7 @@ def test_repeat_path_reads_no_environment_builds_no_launcher_and_validates_nothi
     assert counts == {} and environ.reads == 0
     assert len(gpu.launches) == 201
     # Nothing of the caller's is held after a call: the plans keep templates, not arrays.
-    for plan in rope._local.by_key.values():
+    for plan in rope.ONE_CALL.thread().by_key.values():
         assert plan._core.last is None and not plan._core.recent
 
 
@@ -88,16 +88,16 @@ def test_one_call_plans_are_per_signature_and_bounded(gpu, table):
     apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
     apply_rope(q, cos, sin, offset=3, out=q, layout="bshd")
     apply_rope(q, cos, sin, offset=3, layout="bshd")  # out of place: another plan
-    plans = rope._local.by_key
+    plans = rope.ONE_CALL.thread().by_key
     assert len(plans) == 3
     # A different token count is a new signature of the same plan: no new plan.
     q2 = fake_cupy((B, 5, HQ, D), BF16)
     apply_rope(q2, cos, sin, offset=3, out=q2, layout="bshd")
-    assert len(plans) == 3 and len(rope._local.by_signature) == 4
-    for h in range(1, prepared.ONE_CALL_SIGNATURES + 10):
+    assert len(plans) == 3 and len(rope.ONE_CALL.thread().by_signature) == 4
+    for h in range(1, dispatch.ONE_CALL_SIGNATURES + 10):
         x = fake_cupy((1, 1, h, 8), np.float32)
         apply_rope(x, cos[:, :4], sin[:, :4], out=x, layout="bshd")
-    assert len(plans) <= prepared.ONE_CALL_SIGNATURES and len(rope._local.by_signature) <= prepared.ONE_CALL_SIGNATURES
+    assert len(plans) <= dispatch.ONE_CALL_SIGNATURES and len(rope.ONE_CALL.thread().by_signature) <= dispatch.ONE_CALL_SIGNATURES
 
 
 def test_address_checks_still_run_on_a_known_signature(gpu, table):
@@ -149,7 +149,7 @@ def test_threads_never_share_a_plan(table):
                     apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
                     mine.append((q.data.ptr, k.data.ptr, offs.data.ptr))
                 with lock:
-                    plan_ids[t] = {id(p) for p in rope._local.by_key.values()}
+                    plan_ids[t] = {id(p) for p in rope.ONE_CALL.thread().by_key.values()}
                 expected.append((threading.get_ident(), mine))
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(exc)
@@ -182,7 +182,7 @@ def test_tail_rope_one_call_keeps_no_arrays(table):
             assert gpu.launches[-1]["fn"] == "tail_rope_bf16_x1"
         from rope_rtc.ops import tail
 
-        plans = list(tail._local.by_key.values())
+        plans = list(tail.ONE_CALL.thread().by_key.values())
         assert len(plans) == 1 and plans[0]._decl is None
         assert plans[0]._core.last is None and not plans[0]._core.recent
         assert len(gpu.launches) == 3
@@ -431,11 +431,11 @@ def test_a_strided_view_of_a_contiguous_arrays_shape_gets_its_own_template(table
         # template serves them (no address depends on that stride).
         q1 = fake_cupy((B, HQ, D), BF16)[:, None]
         assert q1.shape == q.shape and q1.strides != q.strides and q1._c_contiguous
-        templates = len(rope._local.by_signature)
+        templates = len(rope.ONE_CALL.thread().by_signature)
         apply_rope_qk(q1, k, cos, sin, offset=offs, q_out=q1, k_out=k, layout="bshd")
         p = gpu.launches[-1]["fixed"]
         assert (p.in_[0], p.out[0], p.in_sb[0], p.in_sh[0]) == (q1.data.ptr, q1.data.ptr, HQ * D, D)
-        assert len(rope._local.by_signature) == templates
+        assert len(rope.ONE_CALL.thread().by_signature) == templates
 
 
 def test_cupy_arrays_carry_the_contiguity_flag_the_one_call_signature_reads():
@@ -452,7 +452,7 @@ def _tail_binds_new_arrays(tail, n: int) -> None:
     for _ in range(n):
         x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
         out, = tail_rope(x, c, s)
-        (plan,) = tail._local.by_key.values()
+        (plan,) = tail.ONE_CALL.thread().by_key.values()
         v = plan._core.block
         assert (v.x, v.out, v.cos, v.sin, v.n) == (x.data.ptr, out.data.ptr, c.data.ptr, s.data.ptr, 4 * 64 * 512 // 8)
 
@@ -487,7 +487,7 @@ def test_a_repeated_signature_skips_the_signature_tuples_and_the_dictionary(tabl
         apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")
         apply_rope_qk(q, k, cos, sin, offset=offs, q_out=q, k_out=k, layout="bshd")  # makes the thread's record
         counts: dict = {}
-        _counted(monkeypatch, rope, "_signature_and_pointers", counts)
+        _counted(monkeypatch, rope.ONE_CALL, "_signature_of", counts)
         _counted(monkeypatch, rope_request, "validate", counts)
         sets = [decode_arrays() for _ in range(8)]
         for i in range(20):
@@ -697,7 +697,7 @@ def test_tail_rope_last_repeat_path_checks_the_signature_and_alignment(monkeypat
         # Another token count: its own template and launch size.
         x8, c8, s8 = fake_cupy((8, 64, 512), BF16), fake_cupy((8, 32), np.float32), fake_cupy((8, 32), np.float32)
         tail_rope(x8, c8, s8)
-        assert gpu.launches[-1]["fn"] is not None and next(iter(tail._local.by_key.values()))._core.block.n == 8 * 64 * 64
+        assert gpu.launches[-1]["fn"] is not None and next(iter(tail.ONE_CALL.thread().by_key.values()))._core.block.n == 8 * 64 * 64
         # Off the 16-byte alignment, of the record's signature: full validation names it.
         x, c, s = fake_cupy((4, 64, 512), BF16), fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
         tail_rope(x, c, s)
@@ -1003,7 +1003,7 @@ def test_the_engines_convention_takes_a_repeat_path_too(monkeypatch):
     with FakeGPU(fixed=True) as gpu:  # the same calls, each the first of its thread's kind: the same blocks
         for i in range(37, 40):
             q, k, pos = sets[i % len(sets)]
-            rope._local.__dict__.clear()
+            rope.ONE_CALL.forget()
             _engine_call(cache, q, k, pos)
             assert bytes(gpu.launches[-1]["fixed"]) == launched[i - 37]
 

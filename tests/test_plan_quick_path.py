@@ -188,7 +188,7 @@ def test_the_plans_signature_is_the_one_call_functions(case):
         cu = fake_cupy((5,), np.int32)
     arrays = (q, k, cos, sin, positions, q_out, k_out, cu, offsets)
     with FakeGPU():
-        sig, _ = rope._signature_and_pointers(*arrays)
+        sig, _ = rope._signature_and_pointers(arrays)
     assert one_call_signature(arrays) == sig
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
+from rope_rtc.core import dispatch
 from rope_rtc.errors import UnsupportedLayoutError
 from rope_rtc.reference import qk_norm_reference, qk_norm_rope_reference
 
@@ -373,7 +374,7 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(monkeypatch):
         plan = rope_rtc.QKNormRopePlan(**sets[0])
         plan.execute(*(sets[0][n] for n in ("q", "k", "q_weight", "k_weight", "cos", "sin")))
         counts: dict = {}
-        counted(monkeypatch, qk_norm, "bind_once", counts)
+        counted(monkeypatch, dispatch, "bind_once", counts)
         counted(monkeypatch, qk_norm, "validate_qk_norm", counts)
         counted(monkeypatch, rope_request, "validate", counts)
         for i in range(24):

@@ -20,8 +20,8 @@ One mechanism, which each operation configures::
   memory under the same object) are validated every time.
 
 Plans (``RopePlan``, ``TailRoPEForward``) call :meth:`Prepared.execute`, which remembers calls
-(and holds their arrays). The one-call functions call :meth:`Prepared.bind` and launch without
-remembering anything, so no caller's array outlives the call.
+(and holds their arrays). The one-call functions (``core/dispatch.py``) call :meth:`Prepared.bind`
+and launch without remembering anything, so no caller's array outlives the call.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from .recent import RECENT_SETS, recall, remember
 TEMPLATES = 64
 # Templates one signature keeps (prepared.with_template): a wide one and narrower ones beside it.
 TEMPLATES_PER_SIGNATURE = 4
-# Signatures (and plans) one thread keeps for the one-call functions.
-ONE_CALL_SIGNATURES = 64
 
 _NDARRAY: type | None = None
 
@@ -150,19 +148,6 @@ def direct_launcher(args_address: int, device: int) -> Launcher:
     launcher = Launcher(args_address, device)
     launcher.replay = False
     return launcher
-
-
-class LastPath:
-    """A thread's last generated repeat path of a one-call function (the fused ops'; rope.py keeps
-    its own, compared by identity): the template's function (``RopeTemplate.one_call``), the
-    options it serves (plain values whose types the caller checked, compared with ``==``) and
-    where it launches: ``go(prefix, handle)``, the plan's ``Launcher.launch`` with a raw stream
-    handle, on ``device``. It holds no array."""
-
-    __slots__ = ("one_call", "options", "go", "device")
-
-    def __init__(self, one_call, options: tuple, go, device) -> None:
-        self.one_call, self.options, self.go, self.device = one_call, options, go, device
 
 
 class Call:
@@ -385,31 +370,3 @@ def with_template(tmpls: tuple, tmpl) -> tuple:
     if tmpls and narrower(tmpl, tmpls[0]):
         return tmpls[:TEMPLATES_PER_SIGNATURE - 1] + (tmpl,)
     return (tmpl,)
-
-
-def bind_once(cache: dict, key, arrays: tuple, scalar: int, ptrs, plan_for, *plan_args):
-    """The one-call functions' path: ``(plan, call)`` for ``arrays``, bound without remembering
-    them. ``cache`` maps a call's key (its signature and options; None: not cacheable) to the
-    plan and template that bound it last: a hit runs only the template's address checks (on
-    ``ptrs``, the arrays' data pointers, when the caller has them). On a miss, or when the
-    template declines, ``plan_for(*plan_args)`` gives ``(plan, request)``, validating the call, and
-    the plan's core binds it (raising on a real problem) from that request when there is one
-    (not None), so that a cold call is validated once."""
-    try:
-        hit = cache.get(key) if key is not None else None
-    except TypeError:  # an unhashable option: full validation names it
-        key = hit = None
-    if hit is not None:
-        plan, tmpl = hit
-        call = tmpl.bind(plan._core, arrays, scalar, tmpl.pointers(arrays) if ptrs is None else ptrs)
-        if call is not None:
-            return plan, call
-    # The plan comes from full validation, not from the hit: a declined call (an output that is
-    # no longer its input's view, say) may belong to another plan.
-    plan, request = plan_for(*plan_args)
-    call = plan._core.bind(arrays, scalar, request)
-    # A call the remembered template declined for its alignment alone (the same plan served it with
-    # a narrower one) leaves the entry as it was: aligned calls keep the wider build.
-    if key is not None and (hit is None or hit[0] is not plan or not narrower(call.template, hit[1])):
-        remember(cache, key, (plan, call.template), ONE_CALL_SIGNATURES)
-    return plan, call

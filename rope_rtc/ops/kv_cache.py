@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import threading
 from dataclasses import dataclass, replace
 from operator import itemgetter
 
@@ -36,9 +35,8 @@ from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device,
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
-from ..core.prepared import (ONE_CALL_SIGNATURES, Call, LastPath, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once,
-                             pointers, repeat_signature, signature)
-from ..core.recent import remember
+from ..core.dispatch import OneCall, signature_with_own
+from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_plan import check_positions_of, split_offset
@@ -560,9 +558,6 @@ class RopeCachePlan:
                                 rotary_dim=self._opts["rotary_dim"]))
 
 
-_local = threading.local()
-
-
 def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout: str = "nhd",
                    kv_cache_dtype: str = "auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
                    cu_seqlens=None, interleaved: bool = False, rotary_dim: int | None = None, stream=None,
@@ -619,66 +614,63 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     check_cache_options(kv_layout, kv_cache_dtype)  # before they are hashed into a key
     plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
     options = (kv_layout, kv_cache_dtype, interleaved, rotary_dim)
-    last = getattr(_local, "last", None)
-    if (plain and last is not None and options == last.options and not isinstance(slot_mapping, np.ndarray)
-            and (backend == "auto" or backend == "nvrtc")):
-        # The thread's last repeat path (an engine's decode step, layer after layer): the
-        # template's generated checks and block write; anything it declines goes the full way.
+    if plain and not isinstance(slot_mapping, np.ndarray) and (backend == "auto" or backend == "nvrtc"):
         scalar, offsets = split_offset(offset)
-        prefix = last.one_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
-                               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets,
-                               scalar)
-        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
-            last.go(prefix, stream_handle(stream, last.device))
+        if ONE_CALL.launched(options, stream, q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale,
+                             v_scale, q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens,
+                             offsets, scalar):
             return (q if q_out is None else q_out), (k if k_out is None else k_out)
     requested, backend = backend, resolve(backend)
-    if backend == "numpy" or A.describe(q, "q").device is None:
+    device = A.describe(q, "q").device
+    if backend == "numpy" or device is None:
         return _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options, k_scale, v_scale,
                            q_out, k_out, offset, cu_seqlens, stream, backend, requested)
+    handle = stream_handle(stream, device)
     host_slots = isinstance(slot_mapping, np.ndarray)
     if host_slots:
         # Every check, the host slots value by value; then their device copy, made in the order
         # of the launch's stream (CuPy's pool reuses it only after the launch has read it).
-        creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
-                                      kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-                                      v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
-                                      interleaved=interleaved, rotary_dim=rotary_dim, allow_host_slots=True)
+        validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
+                            kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out,
+                            k_out=k_out, offset=offset, cu_seqlens=cu_seqlens, interleaved=interleaved,
+                            rotary_dim=rotary_dim, allow_host_slots=True)
         from ..core.driver import device_cupy
 
         cupy = device_cupy()
-        device = creq.rope.device
-        with cupy.cuda.Device(device), cupy_stream(stream_handle(stream, device)):
+        with cupy.cuda.Device(device), cupy_stream(handle):
             slot_mapping = cupy.asarray(slot_mapping)
     scalar, offsets = split_offset(offset)
     arrays = (q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale,
               q if q_out is None else q_out, k if k_out is None else k_out, cu_seqlens, offsets)
-    sig = signature(arrays)
-    # Options of the types validation accepts as they are: equal values of other types (such as
-    # interleaved=1 or rotary_dim=64.0) would share the key, so they get no key, and a new plan
-    # (full validation) every call.
-    key = None if sig is None or not plain else (sig, kv_layout, kv_cache_dtype, interleaved, rotary_dim)
-    plans = getattr(_local, "plans", None)
-    if plans is None:
-        plans = _local.plans = {}
-    plan = plans.get(key) if key is not None else None
-    if plan is None:
-        plan = RopeCachePlan(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
-                             kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out,
-                             k_out=k_out, offset=offset, cu_seqlens=cu_seqlens, interleaved=interleaved,
-                             rotary_dim=rotary_dim)
-        if key is not None:
-            remember(plans, key, plan, ONE_CALL_SIGNATURES)
-    if plan._check_positions:
-        plan.check_positions(arrays, scalar)
-    call = plan._core.bind(arrays, scalar)  # validates (new arrays), remembers nothing
-    if key is not None and not plan._check_positions and not host_slots:
-        # The next calls of this signature start at its generated path.
-        quick = plan._core.op.quick_path(call.template, arrays)
-        if quick is not None:
-            _local.last = LastPath(quick[0], options, plan._core.launcher.launch, plan.device)
-    if call.prefix is not None:
-        plan._core.launcher(call.prefix, stream)
+    # The last path is not for host slots (a new device copy every call, and their host checks).
+    _, call = ONE_CALL.run(options, plain, arrays, scalar, handle, device, remember_last=not host_slots)
     return call.result
+
+
+def _plan_key(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple | None]:
+    """A plan per signature and options (None: a plan for this call alone), which validates the
+    call (``OneCall``'s ``validate``). Options of other types than validation accepts as they are
+    (interleaved=1 equals True) get a plan of their own, whose validation names them."""
+    sig, _ = _SIGNATURE(arrays)
+    _, _, interleaved, rotary_dim = options
+    plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
+    return None, ((options, sig) if plain and sig is not None else None)
+
+
+def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> RopeCachePlan:
+    q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale, q_out, k_out, cu_seqlens, \
+        offsets = arrays
+    kv_layout, kv_cache_dtype, interleaved, rotary_dim = options
+    return RopeCachePlan(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
+                         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out, k_out=k_out,
+                         offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens,
+                         interleaved=interleaved, rotary_dim=rotary_dim)
+
+
+_SIGNATURE = signature_with_own(((11, 0), (12, 1)))  # q_out and k_out: in place or not
+# The one-call function's dispatch; options: (kv_layout, kv_cache_dtype, interleaved, rotary_dim).
+ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_SIGNATURE,
+                   check_positions=lambda plan, arrays, scalar, options: plan.check_positions(arrays, scalar))
 
 
 def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, options: tuple, k_scale, v_scale, q_out,

@@ -19,7 +19,6 @@ rounding); a plan runs on the same prepared-launch core (docs/design.md).
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import numpy as np
 
@@ -29,8 +28,8 @@ from ..core import outputs
 from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
                              write_results)
 from ..core.launcher import stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, bind_once, signature
-from ..core.recent import remember
+from ..core.dispatch import OneCall
+from ..core.prepared import Op, signature
 from ..numerics.reference import mrope_streams
 from . import rope_plan
 from .conventions import interface_view, shape_of
@@ -272,9 +271,6 @@ def _check_stream_values(host: np.ndarray, rows: int) -> None:
         raise ValueError(f"positions: entry {at} is {int(host[at])}, outside the table's {rows} rows")
 
 
-_local = threading.local()
-
-
 def apply_mrope_qk(q, k, cos, sin, positions, mrope_section, *, interleaved_sections: bool = False,
                    layout: str = "thd", rotary_dim: int | None = None, inverse: bool = False, q_out=None, k_out=None,
                    stream=None, backend: str = "auto"):
@@ -342,15 +338,9 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
     options = (names, layout, rotary_dim, inverse, interleaved_sections,
                tuple(section) if isinstance(section, (list, tuple)) else section)
     given = q_out is not None and (k is None or k_out is not None)
-    last = getattr(_local, "last", None)
-    if (plain and given and last is not None and options == last.options
-            and (backend == "auto" or backend == "nvrtc")):
-        # The thread's last repeat path (one signature, layer after layer): the template's generated
-        # checks and block write; anything it declines goes the full way.
-        prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, None, None, 0)
-        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
-            last.go(prefix, stream_handle(stream, last.device))
-            return q_out, k_out
+    if (plain and given and (backend == "auto" or backend == "nvrtc")
+            and ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, None, None, 0)):
+        return q_out, k_out
     requested, backend = backend, resolve(backend)
     qi = A.describe(q, names[0])
     if backend == "numpy" or qi.device is None:
@@ -363,21 +353,9 @@ def _apply(names, q, k, cos, sin, positions, section, interleaved_sections, layo
     if k is not None and k_out is None:
         ki = A.describe(k, names[1], allow_host=False)
         k_out = outputs.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
-    arrays = (q, k, cos, sin, positions, q_out, k_out, None, None)
-    sig = signature(arrays)
-    key = None if sig is None or not plain else (options, sig, q_out is q, k_out is k)
-    cache = getattr(_local, "plans", None)
-    if cache is None:
-        cache = _local.plans = {}
-    plan, call = bind_once(cache, key, arrays, 0, None, _plan_for, arrays, options, device)
-    if plan._check_positions:
-        check_mrope_positions(positions, cos)
-    elif key is not None and given:  # the next calls of this signature start at its generated path
-        quick = generated_quick_path(call.template, arrays, _MRopeTemplate)
-        if quick is not None:
-            _local.last = LastPath(quick[0], options, plan._core.launcher.launch, plan.device)
-    if call.prefix is not None:
-        plan._core.launcher(call.prefix, handle)
+    # The last path only for calls that give their outputs (an allocated one is new every call).
+    ONE_CALL.run(options, plain, (q, k, cos, sin, positions, q_out, k_out, None, None), 0, handle, device,
+                 remember_last=given)
     return q_out, k_out
 
 
@@ -416,24 +394,29 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
     return tuple(on_gpu(arrays, (5, 6), stream, call))
 
 
-def _plan_for(arrays: tuple, options: tuple, device: int) -> tuple[MRopePlan, None]:
-    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
-    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
+    """The call validated, and its plan's key (``OneCall``'s ``validate``)."""
     names, layout, rotary_dim, inverse, interleaved_sections, section = options
     q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
     req, _, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
                                layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
                                names=names)
-    key = (options, req.dtype, req.cq.H, None if req.ck is None else req.ck.H, req.cq.D, req.in_place, device)
-    by_key = getattr(_local, "by_key", None)
-    if by_key is None:
-        by_key = _local.by_key = {}
-    plan = by_key.get(key)
-    if plan is None:
-        plan = MRopePlan(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
-                         layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
-                         device=device)
-        plan._names = names
-        plan._ensure_core()
-        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan, None
+    return None, (options, req.dtype, req.cq.H, None if req.ck is None else req.ck.H, req.cq.D, req.in_place,
+                  req.device)
+
+
+def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> MRopePlan:
+    names, layout, rotary_dim, inverse, interleaved_sections, section = options
+    q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
+    plan = MRopePlan(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections, layout=layout,
+                     rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+    plan._names = names
+    plan._ensure_core()
+    return plan
+
+
+# The one-call functions' dispatch; options: (names, layout, rotary_dim, inverse, interleaved_sections,
+# section). The plan's core validates a call again as its own.
+ONE_CALL = OneCall(_validate, _new_plan, own_input=((Q_OUT, Q), (K_OUT, K)),
+                   check_positions=lambda plan, arrays, scalar, options: check_mrope_positions(arrays[POSITIONS],
+                                                                                               arrays[2]))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import struct
-import threading
 from dataclasses import replace
 
 import numpy as np
@@ -39,8 +38,8 @@ from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, re
                              token_positions, write_results)
 from ..core.codegen import preferred_predicate
 from ..core.launcher import launch_prefix, load_kernel, stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, LastPath, Op, Prepared, bind_once, signature
-from ..core.recent import remember
+from ..core.dispatch import OneCall
+from ..core.prepared import Op, Prepared, signature
 from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
@@ -334,9 +333,6 @@ class QKNormRopePlan(RopePlan):
         return self._execute(q, k, cos, sin, positions, q_out, k_out, stream, offset, cu_seqlens, (q_weight, k_weight))
 
 
-_local = threading.local()
-
-
 def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6, numerics: str = "exact",
                        positions=None, offset=0, cu_seqlens=None, layout: str | None = None, interleaved: bool = False,
                        rotary_dim: int | None = None, rotary_offset: int = 0, inverse: bool = False, q_out=None,
@@ -388,16 +384,10 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
     plain = ((layout is None or type(layout) is str) and type(interleaved) is bool and type(inverse) is bool
              and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
              and type(eps) in (float, int) and type(numerics) is str)
-    last = getattr(_local, "last", None)
-    if (plain and last is not None and q_out is not None and k_out is not None and options == last.options
-            and (backend == "auto" or backend == "nvrtc")):
-        # The thread's last repeat path (an engine calls one signature layer after layer): the
-        # template's generated checks and block write; anything it declines goes the full way.
+    if plain and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc"):
         scalar, offsets = split_offset(offset)
-        prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight,
-                               scalar)
-        if prefix is not None:  # the stream once the call is accepted (a declined one goes the full way)
-            last.go(prefix, stream_handle(stream, last.device))
+        if ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight,
+                             k_weight, scalar):
             return q_out, k_out
     requested, backend = backend, resolve(backend)
     qi = A.describe(q, "q")
@@ -413,21 +403,9 @@ def apply_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, *, eps: float = 1e-6,
         ki = A.describe(k, "k", allow_host=False)
         k_out = outputs.allocate(ki.shape, A.numpy_dtype(ki.dtype), device, handle)
     scalar, offsets = split_offset(offset)
-    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight)
-    sig = signature(arrays)
-    key = None if sig is None or not plain else (options, sig, q_out is q, k_out is k)
-    cache = getattr(_local, "plans", None)
-    if cache is None:
-        cache = _local.plans = {}
-    plan, call = bind_once(cache, key, arrays, scalar, None, _plan_for, arrays, scalar, options, device)
-    if plan._check_positions:
-        check_positions_of(arrays[:9], scalar, plan._opts)
-    elif key is not None and given:  # the next calls of this signature start at its generated path
-        quick = generated_quick_path(call.template, arrays, _NormTemplate)
-        if quick is not None:
-            _local.last = LastPath(quick[0], options, plan._core.launcher.launch, plan.device)
-    if call.prefix is not None:
-        plan._core.launcher(call.prefix, handle)
+    # The last path only for calls that give their outputs (an allocated one is new every call).
+    ONE_CALL.run(options, plain, (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, q_weight, k_weight),
+                 scalar, handle, device, remember_last=given)
     return q_out, k_out
 
 
@@ -472,27 +450,32 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
     return tuple(on_gpu(arrays, (7, 8), stream, call))
 
 
-def _plan_for(arrays: tuple, scalar: int, options: tuple, device: int) -> tuple[QKNormRopePlan, None]:
-    """``(plan, None)``: the thread's plan for a call's fixed properties (validating the call;
-    built lazily), whose core validates the call again as its own (``prepared.bind_once``)."""
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
+    """The call validated, and its plan's key (``OneCall``'s ``validate``)."""
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
-    offset = scalar if offsets is None else offsets
     req, qwi, _, _, _ = validate_qk_norm(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
-                                         offset=offset, cu_seqlens=cu_seqlens, layout=layout,
-                                         interleaved=interleaved, rotary_dim=rotary_dim,
+                                         offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens,
+                                         layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                                          rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out)
-    key = (options, req.dtype, req.cq.H, req.ck.H, req.cq.D, req.in_place, req.pos_mode,
-           tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)), qwi.dtype,
-           device)
-    by_key = getattr(_local, "by_key", None)
-    if by_key is None:
-        by_key = _local.by_key = {}
-    plan = by_key.get(key)
-    if plan is None:
-        plan = QKNormRopePlan(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions, offset=offset,
-                              cu_seqlens=cu_seqlens, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
-                              rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
-        plan._ensure_core()
-        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan, None
+    return None, (options, req.dtype, req.cq.H, req.ck.H, req.cq.D, req.in_place, req.pos_mode,
+                  tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)),
+                  qwi.dtype, req.device)
+
+
+def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
+    layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
+    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
+    plan = QKNormRopePlan(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
+                          offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens, layout=layout,
+                          interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
+                          inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+    plan._ensure_core()
+    return plan
+
+
+# The one-call function's dispatch; options: (layout, interleaved, rotary_dim, rotary_offset, inverse,
+# eps, numerics). The plan's core validates a call again as its own.
+ONE_CALL = OneCall(_validate, _new_plan, own_input=((Q_OUT, Q), (K_OUT, K)),
+                   check_positions=lambda plan, arrays, scalar, options: check_positions_of(arrays[:9], scalar,
+                                                                                            plan._opts))

@@ -13,8 +13,6 @@ mechanism under both in ``prepared`` (docs/design.md).
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from ..core import arrays as A
@@ -22,21 +20,16 @@ from ..core import launcher, outputs
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from ..core.launcher import stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, bind_once, cupy_ndarray
-from ..core.recent import remember
+from ..core.dispatch import OneCall, signature_and_pointers
+from ..core.prepared import cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
-from .rope_plan import SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
+from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
 from .rope_request import Request, validate
 
 # backends (rope_rtc.core.backends resolves the switch; this module keeps what its own quick paths read)
 
 _gpu_present = False  # once a GPU has been seen, "auto" means it without asking the driver again
 _NDARRAY: type | None = None  # cupy.ndarray, once a GPU has been seen
-_CURRENT = None  # cupy.cuda.get_current_stream, once a GPU has been seen
-# The arrays the one-call signature reads (_signature_and_pointers): cupy.ndarray, whose
-# _c_contiguous flag lets it skip the strides of C-contiguous arrays; None (every call validated
-# in full) for a CuPy without that flag.
-_SIGNED: type | None = None
 
 
 def _resolve_backend(backend: str) -> str:
@@ -49,12 +42,8 @@ def _resolve_backend(backend: str) -> str:
 
 
 def _gpu_seen() -> None:
-    global _gpu_present, _NDARRAY, _SIGNED, _CURRENT
-    from ..core.driver import import_cupy
-
+    global _gpu_present, _NDARRAY
     _NDARRAY = cupy_ndarray()  # a module global: the one-call path reads it on every call
-    _CURRENT = import_cupy().cuda.get_current_stream  # the repeat path's stream when none is given
-    _SIGNED = _NDARRAY if hasattr(_NDARRAY, "_c_contiguous") else None
     _gpu_present = True
 
 
@@ -87,66 +76,16 @@ def _run_numpy(req: Request):
 
 # the GPU backend
 
-_local = threading.local()
-
-
-class _RepeatPath:
-    """A thread's last repeat path: the template's generated check-and-bind function, what it
-    serves (the functions' array names and the options, compared by identity) and where it
-    launches (the plan's ``Launcher.launch`` and device)."""
-
-    __slots__ = ("one_call", "names", "layout", "interleaved", "rotary_dim", "rotary_offset", "inverse",
-                 "attention", "plan", "go", "device")
-
-    def __init__(self, one_call, names, layout, interleaved, rotary_dim, rotary_offset, inverse, attention,
-                 plan, go, device) -> None:
-        self.one_call, self.names, self.plan, self.go, self.device = one_call, names, plan, go, device
-        self.layout, self.interleaved, self.rotary_dim = layout, interleaved, rotary_dim
-        self.rotary_offset, self.inverse, self.attention = rotary_offset, inverse, attention
-
-
-# Before a thread's first repeat path, one that matches no call (no call's names are a bare object()).
-_NO_LAST = _RepeatPath(None, object(), None, None, None, None, None, None, None, None, None)
-# The names the two functions give their arrays in messages; also the identity their repeat
-# paths compare.
+# The names the two functions give their arrays in messages; the first entry of their options.
 _QK = ("q", "k")
 _X = ("x", "k")
+# attention_scaling: None for calls with tables; the factor for calls with inv_freq (then cos holds it).
+OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse", "attention_scaling")
 
 
-class _ConventionPath:
-    """A thread's last repeat path in the engines' convention (``cos_sin_cache=``, flat ``[T, H * D]``
-    q/k with ``head_dim=``): the template's generated checks written for the flat arrays and the
-    cache itself (sin: the second half of its rows), the options they serve (compared by identity,
-    as :class:`_RepeatPath`'s) and where they launch. It holds no array."""
-
-    __slots__ = ("one_call", "names", "head_dim", "layout", "interleaved", "rotary_dim", "rotary_offset", "inverse",
-                 "go", "device")
-
-    def __init__(self, one_call, names, head_dim, opts: tuple, go, device) -> None:
-        self.one_call, self.names, self.head_dim, self.go, self.device = one_call, names, head_dim, go, device
-        self.layout, self.interleaved, self.rotary_dim, self.rotary_offset, self.inverse = opts[:5]
-
-    def serves(self, names, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim) -> bool:
-        """Whether a call of these options may take this path (options by identity, as
-        :class:`_RepeatPath`'s; an int head_dim by value)."""
-        return (names is self.names and layout is self.layout and interleaved is self.interleaved
-                and rotary_dim is self.rotary_dim and rotary_offset is self.rotary_offset
-                and inverse is self.inverse
-                and (head_dim is self.head_dim or type(head_dim) is int and head_dim == self.head_dim))
-
-    def launched(self, q, k, cache, positions, q_out, k_out, cu_seqlens, offset, stream) -> bool:
-        """Check and launch a call of the options this path serves; False when its arrays are not
-        of the path's signature or its addresses or offset not its template's (the caller then
-        goes the full way, whose checks say what is wrong). The stream is resolved once the call
-        is accepted: a bad one then raises, after a block write the next call redoes."""
-        if type(offset) is int:
-            prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, None, offset)
-        else:  # an offsets array; anything else the function declines (not its signature)
-            prefix = self.one_call(q, k, cache, None, positions, q_out, k_out, cu_seqlens, offset, 0)
-        if prefix is None:
-            return False
-        self.go(prefix, _CURRENT(self.device).ptr if stream is None else stream_handle(stream, self.device))
-        return True
+def _kw(opts: tuple) -> dict:
+    """The options tuple (OPTION_NAMES order) as keywords."""
+    return dict(zip(OPTION_NAMES, opts))
 
 
 def _plain(opts: tuple) -> bool:
@@ -159,148 +98,77 @@ def _plain(opts: tuple) -> bool:
             and (layout is None or type(layout) is str) and (attention is None or type(attention) is float))
 
 
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[Request, tuple]:
+    """The call validated, and its plan's key (``OneCall``'s ``validate``)."""
+    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
+    names, opts = options[0], options[1:]
+    req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **_kw(opts))
+    key = (options, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H, req.in_place, req.pos_mode,
+           req.angles, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)),
+           req.device)
+    return req, key
+
+
+def _new_plan(req: Request, arrays: tuple, scalar: int, options: tuple, device: int) -> RopePlan:
+    plan = RopePlan._from_request(req, _kw(options[1:]), options[0], req.device)
+    plan._ensure_core()
+    return plan
+
+
+def _check_positions(plan: RopePlan, arrays: tuple, scalar: int, options: tuple) -> None:
+    check_positions_of(arrays, scalar, _kw(options[1:]))
+
+
+def _repeat_path(plan: RopePlan, call, arrays: tuple, sig):
+    """The template's generated function for the call's signature (``_signature_and_pointers``
+    gives the repeat path's signature)."""
+    return call.template.one_call(sig)
+
+
+def _signature_and_pointers(arrays: tuple) -> tuple:
+    """The repeat path's signature of a call (q_out and k_out: True when they are q and k) and
+    its data pointers."""
+    return signature_and_pointers(arrays, OWN_INPUT)
+
+
+# The general op's one-call dispatch; options: (names,) + OPTION_NAMES' values.
+ONE_CALL = OneCall(_validate, _new_plan, takes_request=True, signature_of=_signature_and_pointers,
+                   check_positions=_check_positions, repeat_path=_repeat_path)
+# The engines' convention (cos_sin_cache=, flat [T, H * D] q/k with head_dim=): its last path
+# alone, the template's generated checks written for the flat arrays and the cache itself (sin:
+# the second half of its rows); options: (names, head_dim) + OPTION_NAMES' first five values.
+CONVENTION = OneCall(_validate, _new_plan)
+
+
 def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlens, cache, views: tuple, head_dim,
                          opts: tuple) -> None:
-    """After a call in the engines' convention that went the full way: the thread's
-    :class:`_ConventionPath`, once the signature of the call's views (the cache's halves, q and k
-    as ``[T, H, D]``) has a generated repeat path: from its second call, and never while positions
-    are checked on the device."""
+    """After a call in the engines' convention that went the full way: the convention's last
+    path, once the signature of the call's views (the cache's halves, q and k as ``[T, H, D]``)
+    has a generated repeat path: from its second call, and never while positions are checked on
+    the device."""
     if not _plain(opts) or not (head_dim is None or type(head_dim) is int):
         return
     cos, sin = views[2], views[3]
     offsets = offset if type(offset) is _NDARRAY else None
-    sig, ptrs = _signature_and_pointers(*views[:2], cos, sin, positions, *views[4:], cu_seqlens, offsets)
-    hit = None if sig is None else _local.by_signature.get((opts, names, sig))
+    sig, ptrs = _signature_and_pointers((*views[:2], cos, sin, positions, *views[4:], cu_seqlens, offsets))
+    hit = None if sig is None else ONE_CALL.thread().by_signature.get(((names,) + opts, sig))
     if hit is None or hit[0]._check_positions:
         return
     plan, tmpl = hit
-    flat, _ = _signature_and_pointers(q, k, cache, None, positions, q_out, k_out, cu_seqlens, offsets)
+    flat, _ = _signature_and_pointers((q, k, cache, None, positions, q_out, k_out, cu_seqlens, offsets))
     if flat is None:
         return
     flat = flat[:3] + ((SECOND_HALF, ptrs[3] - ptrs[2]),) + flat[4:]
     one_call = tmpl.one_call(flat)
     if one_call is not None:
-        _local.convention = _ConventionPath(one_call, names, head_dim, opts, plan._core.launcher.launch,
-                                            plan.device)
-
-
-def _thread_caches() -> tuple[dict, dict]:
-    """This thread's (signature -> plan, plan key -> plan): a plan's block is written on every
-    call, so plans are never shared between threads."""
-    try:
-        return _local.by_signature, _local.by_key
-    except AttributeError:
-        _local.by_signature, _local.by_key = {}, {}
-        return _local.by_signature, _local.by_key
-
-
-# attention_scaling: None for calls with tables; the factor for calls with inv_freq (then cos holds it).
-OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse", "attention_scaling")
-
-
-def _kw(opts: tuple) -> dict:
-    """The options tuple (OPTION_NAMES order) as keywords."""
-    return dict(zip(OPTION_NAMES, opts))
-
-
-def _plan_for(arrays: tuple, scalar: int, opts: tuple, names: tuple[str, str]) -> tuple[RopePlan, Request]:
-    """``(plan, request)``: the thread's plan for a call's fixed properties (built and compiled
-    lazily) and the call validated, which the plan's core binds (``prepared.bind_once``)."""
-    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
-    kw = _kw(opts)
-    req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
-                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, names=names, **kw)
-    key = (opts, names, req.dtype, req.cq.H, req.cq.D, None if req.ck is None else req.ck.H,
-           req.in_place, req.pos_mode, req.angles, tuple(None if i is None else i.dtype for i in (req.positions, req.offsets,
-                                                                                      req.cu_seqlens)), req.device)
-    _, by_key = _thread_caches()
-    plan = by_key.get(key)
-    if plan is None:
-        plan = RopePlan._from_request(req, kw, names, req.device)
-        plan._ensure_core()
-        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan, req
-
-
-def _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets) -> tuple:
-    """``(signature, pointers)`` of a call's arguments when all are CuPy arrays (or None), else
-    ``(None, None)``: each argument's (shape, dtype, device), with its strides between the shape
-    and the dtype when it is not C-contiguous (a C-contiguous array's strides follow from its
-    shape and dtype, except on axes of length 1, which no address or extent depends on); None when
-    absent, True for an output that is its input; and the data pointers (0 when absent). Written
-    out argument by argument, reading each array once: this is most of a repeated call's host time."""
-    nd = _SIGNED
-    if type(q) is not nd or type(cos) is not nd or (type(sin) is not nd and sin is not None):
-        return None, None
-    d = q.data
-    sq = (q.shape, q.dtype, d.device_id) if q._c_contiguous else (q.shape, q.strides, q.dtype, d.device_id)
-    pq = d.ptr
-    d = cos.data
-    sc = (cos.shape, cos.dtype, d.device_id) if cos._c_contiguous else (cos.shape, cos.strides, cos.dtype, d.device_id)
-    pc = d.ptr
-    if sin is None:  # inv_freq in the cos slot
-        ss, ps = None, 0
-    else:
-        d = sin.data
-        a = sin
-        ss = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-        ps = d.ptr
-    if q_out is q:
-        sqo, pqo = True, pq
-    elif type(q_out) is nd:
-        a, d = q_out, q_out.data
-        sqo = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-        pqo = d.ptr
-    else:
-        return None, None
-    sk = sko = None
-    pk = pko = 0
-    if k is not None:
-        if type(k) is not nd:
-            return None, None
-        d = k.data
-        sk = (k.shape, k.dtype, d.device_id) if k._c_contiguous else (k.shape, k.strides, k.dtype, d.device_id)
-        pk = d.ptr
-        if k_out is k:
-            sko, pko = True, pk
-        elif type(k_out) is nd:
-            a, d = k_out, k_out.data
-            sko = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-            pko = d.ptr
-        else:
-            return None, None
-    spos = scu = soff = None
-    ppos = pcu = poff = 0
-    if positions is not None:
-        if type(positions) is not nd:
-            return None, None
-        a, d = positions, positions.data
-        spos = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-        ppos = d.ptr
-    if cu_seqlens is not None:
-        if type(cu_seqlens) is not nd:
-            return None, None
-        a, d = cu_seqlens, cu_seqlens.data
-        scu = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-        pcu = d.ptr
-    if offsets is not None:
-        if type(offsets) is not nd:
-            return None, None
-        a, d = offsets, offsets.data
-        soff = (a.shape, a.dtype, d.device_id) if a._c_contiguous else (a.shape, a.strides, a.dtype, d.device_id)
-        poff = d.ptr
-    return ((sq, sk, sc, ss, spos, sqo, sko, scu, soff),
-            (pq, pk, pc, ps, ppos, pqo, pko, pcu, poff))
+        CONVENTION.remember_last((names, head_dim) + opts[:5], one_call, plan)
 
 
 def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: tuple,
                 names: tuple[str, str], device: int | None = None):
-    """One launch through the thread's plan for this signature; outputs allocated when omitted.
-    ``device``: q's device when q is not a CuPy array.
-
-    The repeat path (a signature seen before, at its template's specialised build): the
-    signature, one lookup, the template's address checks and the block's addresses, one launch;
-    no Call, nothing remembered about the arrays. Anything else goes through ``bind_once``."""
+    """One launch through the thread's plan for this signature (``ONE_CALL``); outputs allocated
+    when omitted. ``device``: q's device when q is not a CuPy array."""
     if type(offset) is int:
         scalar, offsets = offset, None
     elif type(offset) is _NDARRAY:
@@ -314,50 +182,11 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
         q_out = outputs.allocate(q.shape, q.dtype, device, handle, stream is None)
     if k is not None and k_out is None:
         k_out = outputs.allocate(k.shape, k.dtype, device, handle, stream is None)
-    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
-    try:
-        last = _local.last
-    except AttributeError:
-        _thread_caches()
-        last = _local.last = _NO_LAST
-    # The thread's last repeat path: an engine calls with one signature layer after layer. Its
-    # options are checked by identity (an option identical to one that passed the type checks
-    # below has its type), its signature and addresses by the template's generated function.
-    if (names is last.names and layout is last.layout and interleaved is last.interleaved
-            and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset and inverse is last.inverse
-            and attention is last.attention):
-        prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
-        if prefix is not None:
-            last.go(prefix, handle)
-            return q_out, k_out
-    sig, ptrs = _signature_and_pointers(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
-    key = None if sig is None else (opts, names, sig)
-    try:
-        hit = _local.by_signature.get(key)
-    except TypeError:  # an unhashable option: full validation names it
-        hit = key = None
-    if not _plain(opts):
-        hit = key = None
-    if hit is not None:
-        plan, tmpl = hit
-        one_call = tmpl.one_call(sig)
-        if one_call is not None:
-            prefix = one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, scalar)
-            if prefix is not None:
-                if plan._check_positions:
-                    check_positions_of((q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar,
-                                       _kw(opts))
-                else:  # the next call of this signature starts at its generated path
-                    _local.last = _RepeatPath(one_call, names, layout, interleaved, rotary_dim, rotary_offset,
-                                              inverse, attention, plan, plan._core.launcher.launch, plan.device)
-                plan._core.launcher.launch(prefix, handle)
-                return q_out, k_out
-    arrays = (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets)
-    plan, call = bind_once(_local.by_signature, key, arrays, scalar, ptrs, _plan_for, arrays, scalar, opts, names)
-    if plan._check_positions:
-        check_positions_of(arrays, scalar, _kw(opts))
-    if call.prefix is not None:
-        plan._core.launcher(call.prefix, handle)
+    options, plain = (names,) + opts, _plain(opts)
+    if not (plain and ONE_CALL.launched(options, handle, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets,
+                                        scalar)):
+        ONE_CALL.run(options, plain, (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar, handle,
+                     device)
     return q_out, k_out
 
 
@@ -504,37 +333,37 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
-        if _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
-            # The engine's call (CuPy arrays, a GPU seen before). The thread's last repeat path
-            # first, here rather than in _run_device: a call into it and its options tuple are a
-            # tenth of a repeated call's host time.
-            last = getattr(_local, "last", _NO_LAST)
-            if (last.names is _QK and layout is last.layout and interleaved is last.interleaved
-                    and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset
-                    and inverse is last.inverse and last.attention is None and q_out is not None and k_out is not None):
-                # The stream first, as _run_device: a bad one raises before the block is written.
-                handle = _CURRENT(last.device).ptr if stream is None else stream_handle(stream, last.device)
-                if type(offset) is int:
-                    prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None, offset)
-                else:  # an offsets array; anything else the function declines (not its signature)
-                    prefix = last.one_call(q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0)
-                if prefix is not None:
-                    last.go(prefix, handle)
+        opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, None)
+        if (q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
+                and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+                and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+                and (layout is None or type(layout) is str)):
+            # The engine's call: the thread's last path (the template's generated checks of one
+            # signature), options of the types validation accepts as they are (_plain).
+            if type(offset) is int:
+                if ONE_CALL.launched((_QK,) + opts, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None,
+                                     offset):
                     return q_out, k_out
-            return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _QK)
-        return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+            elif ONE_CALL.launched((_QK,) + opts, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset,
+                                   0):  # an offsets array; anything else the function declines (not its signature)
+                return q_out, k_out
+        return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend, opts)
+    if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
+            and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
+            and (head_dim is None or type(head_dim) is int)
+            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None))):
+        # The engines' convention: its last path, checked on the flat arrays and the cache themselves.
+        options = (_QK, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse)
+        if type(offset) is int:
+            if CONVENTION.launched(options, stream, q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens,
+                                   None, offset):
+                return q_out, k_out
+        elif CONVENTION.launched(options, stream, q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens,
+                                 offset, 0):
+            return q_out, k_out
     engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
               and attention_scaling is None and _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY
               and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc"))
-    if engine:
-        # The engines' convention: the thread's last repeat path for it, checked on the flat arrays
-        # and the cache themselves (options by identity, as the table path above).
-        conv = getattr(_local, "convention", None)
-        if (conv is not None and conv.serves(_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim)
-                and conv.launched(q, k, cos_sin_cache, positions, q_out, k_out, cu_seqlens, offset, stream)):
-            return q_out, k_out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(q, head_dim, layout))
     flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
@@ -554,37 +383,39 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     ``out=x`` rotates in place. Returns the output array.
     """
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
-        if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc"):
-            last = getattr(_local, "last", _NO_LAST)  # as in apply_rope_qk
-            if (last.names is _X and layout is last.layout and interleaved is last.interleaved
-                    and rotary_dim is last.rotary_dim and rotary_offset is last.rotary_offset
-                    and inverse is last.inverse and last.attention is None):
-                if out is None:  # allocated as _run_device would, which takes it if the path declines
-                    device = x.data.device_id
-                    handle = _CURRENT(device).ptr if stream is None else stream_handle(stream, device)
-                    out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
-                else:
-                    handle = _CURRENT(last.device).ptr if stream is None else stream_handle(stream, last.device)
-                if type(offset) is int:
-                    prefix = last.one_call(x, None, cos, sin, positions, out, None, cu_seqlens, None, offset)
-                else:  # as in apply_rope_qk
-                    prefix = last.one_call(x, None, cos, sin, positions, out, None, cu_seqlens, offset, 0)
-                if prefix is not None:
-                    last.go(prefix, handle)
+        opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, None)
+        if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc") and _plain(opts):
+            # As in apply_rope_qk; the output allocated as _run_device would (it takes it if the
+            # last path declines).
+            device = x.data.device_id
+            handle = stream_handle(stream, device)
+            if out is None:
+                out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
+            if type(offset) is int:
+                if ONE_CALL.launched((_X,) + opts, handle, x, None, cos, sin, positions, out, None, cu_seqlens, None,
+                                     offset):
                     return out
-            return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream,
-                               (layout, interleaved, rotary_dim, rotary_offset, inverse, None), _X)[0]
-        q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+            elif ONE_CALL.launched((_X,) + opts, handle, x, None, cos, sin, positions, out, None, cu_seqlens, offset,
+                                   0):
+                return out
+            return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, handle, opts, _X)[0]
+        q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend, opts)
         return q
+    if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
+            and out is not None and (backend == "auto" or backend == "nvrtc")
+            and (head_dim is None or type(head_dim) is int)
+            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None))):
+        options = (_X, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse)  # as in apply_rope_qk
+        if type(offset) is int:
+            if CONVENTION.launched(options, stream, x, None, cos_sin_cache, None, positions, out, None, cu_seqlens,
+                                   None, offset):
+                return out
+        elif CONVENTION.launched(options, stream, x, None, cos_sin_cache, None, positions, out, None, cu_seqlens,
+                                 offset, 0):
+            return out
     engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
               and attention_scaling is None and _gpu_present and type(x) is _NDARRAY and out is not None
               and (backend == "auto" or backend == "nvrtc"))
-    if engine:  # as in apply_rope_qk
-        conv = getattr(_local, "convention", None)
-        if (conv is not None and conv.serves(_X, layout, interleaved, rotary_dim, rotary_offset, inverse, head_dim)
-                and conv.launched(x, None, cos_sin_cache, positions, out, None, cu_seqlens, offset, stream)):
-            return out
     opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(x, head_dim, layout))
     flat = shape_of(x, "x") if head_dim is not None and out is None else None

@@ -410,11 +410,11 @@ def one_call_signature(arrays: tuple) -> tuple:
     ``_signature_and_pointers`` writes the same out argument by argument): each argument's
     (shape, dtype, device), with its strides before the dtype when it is not C-contiguous; None
     when absent; True for an output that is its own input."""
-    return repeat_signature(arrays, _OWN_INPUT)
+    return repeat_signature(arrays, OWN_INPUT)
 
 
 _RESULT = itemgetter(Q_OUT, K_OUT)  # what a RopePlan call returns: (q_out, k_out)
-_OWN_INPUT = {Q_OUT: Q, K_OUT: K}  # in place: the output is its input
+OWN_INPUT = {Q_OUT: Q, K_OUT: K}  # in place: the output is its input
 
 
 def generated_quick_path(template, arrays: tuple, kind: type):
@@ -669,7 +669,7 @@ class RopeTemplate:
                 return f"{name} is None", f"    p{i} = p{COS} + {int(entry[1])}\n"
             return None
 
-        conds, reads = signature_checks(names, sig, _OWN_INPUT, not single_device(), namespace,
+        conds, reads = signature_checks(names, sig, OWN_INPUT, not single_device(), namespace,
                                         second_half)
         same_view = tuple(pair for pair in self.same_view if sig[pair[0]] is not True)
         terms = address_terms(same_view, self.disjoint, self.natural, (Q, K, Q_OUT, K_OUT), self.fixed_align,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import struct
-import threading
 
 import numpy as np
 
@@ -23,9 +22,9 @@ from ..core.backends import BACKENDS, on_gpu, resolve
 from ..core.descriptors import TensorDesc, TupleDict
 from ..core.codegen import array_checks, arrays_title, generated
 from ..core.launcher import ArgPack, launch_prefix, load_kernel, stream_handle
-from ..core.prepared import ONE_CALL_SIGNATURES, Call, Op, Prepared, bind_once, cupy_ndarray, made_once, pointers
+from ..core.dispatch import OneCall
+from ..core.prepared import Call, Op, Prepared, cupy_ndarray, made_once, pointers
 from ..core.recent import RECENT_SETS  # noqa: F401 - part of this module's interface
-from ..core.recent import remember
 from ..numerics.reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .rope_request import check_kinds
 
@@ -84,6 +83,8 @@ class TailRoPEForward:
     :class:`~rope_rtc.errors.UnsupportedLayoutError`, a ``NotImplementedError`` (and a
     ``ValueError``), at ``check_support`` and at ``execute`` alike.
     """
+
+    _check_positions = False  # the contract's tables are per token: there are no positions to check
 
     def __init__(self, x, cosine, sine, out, *, backend: str = "nvrtc") -> None:
         self.backend = backend
@@ -337,22 +338,35 @@ def _result(arrays: tuple) -> TupleDict:
 
 
 
-# Plans of tail_rope, per thread: a plan's argument block must not be shared between threads.
-# ``_local.last``: ``(one_call, plan)`` of the thread's last repeat path.
-_local = threading.local()
-_NO_LAST = (lambda x, cosine, sine, out: None, None)
+def _plan_key(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
+    """A plan per (H, D, rank) and device, which validates the call (``OneCall``'s ``validate``)."""
+    out = arrays[3]  # tail_rope's own allocation, of x's shape
+    return None, (out.shape[1:], out.data.device_id)
 
 
-def _plan_for(by_key: dict, arrays: tuple, shape: tuple, device: int) -> tuple[TailRoPEForward, None]:
-    """``(plan, None)``: the thread's plan for tail_rope calls of this H, D and device (built once),
-    whose core validates the call (``prepared.bind_once``)."""
-    key = (shape[1:], device)
-    plan = by_key.get(key)
-    if plan is None:
-        plan = TailRoPEForward(*arrays).check_support().compile()
-        plan._decl = None  # a thread's plan must not keep the caller's arrays alive
-        remember(by_key, key, plan, ONE_CALL_SIGNATURES)
-    return plan, None
+def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> "TailRoPEForward":
+    plan = TailRoPEForward(*arrays).check_support().compile()
+    plan._decl = None  # a thread's plan must not keep the caller's arrays alive
+    return plan
+
+
+def _signature(arrays: tuple) -> tuple:
+    """The inputs' ``(shape, strides, dtype, device)`` (None unless all are CuPy arrays): the output
+    is always tail_rope's own C-contiguous allocation of x's shape and dtype, so they fix the
+    template."""
+    x, cosine, sine, _ = arrays
+    nd = cupy_ndarray()
+    if type(x) is not nd or type(cosine) is not nd or type(sine) is not nd:
+        return None, None
+    return tuple([(a.shape, a.strides, a.dtype, a.data.device_id) for a in (x, cosine, sine)]), None
+
+
+def _repeat_path(plan: "TailRoPEForward", call, arrays: tuple, sig):
+    return call.template.one_call(sig, plan._core)
+
+
+# tail_rope's dispatch (no options: the contract has none).
+ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_signature, repeat_path=_repeat_path)
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDict:
@@ -377,51 +391,18 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
         if xi.device is None:  # a host array known through DLPack
             return _tail_host(x, cosine, sine, backend, stream)
         device, shape, dtype = xi.device, xi.shape, A.numpy_dtype(xi.dtype)
-    try:
-        one_call, plan = _local.last
-    except AttributeError:  # this thread's first call
+    state = ONE_CALL.thread()
+    if not state.gpu:  # this thread's first call
         if resolve(backend) == "numpy":
             if backend != "numpy":  # "auto" with device arrays and no usable GPU: say that
                 driver.require_gpu()
             return _tail_host(x, cosine, sine, "numpy", stream)
-        _local.by_signature, _local.by_key, _local.last = {}, {}, _NO_LAST
-        one_call, plan = _NO_LAST
+        state.gpu = True
     handle = stream_handle(stream, device)
     out = outputs.allocate(shape, dtype, device, handle, stream is None)
-    # The thread's last repeat path: the generated checks of its signature, alignment and overlap.
-    prefix = one_call(x, cosine, sine, out)
-    if prefix is not None:
-        plan._core.launcher.launch(prefix, handle)
-        return TupleDict.of_out(out)
-    by_signature = _local.by_signature
-    if type(x) is nd and type(cosine) is nd and type(sine) is nd:
-        # The repeat path: the output is always this function's own C-contiguous allocation of
-        # x's shape and dtype, so the inputs' signature fixes the template.
-        dc, ds = cosine.data, sine.data
-        key = ((shape, x.strides, dtype, device), (cosine.shape, cosine.strides, cosine.dtype, dc.device_id),
-               (sine.shape, sine.strides, sine.dtype, ds.device_id))
-        hit = by_signature.get(key)
-        if hit is not None:
-            plan, tmpl = hit
-            core = plan._core
-            one_call = tmpl.one_call(key, core)
-            if one_call is not None:
-                prefix = one_call(x, cosine, sine, out)
-                if prefix is not None:
-                    _local.last = (one_call, plan)
-                    core.launcher.launch(prefix, handle)
-                    return TupleDict.of_out(out)
-            if tmpl.write(core, (x.data.ptr, dc.ptr, ds.ptr, out.data.ptr)):
-                if tmpl.prefix is not None:
-                    core.launcher.launch(tmpl.prefix, handle)
-                return TupleDict.of_out(out)
-    else:
-        key = None
-    arrays = (x, cosine, sine, out)
-    plan, call = bind_once(by_signature, key, arrays, 0, None, _plan_for, _local.by_key, arrays, shape, device)
-    if call.prefix is not None:
-        plan._core.launcher(call.prefix, handle)
-    return call.result
+    if not ONE_CALL.launched((), handle, x, cosine, sine, out):
+        ONE_CALL.run((), True, (x, cosine, sine, out), 0, handle, device)
+    return TupleDict.of_out(out)
 
 
 def _tail_host(x, cosine, sine, backend, stream) -> TupleDict:
