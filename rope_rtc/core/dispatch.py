@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import numpy as np
+
 from .launcher import stream_handle
 from .prepared import cupy_ndarray, narrower, signature
 from .recent import remember
@@ -73,6 +75,20 @@ def signature_with_own(own_input: tuple) -> Callable:
             return None, None
         return (sig, tuple([arrays[o] is arrays[i] for o, i in own_input])), None
     return signature_of
+
+
+def split_offset(offset) -> tuple[int, object]:
+    """``(int offset, offset array or None)`` of an ``offset`` argument (anything that is not an
+    int is left for validation to accept as an array or reject)."""
+    if type(offset) is int:
+        return offset, None
+    if offset is None:
+        return 0, None
+    if isinstance(offset, np.integer):
+        return int(offset), None
+    if isinstance(offset, int) and type(offset) is not bool:  # an int subclass (an IntEnum) is its value
+        return int(offset), None
+    return 0, offset  # an array (or a bool, which validation refuses)
 
 
 def signature_and_pointers(arrays: tuple, own_input: dict) -> tuple:

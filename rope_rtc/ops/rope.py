@@ -20,11 +20,11 @@ from ..core import launcher, outputs
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from ..core.launcher import stream_handle
-from ..core.dispatch import OneCall, signature_and_pointers
+from ..core.dispatch import OneCall, signature_and_pointers, split_offset
 from ..core.prepared import cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
-from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
-from .rope_request import Request, validate
+from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables
+from .rope_request import Request, check_positions_of, validate
 
 # backends (rope_rtc.core.backends resolves the switch; this module keeps what its own quick paths read)
 
