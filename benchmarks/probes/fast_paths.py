@@ -11,7 +11,6 @@ This probe turns each path off by patching rope_rtc's modules (the one probe tha
   (``Prepared._seen_again`` says no, ``Prepared.last`` is cleared): every call takes the quick path;
 - graph replay: ``Launcher.replay`` off (per-token graphs and per-prefix graph nodes): every
   launch is a ``cuLaunchKernel``;
-- output recycling: ``outputs.RECYCLE_BYTES = 0``: every allocated output is a new array;
 - templates per signature (the core itself, for scale): every call validated in full.
 
     PYTHONPATH=. python3 benchmarks/probes/fast_paths.py
@@ -57,7 +56,7 @@ def main() -> None:
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.core import dispatch, outputs, prepared
+    from rope_rtc.core import dispatch, prepared
     from rope_rtc.ops import rope, rope_plan, tail
 
     bf16 = ml_dtypes.bfloat16
@@ -129,8 +128,6 @@ def main() -> None:
         ("graph replay", "apply_rope_qk, 64 sets cycled", one_call_cycled, one_call_cycled,
          lambda: no_replay(next(iter(rope.ONE_CALL.thread().by_key.values())))),
         ("graph replay", "tail_rope, 64 sets cycled", tail_cycled, tail_cycled, lambda: no_replay(tail_plan())),
-        ("output recycling", "tail_rope, 64 sets cycled (allocates)", tail_cycled, tail_cycled,
-         lambda: patched(outputs, "RECYCLE_BYTES", 0)),
         ("templates per signature", "apply_rope_qk, 64 sets cycled", one_call_cycled, one_call_validated,
          declines),
     ]

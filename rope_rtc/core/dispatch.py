@@ -62,7 +62,6 @@ class ThreadState(threading.local):
         self.last = NO_LAST
         self.by_signature: dict = {}  # (options, signature) -> (plan, template) that bound it last
         self.by_key: dict = {}  # plan key -> plan
-        self.gpu = False  # whether a call of this thread has resolved a GPU backend
 
 
 def signature_with_own(own_input: tuple) -> Callable:
@@ -176,6 +175,18 @@ class OneCall:
         if prefix is None:
             return False
         last.go(prefix, stream_handle(stream, last.device))
+        return True
+
+    def launched_on(self, options: tuple, handle: int, *arrays) -> bool:
+        """:meth:`launched` on a raw stream ``handle`` the caller has resolved (for an output it
+        allocated on that stream)."""
+        last = self._local.last
+        if options != last.options:
+            return False
+        prefix = last.one_call(*arrays)
+        if prefix is None:
+            return False
+        last.go(prefix, handle)
         return True
 
     def run(self, options: tuple, plain: bool, arrays: tuple, scalar: int, handle: int, device: int,
