@@ -172,6 +172,58 @@ def test_a_cold_apply_rope_qk_validates_once(monkeypatch):
     assert "validate" not in warm and "describe" not in warm, warm
 
 
+def _fused_calls():
+    """Each fused one-call function's cold call on fake arrays, with the validation function of its op:
+    ``(name, module, validation function name, how many calls one validation makes, call)``."""
+    import rope_rtc
+
+    cos, sin = fake_cupy((ROWS, D // 2), np.float32), fake_cupy((ROWS, D // 2), np.float32)
+
+    def qk_norm():
+        q, k = fake_cupy((B, HQ, D), BF16), fake_cupy((B, HK, D), BF16)
+        rope_rtc.apply_qk_norm_rope(q, k, fake_cupy((D,), BF16), fake_cupy((D,), BF16), cos, sin,
+                                    positions=fake_cupy((B,), np.int64), q_out=q, k_out=k)
+
+    def kv_cache():
+        q, k, v = fake_cupy((B, HQ, D), BF16), fake_cupy((B, HK, D), BF16), fake_cupy((B, HK, D), BF16)
+        caches = fake_cupy((16, 16, HK, D), BF16), fake_cupy((16, 16, HK, D), BF16)
+        rope_rtc.rope_and_cache(q, k, v, cos, sin, fake_cupy((B,), np.int64), fake_cupy((B,), np.int64), *caches)
+
+    def tail():
+        rope_rtc.tail_rope(fake_cupy((4, 8, 512), BF16), fake_cupy((4, 32), np.float32),
+                           fake_cupy((4, 32), np.float32))
+
+    return [("apply_qk_norm_rope", "qk_norm", "validate_qk_norm", qk_norm),
+            ("rope_and_cache", "kv_cache", "validate_cache_call", kv_cache),
+            ("tail_rope", "tail", "_describe", tail)]
+
+
+@pytest.mark.parametrize("case", _fused_calls(), ids=lambda c: c[0])
+def test_a_cold_fused_call_validates_once(monkeypatch, case):
+    """A cold one-call function of a fused op validates its call once: the dispatcher's
+    ``validate`` hook hands its request to the new plan and to the plan's bind. Failed while
+    apply_qk_norm_rope validated three times (the hook, the plan constructor, the bind),
+    rope_and_cache twice and tail_rope described its arrays twice."""
+    import importlib
+
+    _, module_name, fn_name, call = case
+    module = importlib.import_module(f"rope_rtc.ops.{module_name}")
+    owner = module.TailRoPEForward if fn_name == "_describe" else module
+    counts = {"n": 0}
+    inner = getattr(owner, fn_name)
+
+    def counted(*args, **kwargs):
+        counts["n"] += 1
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(owner, fn_name, counted)
+    with FakeGPU(fixed=True) as gpu:
+        call()
+        assert counts["n"] == 1 and len(gpu.launches) == 1
+        call()  # new arrays of the signature: the thread's last path, no validation
+        assert counts["n"] == 1 and len(gpu.launches) == 2
+
+
 def _private_imports_between_ops() -> list[str]:
     """``module: name from other`` for each underscore name an ops/ module imports from another
     ops/ module (``from .other import _name``, ``from . import other`` then ``other._name``)."""

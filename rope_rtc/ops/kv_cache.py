@@ -35,7 +35,7 @@ from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device,
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
-from ..core.dispatch import OneCall, signature_with_own, split_offset
+from ..core.dispatch import OneCall, split_offset
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
@@ -487,13 +487,10 @@ class _CacheOp(Op):
         fn = template.one_call(cache_signature(arrays))
         return None if fn is None else (fn, _RESULT)
 
-    def validate(self, arrays: tuple, scalar: int):
-        kw = dict(zip(ARGS, arrays))
-        offsets = kw.pop("offsets")
-        creq, _ = validate_cache_call(**{n: kw[n] for n in ARGS[:9]}, **self.plan._opts,
-                                         k_scale=kw["k_scale"], v_scale=kw["v_scale"], q_out=kw["q_out"],
-                                         k_out=kw["k_out"], cu_seqlens=kw["cu_seqlens"],
-                                         offset=scalar if offsets is None else offsets)
+    takes_request = True  # rope_and_cache's first call hands over its CacheRequest
+
+    def validate(self, arrays: tuple, scalar: int, request: "CacheRequest | None" = None):
+        creq = request if request is not None else validate_arrays(arrays, scalar, self.plan._opts)
         plan = self.plan
         if creq.rope.device is not None and creq.rope.device != plan.device:
             raise ValueError(f"q: on device {creq.rope.device}; this plan was built for device {plan.device}")
@@ -502,6 +499,16 @@ class _CacheOp(Op):
             raise ValueError(f"execute: this plan was built for (dtype, q heads, k heads, head dim, cache kind, position "
                              f"scheme) {plan._fixed}, got {fixed}")
         return _CacheTemplate(plan, creq)
+
+
+def validate_arrays(arrays: tuple, scalar: int, opts: dict) -> "CacheRequest":
+    """``validate_cache_call`` of a call's arguments in the core's order (``ARGS``)."""
+    kw = dict(zip(ARGS, arrays))
+    offsets = kw.pop("offsets")
+    creq, _ = validate_cache_call(**{n: kw[n] for n in ARGS[:9]}, **opts, k_scale=kw["k_scale"],
+                                  v_scale=kw["v_scale"], q_out=kw["q_out"], k_out=kw["k_out"],
+                                  cu_seqlens=kw["cu_seqlens"], offset=scalar if offsets is None else offsets)
+    return creq
 
 
 class RopeCachePlan:
@@ -520,6 +527,19 @@ class RopeCachePlan:
         creq, _ = validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale=k_scale,
                                       v_scale=v_scale, q_out=q_out, k_out=k_out, offset=offset, cu_seqlens=cu_seqlens,
                                       **self._opts)
+        self._configure(creq)
+
+    @classmethod
+    def _from_request(cls, creq: "CacheRequest", opts: dict) -> "RopeCachePlan":
+        """The plan of a call already validated into ``creq`` with the keywords ``opts``: what
+        ``rope_and_cache`` builds, so that its first call is validated once."""
+        plan = cls.__new__(cls)
+        plan._opts = dict(opts)
+        plan._configure(creq)
+        return plan
+
+    def _configure(self, creq: "CacheRequest") -> None:
+        """What the plan fixes, from its validated request."""
         r = creq.rope
         self._fixed = (r.dtype, r.cq.H, r.ck.H, r.cq.D, creq.kind, r.pos_mode)
         self.device = int(r.device if r.device is not None else current_device())
@@ -646,29 +666,24 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     return call.result
 
 
-def _plan_key(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple | None]:
-    """A plan per signature and options (None: a plan for this call alone), which validates the
-    call (``OneCall``'s ``validate``). Options of other types than validation accepts as they are
-    (interleaved=1 equals True) get a plan of their own, whose validation names them."""
-    sig, _ = _SIGNATURE(arrays)
-    _, _, interleaved, rotary_dim = options
-    plain = type(interleaved) is bool and (rotary_dim is None or type(rotary_dim) is int)
-    return None, ((options, sig) if plain and sig is not None else None)
+def _options(options: tuple) -> dict:
+    return dict(zip(("kv_layout", "kv_cache_dtype", "interleaved", "rotary_dim"), options))
 
 
-def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> RopeCachePlan:
-    q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, k_scale, v_scale, q_out, k_out, cu_seqlens, \
-        offsets = arrays
-    kv_layout, kv_cache_dtype, interleaved, rotary_dim = options
-    return RopeCachePlan(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout=kv_layout,
-                         kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, q_out=q_out, k_out=k_out,
-                         offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens,
-                         interleaved=interleaved, rotary_dim=rotary_dim)
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple:
+    """The call validated (its CacheRequest, which the plan binds from) and its plan's key: what a
+    RopeCachePlan fixes (``OneCall``'s ``validate``)."""
+    creq = validate_arrays(arrays, scalar, _options(options))
+    r = creq.rope
+    return creq, (options, r.dtype, r.cq.H, r.ck.H, r.cq.D, creq.kind, r.pos_mode, r.device)
 
 
-_SIGNATURE = signature_with_own(((11, 0), (12, 1)))  # q_out and k_out: in place or not
+def _new_plan(creq: "CacheRequest", arrays: tuple, scalar: int, options: tuple, device: int) -> RopeCachePlan:
+    return RopeCachePlan._from_request(creq, _options(options))
+
+
 # The one-call function's dispatch; options: (kv_layout, kv_cache_dtype, interleaved, rotary_dim).
-ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_SIGNATURE,
+ONE_CALL = OneCall(_validate, _new_plan, takes_request=True, own_input=((11, 0), (12, 1)),
                    check_positions=lambda plan, arrays, scalar, options: plan.check_positions(arrays, scalar))
 
 

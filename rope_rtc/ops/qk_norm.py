@@ -263,14 +263,18 @@ class _NormOp(Op):
         sig = signature(arrays)
         return None if sig is None else (sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K])
 
-    def validate(self, arrays: tuple, scalar: int) -> _NormTemplate:
+    takes_request = True  # apply_qk_norm_rope's first call hands over validate_qk_norm's result
+
+    def validate(self, arrays: tuple, scalar: int, request: tuple | None = None) -> _NormTemplate:
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
         rope_plan.check_plan_arguments(plan, k, q_out, k_out)
-        req, qwi, kwi, g, _ = validate_qk_norm(q, k, qw, kw, cos, sin, eps=plan.eps, numerics=plan.numerics,
-                                               positions=positions, offset=scalar if offsets is None else offsets,
-                                               cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, names=plan._names,
-                                               **plan._opts)
+        if request is None:
+            request = validate_qk_norm(q, k, qw, kw, cos, sin, eps=plan.eps, numerics=plan.numerics,
+                                       positions=positions, offset=scalar if offsets is None else offsets,
+                                       cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, names=plan._names,
+                                       **plan._opts)
+        req, qwi, kwi, g, _ = request
         rope_plan.check_request_fits_plan(plan, req)
         if qwi.dtype != plan.weight_dtype:
             raise ValueError(f"q_weight/k_weight: dtype {qwi.dtype} (plan: {plan.weight_dtype})")
@@ -300,6 +304,18 @@ class QKNormRopePlan(RopePlan):
         self.numerics = numerics
         self.weight_dtype = qw.dtype
         self._norm: dict[NormGeometry, object] = {}
+
+    @classmethod
+    def _from_norm_request(cls, validated: tuple, options: tuple, device: int) -> "QKNormRopePlan":
+        """The plan of a call ``validate_qk_norm`` has checked (``validated``: what it returns,
+        both outputs given), by the one-call function's options: its first call is validated once."""
+        layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
+        req, qw, _, _, eps32 = validated
+        plan = cls._from_request(req, dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
+                                           rotary_offset=rotary_offset, inverse=inverse), ("q", "k"), device)
+        plan.eps, plan.numerics, plan.weight_dtype = eps32, numerics, qw.dtype
+        plan._norm = {}
+        return plan
 
     _fixed_params = NormParams  # the fused build's block: FixedParams, then the weights and eps
 
@@ -449,32 +465,29 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
     return tuple(on_gpu(arrays, (7, 8), stream, call))
 
 
-def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
-    """The call validated, and its plan's key (``OneCall``'s ``validate``)."""
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[tuple, tuple]:
+    """The call validated (``validate_qk_norm``'s result, which the plan binds from), and its
+    plan's key (``OneCall``'s ``validate``)."""
     layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
     q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
-    req, qwi, _, _, _ = validate_qk_norm(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
-                                         offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens,
-                                         layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
-                                         rotary_offset=rotary_offset, inverse=inverse, q_out=q_out, k_out=k_out)
-    return None, (options, req.dtype, req.cq.H, req.ck.H, req.cq.D, req.in_place, req.pos_mode,
-                  tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)),
-                  qwi.dtype, req.device)
+    validated = validate_qk_norm(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
+                                 offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens, layout=layout,
+                                 interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
+                                 inverse=inverse, q_out=q_out, k_out=k_out)
+    req, qwi = validated[0], validated[1]
+    return validated, (options, req.dtype, req.cq.H, req.ck.H, req.cq.D, req.in_place, req.pos_mode,
+                       tuple(None if i is None else i.dtype for i in (req.positions, req.offsets, req.cu_seqlens)),
+                       qwi.dtype, req.device)
 
 
-def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
-    layout, interleaved, rotary_dim, rotary_offset, inverse, eps, numerics = options
-    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets, qw, kw = arrays
-    plan = QKNormRopePlan(q, k, qw, kw, cos, sin, eps=eps, numerics=numerics, positions=positions,
-                          offset=scalar if offsets is None else offsets, cu_seqlens=cu_seqlens, layout=layout,
-                          interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
-                          inverse=inverse, q_out=q_out, k_out=k_out, device=device)
+def _new_plan(validated: tuple, arrays: tuple, scalar: int, options: tuple, device: int) -> QKNormRopePlan:
+    plan = QKNormRopePlan._from_norm_request(validated, options, device)
     plan._ensure_core()
     return plan
 
 
 # The one-call function's dispatch; options: (layout, interleaved, rotary_dim, rotary_offset, inverse,
-# eps, numerics). The plan's core validates a call again as its own.
-ONE_CALL = OneCall(_validate, _new_plan, own_input=((Q_OUT, Q), (K_OUT, K)),
+# eps, numerics).
+ONE_CALL = OneCall(_validate, _new_plan, takes_request=True, own_input=((Q_OUT, Q), (K_OUT, K)),
                    check_positions=lambda plan, arrays, scalar, options: check_positions_of(arrays[:9], scalar,
                                                                                             plan._opts))

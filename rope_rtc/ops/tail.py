@@ -100,7 +100,19 @@ class TailRoPEForward:
         check_backend(self.backend)
         if self.backend == "auto":
             self.backend = resolve("auto")
-        x, c, s, o = infos = self._describe(self._decl, declarations=True)
+        return self._support(self._describe(self._decl, declarations=True))
+
+    @classmethod
+    def _from_infos(cls, infos: list) -> "TailRoPEForward":
+        """The plan of a call ``tail_rope`` has described (``infos``), holding none of its arrays:
+        its first call is then described once (``_TailOp.validate`` takes the infos)."""
+        plan = cls(None, None, None, None)._support(infos)
+        plan._decl = None  # a thread's plan must not keep the caller's arrays alive
+        return plan
+
+    def _support(self, infos: list) -> "TailRoPEForward":
+        """What the plan fixes, from its arguments' infos (check_support's checks)."""
+        x, c, s, o = infos
         if len(x.shape) not in (2, 3):
             raise ValueError(f"x: expected [T, D] or [T, H, D], got shape {x.shape}")
         D = x.shape[-1]
@@ -223,9 +235,11 @@ class _TailOp(Op):
         key = tuple([(a.shape, None, a.dtype, a.data.device_id) for a in arrays])
         return template.one_call(key, self.plan._core), _result
 
-    def validate(self, arrays: tuple, scalar: int) -> "_TailTemplate":
+    takes_request = True  # tail_rope's first call hands over the infos it described
+
+    def validate(self, arrays: tuple, scalar: int, request: list | None = None) -> "_TailTemplate":
         plan = self.plan
-        infos = plan._describe(arrays, declarations=False)
+        infos = plan._describe(arrays, declarations=False) if request is None else request
         xi, ci, si, oi = infos
         # In check_support's order (x's shape, then every array's layout, then the other shapes), so
         # that one problem raises one exception type on the first call and on later ones.
@@ -338,16 +352,16 @@ def _result(arrays: tuple) -> TupleDict:
 
 
 
-def _plan_key(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
-    """A plan per (H, D, rank) and device, which validates the call (``OneCall``'s ``validate``)."""
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[list, tuple]:
+    """The call's infos (each array described once) and its plan's key: H, D, rank and device
+    (``OneCall``'s ``validate``; the plan's checks run on the infos)."""
+    infos = TailRoPEForward(None, None, None, None)._describe(arrays, declarations=False)
     out = arrays[3]  # tail_rope's own allocation, of x's shape
-    return None, (out.shape[1:], out.data.device_id)
+    return infos, (out.shape[1:], out.data.device_id)
 
 
-def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> "TailRoPEForward":
-    plan = TailRoPEForward(*arrays).check_support().compile()
-    plan._decl = None  # a thread's plan must not keep the caller's arrays alive
-    return plan
+def _new_plan(infos: list, arrays: tuple, scalar: int, options: tuple, device: int) -> "TailRoPEForward":
+    return TailRoPEForward._from_infos(infos).compile()
 
 
 def _signature(arrays: tuple) -> tuple:
@@ -366,7 +380,7 @@ def _repeat_path(plan: "TailRoPEForward", call, arrays: tuple, sig):
 
 
 # tail_rope's dispatch (no options: the contract has none).
-ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_signature, repeat_path=_repeat_path)
+ONE_CALL = OneCall(_validate, _new_plan, takes_request=True, signature_of=_signature, repeat_path=_repeat_path)
 _gpu_present = False  # once a call has resolved the GPU backend: "auto" then means it
 
 
