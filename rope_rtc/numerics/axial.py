@@ -53,9 +53,9 @@ def axial_frequencies(head_dim: int, *, base: float = _DEFAULT_BASE, style: str 
         raise ValueError(f"style must be one of {', '.join(map(repr, AXIAL_STYLES))} ('same': Qwen2-VL, Qwen2.5-VL, "
                          f"Qwen3-VL vision; 'split': Pixtral, Gemma 4 vision), got {style!r}")
     if style == "same":
-        inv = inverse_frequencies(dim // 2, base=base, numerics=numerics)
+        inv, _ = inverse_frequencies(dim // 2, base=base, numerics=numerics)
         return np.concatenate([inv, inv])
-    inv = inverse_frequencies(dim, base=base, numerics=numerics)
+    inv, _ = inverse_frequencies(dim, base=base, numerics=numerics)
     return np.concatenate([inv[0::2], inv[1::2]])
 
 
