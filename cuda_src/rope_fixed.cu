@@ -13,11 +13,13 @@
 //                     the denser axis (bshd, thd); 1: (batch, head group, token, unit), the memory
 //                     order of bhsd, one head's rows end to end
 //   FIX_MROPE         optional multimodal RoPE (rope_rtc/mrope.py): 0 or absent: none; 1: contiguous
-//                     sections (Qwen2-VL, Qwen2.5-VL); 2: interleaved T, H, W, T, ... (Qwen3-VL); with
-//                     FIX_MT, FIX_MH, FIX_MW the sections (pairs per stream, summing to FIX_RD / 2).
-//                     positions is then [3, tokens] (temporal, height, width; mrope_stride elements
-//                     between streams, the token count in a dense build), and pair column i takes the
-//                     row of its stream's position.
+//                     sections (Qwen2-VL, Qwen2.5-VL, vision towers' axial RoPE); 2: interleaved
+//                     T, H, W, T, ... (Qwen3-VL); with FIX_MT, FIX_MH, FIX_MW, FIX_MX the sections
+//                     (pairs per stream, summing to FIX_RD / 2; absent ones 0) and FIX_MN the number
+//                     of position streams (2, 3 or 4; absent: 3). positions is then [FIX_MN, tokens]
+//                     (for three: temporal, height, width; mrope_stride elements between streams, the
+//                     token count in a dense build), and pair column i takes the row of its stream's
+//                     position. Interleaved streams cycle 0, 1, .., FIX_MN - 1, the remainder to 0.
 //   FIX_ANGLES        optional: 0 or absent: cos/sin tables; 1 or 2: cos and sin computed from the
 //                     inverse frequencies (float64 or float32) in the cos field (angles.cuh)
 //   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
@@ -78,8 +80,22 @@ static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide 
 #endif
 static_assert(!(FIX_ANGLES && FIX_MROPE), "multimodal RoPE reads tables");
 #if FIX_MROPE
+// Three streams (Qwen2-VL, Qwen3-VL) define no FIX_MN, so their builds preprocess to the source they
+// always had; the branches on FIX_MN below leave their lines as they were.
+#ifndef FIX_MN
+#define FIX_MN 3
+#endif
+#ifndef FIX_MW
+#define FIX_MW 0
+#endif
+#ifndef FIX_MX
+#define FIX_MX 0
+#endif
 static_assert(!ROPE_INTERLEAVED, "multimodal RoPE rotates half-split pairs");
-static_assert(FIX_MT + FIX_MH + FIX_MW == HALF, "the MRoPE sections must sum to FIX_RD / 2");
+static_assert(FIX_MN >= 2 && FIX_MN <= 4, "multimodal RoPE takes 2, 3 or 4 position streams");
+static_assert(FIX_MN == 4 || FIX_MX == 0, "a fourth section needs FIX_MN = 4");
+static_assert(FIX_MN >= 3 || FIX_MW == 0, "a third section needs FIX_MN >= 3");
+static_assert(FIX_MT + FIX_MH + FIX_MW + FIX_MX == HALF, "the MRoPE sections must sum to FIX_RD / 2");
 #endif
 
 typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
@@ -111,23 +127,45 @@ __device__ __forceinline__ i64 mrope_stride(const FixedParams& p) {
 #endif
 }
 
-// Token t's table row in stream k (0 temporal, 1 height, 2 width); -1 outside the table.
+// Token t's table row in stream k (three streams: 0 temporal, 1 height, 2 width); -1 outside the table.
 __device__ __forceinline__ i64 mrope_row(const FixedParams& p, unsigned t, int k, bool wide) {
     const i64 pos = load_index(p.positions, (i64)k * mrope_stride(p) + t, wide);
     return (pos >= 0 && pos < p.table_rows) ? pos : -1;
 }
 
-// The position stream (0 temporal, 1 height, 2 width) of pair column i.
+// The position stream (three streams: 0 temporal, 1 height, 2 width) of pair column i.
 __device__ __forceinline__ int mrope_stream(unsigned i) {
-#if FIX_MROPE == 1
-    return i < FIX_MT ? 0 : (i < FIX_MT + FIX_MH ? 1 : 2);
+#if FIX_MROPE == 1 && FIX_MN == 4
+    return i < FIX_MT ? 0 : (i < FIX_MT + FIX_MH ? 1 : (i < FIX_MT + FIX_MH + FIX_MW ? 2 : 3));
+#elif FIX_MROPE == 1
+    return i < FIX_MT ? 0 : (i < FIX_MT + FIX_MH ? 1 : 2);  // two streams: 2 only past the window
+#elif FIX_MN == 2
+    return (i % 2 == 1 && i < 2 * FIX_MH) ? 1 : 0;
+#elif FIX_MN == 4
+    return (i % 4 == 1 && i < 4 * FIX_MH) ? 1
+         : ((i % 4 == 2 && i < 4 * FIX_MW) ? 2 : ((i % 4 == 3 && i < 4 * FIX_MX) ? 3 : 0));
 #else
     return (i % 3 == 1 && i < 3 * FIX_MH) ? 1 : ((i % 3 == 2 && i < 3 * FIX_MW) ? 2 : 0);
 #endif
 }
+
+#if FIX_MN != 3
+// Interleaved sections: the first pair column from which every column takes stream 0.
+#define MROPE_CYCLED \
+    (FIX_MN * (FIX_MH > FIX_MW ? (FIX_MH > FIX_MX ? FIX_MH : FIX_MX) : (FIX_MW > FIX_MX ? FIX_MW : FIX_MX)))
+
+// Of the rows row[0 .. FIX_MN), stream k's.
+__device__ __forceinline__ i64 stream_row(const i64 (&row)[FIX_MN], int k) {
+#if FIX_MN == 2
+    return k == 0 ? row[0] : row[1];
+#else
+    return k == 0 ? row[0] : (k == 1 ? row[1] : (k == 2 ? row[2] : row[3]));
+#endif
+}
+#endif
 #endif
 
-// Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to three rows,
+// Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to FIX_MN rows,
 // so the block first gathers each of its tokens' merged row (every pair column from its own
 // stream's row) into shared memory, one value per thread, and each thread then reads its slice
 // from there. One table read per value per block instead of one per head group.
@@ -221,7 +259,14 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
 #if FIX_MROPE == 1
     // Contiguous sections: the unit's ends decide (always one stream when the sections are whole
     // vectors, which the compiler then knows).
+#if FIX_MN == 4
+    const bool one = (FIX_MT % NPAIR == 0 && FIX_MH % NPAIR == 0 && FIX_MW % NPAIR == 0)
+                     || k0 == mrope_stream(i0 + NPAIR - 1);
+#else
     const bool one = (FIX_MT % NPAIR == 0 && FIX_MH % NPAIR == 0) || k0 == mrope_stream(i0 + NPAIR - 1);
+#endif
+#elif FIX_MN != 3
+    const bool one = i0 >= (unsigned)MROPE_CYCLED;  // past the interleaved part: stream 0 only
 #else
     const bool one = i0 >= 3 * (FIX_MH > FIX_MW ? FIX_MH : FIX_MW);  // past the interleaved part: temporal only
 #endif
@@ -232,14 +277,18 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
         return;
     }
     // Pairs from several streams: each stream's row, then each pair from its stream's row.
-    i64 row[3];
+    i64 row[FIX_MN];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) row[k] = mrope_row(p, t, k, wide);
+    for (int k = 0; k < FIX_MN; ++k) row[k] = mrope_row(p, t, k, wide);
 #pragma unroll
     for (int j = 0; j < NPAIR; ++j) {
         const unsigned i = i0 + j;
         const int k = mrope_stream(i);
+#if FIX_MN != 3
+        const i64 r = stream_row(row, k);
+#else
         const i64 r = k == 0 ? row[0] : (k == 1 ? row[1] : row[2]);
+#endif
         if (r >= 0) {
             c[j] = __ldg((const float*)p.cos + r * p.table_stride + i);
             sn[j] = sign * __ldg((const float*)p.sin + r * p.table_stride + i);

@@ -6,7 +6,9 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
   :func:`cos_sin_cache` — the same as one combined table, the engines' convention
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
 - :func:`rope_and_cache`, :class:`RopeCachePlan` — RoPE fused with the paged KV-cache write (FP8 too)
-- :func:`apply_mrope`, :func:`apply_mrope_qk`, :class:`MRopePlan` — multimodal RoPE (Qwen2-VL, Qwen3-VL)
+- :func:`apply_mrope`, :func:`apply_mrope_qk`, :class:`MRopePlan` — multimodal RoPE (Qwen2-VL, Qwen3-VL),
+  2 to 4 position streams; :func:`axial_tables`, :func:`vision_positions` — a vision tower's
+  axial RoPE on it (Qwen2.5-VL, Pixtral)
 - :func:`apply_qk_norm_rope`, :class:`QKNormRopePlan` — per-head RMSNorm fused with RoPE (Qwen3, Gemma 3)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
@@ -30,6 +32,8 @@ _EXPORTS = {
     "apply_mrope": "ops.mrope",
     "apply_mrope_qk": "ops.mrope",
     "MRopePlan": "ops.mrope",
+    "axial_tables": "numerics.axial",
+    "vision_positions": "numerics.axial",
     "apply_qk_norm_rope": "ops.qk_norm",
     "QKNormRopePlan": "ops.qk_norm",
     "TailRoPEForward": "ops.tail",

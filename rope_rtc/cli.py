@@ -102,6 +102,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
               + (f", MRoPE sections {list(model.mrope_section)}" + (" interleaved" if model.mrope_interleaved else "")
                  if model.mrope_section else "")
               + (", per-head QK-norm" if model.qk_norm else "")
+              + (f", vision tower: head_dim {model.vision[0]}, {model.vision[1]} heads (axial RoPE)"
+                 if model.vision else "")
               + (f", cos/sin from {' and '.join(model.inv_freq)} inv_freq" if model.inv_freq else "")
               + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())

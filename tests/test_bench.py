@@ -885,6 +885,13 @@ def test_mrope_targets():
     assert miss["status"] == "MISS" and miss["gap"] == "0.10 µs over"
 
 
+def test_vision_bytes_moved_and_shape():
+    from rope_rtc.benchmark.engine import VISION_GRID, VISION_HEADS, vision_bytes_moved
+
+    assert VISION_HEADS == (16, 80) and VISION_GRID[1] * VISION_GRID[2] == 16384
+    assert vision_bytes_moved(16384) == 16384 * (2 * 2 * 16 * 80 * 2 + 80 * 4 + 16)
+
+
 def test_mrope_bytes_moved():
     from rope_rtc.benchmark.engine import mrope_bytes_moved
 
@@ -937,7 +944,8 @@ def test_engine_jobs_are_chosen_by_cases(monkeypatch):
     from rope_rtc.benchmark import engine
 
     ran = []
-    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_qk_norm_record", "_angles_record"):
+    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_vision_record", "_qk_norm_record",
+                 "_angles_record"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append((_n, a[3:])) or {"id": _n, "rows": []})
 
     class Ctx:
@@ -949,7 +957,7 @@ def test_engine_jobs_are_chosen_by_cases(monkeypatch):
                    ("_angles_record", (16384,))]
     ran.clear()
     engine.run_engine_section(Ctx(), None, None, ["engine"])
-    assert len(ran) == 13
+    assert len(ran) == 14
 
 
 def test_angle_targets():
@@ -983,7 +991,8 @@ def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
     from rope_rtc.benchmark import engine
 
     ran = []
-    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_qk_norm_record", "_angles_record"):
+    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_vision_record", "_qk_norm_record",
+                 "_angles_record"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append(_n) or {"id": _n, "rows": []})
 
     class Ctx:
@@ -991,7 +1000,7 @@ def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
             pass
 
     engine.run_engine_section(Ctx(), None, None, ["eng*"])
-    assert len(ran) == 13
+    assert len(ran) == 14
 
 
 def test_the_kernel_issue_targets_miss_when_decode_or_the_blog_kernel_falls_behind():

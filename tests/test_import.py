@@ -151,6 +151,10 @@ def test_public_paths_import(monkeypatch):
     monkeypatch.setattr("rope_rtc.tables._DEFAULT_BASE", 500000.0)
     assert rope_rtc.numerics.tables._DEFAULT_BASE == 500000.0
     assert rope_rtc.rope_tables is rope_rtc.numerics.tables.rope_tables
+    import rope_rtc.numerics.axial
+
+    assert rope_rtc.axial_tables is rope_rtc.numerics.axial.axial_tables
+    assert rope_rtc.vision_positions is rope_rtc.numerics.axial.vision_positions
     assert rope_rtc.onnx.rotary_embedding.__module__ == "rope_rtc.ops.onnx"
 
 # -- the module import graph -------------------------------------------------------------------

@@ -67,7 +67,10 @@ def test_batched_layouts_and_a_strided_positions_view(gpu):
     # streams 2^31 elements apart: more than the block's 32-bit field holds
     (dict(positions=fake_cupy((3, T), np.int64, strides=(2**31 * 8, 8))), ValueError, "fewer than 2.31 elements apart"),
     (dict(mrope_section=[16, 24, 23]), ValueError, "sums to 63"),
-    (dict(mrope_section=[16, 48]), TypeError, "three non-negative ints"),
+    # two sections: two position streams, where positions holds three
+    (dict(mrope_section=[16, 48]), ValueError, "first axis .3 streams. disagrees with mrope_section's 2 sections"),
+    (dict(mrope_section=[16, 16, 16, 8, 8]), TypeError, "2, 3 or 4 non-negative ints"),
+    (dict(mrope_section=[64]), TypeError, "2, 3 or 4 non-negative ints"),
     (dict(q=fake_cupy((T, HQ, D), BF16, byte_offset=2)), ValueError, "aligned"),
     (dict(q=np.zeros((T, HQ, D), np.float32)), TypeError, "q"),
 ])
@@ -195,7 +198,7 @@ def test_a_numpy_section_is_accepted(gpu):
     apply_mrope_qk(**kw)
     apply_mrope_qk(**_call(mrope_section=np.array([16, 24, 24])))  # the cached plan serves it
     assert gpu.launches[-1]["geometry"].mrope == (1, 16, 24, 24) and len(gpu.launches) == 2
-    with pytest.raises(TypeError, match="three non-negative ints"):
+    with pytest.raises(TypeError, match="2, 3 or 4 non-negative ints"):
         apply_mrope_qk(**_call(mrope_section=np.array([16.0, 24.0, 24.0])))
 
 
@@ -315,7 +318,7 @@ def test_positions_through_the_cuda_array_interface_alone(gpu):
 @pytest.mark.parametrize("section", [np.array(64), np.zeros((1, 3), np.int64)])
 def test_a_section_array_of_another_rank_is_named(gpu, section):
     for make in (lambda: apply_mrope_qk(**_call(mrope_section=section)), lambda: MRopePlan(**_call(mrope_section=section))):
-        with pytest.raises(TypeError, match="mrope_section: expected three non-negative ints"):
+        with pytest.raises(TypeError, match="mrope_section: expected 2, 3 or 4 non-negative ints"):
             make()
     assert gpu.launches == []
 

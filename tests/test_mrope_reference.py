@@ -22,10 +22,13 @@ def test_streams_by_hand(section, interleaved, want):
 
 
 @pytest.mark.parametrize("section,exc,match", [
-    ([2, 1], TypeError, "three non-negative ints"),
+    ([2, 1], ValueError, "sums to 3"),
     ([2, 1, 2], ValueError, "sums to 5"),
-    ([2, -1, 3], TypeError, "three non-negative ints"),
-    ((2.0, 1, 1), TypeError, "three non-negative ints"),
+    ([2, -1, 3], TypeError, "2, 3 or 4 non-negative ints"),
+    ((2.0, 1, 1), TypeError, "2, 3 or 4 non-negative ints"),
+    ([4], TypeError, "2, 3 or 4 non-negative ints"),
+    ([1, 1, 1, 0, 1], TypeError, "2, 3 or 4 non-negative ints"),
+    ([2, True, 1], TypeError, "2, 3 or 4 non-negative ints"),
 ])
 def test_bad_sections(section, exc, match):
     with pytest.raises(exc, match=match):

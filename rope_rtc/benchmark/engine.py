@@ -2,7 +2,8 @@
 (``RopeCachePlan``, the input dtype and FP8) against the two-step sequence an engine would
 otherwise run (our ``RopePlan``, then one scatter per cache) and a copy of the same bytes; and
 ONNX ``RotaryEmbedding`` (``rope_rtc.onnx.rotary_embedding``) beside ``apply_rope`` on the same
-tensor and a copy.
+tensor and a copy; multimodal RoPE (three streams) and a vision tower's axial RoPE (two streams,
+Qwen2.5-VL's patches) beside a copy.
 
 Each record is checked before it is timed: the fused launch's q, k and cache entries must equal,
 bit for bit, what the two-step sequence writes (the kernels share their arithmetic), and ONNX's
@@ -30,6 +31,8 @@ MROPE_HEADS = (28, 4, 128)   # Qwen2-VL-7B: Hq, Hkv, D
 MROPE_SECTIONS = {False: (16, 24, 24), True: (24, 20, 20)}  # Qwen2-VL's contiguous, Qwen3-VL's interleaved
 MROPE_DECODE_T = 8
 MROPE_PREFILL_T = 16384
+VISION_HEADS = (16, 80)        # Qwen2.5-VL's vision tower: heads (q and k alike), head dim 80 (1280 / 16)
+VISION_GRID = (1, 128, 128)    # one image of 128 x 128 patches: 16384 patches in merge order (2 x 2)
 QKNORM_HEADS = (32, 8, 128)  # Qwen3-8B: Hq, Hkv, D
 QKNORM_DECODE_T = 8
 QKNORM_PREFILL_T = 16384
@@ -67,6 +70,7 @@ def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = Non
     jobs.append(("onnx", partial(_onnx_record, ctx, measure, copy_runner)))
     jobs += [(f"mrope/T={T}", partial(_mrope_record, ctx, measure, copy_runner, T, interleaved))
              for interleaved in (False, True) for T in (MROPE_DECODE_T, MROPE_PREFILL_T)]
+    jobs.append((f"vision/N={VISION_GRID[1] * VISION_GRID[2]}", partial(_vision_record, ctx, measure, copy_runner)))
     jobs += [(f"qk-norm/T={T}", partial(_qk_norm_record, ctx, measure, copy_runner, T))
              for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
     jobs += [(f"angles/T={T}", partial(_angles_record, ctx, measure, copy_runner, T))
@@ -336,6 +340,65 @@ def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
                                     checked, section, interleaved)
     for r in rec["rows"]:
         us = r["timings"].get("graph" if small else "cold", {}).get("us")
+        print(f"  {r['impl']:<46} {'-' if us is None else f'{us:9.2f} µs'}  {r['check']}", flush=True)
+    return rec
+
+
+def vision_bytes_moved(N: int) -> int:
+    """q and k read and written (bf16), each table column read once from its axis's row (the bytes
+    of one cos and one sin row), the two positions of each patch."""
+    h, d = VISION_HEADS
+    return N * (2 * 2 * h * d * 2 + d * 4 + 2 * 8)
+
+
+def _vision_record(ctx, measure, copy_runner) -> dict:
+    """A vision tower's axial RoPE: Qwen2.5-VL's heads and head dim 80 (not a power of two), its
+    "same" frequencies (``axial_tables``) and patch order (``vision_positions``, merge size 2),
+    bf16 [N, H, D] q and k in place, two position streams; beside a copy of the same bytes. No
+    peer row: transformers' eager vision path is the general API's eager peer (rotate_half on
+    gathered cos/sin)."""
+    import cupy as cp
+    import ml_dtypes
+
+    import rope_rtc
+    from rope_rtc.numerics.reference import mrope_reference
+
+    from .buffers import tolerance_check
+    from .cases import Wrong
+
+    heads, d = VISION_HEADS
+    pos_h = rope_rtc.vision_positions([VISION_GRID], spatial_merge_size=2)
+    N = pos_h.shape[1]
+    moved = vision_bytes_moved(N)
+    section = (d // 4, d // 4)
+    ident = f"engine/vision-axial/bf16/thd/N={N}"
+    rec = _record(ident, {"T": N, "dtype": "bfloat16", "Hq": heads, "Hkv": heads, "D": d, "section": list(section),
+                          "layout": "thd", "in_place": True, "style": "same"}, moved)
+    print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)
+    rng = np.random.default_rng(ctx.seed)
+    qh = rng.standard_normal((N, heads, d)).astype(ml_dtypes.bfloat16)
+    kh = rng.standard_normal((N, heads, d)).astype(ml_dtypes.bfloat16)
+    q, k, pos = cp.asarray(qh), cp.asarray(kh), cp.asarray(pos_h)
+    cos, sin = rope_rtc.axial_tables(max(VISION_GRID[1:]), d, style="same", xp=cp)
+    copy = copy_runner(cp, ctx.stream, moved, 1)
+    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, None, False, 1), f"cudaMemcpyAsync of {copy.half} bytes"))
+    del copy
+    n_check = 256
+    ref = [mrope_reference(h[:n_check], cp.asnumpy(cos), cp.asnumpy(sin), pos_h[:, :n_check], section)
+           for h in (qh, kh)]
+    plan = rope_rtc.MRopePlan(q, k, cos, sin, pos, section).compile()
+    try:
+        q1, k1 = q.copy(), k.copy()
+        plan.execute(q1, k1, cos, sin, pos)
+        for out, want, h in zip((q1, k1), ref, (qh, kh)):
+            tolerance_check(cp.asnumpy(out[:n_check]).astype(np.float32), want, h[:n_check], False, "bfloat16")
+        check = "ok (bound of the general API)"
+    except Wrong as exc:
+        check = f"WRONG: {exc}"
+    fns = [lambda: plan.execute(q, k, cos, sin, pos)]
+    rec["rows"].append(_row(MROPE_OP, measure(ctx, fns, None, False, 1), "MRopePlan, two streams, in place", check))
+    for r in rec["rows"]:
+        us = r["timings"].get("cold", {}).get("us")
         print(f"  {r['impl']:<46} {'-' if us is None else f'{us:9.2f} µs'}  {r['check']}", flush=True)
     return rec
 

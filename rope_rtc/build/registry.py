@@ -117,7 +117,8 @@ class FixedGeometry:
     vec: int
     head_batch: int
     order: int  # 0: (token, head group, unit), heads denser; 1: (batch, head group, token, unit), bhsd
-    # Multimodal RoPE (rope_rtc.ops.mrope): (style, t, h, w), style 1 contiguous sections, 2 interleaved; () for none.
+    # Multimodal RoPE (rope_rtc.ops.mrope): (style, s0, .., s[n-1]) for n = 2, 3 or 4 position streams (three:
+    # (style, t, h, w)), style 1 contiguous sections, 2 interleaved; () for none.
     mrope: tuple = ()
     # cos/sin computed in the kernel (cuda_src/angles.cuh): 0 tables, ANGLE_MODES[inv_freq dtype] otherwise.
     angles: int = 0
@@ -129,8 +130,7 @@ class FixedGeometry:
     dense: bool = False
 
     def spec(self) -> KernelSpec:
-        mrope = () if not self.mrope else tuple(
-            (name, str(v)) for name, v in zip(("FIX_MROPE", "FIX_MT", "FIX_MH", "FIX_MW"), self.mrope))
+        mrope = () if not self.mrope else mrope_defines(self.mrope)
         if self.angles:
             mrope += (("FIX_ANGLES", str(self.angles)),)
         if self.pos_mode >= 0:
@@ -143,6 +143,19 @@ class FixedGeometry:
              ("ROPE_VEC", str(self.vec)), ("FIX_HQ", str(self.q_heads)), ("FIX_HK", str(self.k_heads)),
              ("FIX_D", str(self.head_dim)), ("FIX_RO", str(self.rotary_offset)), ("FIX_RD", str(self.rotary_dim)),
              ("FIX_HB", str(self.head_batch)), ("FIX_ORDER", str(self.order))) + mrope)
+
+
+# The defines of a multimodal build's sections, one per stream (cuda_src/rope_fixed.cu).
+MROPE_SECTION_DEFINES = ("FIX_MT", "FIX_MH", "FIX_MW", "FIX_MX")
+
+
+def mrope_defines(mrope: tuple) -> tuple[tuple[str, str], ...]:
+    """The defines of ``FixedGeometry.mrope`` (style, then one section per stream). Three streams
+    (Qwen2-VL, Qwen3-VL) keep the defines they always had, so their builds compile exactly the
+    source they did; two or four add FIX_MN, the stream count."""
+    style, sections = mrope[0], mrope[1:]
+    out = (("FIX_MROPE", str(style)),) + tuple((name, str(v)) for name, v in zip(MROPE_SECTION_DEFINES, sections))
+    return out if len(sections) == 3 else out + (("FIX_MN", str(len(sections))),)
 
 
 # Per-head RMSNorm fused with RoPE (cuda_src/qk_norm_rope.cu, rope_rtc/ops/qk_norm.py).

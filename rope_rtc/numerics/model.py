@@ -44,6 +44,12 @@ ADJACENT_PAIR_MODEL_TYPES = ("glm", "glm4", "glm4v", "glm4v_text", "glm_ocr", "g
 # hidden_size / num_attention_heads and num_key_value_heads do not describe.
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank")
 
+# Vision towers that rotate their patches with axial RoPE (rope_rtc.numerics.axial: two position
+# streams, contiguous sections [D/4, D/4] over the whole head), by the model_type of the model or of
+# its vision_config: Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's towers, Pixtral's. Other towers (CLIP,
+# SigLIP: Gemma 3, LLaVA) add learned position embeddings and launch no RoPE kernel.
+AXIAL_VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "pixtral")
+
 # Fields that name the kv head count where this reader looks for num_key_value_heads (Falcon's).
 OTHER_KV_HEAD_FIELDS = ("num_kv_heads", "n_head_kv")
 
@@ -85,6 +91,8 @@ class ModelRope:
     qk_norm: bool = False
     # inv_freq dtypes ("float64", "float32") whose builds (cos/sin computed in the kernel) to warm.
     inv_freq: tuple = ()
+    # The vision tower's axial RoPE (AXIAL_VISION_MODEL_TYPES): (head_dim, heads), () for none.
+    vision: tuple = ()
 
     def __post_init__(self) -> None:
         for name in _GEOMETRY:
@@ -107,6 +115,13 @@ class ModelRope:
         for d in self.inv_freq:
             if d not in ANGLE_MODES:
                 raise ValueError(f"inv_freq: {shown(d)} is not one of {', '.join(ANGLE_MODES)}")
+        if self.vision:
+            head_dim, heads = self.vision
+            _bounded(head_dim, "vision head_dim", MAX_HEAD_DIM)
+            _bounded(heads, "vision heads", MAX_HEADS)
+            if head_dim % 4:
+                raise ValueError(f"vision head_dim: {head_dim} is not a multiple of 4; axial RoPE gives each axis a "
+                                 "quarter of the head's channels")
 
     def specs(self) -> list[KernelSpec]:
         """Every build a plan for this model can launch: the generic builds of its dtype and pair
@@ -119,7 +134,8 @@ class ModelRope:
                    for hb in rope_head_batches(self.interleaved)]
         fixed = model_fixed_specs(self.dtype, self.interleaved, self.q_heads, self.kv_heads, self.head_dim,
                                   self.rotary_dim)
-        every = generic + fixed + self.cache_specs() + self.mrope_specs() + self.qk_norm_specs() + self.angle_specs()
+        every = (generic + fixed + self.cache_specs() + self.mrope_specs() + self.qk_norm_specs() + self.angle_specs()
+                 + self.vision_specs())
         return list(dict.fromkeys(every))
 
     def angle_specs(self) -> list[KernelSpec]:
@@ -158,6 +174,20 @@ class ModelRope:
                 for denser in (False, True)
                 for g in both_strides(mrope_geometries(self.dtype, hq, hk, self.head_dim, self.rotary_dim,
                                                        self.mrope_section, self.mrope_interleaved, denser))]
+
+    def vision_specs(self) -> list[KernelSpec]:
+        """The vision tower's axial RoPE builds: multimodal RoPE with two streams and contiguous
+        sections ``[D/4, D/4]`` over the whole head (``apply_mrope_qk`` with
+        :func:`rope_rtc.axial_tables`), q with k and q alone, both thread orders (Qwen's towers
+        rotate ``[N, H, D]``, Pixtral's ``[B, H, N, D]``), for small and large launches."""
+        if not self.vision:
+            return []
+        head_dim, heads = self.vision
+        section = (head_dim // 4, head_dim // 4)
+        return list(dict.fromkeys(
+            g.spec() for hk in (heads, 0) for denser in (False, True)
+            for g in both_strides(mrope_geometries(self.dtype, heads, hk, head_dim, head_dim, section, False,
+                                                   denser))))
 
     def cache_specs(self) -> list[KernelSpec]:
         """The fused RoPE + KV-cache-write builds (rope_rtc.ops.kv_cache) for aligned arrays: the cache
@@ -238,6 +268,7 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         raise ValueError(f"{where}: text_config must be a JSON object, got {type(text).__name__}")
     # The outer model_type and the text model's (a vision-language model's text_config has its own).
     types = tuple(t for t in (config.get("model_type"), (text or {}).get("model_type")) if isinstance(t, str))
+    vision = _vision(config, where, types)
     if qk_norm is None:
         qk_norm = any(t in QK_NORM_MODEL_TYPES for t in types)
     if text:
@@ -290,7 +321,7 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         dtype = _dtype(dtype, "dtype")
     section, style = _mrope(config, where, rotary_dim)
     return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm),
-                     tuple(dict.fromkeys(inv_freq)))
+                     tuple(dict.fromkeys(inv_freq)), vision)
 
 
 def _parse_config(data: bytes, path: Path):
@@ -413,6 +444,34 @@ def _partial_rotary_factor(config: dict) -> tuple[str, object]:
         if isinstance(rope, dict) and rope.get("partial_rotary_factor") is not None:
             return f"{field}.partial_rotary_factor", rope["partial_rotary_factor"]
     return "partial_rotary_factor", 1.0
+
+
+def _vision(config: dict, where: str, types: tuple) -> tuple:
+    """``(head_dim, heads)`` of the vision tower of a model whose tower rotates with axial RoPE
+    (``AXIAL_VISION_MODEL_TYPES``, by the model's or its ``vision_config``'s model_type), else
+    ``()``. The heads are ``num_heads`` (Qwen) or ``num_attention_heads`` (Pixtral); the head dim
+    ``head_dim``, else the width over the heads: ``embed_dim`` (Qwen2-VL, whose ``hidden_size`` is
+    the text model's) or ``hidden_size``."""
+    vision = config.get("vision_config")
+    if vision is None:
+        return ()
+    if not isinstance(vision, dict):
+        raise ValueError(f"{where}: vision_config must be a JSON object, got {type(vision).__name__}")
+    kind = vision.get("model_type")
+    if not any(t in AXIAL_VISION_MODEL_TYPES for t in types + ((kind,) if isinstance(kind, str) else ())):
+        return ()
+    at = f"{where}: vision_config"
+    field = "num_heads" if vision.get("num_heads") is not None else "num_attention_heads"
+    heads = _int_field(vision, field, at, MAX_HEADS)
+    if vision.get("head_dim") is not None:
+        head_dim = _int_field(vision, "head_dim", at, MAX_HEAD_DIM)
+    else:
+        width = "embed_dim" if vision.get("embed_dim") is not None else "hidden_size"
+        size = _int_field(vision, width, at)
+        if size % heads:
+            raise ValueError(f"{at}: {width} {shown(size)} is not a multiple of {field} {heads}; give head_dim")
+        head_dim = _bounded(size // heads, f"{at}: {width} / {field} (the head dim)", MAX_HEAD_DIM)
+    return head_dim, heads
 
 
 def _mrope(config: dict, where: str, rotary_dim: int) -> tuple[tuple, bool]:

@@ -19,7 +19,8 @@ tokens.
 from __future__ import annotations
 
 from .ref_cache import FP8_DTYPES, FP8_MAX, fp8_quantize, rope_and_cache_reference  # noqa: F401
-from .ref_mrope import mrope_kernel_arithmetic, mrope_reference, mrope_streams  # noqa: F401
+from .ref_mrope import (MROPE_STREAM_COUNTS, mrope_kernel_arithmetic, mrope_reference, mrope_sections,  # noqa: F401
+                        mrope_streams)
 from .ref_qk_norm import (qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference,  # noqa: F401
                           qk_norm_rope_transformers_reference)
 from .ref_rope import assert_rope_close, rope_error_bound, rope_kernel_arithmetic, rope_reference  # noqa: F401

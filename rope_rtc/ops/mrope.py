@@ -1,11 +1,16 @@
-"""Multimodal RoPE (MRoPE), as Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate q and k.
+"""Multimodal RoPE (MRoPE), as Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate q and k, and the axial
+RoPE of vision towers (Qwen2.5-VL's, Qwen3-VL's, Pixtral's), which is MRoPE with two streams.
 
-Every token has three positions, temporal, height and width (``positions`` ``[3, T]``, or
-``[3, B, S]`` for the batched layouts), and ``mrope_section = [t, h, w]`` (summing to
+Every token has n = 2, 3 or 4 positions (``positions`` ``[n, T]``, or ``[n, B, S]`` for the
+batched layouts): for three, temporal, height and width; for a vision tower's patches, height
+and width (:func:`rope_rtc.vision_positions`). ``mrope_section`` (n ints summing to
 ``rotary_dim / 2``) says which of them each frequency takes: contiguous sections (Qwen2-VL,
-Qwen2.5-VL: the first ``t`` frequencies the temporal position, the next ``h`` the height, the
-last ``w`` the width) or, with ``interleaved_sections=True``, Qwen3-VL's T, H, W, T, H, W, ...
-with the remainder to T. Pairs are half-split (``rotate_half``), as those models rotate.
+Qwen2.5-VL ``[t, h, w]``: the first ``t`` frequencies the temporal position, the next ``h`` the
+height, the last ``w`` the width; a vision tower's ``[D/4, D/4]``) or, with
+``interleaved_sections=True``, Qwen3-VL's T, H, W, T, H, W, ... with the remainder to T (for n
+streams: 0, 1, .., n-1, 0, ... with the remainder to stream 0). Pairs are half-split
+(``rotate_half``), as those models rotate. A vision tower's table holds its own axis's frequency
+in each column (:func:`rope_rtc.axial_tables`).
 
 The kernel is the general kernel's specialised build (cuda_src/rope_fixed.cu) with the sections
 fixed at compile time, so the rotation has the general API's numerical contract (FP32, one
@@ -30,7 +35,7 @@ from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, re
 from ..core.launcher import stream_handle
 from ..core.dispatch import OneCall
 from ..core.prepared import Op, signature
-from ..numerics.reference import mrope_streams
+from ..numerics.reference import mrope_sections, mrope_streams
 from . import rope_plan
 from .conventions import interface_view, shape_of
 from .rope_launch import (FIXED_SMALL_THREADS, NARROW_LIMIT, check_fixed_block, fixed_threads, misaligned_view,
@@ -42,31 +47,37 @@ from .rope_request import Request, validate
 MROPE_STRIDE_LIMIT = 2**31
 
 
-def _positions(positions, q, layout, host: bool = False) -> tuple:
-    """``(info, temporal stream)`` of ``positions``: its ArrayInfo and a view of its first stream
-    (its address is the array's), which the general checks take as one position per token.
-    ``host``: a host array is accepted (the one-call functions' host path)."""
+def _positions(positions, q, layout, host: bool = False, streams: int = 3) -> tuple:
+    """``(info, first stream)`` of ``positions``: its ArrayInfo and a view of its first stream (its
+    address is the array's), which the general checks take as one position per token. ``streams``:
+    the number of position streams (``len(mrope_section)``). ``host``: a host array is accepted
+    (the one-call functions' host path)."""
     pi = A.describe(positions, "positions", allow_host=host)
-    want = _streams_shape(q, layout)
-    if want is not None and pi.shape != want or len(pi.shape) < 2 or pi.shape[0] != 3:
-        what = "[3, T]" if layout == "thd" else "[3, B, S]"
+    want = _streams_shape(q, layout, streams)
+    if want is not None and pi.shape != want or len(pi.shape) < 2 or pi.shape[0] != streams:
+        what = f"[{streams}, T]" if layout == "thd" else f"[{streams}, B, S]"
         expected = f"shape {want} ({what}" if want is not None else f"{what} ("
-        raise ValueError(f"positions: expected {expected}: the temporal, height and width positions of each token), "
-                         f"got {pi.shape}")
+        why = ("the temporal, height and width positions of each token" if streams == 3
+               else "one position stream per mrope_section entry")
+        hint = ""
+        if len(pi.shape) >= 2 and pi.shape[0] != streams and (want is None or pi.shape[1:] == want[1:]):
+            hint = (f"; its first axis ({pi.shape[0]} streams) disagrees with mrope_section's {streams} sections: "
+                    "pass one section per position stream")
+        raise ValueError(f"positions: expected {expected}: {why}), got {pi.shape}{hint}")
     base = pi.array
     if hasattr(base, "__getitem__"):
         return pi, base[0]
     return pi, interface_view(positions, pi, 0, pi.shape[1:], pi.strides[1:])  # interface-only
 
 
-def _streams_shape(q, layout) -> tuple | None:
-    """The shape ``positions`` has for ``q`` in ``layout``: ``(3, T)`` or ``(3, B, S)``; None when q's
-    shape cannot tell (its own checks then name it)."""
+def _streams_shape(q, layout, streams: int = 3) -> tuple | None:
+    """The shape ``positions`` has for ``q`` in ``layout``: ``(n, T)`` or ``(n, B, S)`` for ``n =
+    streams``; None when q's shape cannot tell (its own checks then name it)."""
     shape = shape_of(q, "q")
     axes = {"thd": (3, (0,)), "bshd": (4, (0, 1)), "bhsd": (4, (0, 2)), "sbhd": (4, (1, 0))}.get(layout)
     if shape is None or axes is None or len(shape) != axes[0]:
         return None
-    return (3,) + tuple(int(shape[i]) for i in axes[1])
+    return (streams,) + tuple(int(shape[i]) for i in axes[1])
 
 
 def _interleaved_option(value) -> bool:
@@ -86,20 +97,21 @@ def validate_mrope(q, k, cos, sin, positions, mrope_section, *, interleaved_sect
     which no kernel reads, are not checked, and every host position is checked against the
     table."""
     interleaved_sections = _interleaved_option(interleaved_sections)
-    pi, stream_zero = _positions(positions, q, layout, host)
+    sections = mrope_sections(mrope_section)  # how many streams positions holds
+    pi, stream_zero = _positions(positions, q, layout, host, len(sections))
     req = validate(q, k, cos, sin, positions=stream_zero, layout=layout, rotary_dim=rotary_dim,
                    inverse=inverse, q_out=q_out, k_out=k_out, allow_host=host, names=names)
     if req.rotary_offset:  # pragma: no cover - validate's rotary_offset is 0 here
         raise NotImplementedError("rotary_offset: multimodal RoPE rotates the window at channel 0")
-    mrope_streams(mrope_section, req.rotary_dim, interleaved_sections=interleaved_sections)  # checks the sections
-    sections = tuple(int(v) for v in mrope_section)
+    mrope_streams(sections, req.rotary_dim, interleaved_sections=interleaved_sections)  # checks their sum
     if pi.device is None:  # host streams (the general checks have read the temporal one)
         _check_stream_values(np.asarray(pi.array), req.table_rows)
     elif pi.strides[0] < 0:
         raise ValueError(f"positions: a negative stride between streams ({pi.strides[0]} elements) is not supported")
     if pi.device is not None and pi.strides[0] >= MROPE_STRIDE_LIMIT:  # the block's field is 32-bit (fixed_params.cuh)
         raise ValueError(f"positions: streams {pi.strides[0]} elements apart; multimodal RoPE takes streams fewer "
-                         "than 2^31 elements apart (pass a [3, T] array of its own, e.g. positions.copy())")
+                         f"than 2^31 elements apart (pass a [{len(sections)}, T] array of its own, e.g. "
+                         "positions.copy())")
     for out in (req.q_out, req.k_out):
         if out is not None and A.overlaps(out, pi):
             raise ValueError(f"{out.name}: overlaps positions; pass separate arrays")
@@ -111,7 +123,7 @@ def mrope_geometry(req: Request, layout: str, sections: tuple, interleaved_secti
     """The specialised build with the sections fixed, or an error saying why none fits.
 
     Its dense build (FIX_DENSE) also takes the position streams to be the call's token count
-    apart (a [3, T] or [3, B, S] array of its own): it derives that stride from the thread count
+    apart (an [n, T] or [n, B, S] array of its own): it derives that stride from the thread count
     instead of reading ``mrope_stride`` from the block's third line."""
     if not req.in_place and req.rotary_dim < req.cq.D:
         fix = "out=x" if req.k is None else f"{req.q.name}_out={req.q.name}, {req.k.name}_out={req.k.name}"
@@ -208,7 +220,8 @@ class MRopePlan(RopePlan):
         validate_mrope(q, k, cos, sin, positions, mrope_section, interleaved_sections=interleaved_sections,
                        layout=layout, rotary_dim=rotary_dim, inverse=inverse,
                        q_out=q if q_out is None else q_out, k_out=k if k_out is None and k is not None else k_out)
-        super().__init__(q, k, cos, sin, positions=_positions(positions, q, layout)[1], layout=layout,
+        streams = len(mrope_sections(mrope_section))
+        super().__init__(q, k, cos, sin, positions=_positions(positions, q, layout, streams=streams)[1], layout=layout,
                          rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         self.mrope_section = tuple(int(v) for v in mrope_section)
         self.interleaved_sections = bool(interleaved_sections)
@@ -283,16 +296,21 @@ def apply_mrope_qk(q, k, cos, sin, positions, mrope_section, *, interleaved_sect
         float16 or bfloat16; CuPy or any object with ``__cuda_array_interface__`` / ``__dlpack__``,
         or NumPy (every array then on the host; the results are NumPy, computed on the GPU when
         there is one).
-    cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`)
-    positions : int32/int64 array ``[3, T]`` (``thd``) or ``[3, B, S]``
-        The temporal, height and width position of every token (text tokens: three equal ones).
-        A device position outside the table gives NaN for its pairs (device positions are not
-        read back unless ``ROPE_RTC_CHECK_POSITIONS=1``); host positions are checked.
-    mrope_section : three ints ``[t, h, w]`` summing to ``rotary_dim / 2``
-        Frequencies per stream: Qwen2-VL's ``[16, 24, 24]`` at head dim 128.
+    cos, sin : float32 tables ``[max_positions, rotary_dim // 2]`` (:func:`rope_rtc.rope_tables`;
+        for a vision tower :func:`rope_rtc.axial_tables`, each column its own axis's frequency)
+    positions : int32/int64 array ``[n, T]`` (``thd``) or ``[n, B, S]``, ``n = len(mrope_section)``
+        Each token's position in each stream: for three, temporal, height and width (text tokens:
+        three equal ones); for a vision tower's patches, height and width
+        (:func:`rope_rtc.vision_positions`). A device position outside the table gives NaN for its
+        pairs (device positions are not read back unless ``ROPE_RTC_CHECK_POSITIONS=1``); host
+        positions are checked.
+    mrope_section : 2, 3 or 4 ints summing to ``rotary_dim / 2``
+        Frequencies per stream: Qwen2-VL's ``[16, 24, 24]`` at head dim 128; a vision tower's
+        ``[D/4, D/4]`` (``[20, 20]`` for Qwen2.5-VL's head dim 80).
     interleaved_sections : bool
-        ``False``: contiguous sections (Qwen2-VL, Qwen2.5-VL); ``True``: T, H, W, T, H, W, ...,
-        the remainder to T (Qwen3-VL).
+        ``False``: contiguous sections (Qwen2-VL, Qwen2.5-VL, vision towers); ``True``: T, H, W,
+        T, H, W, ..., the remainder to T (Qwen3-VL); for n streams 0, 1, .., n-1, 0, ..., the
+        remainder to stream 0.
     rotary_dim, inverse, q_out, k_out, stream
         As :func:`rope_rtc.apply_rope_qk` (pairs are half-split; the window starts at channel 0).
     backend : {"auto", "nvrtc", "numpy"}
@@ -372,7 +390,7 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
         refuse_device(req.q)
         from ..numerics.reference import mrope_reference, round_to_dtype
 
-        pos = host_array(pi).reshape(3, -1).astype(np.int64)  # [3, B*S]: the token order of token_heads
+        pos = host_array(pi).reshape(len(sections), -1).astype(np.int64)  # [n, B*S]: token_heads' token order
         cos_t, sin_t = host_array(req.cos), host_array(req.sin)
         if req.inverse:  # the opposite angle: the negated sine (exact), as the kernel's sign
             sin_t = -sin_t
