@@ -193,7 +193,12 @@ def _fused_calls():
         rope_rtc.tail_rope(fake_cupy((4, 8, 512), BF16), fake_cupy((4, 32), np.float32),
                            fake_cupy((4, 32), np.float32))
 
+    def mrope():
+        q, k = fake_cupy((B, HQ, D), BF16), fake_cupy((B, HK, D), BF16)
+        rope_rtc.apply_mrope_qk(q, k, cos, sin, fake_cupy((3, B), np.int64), [16, 24, 24], q_out=q, k_out=k)
+
     return [("apply_qk_norm_rope", "qk_norm", "validate_qk_norm", qk_norm),
+            ("apply_mrope_qk", "mrope", "validate_mrope", mrope),
             ("rope_and_cache", "kv_cache", "validate_cache_call", kv_cache),
             ("tail_rope", "tail", "_describe", tail)]
 
@@ -202,7 +207,7 @@ def _fused_calls():
 def test_a_cold_fused_call_validates_once(monkeypatch, case):
     """A cold one-call function of a fused op validates its call once: the dispatcher's
     ``validate`` hook hands its request to the new plan and to the plan's bind. Failed while
-    apply_qk_norm_rope validated three times (the hook, the plan constructor, the bind),
+    apply_qk_norm_rope and apply_mrope_qk validated three times (the hook, the plan constructor, the bind),
     rope_and_cache twice and tail_rope described its arrays twice."""
     import importlib
 

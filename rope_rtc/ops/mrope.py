@@ -192,14 +192,18 @@ class _MRopeOp(Op):
         sig = signature(arrays)
         return None if sig is None else (sig, arrays[Q_OUT] is arrays[Q], arrays[K_OUT] is arrays[K])
 
-    def validate(self, arrays: tuple, scalar: int) -> _MRopeTemplate:
+    takes_request = True  # the one-call functions' first call hands over validate_mrope's result
+
+    def validate(self, arrays: tuple, scalar: int, request: tuple | None = None) -> _MRopeTemplate:
         plan = self.plan
         q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
         rope_plan.check_plan_arguments(plan, k, q_out, k_out)
-        req, pi, g = validate_mrope(q, k, cos, sin, positions, plan.mrope_section,
-                                    interleaved_sections=plan.interleaved_sections, layout=plan.layout,
-                                    rotary_dim=plan._opts["rotary_dim"], inverse=plan.inverse, q_out=q_out,
-                                    k_out=k_out, names=plan._names)
+        if request is None:
+            request = validate_mrope(q, k, cos, sin, positions, plan.mrope_section,
+                                     interleaved_sections=plan.interleaved_sections, layout=plan.layout,
+                                     rotary_dim=plan._opts["rotary_dim"], inverse=plan.inverse, q_out=q_out,
+                                     k_out=k_out, names=plan._names)
+        req, pi, g = request
         rope_plan.check_request_fits_plan(plan, req)
         return _MRopeTemplate(plan, req, pi, g)
 
@@ -225,6 +229,17 @@ class MRopePlan(RopePlan):
                          rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
         self.mrope_section = tuple(int(v) for v in mrope_section)
         self.interleaved_sections = bool(interleaved_sections)
+
+    @classmethod
+    def _from_mrope_request(cls, validated: tuple, options: tuple, device: int) -> "MRopePlan":
+        """The plan of a call ``validate_mrope`` has checked (``validated``: what it returns, both
+        outputs given), by the one-call functions' options: their first call is validated once."""
+        names, layout, rotary_dim, inverse, interleaved_sections, section = options
+        plan = cls._from_request(validated[0], dict(layout=layout, interleaved=False, rotary_dim=rotary_dim,
+                                                    rotary_offset=0, inverse=inverse), names, device)
+        plan.mrope_section = tuple(int(v) for v in section)
+        plan.interleaved_sections = bool(interleaved_sections)
+        return plan
 
     def _op(self) -> Op:
         return _MRopeOp(self)
@@ -412,29 +427,27 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
     return tuple(on_gpu(arrays, (5, 6), stream, call))
 
 
-def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[None, tuple]:
-    """The call validated, and its plan's key (``OneCall``'s ``validate``)."""
+def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[tuple, tuple]:
+    """The call validated (``validate_mrope``'s result, which the plan binds from), and its plan's
+    key (``OneCall``'s ``validate``)."""
     names, layout, rotary_dim, inverse, interleaved_sections, section = options
     q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
-    req, _, _ = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
+    validated = validate_mrope(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections,
                                layout=layout, rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out,
                                names=names)
-    return None, (options, req.dtype, req.cq.H, None if req.ck is None else req.ck.H, req.cq.D, req.in_place,
-                  req.device)
+    req = validated[0]
+    return validated, (options, req.dtype, req.cq.H, None if req.ck is None else req.ck.H, req.cq.D, req.in_place,
+                       req.device)
 
 
-def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) -> MRopePlan:
-    names, layout, rotary_dim, inverse, interleaved_sections, section = options
-    q, k, cos, sin, positions, q_out, k_out, _, _ = arrays
-    plan = MRopePlan(q, k, cos, sin, positions, section, interleaved_sections=interleaved_sections, layout=layout,
-                     rotary_dim=rotary_dim, inverse=inverse, q_out=q_out, k_out=k_out, device=device)
-    plan._names = names
+def _new_plan(validated: tuple, arrays: tuple, scalar: int, options: tuple, device: int) -> MRopePlan:
+    plan = MRopePlan._from_mrope_request(validated, options, device)
     plan._ensure_core()
     return plan
 
 
 # The one-call functions' dispatch; options: (names, layout, rotary_dim, inverse, interleaved_sections,
-# section). The plan's core validates a call again as its own.
-ONE_CALL = OneCall(_validate, _new_plan, own_input=((Q_OUT, Q), (K_OUT, K)),
+# section).
+ONE_CALL = OneCall(_validate, _new_plan, takes_request=True, own_input=((Q_OUT, Q), (K_OUT, K)),
                    check_positions=lambda plan, arrays, scalar, options: check_mrope_positions(arrays[POSITIONS],
                                                                                                arrays[2]))
