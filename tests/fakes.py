@@ -388,6 +388,7 @@ class FakeGPU:
         self._patch(rope.ONE_CALL, "_local", dispatch.ThreadState())
         self._patch(rope.CONVENTION, "_local", dispatch.ThreadState())
         self._patch(tail.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(tail, "_gpu_present", False)  # the first call resolves the backend, as on a real GPU
         self._patch(rope_plan, "current_device", lambda: 0)
         self._patch(tail, "current_device", lambda: 0)
         return self

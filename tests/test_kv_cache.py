@@ -229,10 +229,10 @@ def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
     """``ROPE_RTC_CHECK_POSITIONS=1`` reads device positions back before the launch for
     rope_and_cache and RopeCachePlan as for the general API (the read-back itself: GPU tests)."""
     from rope_rtc import RopeCachePlan
-    from rope_rtc.ops import kv_cache, rope_plan
+    from rope_rtc.ops import kv_cache, rope_request
 
     checked = []
-    monkeypatch.setattr(rope_plan, "check_device_positions", lambda req: checked.append(req.positions.ptr))
+    monkeypatch.setattr(rope_request, "check_device_positions", lambda req: checked.append(req.positions.ptr))
     kw = _call()
     with FakeGPU() as gpu:
         RopeCachePlan(**kw).execute(**kw)

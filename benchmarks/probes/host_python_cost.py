@@ -68,11 +68,19 @@ def main() -> None:
         plan = rope_rtc.RopePlan(*sets[0][:2], cos, sin, positions=sets[0][2], layout="thd")
         cplan = rope_rtc.RopePlan(*flat[0][:2], cos_sin_cache=cache, positions=flat[0][2], layout="thd", head_dim=D)
         nplan = rope_rtc.QKNormRopePlan(*sets[0][:2], qw, kw, cos, sin, positions=sets[0][2], layout="thd")
+        xs = [(fake_cupy((4, 64, 512), BF16),) for _ in range(SETS)]
+        tc, ts = fake_cupy((4, 32), np.float32), fake_cupy((4, 32), np.float32)
+        offs = [(q.reshape(T, 1, HQ, D), k.reshape(T, 1, HK, D), fake_cupy((T,), np.int32)) for q, k, _ in sets]
         rows = [
             ("apply_rope_qk, tables", lambda q, k, p: rope_rtc.apply_rope_qk(
                 q, k, cos, sin, positions=p, layout="thd", q_out=q, k_out=k), sets),
             ("apply_rope_qk, cos_sin_cache and flat [T, H*D] arrays", lambda q, k, p: rope_rtc.apply_rope_qk(
                 q, k, cos_sin_cache=cache, positions=p, layout="thd", head_dim=D, q_out=q, k_out=k), flat),
+            ("apply_rope_qk, offset array, layout given", lambda q, k, o: rope_rtc.apply_rope_qk(
+                q, k, cos, sin, offset=o, layout="bshd", q_out=q, k_out=k), offs),
+            ("apply_rope, out=", lambda q, k, p: rope_rtc.apply_rope(q, cos, sin, positions=p, out=q), sets),
+            ("apply_rope, allocates the output", lambda q, k, p: rope_rtc.apply_rope(q, cos, sin, positions=p), sets),
+            ("tail_rope, allocates the output", lambda x: rope_rtc.tail_rope(x, tc, ts), xs),
             ("apply_qk_norm_rope", lambda q, k, p: rope_rtc.apply_qk_norm_rope(
                 q, k, qw, kw, cos, sin, positions=p, layout="thd", q_out=q, k_out=k), sets),
             ("apply_mrope_qk", lambda q, k, p: rope_rtc.apply_mrope_qk(

@@ -30,6 +30,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+import numpy as np
+
 from .launcher import stream_handle
 from .prepared import cupy_ndarray, narrower, signature
 from .recent import remember
@@ -60,7 +62,6 @@ class ThreadState(threading.local):
         self.last = NO_LAST
         self.by_signature: dict = {}  # (options, signature) -> (plan, template) that bound it last
         self.by_key: dict = {}  # plan key -> plan
-        self.gpu = False  # whether a call of this thread has resolved a GPU backend
 
 
 def signature_with_own(own_input: tuple) -> Callable:
@@ -73,6 +74,20 @@ def signature_with_own(own_input: tuple) -> Callable:
             return None, None
         return (sig, tuple([arrays[o] is arrays[i] for o, i in own_input])), None
     return signature_of
+
+
+def split_offset(offset) -> tuple[int, object]:
+    """``(int offset, offset array or None)`` of an ``offset`` argument (anything that is not an
+    int is left for validation to accept as an array or reject)."""
+    if type(offset) is int:
+        return offset, None
+    if offset is None:
+        return 0, None
+    if isinstance(offset, np.integer):
+        return int(offset), None
+    if isinstance(offset, int) and type(offset) is not bool:  # an int subclass (an IntEnum) is its value
+        return int(offset), None
+    return 0, offset  # an array (or a bool, which validation refuses)
 
 
 def signature_and_pointers(arrays: tuple, own_input: dict) -> tuple:
@@ -160,6 +175,18 @@ class OneCall:
         if prefix is None:
             return False
         last.go(prefix, stream_handle(stream, last.device))
+        return True
+
+    def launched_on(self, options: tuple, handle: int, *arrays) -> bool:
+        """:meth:`launched` on a raw stream ``handle`` the caller has resolved (for an output it
+        allocated on that stream)."""
+        last = self._local.last
+        if options != last.options:
+            return False
+        prefix = last.one_call(*arrays)
+        if prefix is None:
+            return False
+        last.go(prefix, handle)
         return True
 
     def run(self, options: tuple, plain: bool, arrays: tuple, scalar: int, handle: int, device: int,

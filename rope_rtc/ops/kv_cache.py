@@ -35,12 +35,11 @@ from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device,
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
-from ..core.dispatch import OneCall, signature_with_own
+from ..core.dispatch import OneCall, signature_with_own, split_offset
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
-from .rope_plan import check_positions_of, split_offset
-from .rope_request import Request, check_kinds, validate
+from .rope_request import Request, check_kinds, check_positions_of, validate
 
 KV_LAYOUTS = ("nhd", "hnd")
 # kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)

@@ -38,15 +38,14 @@ from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, re
                              token_positions, write_results)
 from ..core.codegen import preferred_predicate
 from ..core.launcher import launch_prefix, load_kernel, stream_handle
-from ..core.dispatch import OneCall
+from ..core.dispatch import OneCall, split_offset
 from ..core.prepared import Op, Prepared, signature
 from ..errors import UnsupportedLayoutError, shown
 from . import rope_plan
 from .rope_launch import check_fixed_block, fill_fixed
 from .rope_params import NormParams
-from .rope_plan import (K, K_OUT, Q, Q_OUT, RopePlan, RopeTemplate, check_positions_of, generated_quick_path,
-                        split_offset)
-from .rope_request import Request, check_kinds, float_or_inf, validate
+from .rope_plan import K, K_OUT, Q, Q_OUT, RopePlan, RopeTemplate, generated_quick_path
+from .rope_request import Request, check_kinds, check_positions_of, float_or_inf, validate
 
 NUMERICS = tuple(NORM_MODES)
 # The weights follow the general plan's nine arguments in the core's calls.

@@ -20,11 +20,11 @@ from ..core import launcher, outputs
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from ..core.launcher import stream_handle
-from ..core.dispatch import OneCall, signature_and_pointers
+from ..core.dispatch import OneCall, signature_and_pointers, split_offset
 from ..core.prepared import cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
-from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables, check_positions_of, split_offset
-from .rope_request import Request, validate
+from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables
+from .rope_request import Request, check_positions_of, validate
 
 # backends (rope_rtc.core.backends resolves the switch; this module keeps what its own quick paths read)
 
@@ -183,8 +183,8 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
     if k is not None and k_out is None:
         k_out = outputs.allocate(k.shape, k.dtype, device, handle, stream is None)
     options, plain = (names,) + opts, _plain(opts)
-    if not (plain and ONE_CALL.launched(options, handle, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets,
-                                        scalar)):
+    if not (plain and ONE_CALL.launched_on(options, handle, q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
+                                           offsets, scalar)):
         ONE_CALL.run(options, plain, (q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets), scalar, handle,
                      device)
     return q_out, k_out
@@ -333,21 +333,21 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     if k is None:
         raise TypeError("k: expected an array (use apply_rope for a single tensor)")
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
-        opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, None)
         if (q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
                 and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
                 and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
                 and (layout is None or type(layout) is str)):
             # The engine's call: the thread's last path (the template's generated checks of one
             # signature), options of the types validation accepts as they are (_plain).
+            options = (_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, None)
             if type(offset) is int:
-                if ONE_CALL.launched((_QK,) + opts, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None,
+                if ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None,
                                      offset):
                     return q_out, k_out
-            elif ONE_CALL.launched((_QK,) + opts, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset,
-                                   0):  # an offsets array; anything else the function declines (not its signature)
-                return q_out, k_out
-        return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend, opts)
+            elif ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0):
+                return q_out, k_out  # an offsets array; anything else the function declines (not its signature)
+        return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
     if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
             and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
             and (head_dim is None or type(head_dim) is int)
@@ -383,23 +383,28 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     ``out=x`` rotates in place. Returns the output array.
     """
     if cos_sin_cache is None and head_dim is None and inv_freq is None and attention_scaling is None:
-        opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, None)
-        if _gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc") and _plain(opts):
+        if (_gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc")
+                and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+                and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
+                and (layout is None or type(layout) is str)):
             # As in apply_rope_qk; the output allocated as _run_device would (it takes it if the
             # last path declines).
             device = x.data.device_id
             handle = stream_handle(stream, device)
             if out is None:
                 out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
+            options = (_X, layout, interleaved, rotary_dim, rotary_offset, inverse, None)
             if type(offset) is int:
-                if ONE_CALL.launched((_X,) + opts, handle, x, None, cos, sin, positions, out, None, cu_seqlens, None,
-                                     offset):
+                if ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens, None,
+                                        offset):
                     return out
-            elif ONE_CALL.launched((_X,) + opts, handle, x, None, cos, sin, positions, out, None, cu_seqlens, offset,
-                                   0):
+            elif ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens, offset,
+                                      0):
                 return out
-            return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, handle, opts, _X)[0]
-        q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend, opts)
+            return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, handle, options[1:],
+                               _X)[0]
+        q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
         return q
     if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
             and out is not None and (backend == "auto" or backend == "nvrtc")

@@ -11,13 +11,12 @@ import warnings
 from dataclasses import replace
 from operator import is_, itemgetter
 
-import numpy as np
-
 from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
     fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
 from ..core import arrays as A
 from ..core.driver import current_device
 from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
+from ..core.dispatch import split_offset
 from ..core.launcher import StructArg, launch_prefix, load_kernel, single_device
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature, \
     signature
@@ -26,7 +25,7 @@ from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unfla
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, FixedParams, RopeParams
-from .rope_request import Request, check_device_positions, position_range, validate
+from .rope_request import Request, check_positions_of, position_range, validate
 
 # Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
 # offset array. The scalar is the int offset.
@@ -366,31 +365,6 @@ def check_no_tables(cos, sin, cos_sin_cache) -> None:
     if cos is not None or sin is not None or cos_sin_cache is not None:
         given = "/".join(n for n, v in (("cos", cos), ("sin", sin), ("cos_sin_cache", cos_sin_cache)) if v is not None)
         raise TypeError(f"{given}: pass inv_freq (cos and sin computed in the kernel) or tables, not both")
-
-
-def split_offset(offset) -> tuple[int, object]:
-    """``(int offset, offset array or None)`` of an ``offset`` argument (anything that is not an
-    int is left for validation to accept as an array or reject)."""
-    if type(offset) is int:
-        return offset, None
-    if offset is None:
-        return 0, None
-    if isinstance(offset, np.integer):
-        return int(offset), None
-    if isinstance(offset, int) and type(offset) is not bool:  # an int subclass (an IntEnum) is its value
-        return int(offset), None
-    return 0, offset  # an array (or a bool, which validation refuses)
-
-
-def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
-    """``ROPE_RTC_CHECK_POSITIONS=1``: read a call's device-resident index arrays back
-    (synchronising) and raise on a position outside the table or a malformed ``cu_seqlens``."""
-    if arrays[POSITIONS] is None and arrays[OFFSETS] is None and arrays[CU_SEQLENS] is None:
-        return
-    req = validate(*arrays[:4], positions=arrays[POSITIONS], offset=scalar if arrays[OFFSETS] is None
-                   else arrays[OFFSETS], cu_seqlens=arrays[CU_SEQLENS], q_out=arrays[Q_OUT], k_out=arrays[K_OUT],
-                   allow_host=False, **opts)
-    check_device_positions(req)
 
 
 class _SecondHalf:

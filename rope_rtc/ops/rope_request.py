@@ -413,3 +413,14 @@ def _check_out(out: A.ArrayInfo, inp: A.ArrayInfo) -> None:
     if out.shape != inp.shape:
         raise ValueError(f"{out.name}: shape {out.shape} differs from {inp.name}'s {inp.shape}")
     A.check_last_dim_contiguous(out)
+
+
+def check_positions_of(arrays: tuple, scalar: int, opts: dict) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read a call's device-resident index arrays back
+    (synchronising) and raise on a position outside the table or a malformed ``cu_seqlens``."""
+    q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offsets = arrays
+    if positions is None and offsets is None and cu_seqlens is None:
+        return
+    req = validate(q, k, cos, sin, positions=positions, offset=scalar if offsets is None else offsets,
+                   cu_seqlens=cu_seqlens, q_out=q_out, k_out=k_out, allow_host=False, **opts)
+    check_device_positions(req)

@@ -367,6 +367,12 @@ def _repeat_path(plan: "TailRoPEForward", call, arrays: tuple, sig):
 
 # tail_rope's dispatch (no options: the contract has none).
 ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_signature, repeat_path=_repeat_path)
+_gpu_present = False  # once a call has resolved the GPU backend: "auto" then means it
+
+
+def _gpu_seen() -> None:
+    global _gpu_present
+    _gpu_present = True
 
 
 def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDict:
@@ -391,16 +397,15 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
         if xi.device is None:  # a host array known through DLPack
             return _tail_host(x, cosine, sine, backend, stream)
         device, shape, dtype = xi.device, xi.shape, A.numpy_dtype(xi.dtype)
-    state = ONE_CALL.thread()
-    if not state.gpu:  # this thread's first call
+    if not _gpu_present:  # no GPU backend resolved yet
         if resolve(backend) == "numpy":
             if backend != "numpy":  # "auto" with device arrays and no usable GPU: say that
                 driver.require_gpu()
             return _tail_host(x, cosine, sine, "numpy", stream)
-        state.gpu = True
+        _gpu_seen()
     handle = stream_handle(stream, device)
     out = outputs.allocate(shape, dtype, device, handle, stream is None)
-    if not ONE_CALL.launched((), handle, x, cosine, sine, out):
+    if not ONE_CALL.launched_on((), handle, x, cosine, sine, out):
         ONE_CALL.run((), True, (x, cosine, sine, out), 0, handle, device)
     return TupleDict.of_out(out)
 
