@@ -1,7 +1,7 @@
 // DeepSeek-style multi-head latent attention (rope_rtc/ops/mla.py): in one launch,
 //   - rotate the last MLA_RD channels of each of q's MLA_H heads (in place, or into q_out with the
 //     first MLA_NOPE channels copied), and, with MLA_QFP8, write the whole of q in FP8 too;
-//   - rotate k_pe (one rotary head shared by every q head) in place, as vLLM's MLA kernel does;
+//   - rotate k_pe (one rotary head shared by every q head) in place, whatever its token's slot;
 //   - write the row [kv_c | rotated k_pe] (MLA_LORA + MLA_RD channels) into the paged cache at
 //     slot_mapping[t]; a negative slot, or one past the cache, writes no row for its token.
 // Cache rows are the input dtype or FP8 of CACHE_KIND: the value as rounded to the input dtype,

@@ -210,8 +210,8 @@ def mla_rope_and_cache(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cach
         ``qk_rope_head_dim`` channels are rotated in place (or into ``q_out``, with the others
         copied); the first ``qk_nope_head_dim`` are left as they are.
     k_pe : array ``[T, R]`` or ``[T, 1, R]``, q's dtype
-        The rotary part of k, one head shared by every q head. Rotated **in place** (as vLLM's MLA
-        kernel writes it back), whether or not its token's slot is written.
+        The rotary part of k, one head shared by every q head. Rotated **in place**, whether or not
+        its token's slot is written (as RoPE before vLLM's ``concat_and_cache_mla`` leaves it).
     kv_c : array ``[T, kv_lora_rank]``, q's dtype
         The compressed latent, copied (or quantised) into the cache row unchanged.
     cos, sin : float32 tables ``[max_positions, R // 2]`` (``rope_rtc.rope_tables``: DeepSeek's YaRN,
