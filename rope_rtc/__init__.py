@@ -6,6 +6,8 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
   :func:`cos_sin_cache` — the same as one combined table, the engines' convention
 - :func:`apply_rope`, :func:`apply_rope_qk`, :class:`RopePlan` — the general API
 - :func:`rope_and_cache`, :class:`RopeCachePlan` — RoPE fused with the paged KV-cache write (FP8 too)
+- :func:`mla_rope_and_cache`, :class:`MlaRopeCachePlan` — DeepSeek-style MLA: RoPE on q's rotary part and
+  k_pe with the latent KV-cache write (FP8 too), in one launch
 - :func:`apply_mrope`, :func:`apply_mrope_qk`, :class:`MRopePlan` — multimodal RoPE (Qwen2-VL, Qwen3-VL),
   2 to 4 position streams; :func:`axial_tables`, :func:`vision_positions` — a vision tower's
   axial RoPE on it (Qwen2.5-VL, Pixtral)
@@ -29,6 +31,8 @@ _EXPORTS = {
     "RopePlan": "ops.rope_plan",
     "rope_and_cache": "ops.kv_cache",
     "RopeCachePlan": "ops.kv_cache",
+    "mla_rope_and_cache": "ops.mla",
+    "MlaRopeCachePlan": "ops.mla",
     "apply_mrope": "ops.mrope",
     "apply_mrope_qk": "ops.mrope",
     "MRopePlan": "ops.mrope",

@@ -104,6 +104,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
               + (", per-head QK-norm" if model.qk_norm else "")
               + (f", vision tower: head_dim {model.vision[0]}, {model.vision[1]} heads (axial RoPE)"
                  if model.vision else "")
+              + (f", multi-head latent attention (kv_lora_rank {model.mla[0]}, qk_nope_head_dim {model.mla[1]})"
+                 if model.mla else "")
               + (f", cos/sin from {' and '.join(model.inv_freq)} inv_freq" if model.inv_freq else "")
               + f": {len(model.specs())} kernel builds per architecture")
     print(report.headline())

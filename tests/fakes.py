@@ -347,8 +347,12 @@ class FakeGPU:
         def load_cache_function(creq, device):
             return ("rope_cache", creq.without_arrays())  # a real entry point holds no caller's array either
 
-        from rope_rtc.ops import kv_cache
+        from rope_rtc.ops import kv_cache, mla
 
+        self._patch(mla, "load_mla_function", lambda req, device: ("mla_rope_cache", req.without_arrays()))
+        self._patch(mla, "stream_handle", stream_handle)
+        self._patch(mla, "current_device", lambda: 0)
+        self._patch(mla.ONE_CALL, "_local", dispatch.ThreadState())
         self._patch(kv_cache, "load_cache_function", load_cache_function)
         self._patch(kv_cache, "stream_handle", stream_handle)
         self._patch(kv_cache, "current_device", lambda: 0)
@@ -424,6 +428,11 @@ class _RecordingLauncher:
             from rope_rtc.ops.rope_params import CacheParams
 
             record["cache"] = CacheParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(CacheParams)))
+            record["request"] = fn[1]
+        elif isinstance(fn, tuple) and fn[0] == "mla_rope_cache":
+            from rope_rtc.ops.mla_request import MlaParams
+
+            record["mla"] = MlaParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(MlaParams)))
             record["request"] = fn[1]
         elif isinstance(fn, tuple) and fn[0] == "qk_norm_rope":
             from rope_rtc.ops.rope_params import NormParams

@@ -945,7 +945,7 @@ def test_engine_jobs_are_chosen_by_cases(monkeypatch):
 
     ran = []
     for name in ("_kv_record", "_onnx_record", "_mrope_record", "_vision_record", "_qk_norm_record",
-                 "_angles_record"):
+                 "_angles_record", "_mla_record"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append((_n, a[3:])) or {"id": _n, "rows": []})
 
     class Ctx:
@@ -957,7 +957,7 @@ def test_engine_jobs_are_chosen_by_cases(monkeypatch):
                    ("_angles_record", (16384,))]
     ran.clear()
     engine.run_engine_section(Ctx(), None, None, ["engine"])
-    assert len(ran) == 14
+    assert len(ran) == 19  # 13, vision's, and MLA's prefill and four decode sizes
 
 
 def test_angle_targets():
@@ -992,7 +992,7 @@ def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
 
     ran = []
     for name in ("_kv_record", "_onnx_record", "_mrope_record", "_vision_record", "_qk_norm_record",
-                 "_angles_record"):
+                 "_angles_record", "_mla_record"):
         monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append(_n) or {"id": _n, "rows": []})
 
     class Ctx:
@@ -1000,7 +1000,99 @@ def test_a_glob_over_engine_still_runs_every_engine_job(monkeypatch):
             pass
 
     engine.run_engine_section(Ctx(), None, None, ["eng*"])
-    assert len(ran) == 14
+    assert len(ran) == 19  # 13, vision's, and MLA's prefill and four decode sizes
+
+
+def test_mla_jobs_are_listed_and_chosen_by_cases(monkeypatch, capsys):
+    """``--cases engine/mla`` selects the MLA records and nothing else (no case, section or other
+    engine job); the quick run keeps one prefill and two decode sizes."""
+    from rope_rtc.benchmark import engine
+
+    assert cli.main(["--list", "--cases", "engine/mla"]) == 0
+    listed = capsys.readouterr().out.split("\n")
+    assert [line for line in listed if line] == [
+        "engine/mla-prefill/bf16/inter/T=16384 (engine)", "engine/mla-decode/bf16/inter/T=1 (engine)",
+        "engine/mla-decode/bf16/inter/T=4 (engine)", "engine/mla-decode/bf16/inter/T=16 (engine)",
+        "engine/mla-decode/bf16/inter/T=64 (engine)"]
+    assert cli.main(["--list", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "engine/mla-prefill/bf16/inter/T=16384 (engine)" in out and "engine/mla-decode/bf16/inter/T=1 (engine)" in out
+    assert "engine/kv-cache-decode/bf16/half (engine)" in out and "mla-decode/bf16/inter/T=4 " not in out
+    tokens = arguments.parse_args(["--cases", "engine/mla", "--peers", "none"]).case_tokens
+    assert not any(bcases.selected(c.id, c.group, tokens) for q in (False, True) for c in bcases.all_cases(q))
+    assert not any(bcases.selected(g, g, tokens) for g in ("host", "coldstart"))
+
+    ran = []
+    for name in ("_kv_record", "_onnx_record", "_mrope_record", "_qk_norm_record", "_angles_record", "_mla_record"):
+        monkeypatch.setattr(engine, name, lambda *a, _n=name: ran.append((_n, a[3:])) or {"id": _n, "rows": []})
+
+    class Ctx:
+        quick = False
+
+        def free(self):
+            pass
+
+    engine.run_engine_section(Ctx(), None, None, tokens)
+    assert ran == [("_mla_record", (T,)) for T in (16384, 1, 4, 16, 64)]
+    ran.clear()
+    Ctx.quick = True
+    engine.run_engine_section(Ctx(), None, None, ["engine/mla-decode"])
+    assert ran == [("_mla_record", (1,)), ("_mla_record", (64,))]
+
+
+def test_mla_bytes_moved():
+    from rope_rtc.benchmark.engine import mla_bytes_moved
+
+    # bf16, in place: q's 128 heads x 64 rotary channels and k_pe's 64 read and written, kv_c's 512
+    # read, the 576-entry row written, a cos and a sin row of 32 floats, a position and a slot.
+    per_token = 2 * 128 * 64 * 2 + 2 * 64 * 2 + 512 * 2 + 576 * 2 + 32 * 4 * 2 + 16
+    assert mla_bytes_moved(16384) == 16384 * per_token
+    assert mla_bytes_moved(4, fp8=True) == 4 * (per_token - 576)
+
+
+def test_mla_targets():
+    names = ("MLA prefill >= 95% of copy", "MLA prefill, FP8 cache >= 95% of copy",
+             "MLA decode under graph replay <= 1.2x the copy node", "MLA faster than two steps, prefill and decode")
+
+    def row(impl, t, check="bit-exact (= the two-step sequence and the NumPy reference)", moved=None):
+        r = {"impl": impl, "layout": "-", "check": check, "note": "", "timings": t}
+        if moved:
+            r["bytes_moved"] = moved
+        return r
+
+    def result(fused_prefill, fp8_prefill, fused_decode, two_decode=3.0):
+        res = synthetic_result(True)
+        res["engine"] = [
+            {"id": "engine/mla-prefill/bf16/inter/T=16384", "group": "engine", "params": {},
+             "bytes_moved": 580_000_000, "rows": [
+                 row(bcases.COPY, _timings(140.0), "-"), row(bcases.COPY_FP8, _timings(138.0), "-", 570_000_000),
+                 row(bcases.MLA_FUSED, _timings(fused_prefill)),
+                 row(bcases.MLA_TWO_STEP, _timings(400.0), "-"),
+                 row(bcases.MLA_FUSED_FP8, _timings(fp8_prefill), moved=570_000_000),
+                 row(bcases.MLA_TWO_STEP_FP8, _timings(420.0), "-", 570_000_000)]},
+            {"id": "engine/mla-decode/bf16/inter/T=64", "group": "engine", "params": {}, "bytes_moved": 2_270_000,
+             "rows": [row(bcases.COPY, _timings(4.0, small=True, graph=2.0), "-"),
+                      row(bcases.MLA_FUSED, _timings(5.0, small=True, graph=fused_decode)),
+                      row(bcases.MLA_TWO_STEP, _timings(9.0, small=True, graph=two_decode), "-"),
+                      row(bcases.MLA_FUSED_FP8, _timings(5.0, small=True, graph=2.1), moved=2_230_000),
+                      row(bcases.MLA_TWO_STEP_FP8, _timings(9.0, small=True, graph=3.2), "-", 2_230_000)]}]
+        return res, {x["target"]: x for x in report.evaluate_targets(res)}
+
+    res, t = result(145.0, 140.0, 2.2)  # 96.6% and 98.6% (the FP8 row against its own copy); 1.10x
+    assert [t[n]["status"] for n in names] == ["PASS"] * 4, [t[n] for n in names]
+    md = report.render_markdown(res)
+    assert "| mla-prefill/bf16/inter/T=16384 | mla_rope_and_cache, FP8 e4m3 cache | 570.00 | 140.00 | 4071 (98.6%)" in md
+    _, t = result(150.0, 150.0, 2.6, two_decode=2.5)  # 93.3%, 92.0%; 1.30x the copy; slower than two steps
+    assert [t[n]["status"] for n in names] == ["MISS"] * 4
+    assert t[names[0]]["gap"] == "1.7% short" and t[names[2]]["gap"] == "0.10x over"
+    assert t[names[3]]["where"] == "engine/mla-decode/bf16/inter/T=64 (bf16 cache)"
+    res, _ = result(145.0, 140.0, 2.2)
+    res["engine"][1]["rows"][1]["check"] = "WRONG: differs from the NumPy reference"  # a wrong answer cannot pass
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    assert t[names[2]]["status"] == "MISS" and t[names[3]]["status"] == "MISS"
+    res.pop("engine")
+    t = {x["target"]: x for x in report.evaluate_targets(res)}
+    assert [t[n]["status"] for n in names] == ["N/A"] * 4
 
 
 def test_the_kernel_issue_targets_miss_when_decode_or_the_blog_kernel_falls_behind():

@@ -480,10 +480,9 @@ GLM4 = {"model_type": "glm4", "hidden_size": 4096, "num_attention_heads": 32, "n
 
 
 @pytest.mark.parametrize("config,kw,pattern", [
-    (DEEPSEEK_V3, {}, r"config: kv_lora_rank .*deepseek_v3.* multi-head latent attention.*"
-                      r"--head-dim 64 --heads 128 --kv-heads 1 --rotary-dim 64"),
-    (DEEPSEEK_V2_LITE, {}, r"config: kv_lora_rank .*deepseek_v2.* multi-head latent attention"),
-    ({**DEEPSEEK_V3, "model_type": "kimi_k2"}, {}, r"kv_lora_rank"),
+    ({**DEEPSEEK_V3, "model_type": "minicpm3"}, {}, r"config: model_type 'minicpm3' uses multi-head latent "
+                                                     r"attention and says nothing of its rotary pairs.*--interleaved"),
+    (DEEPSEEK_V3, {"interleaved": False}, r"config: the model rotates adjacent pairs"),
     (CHATGLM, {}, r"config: model_type 'chatglm'.*multi_query_group_num.*"
                   r"--head-dim 128 --heads 32 --kv-heads 2 --rotary-dim 64 --interleaved"),
     ({**CHATGLM, "model_type": None}, {}, r"multi_query_group_num"),

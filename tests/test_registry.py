@@ -149,9 +149,10 @@ def test_editing_common_header_changes_every_key_that_includes_it(monkeypatch):
 
 # Every family that rotates pairs, with one build of each that all_specs() leaves out.
 _NORM = registry.NormGeometry("bfloat16", False, 8, 2, 128, 0, 128, 8, False, "exact", 2)
-ROTATING = {"rope", "rope_fixed", "rope_cache", "qk_norm_rope", "tail"}
+ROTATING = {"rope", "rope_fixed", "rope_cache", "qk_norm_rope", "tail", "mla_rope_cache"}
 ALL_FAMILIES = [*registry.all_specs(tail_heads=(8,)), BENCH_COPY, _NORM.spec(),
-                registry.cache_spec("float16", True, 8, 1, 8, 2, 128, 128)]
+                registry.cache_spec("float16", True, 8, 1, 8, 2, 128, 128),
+                registry.mla_spec("bfloat16", True, 8, 1, 1, 16, 128, 64, 512)]
 
 
 def test_every_kernel_that_rotates_includes_the_rotation_header_and_is_keyed_on_it(monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .arguments import default_json_path, parse_args
 from .cases import all_cases, selected
+from .engine import engine_job_selected, engine_jobs
 from .report import merge_results, report
 from .runner import gpu_unavailable_reason, run_benchmark
 
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         for g in ("host", "coldstart"):
             if selected(g, g, args.case_tokens):
                 print(f"{g} (section)")
+        for name, _, _ in engine_jobs(args.quick):  # the engine section's jobs, as --cases selects them
+            if engine_job_selected(name, args.case_tokens):
+                print(f"engine/{name} (engine)")
         return 0
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from .cases import (ANGLES_OP, ANGLES_PREFILL_POINTS, ANGLES_TABLE, BLOG_FUSED_RATIO, BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_FP8, COPY_KERNEL, DECODE_COPY_RATIO, DECODE_GPU_US, KV_FUSED, KV_FUSED_FP8,
                     KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
-                    KV_TWO_STEP, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
+                    KV_TWO_STEP, MLA_DECODE_COPY_RATIO, MLA_FUSED, MLA_FUSED_FP8, MLA_PREFILL_PCT, MLA_TWO_STEP,
+                    MLA_TWO_STEP_FP8, OWN_COPY_FP8, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
                     ONE_CALL, ONE_CALL_HOST_US, ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
                     TAIL_ONE_CALL_HOST_US,
                     PREFILL_RULES, TAIL_COPY_PCT, TAIL_GPU_US, TAIL_HOST_US, WARM_FIRST_S, MiB)
@@ -174,7 +175,7 @@ def engine_table(result: dict) -> list[list[str]]:
             us = timing(r, "cold*")
             moved = r.get("bytes_moved", rec["bytes_moved"])  # a row may move fewer bytes (FP8 entries)
             g = moved / us / 1e3 if us else None
-            base = copy8_gbps if r["impl"] == KV_FUSED_FP8 and copy8_gbps else copy_gbps
+            base = copy8_gbps if r["impl"] in OWN_COPY_FP8 and copy8_gbps else copy_gbps
             cell = "-" if g is None else (f"{g:.0f}" if r["impl"] in (COPY, COPY_FP8) or not base
                                           else f"{g:.0f} ({100 * g / base:.1f}%)")
             rows.append([rec["id"].removeprefix("engine/"), r["impl"], f"{moved / 1e6:.2f}",
@@ -250,6 +251,48 @@ def _engine_targets(add, result: dict) -> None:
     _worst(add, f"MRoPE decode <= plain RoPE + {MROPE_DECODE_EXTRA_US} µs", extra,
            MROPE_DECODE_EXTRA_US, " µs", floor=False)
     _angle_targets(add, [r for r in recs if r["id"].startswith("engine/angles-")])
+    _mla_targets(add, [r for r in recs if r["id"].startswith("engine/mla-")])
+
+
+def _pct_of_own_copy(rec: dict, row: dict | None) -> float | None:
+    """% of a copy of the row's own bytes: the record's copy of the FP8 bytes for an FP8 row where
+    the run measured one, else the record's copy at its rate."""
+    by = rows_by_impl(rec)
+    copy = by.get(COPY_FP8) if row and row["impl"] in OWN_COPY_FP8 and by.get(COPY_FP8) else by.get(COPY)
+    us, cu = timing(row, "cold*"), timing(copy, "cold*")
+    if not (row and us and cu):
+        return None
+    moved, copy_moved = row.get("bytes_moved", rec["bytes_moved"]), copy.get("bytes_moved", rec["bytes_moved"])
+    return 100.0 * (moved / us) / (copy_moved / cu)
+
+
+def _mla_targets(add, recs: list) -> None:
+    """DeepSeek-style MLA (RoPE on q's rotary part and k_pe, the latent cache row): prefill against a
+    copy of its bytes (each cache kind its own), decode under graph replay against the copy node,
+    and both against the two-step sequence (our RoPE, then a separate cache write)."""
+    prefill = [r for r in recs if r["id"].startswith("engine/mla-prefill")]
+    for impl, name in ((MLA_FUSED, f"MLA prefill >= {MLA_PREFILL_PCT:.0f}% of copy"),
+                       (MLA_FUSED_FP8, f"MLA prefill, FP8 cache >= {MLA_PREFILL_PCT:.0f}% of copy")):
+        _worst(add, name, [(_checked(rows_by_impl(r).get(impl), _pct_of_own_copy(r, rows_by_impl(r).get(impl))),
+                            r["id"]) for r in prefill], MLA_PREFILL_PCT, "%", floor=True)
+    copy_ratios, two_ratios = [], []
+    for r in recs:
+        by = rows_by_impl(r)
+        decode = r["id"].startswith("engine/mla-decode")
+        regime = "graph" if decode else "cold*"
+        for fused, two, cache in ((MLA_FUSED, MLA_TWO_STEP, "bf16"), (MLA_FUSED_FP8, MLA_TWO_STEP_FP8, "FP8")):
+            row = by.get(fused)
+            failed = _checked(row, 1.0) == 0.0
+            ours, copy, seq = timing(row, regime), timing(by.get(COPY), regime), timing(by.get(two), regime)
+            where = f"{r['id']} ({cache} cache)"
+            if decode and ours and copy:
+                copy_ratios.append((float("inf") if failed else ours / copy, where))
+            if ours and seq:
+                two_ratios.append((float("inf") if failed else ours / seq, where))
+    _worst(add, f"MLA decode under graph replay <= {MLA_DECODE_COPY_RATIO:g}x the copy node", copy_ratios,
+           MLA_DECODE_COPY_RATIO, "x", floor=False)
+    # "faster": a ratio of exactly 1 misses
+    _worst(add, "MLA faster than two steps, prefill and decode", two_ratios, 1.0 - 1e-9, "x", floor=False)
 
 
 def _row_pct(rec: dict, row: dict | None) -> float | None:
@@ -507,7 +550,15 @@ def summary_text(result: dict, targets_only: bool = False) -> str:
                 parts.append(f"--- {title}\n{text_table(rows)}")
         if result.get("skips"):
             parts.append("--- skipped\n" + "\n".join(result["skips"]))
-    parts.append("=== targets\n" + text_table(targets_table(result)))
+    rows = targets_table(result)
+    # The targets this run did not measure, on one line (the page's table has a row each): the
+    # summary, printed last, must fit the device tool's 12,000-character tail.
+    na = [r[1] for r in rows[1:] if r[0] == "N/A"]
+    shown = [rows[0]] + [r for r in rows[1:] if r[0] != "N/A"]
+    lines = [f"N/A (not measured in this run): {'; '.join(na)}"] if na else []
+    if len(shown) > 1:
+        lines.append(text_table(shown))
+    parts.append("=== targets\n" + "\n".join(lines))
     return "\n\n".join(parts)
 
 
@@ -717,7 +768,11 @@ def render_markdown(result: dict | None) -> str:
         "`RotaryEmbedding` (float16 X [4, 32, 4096, 128] with position_ids) beside `apply_rope` on the same X. "
         "Multimodal RoPE (Qwen2-VL-7B's heads: Hq=28, Hkv=4, D=128; Qwen2-VL's contiguous sections [16, 24, 24] "
         "and Qwen3-VL's interleaved [24, 20, 20]; bf16 `thd`, random positions per stream, in place) beside our "
-        "plain RoPE on the same arrays, a copy and the peers.",
+        "plain RoPE on the same arrays, a copy and the peers. DeepSeek-style MLA (`MlaRopeCachePlan`; DeepSeek-V3's "
+        "shapes: q [T, 128, 128 + 64] bf16 with its last 64 channels rotated in place, k_pe [T, 64] rotated in "
+        "place, kv_c [T, 512], the cache [blocks, 16, 576] in bf16 and FP8 e4m3, adjacent pairs, YaRN tables, "
+        "random positions) beside a copy of its bytes and the two-step sequence (one `RopePlan` on the rotary "
+        "parts, then a CuPy kernel writing the cache rows).",
         "", markdown_table(engine_table(result)), "",
         "## Cold start", "", "Fresh processes with an empty `ROPE_RTC_CACHE_DIR`, then the same (warm) directory. "
         "First result excludes imports and CUDA context creation, reported separately.", "",

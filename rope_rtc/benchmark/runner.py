@@ -581,6 +581,7 @@ class Context:
         self.clock.hold = GpuHold(self.stream, args.device)
         self.clock.monitor, self.monitor_note = DeviceMonitor.open(cp, args.device)
         self.seed = args.seed
+        self.quick = args.quick  # the engine section measures fewer MLA decode sizes
         self.peers: Peers | None = None
 
     def free(self) -> None:

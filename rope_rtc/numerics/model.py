@@ -6,9 +6,11 @@ rotary window (``partial_rotary_factor``), the dtype and the pair style. Most Hu
 rotate half-split pairs (``rotate_half``); the model types of ``ADJACENT_PAIR_MODEL_TYPES`` rotate
 adjacent ones, and ``interleaved=True`` asks for those for any other model.
 
-A config whose rotary geometry these fields would misread is refused, never guessed at: multi-head
-latent attention (DeepSeek-V2/V3 and their kin), ChatGLM, kv heads under another field's name, a
-model with no rotary embedding. Its geometry can always be given field by field instead.
+Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2) is read by its own fields (model_mla):
+its builds are those of its rotary part and the MLA kernel's (rope_rtc.ops.mla). A config whose
+rotary geometry these fields would misread is refused, never guessed at: ChatGLM, kv heads under
+another field's name, a model with no rotary embedding. Its geometry can always be given field by
+field instead.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from pathlib import Path
 from ..build.registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
                               cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
                               rope_head_batches, rope_spec, rope_vector_widths)
+from ..build.registry import mla_model_specs
 from ..errors import shown
+from .model_mla import MLA_FIELDS, mla_geometry, uses_mla  # noqa: F401
 
 # Models that RMS-normalise each q and k head before RoPE (their q_norm / k_norm weights have
 # head_dim entries): ``warm --model`` adds the fused QK-norm builds for them (rope_rtc.ops.qk_norm).
@@ -38,11 +42,6 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3
 ADJACENT_PAIR_MODEL_TYPES = ("glm", "glm4", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "cohere", "cohere2",
                              "cohere2_moe", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
                              "helium", "llama4", "llama4_text", "gptj", "codegen", "chatglm")
-
-# Fields of multi-head latent attention (DeepSeek-V2/V3, Kimi K2, MiniCPM3, GLM-4.7-Flash, ...): its
-# rotary part is qk_rope_head_dim channels of each q head and one k head shared by all, which
-# hidden_size / num_attention_heads and num_key_value_heads do not describe.
-MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "q_lora_rank")
 
 # Vision towers that rotate their patches with axial RoPE (rope_rtc.numerics.axial: two position
 # streams, contiguous sections [D/4, D/4] over the whole head), by the model_type of the model or of
@@ -93,6 +92,9 @@ class ModelRope:
     inv_freq: tuple = ()
     # The vision tower's axial RoPE (AXIAL_VISION_MODEL_TYPES): (head_dim, heads), () for none.
     vision: tuple = ()
+    # Multi-head latent attention: (kv_lora_rank, qk_nope_head_dim), () for none; head_dim and
+    # rotary_dim are then qk_rope_head_dim, and kv_heads 1 (k_pe).
+    mla: tuple = ()
 
     def __post_init__(self) -> None:
         for name in _GEOMETRY:
@@ -190,8 +192,12 @@ class ModelRope:
                                                    denser))))
 
     def cache_specs(self) -> list[KernelSpec]:
-        """The fused RoPE + KV-cache-write builds (rope_rtc.ops.kv_cache) for aligned arrays: the cache
-        in the model's dtype, FP8 e4m3 and FP8 e5m2."""
+        """The fused RoPE + KV-cache-write builds for aligned arrays: the cache in the model's dtype, FP8
+        e4m3 and FP8 e5m2; of rope_rtc.ops.mla for an MLA model (its cache is the latent row), else of
+        rope_rtc.ops.kv_cache."""
+        if self.mla:
+            lora, nope = self.mla
+            return mla_model_specs(self.dtype, self.interleaved, self.q_heads, nope, self.rotary_dim, lora)
         span = self.rotary_dim if self.interleaved else self.rotary_dim // 2
         out = []
         for kind in (0, 1, 2):  # the first width the geometry allows (FP8 entries: 2 bytes at least)
@@ -275,7 +281,17 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         # The text model's fields win, but a null there (a field it leaves to the outer config)
         # does not erase the outer value.
         config = {**config, **{k: v for k, v in text.items() if v is not None}}
-    if None in (head_dim, q_heads, kv_heads, rotary_dim):  # else the config gives only the dtype
+    mla = ()
+    if None in (head_dim, q_heads, kv_heads, rotary_dim) and uses_mla(config):
+        given = {"head_dim": head_dim, "q_heads": q_heads, "kv_heads": kv_heads, "rotary_dim": rotary_dim}
+        geometry = mla_geometry(config, where, types, interleaved, _bounded, MAX_HEADS, MAX_HEAD_DIM)
+        for name, value in given.items():
+            if value is not None and value != geometry[name]:
+                raise ValueError(f"{where}: {name} {value} disagrees with the config's multi-head latent attention "
+                                 f"({name} {geometry[name]}); leave it unset, or give all four geometry fields")
+        head_dim, q_heads, kv_heads, rotary_dim = (geometry[n] for n in given)
+        interleaved, mla = geometry["interleaved"], geometry["mla"]
+    elif None in (head_dim, q_heads, kv_heads, rotary_dim):  # else the config gives only the dtype
         _refuse_misread_geometry(config, where, types, kv_given=kv_heads is not None)
     adjacent = next((t for t in types if t in ADJACENT_PAIR_MODEL_TYPES), None)
     if interleaved is None:
@@ -321,7 +337,7 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         dtype = _dtype(dtype, "dtype")
     section, style = _mrope(config, where, rotary_dim)
     return ModelRope(head_dim, q_heads, kv_heads, rotary_dim, dtype, bool(interleaved), section, style, bool(qk_norm),
-                     tuple(dict.fromkeys(inv_freq)), vision)
+                     tuple(dict.fromkeys(inv_freq)), vision, mla)
 
 
 def _parse_config(data: bytes, path: Path):
@@ -392,18 +408,6 @@ def _refuse_misread_geometry(config: dict, where: str, types: tuple, *, kv_given
     model = f"model_type {shown(types[-1])}" if types else "the model"
     heads = config.get("num_attention_heads")
     given_instead = "(with or without --model: the config then gives only the dtype)"
-    mla = next((f for f in MLA_FIELDS if config.get(f) is not None), None)
-    if mla is not None:
-        rope = config.get("qk_rope_head_dim")
-        # DeepSeek's checkpoints (Kimi K2's too) keep their rotary pairs adjacent; transformers says
-        # so in rope_interleave where the config has it.
-        adjacent = config.get("rope_interleave", any(t.startswith(("deepseek", "kimi")) for t in types)) is True
-        raise ValueError(
-            f"{where}: {mla} is set: {model} uses multi-head latent attention, whose rotary part is the "
-            f"qk_rope_head_dim ({shown(rope)}) channels of each q head and one k head shared by all heads, which "
-            f"hidden_size / num_attention_heads and num_key_value_heads do not describe. Give that geometry: "
-            f"{_flags(rope, heads, 1, rope, adjacent)} {given_instead}"
-            + ("" if adjacent else "; add --interleaved if its rotary pairs are adjacent"))
     if "chatglm" in types or config.get("multi_query_group_num") is not None:
         what = model if "chatglm" in types else "multi_query_group_num is set: the model (ChatGLM's field)"
         hidden = config.get("hidden_size")

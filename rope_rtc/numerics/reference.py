@@ -10,7 +10,7 @@ Two contracts live here (docs/design.md, "Numerical contracts"):
   reproduces it exactly, using :func:`fma_f32` (a correctly rounded FP32 fused multiply-add,
   emulated because NumPy has none) and :func:`bf16_rne`.
 
-The code is one module per contract (``ref_rope``, ``ref_tail``, ``ref_cache``, ``ref_mrope``,
+The code is one module per contract (``ref_rope``, ``ref_tail``, ``ref_cache``, ``ref_mla``, ``ref_mrope``,
 ``ref_qk_norm``) over the shared arithmetic of ``rounding``; this module gathers their public
 names. Pure NumPy and ml_dtypes: no GPU, no CuPy. Everything is vectorised; nothing loops over
 tokens.
@@ -19,6 +19,7 @@ tokens.
 from __future__ import annotations
 
 from .ref_cache import FP8_DTYPES, FP8_MAX, fp8_quantize, rope_and_cache_reference  # noqa: F401
+from .ref_mla import mla_rope_and_cache_reference  # noqa: F401
 from .ref_mrope import (MROPE_STREAM_COUNTS, mrope_kernel_arithmetic, mrope_reference, mrope_sections,  # noqa: F401
                         mrope_streams)
 from .ref_qk_norm import (qk_norm_error_bound, qk_norm_reference, qk_norm_rope_reference,  # noqa: F401
