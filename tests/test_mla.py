@@ -316,15 +316,15 @@ def test_the_mla_builds_compile_for_sm_90():
     narrowest width, each dtype."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rope_rtc.build import registry
+    from rope_rtc.build import registry, registry_mla
     from rope_rtc.build.compiler import compile_source
     from rope_rtc.build.toolchain import Target
 
-    specs = registry.mla_model_specs("bfloat16", True, 128, 128, 64, 512)
-    specs += registry.mla_model_specs("bfloat16", False, 16, 128, 64, 512)
-    specs += [registry.mla_spec(dt, il, w, kind, 0 if kind == 0 else 3 - kind, 16, 128, 64, 512)
+    specs = registry_mla.mla_model_specs("bfloat16", True, 128, 128, 64, 512)
+    specs += registry_mla.mla_model_specs("bfloat16", False, 16, 128, 64, 512)
+    specs += [registry_mla.mla_spec(dt, il, w, kind, 0 if kind == 0 else 3 - kind, 16, 128, 64, 512)
               for dt in ("float32", "float16") for il in (False, True) for kind in (0, 2)
-              for w in {registry.mla_vector_widths(dt, il, True)[0], registry.mla_vector_widths(dt, il, True)[-1]}]
+              for w in {registry_mla.mla_vector_widths(dt, il, True)[0], registry_mla.mla_vector_widths(dt, il, True)[-1]}]
     assert len({s.name for s in specs}) == len(specs) >= 12
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(lambda s: compile_source(s.name, s.source, s.defines, Target(90, "cubin")), specs))

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from rope_rtc import cli
-from rope_rtc.build import registry
+from rope_rtc.build import registry, registry_mla
 from rope_rtc.numerics.model import ModelRope, from_config
 
 DEEPSEEK_V3 = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128,
@@ -34,7 +34,7 @@ def test_a_deepseek_v3_config_reads_as_mla():
 def test_the_mla_builds_are_listed_for_its_geometry():
     specs = from_config(DEEPSEEK_V3).specs()
     mla = [s for s in specs if s.family == "mla_rope_cache"]
-    assert mla == registry.mla_model_specs("bfloat16", True, 128, 128, 64, 512)
+    assert mla == registry_mla.mla_model_specs("bfloat16", True, 128, 128, 64, 512)
     assert {(dict(s.defines)["CACHE_KIND"], dict(s.defines)["MLA_QFP8"]) for s in mla} == {
         ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1"), ("2", "0"), ("2", "2")}
     assert all(dict(s.defines)["ROPE_VEC"] == "8" and dict(s.defines)["MLA_H"] == "128" for s in mla)
@@ -68,7 +68,7 @@ def test_warm_model_on_a_deepseek_v3_config_then_a_second_warm_compiles_nothing(
     from rope_rtc.build.cache.location import versioned_cache_dir
 
     listed = sorted(e.entry.kernel for e in open_store(versioned_cache_dir(tmp_path / "cache")).disk.list())
-    assert listed == sorted(s.name for s in registry.mla_model_specs("bfloat16", True, 128, 128, 64, 512))
+    assert listed == sorted(s.name for s in registry_mla.mla_model_specs("bfloat16", True, 128, 128, 64, 512))
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "compiled 0" in out or "compiled" not in out, out

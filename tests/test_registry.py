@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rope_rtc.build import kernels as build, registry, sources
+from rope_rtc.build import kernels as build, registry, registry_mla, sources
 from rope_rtc.build.compiler import compile_source
 from rope_rtc.build.toolchain import Target
 
@@ -152,7 +152,7 @@ _NORM = registry.NormGeometry("bfloat16", False, 8, 2, 128, 0, 128, 8, False, "e
 ROTATING = {"rope", "rope_fixed", "rope_cache", "qk_norm_rope", "tail", "mla_rope_cache"}
 ALL_FAMILIES = [*registry.all_specs(tail_heads=(8,)), BENCH_COPY, _NORM.spec(),
                 registry.cache_spec("float16", True, 8, 1, 8, 2, 128, 128),
-                registry.mla_spec("bfloat16", True, 8, 1, 1, 16, 128, 64, 512)]
+                registry_mla.mla_spec("bfloat16", True, 8, 1, 1, 16, 128, 64, 512)]
 
 
 def test_every_kernel_that_rotates_includes_the_rotation_header_and_is_keyed_on_it(monkeypatch):

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..build.registry import (ANGLE_MODES, NORM_MODES, KernelSpec, angle_geometries, both_strides, cache_spec,
                               cache_vector_widths, model_fixed_specs, model_pos_modes, mrope_geometries, norm_builds,
                               rope_head_batches, rope_spec, rope_vector_widths)
-from ..build.registry import mla_model_specs
+from ..build.registry_mla import mla_model_specs
 from ..errors import shown
 from .model_mla import MLA_FIELDS, mla_geometry, uses_mla  # noqa: F401
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..build.registry import mla_spec
+from ..build.registry_mla import mla_spec
 from ..core import arrays as A
 from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, write_results
 from ..core.codegen import address_predicate, preferred_predicate

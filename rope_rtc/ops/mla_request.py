@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..build.registry import mla_vector_widths
+from ..build.registry_mla import mla_vector_widths
 from ..core import arrays as A
 from .rope_params import fast_divisor
 from .rope_request import check_kinds
@@ -320,7 +320,7 @@ def _check_host_slots(s: np.ndarray, num_slots: int) -> None:
 
 
 def widths(req: MlaRequest) -> list[int]:
-    """The vectors of :func:`registry.mla_vector_widths` that tile q's parts and the cache row."""
+    """The vectors of :func:`registry_mla.mla_vector_widths` that tile q's parts and the cache row."""
     span = req.rope if req.interleaved else req.rope // 2
     return [v for v in mla_vector_widths(req.dtype, req.interleaved, bool(req.kind or req.q_kind))
             if not (span % v or req.nope % v or req.lora % v)]
