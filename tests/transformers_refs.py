@@ -170,13 +170,14 @@ DEEPSEEK_V3_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_
 def deepseek_v3(heads: int, nope: int, rope: int, kv_lora: int, scaling: dict, device: str = "cpu"):
     """(modeling module, DeepseekV3RotaryEmbedding) for ``scaling`` (rope_theta 1e4, rotary dim
     ``rope``: the config's head_dim is qk_rope_head_dim). max_position_embeddings is the original
-    length (4.x's YaRN reads the length from the dict; 5.x reads the model's only without a
-    factor)."""
+    length times the factor, as DeepSeek-V3's config (4.x warns when they disagree; both use the
+    explicit factor)."""
     torch, transformers = imports()
     ds = _build("deepseek_v3 modeling",
                 lambda: importlib.import_module("transformers.models.deepseek_v3.modeling_deepseek_v3"))
     common = dict(hidden_size=1024, num_attention_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-                  kv_lora_rank=kv_lora, v_head_dim=nope, max_position_embeddings=scaling["original_max_position_embeddings"])
+                  kv_lora_rank=kv_lora, v_head_dim=nope,
+                  max_position_embeddings=int(scaling["original_max_position_embeddings"] * scaling["factor"]))
 
     def build():
         if int(transformers.__version__.split(".")[0]) >= 5:
