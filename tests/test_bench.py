@@ -1292,3 +1292,50 @@ def test_the_page_gives_the_device_state_of_a_run_that_has_it():
     page = report.render_markdown(res)
     assert "Device state after every timed burst (NVML, " in page
     assert "1980 MHz SM clock, 48-52 °C; clock slowdown reasons seen: none." in page
+
+
+def test_vision_targets():
+    """The vision row against its copy (>= 97%) and against torch.compile of transformers' vision
+    rotary path (its time over ours, >= 1.5x); a row that failed its check is a MISS; no peer row
+    (torch missing, --peers without it) is N/A."""
+    def result(ours, peer, check="ok (bound of the general API)"):
+        rows = [(bcases.COPY, _timings(100.0)), (bcases.MROPE_OP, _timings(ours))]
+        if peer is not None:
+            rows.append((bcases.VISION_COMPILE, _timings(peer)))
+        res = synthetic_result(True)
+        res["engine"] = [{"id": "engine/vision-axial/bf16/thd/N=16384", "group": "engine", "params": {},
+                          "bytes_moved": 1_000_000_000, "rows": [
+                              {"impl": i, "layout": "-", "check": check if i == bcases.MROPE_OP else "-", "note": "",
+                               "timings": t} for i, t in rows]}]
+        return {x["target"]: x for x in report.evaluate_targets(res)}
+
+    pct, speed = "vision axial RoPE >= 97% of copy", \
+        "vision axial RoPE >= 1.5x faster than torch.compile of transformers' path"
+    t = result(102.0, 160.0)
+    assert t[pct]["status"] == "PASS" and t[speed]["status"] == "PASS"
+    assert t[speed]["where"] == "engine/vision-axial/bf16/thd/N=16384"
+    t = result(105.0, 150.0)
+    assert t[pct]["status"] == "MISS" and t[pct]["gap"] == "1.8% short"
+    assert t[speed]["status"] == "MISS" and t[speed]["measured"] == "worst 1.4x"
+    t = result(100.0, 400.0, check="WRONG: off by one")
+    assert t[pct]["status"] == "MISS" and t[speed]["status"] == "MISS"
+    t = result(100.0, None)
+    assert t[speed]["status"] == "N/A" and t[pct]["status"] == "PASS"
+
+
+def test_the_vision_row_is_in_the_quick_run_and_its_peer_skips_with_a_note():
+    from types import SimpleNamespace
+
+    from rope_rtc.benchmark import engine
+
+    assert any(fn == "_vision_record" for _, fn, _ in engine.engine_jobs(quick=True))
+    assert engine._vision_skip_reason(None) == "--peers excludes torch.compile"
+    assert engine._vision_skip_reason(SimpleNamespace(wanted={"cupy", "torch"}, torch=object(), compiled={})) \
+        == "--peers excludes torch.compile"
+    assert engine._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=None, compiled={})) \
+        == "PyTorch unusable here"
+    assert engine._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=object(), compiled={})) \
+        == "torch.compile unusable here"
+    row = engine._vision_peer(SimpleNamespace(peers=None), None, None, None, None, None, None, (20, 20), 8)
+    assert row["impl"] == bcases.VISION_COMPILE and row["timings"] == {}
+    assert row["check"] == "skip: --peers excludes torch.compile"

@@ -1,9 +1,10 @@
 """Multimodal RoPE with 2 and 4 position streams, and vision towers' axial RoPE, on the GPU: bit
 for bit against the kernel-arithmetic reference over dtypes, section styles and layouts (outputs
 poisoned with NaN first); three streams unchanged; ``axial_tables`` and ``vision_positions``
-against Hugging Face transformers' Qwen2.5-VL vision rotary embedding (``rot_pos_emb``,
-``apply_rotary_pos_emb_vision``) and Pixtral's (``PixtralRotaryEmbedding``,
-``apply_rotary_pos_emb``)."""
+against Hugging Face transformers' Qwen2.5-VL / Qwen3-VL vision rotary embeddings
+(``apply_rotary_pos_emb_vision``) and Pixtral's (``apply_rotary_pos_emb``), built by
+tests/transformers_refs.py as the installed version builds them (the same checks run on the CPU in
+test_transformers_refs.py)."""
 
 from __future__ import annotations
 
@@ -104,149 +105,84 @@ def test_three_streams_unchanged(interleaved, section):
 
 
 # -- against transformers ----------------------------------------------------------------------
+# The constructions and checks are tests/transformers_refs.py's, run on the CPU with the NumPy
+# backend and the kernels' arithmetic by test_transformers_refs.py; here the kernel runs them.
 
-def _device_copy(cp, t, dtype):
-    """A CuPy copy of torch tensor ``t`` (bfloat16 through the host: CuPy has no bfloat16 of its
-    own, and the value round-trips through float32 exactly)."""
-    return cp.asarray(t.float().cpu().numpy().astype(DTYPES[dtype]))
+def _kernel_rotate(q, k, cos, sin, pos, section, layout):
+    """apply_mrope_qk on the GPU into NaN-poisoned outputs; host results, checked bit for bit
+    against the kernel arithmetic on the same tables."""
+    import cupy as cp
 
+    import rope_rtc
 
-def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """float32 ulps between a and b."""
-    ia, ib = (np.asarray(v, np.float32).view(np.int32).astype(np.int64) for v in (a, b))
-    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
-    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return np.abs(ia - ib)
-
-
-def _close_to_transformers(cp, got, want_t, x_t, dtype):
-    """Our result against transformers' on the same cos/sin: float32 within the rotation's bound
-    (transformers multiplies and adds separately); 16-bit within one ulp of transformers' result
-    (both round an FP32 rotation once), and within the documented bound of the float64 rotation."""
-    g = cp.asnumpy(got)
-    w = want_t.float().cpu().numpy().astype(np.float64)
-    x = x_t.float().cpu().numpy().astype(np.float32)
-    g32 = g.astype(np.float32)
-    assert np.isfinite(g32).all()
-    if dtype == "float32":
-        assert_rope_close(g.reshape(-1, *g.shape[-2:]), w.reshape(-1, *w.shape[-2:]), x.reshape(-1, *x.shape[-2:]),
-                          interleaved=False, dtype=np.dtype(np.float32))
-    else:
-        _, exponent = np.frexp(np.abs(w))
-        ulp = np.ldexp(1.0, exponent.astype(np.int64) - 8)  # bfloat16: 8 significant bits
-        assert (np.abs(g32 - w) <= ulp + 2.0**-22 * np.abs(x).max()).all()
+    q_out, k_out = poisoned(cp, q.shape, q.dtype), poisoned(cp, k.shape, k.dtype)
+    rope_rtc.apply_mrope_qk(cp.asarray(q), cp.asarray(k), cp.asarray(cos), cp.asarray(sin), cp.asarray(pos),
+                            list(section), layout=layout, q_out=q_out, k_out=k_out)
+    got = cp.asnumpy(q_out), cp.asnumpy(k_out)
+    flat = np.asarray(pos).reshape(len(section), -1)
+    for out, x in zip(got, (q, k)):
+        tok = x if layout == "thd" else np.transpose(x[0], (1, 0, 2))
+        want = mrope_kernel_arithmetic(tok, cos, sin, flat, section)
+        actual = out if layout == "thd" else np.transpose(out[0], (1, 0, 2))
+        np.testing.assert_array_equal(bits(actual), bits(want))
+    return got
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("heads,head_dim", [(16, 80), (16, 72)])
-def test_against_qwen2_5_vl_vision(dtype, heads, head_dim):
-    """Qwen2.5-VL's vision tower: transformers' ``rot_pos_emb`` angles at our
-    ``vision_positions`` (merge size 2) are its own angles in its own order, bit for bit; our
-    "transformers" table's frequencies are its ``inv_freq`` within an ulp (torch's pow), its cos/sin
-    within two ulps; ``apply_mrope_qk`` on the tower's own cos/sin table matches
-    ``apply_rotary_pos_emb_vision``."""
-    torch = pytest.importorskip("torch")
+@pytest.mark.parametrize("family,heads,head_dim", [("qwen2_5_vl", 16, 80), ("qwen2_5_vl", 16, 72),
+                                                   ("qwen3_vl", 16, 72)])
+def test_against_qwen2_5_vl_vision(family, heads, head_dim, dtype):
+    """Qwen2.5-VL's (and Qwen3-VL's) vision tower, as transformers builds it (4.4x: the tower's
+    ``rot_pos_emb``; 5.x: the vision rotary embedding on ``get_vision_position_ids``): our
+    ``vision_positions`` are its position ids; its cos/sin gathered into axial tables;
+    ``apply_mrope_qk`` on them bit for bit the kernel arithmetic, and within the bound of
+    ``apply_rotary_pos_emb_vision`` run on the GPU."""
+    import transformers_refs as refs
+
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import cupy as cp
-
-    import rope_rtc
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-
-    grid = [[1, 16, 20], [2, 8, 6]]
-    config = Qwen2_5_VLVisionConfig(depth=1, hidden_size=heads * head_dim, num_heads=heads, intermediate_size=64,
-                                    out_hidden_size=64, spatial_merge_size=2, fullatt_block_indexes=[0])
-    tower = hf.Qwen2_5_VisionTransformerPretrainedModel(config).cuda()
-    grid_t = torch.tensor(grid, device="cuda")
-    angles_hf = tower.rot_pos_emb(grid_t).float()  # [N, D/2]: h angles then w angles
-    pos = rope_rtc.vision_positions(grid, spatial_merge_size=2)
-    side = int(max(max(r[1], r[2]) for r in grid))
-    full = tower.rotary_pos_emb(side).float()  # [side, D/4]: transformers' float32 angles
-    full_np = full.cpu().numpy()
-    ours = np.concatenate([full_np[pos[0]], full_np[pos[1]]], axis=-1)
-    np.testing.assert_array_equal(ours.view(np.uint32), angles_hf.cpu().numpy().view(np.uint32))
-    # our frequencies and table against the tower's: the frequencies within an ulp (torch's pow);
-    # where they agree, the table within two ulps of torch's cos/sin (the design page's bound)
-    freqs = axial_frequencies(head_dim, style="same", numerics="transformers")
-    inv = tower.rotary_pos_emb.inv_freq.float().cpu().numpy()
-    assert _ulps(freqs[: head_dim // 4], inv).max() <= 1
-    same = freqs[: head_dim // 4] == inv
-    cos_t, sin_t = rope_rtc.axial_tables(side, head_dim, style="same", numerics="transformers")
-    assert _ulps(cos_t[:, : head_dim // 4][:, same], full.cos().cpu().numpy()[:, same]).max() <= 2
-    assert _ulps(sin_t[:, head_dim // 4:][:, same], full.sin().cpu().numpy()[:, same]).max() <= 2
-    # the rotation: the tower's own cos/sin as our table (both axes share its frequencies)
-    cos = cp.asarray(torch.cat([full.cos(), full.cos()], -1).contiguous())
-    sin = cp.asarray(torch.cat([full.sin(), full.sin()], -1).contiguous())
-    n = pos.shape[1]
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    g = torch.Generator("cuda").manual_seed(5)
-    q = torch.randn(n, heads, head_dim, device="cuda", generator=g).to(tdt)
-    k = torch.randn(n, heads, head_dim, device="cuda", generator=g).to(tdt)
-    emb = torch.cat([angles_hf, angles_hf], -1)
-    want_q, want_k = hf.apply_rotary_pos_emb_vision(q, k, emb.cos(), emb.sin())
-    q_out = poisoned(cp, (n, heads, head_dim), DTYPES[dtype])
-    k_out = poisoned(cp, (n, heads, head_dim), DTYPES[dtype])
-    quarter = head_dim // 4
-    rope_rtc.apply_mrope_qk(_device_copy(cp, q, dtype), _device_copy(cp, k, dtype), cos, sin, cp.asarray(pos),
-                            [quarter, quarter], q_out=q_out, k_out=k_out)
-    _close_to_transformers(cp, q_out, want_q, q, dtype)
-    _close_to_transformers(cp, k_out, want_k, k, dtype)
+    refs.check_qwen_vision(family, heads, head_dim, dtype, _kernel_rotate, device="cuda")
 
 
 @pytest.mark.device
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_against_pixtral(dtype):
-    """Pixtral's tower: its ``inv_freq`` table (angles per (h, w) index, h's frequencies
-    ``inv[0::2]``, w's ``inv[1::2]``) at our row-major ``vision_positions`` is our "split" angles;
-    ``apply_mrope_qk`` on its cos/sin (float32) matches ``apply_rotary_pos_emb`` for float32 q/k
-    within the rotation's bound, and bf16 within the documented bound of the float64 rotation
-    (transformers casts cos/sin to bf16 first, so its bf16 result is not the reference)."""
-    torch = pytest.importorskip("torch")
+    """Pixtral's tower (4.x ``PixtralRotaryEmbedding``, 5.x ``PixtralVisionRotaryEmbedding``): our
+    row-major ``vision_positions`` are its (h, w); its float32 cos/sin gathered into "split" axial
+    tables; ``apply_mrope_qk`` (bhsd) bit for bit the kernel arithmetic and within the bound of
+    transformers' ``apply_rotary_pos_emb`` (bf16: on the float32 upcast, rounded once)."""
+    import transformers_refs as refs
+
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import cupy as cp
+    refs.check_pixtral(16, 64, dtype, _kernel_rotate, device="cuda")
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("numerics", ["transformers", "exact"])
+def test_axial_tables_against_transformers_on_the_device(numerics):
+    """``axial_tables`` against the cos/sin transformers computes on the GPU (CUDA's float32
+    cos/sin and pow): "transformers" frequencies within an ulp of its inv_freq, the tables within
+    the inv_freq noise bound plus CUDA's cos/sin error."""
+    import transformers_refs as refs
 
     import rope_rtc
-    from transformers.models.pixtral import modeling_pixtral as hf
-    from transformers.models.pixtral.configuration_pixtral import PixtralVisionConfig
 
-    heads, head_dim, patch, side = 16, 64, 16, 24
-    config = PixtralVisionConfig(hidden_size=heads * head_dim, num_attention_heads=heads, head_dim=head_dim,
-                                 image_size=side * patch, patch_size=patch)
-    rotary = hf.PixtralRotaryEmbedding(config).cuda()
-    sizes = [(12, 24), (7, 5)]
-    pos = rope_rtc.vision_positions([[1, h, w] for h, w in sizes], spatial_merge_size=1)
-    ids = torch.as_tensor(pos[0] * side + pos[1], device="cuda")
-    table = rotary.inv_freq.float()  # [side * side, D]: the angles of each (h, w), doubled
-    half = head_dim // 2
-    freqs = axial_frequencies(head_dim, style="split", numerics="transformers")
-    ours = (np.arange(side, dtype=np.float32)[:, None] * freqs[None, :]).astype(np.float32)
-    mine = np.concatenate([ours[pos[0], : half // 2], ours[pos[1], half // 2:]], axis=-1)
-    theirs = table[ids, :half].cpu().numpy()
-    assert _ulps(mine, theirs).max() <= 2  # torch's pow: about one frequency in a hundred an ulp off
-    # the rotation on Pixtral's own float32 cos/sin, gathered back into axial tables
-    angles = table[:, :half].reshape(side, side, half)
-    cos = cp.asarray(torch.cat([angles[:, 0, : half // 2].cos(), angles[0, :, half // 2:].cos()], -1).contiguous())
-    sin = cp.asarray(torch.cat([angles[:, 0, : half // 2].sin(), angles[0, :, half // 2:].sin()], -1).contiguous())
-    n = pos.shape[1]
-    tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    g = torch.Generator("cuda").manual_seed(6)
-    q = torch.randn(1, heads, n, head_dim, device="cuda", generator=g).to(tdt)
-    k = torch.randn(1, heads, n, head_dim, device="cuda", generator=g).to(tdt)
-    q_out, k_out = (poisoned(cp, (1, heads, n, head_dim), DTYPES[dtype]) for _ in range(2))
-    rope_rtc.apply_mrope_qk(_device_copy(cp, q, dtype), _device_copy(cp, k, dtype), cos, sin,
-                            cp.asarray(pos[:, None, :]),
-                            [head_dim // 4, head_dim // 4], layout="bhsd", q_out=q_out, k_out=k_out)
-    c_t, s_t = table[ids].cos(), table[ids].sin()
-    if dtype == "float32":
-        want_q, want_k = hf.apply_rotary_pos_emb(q, k, c_t, s_t, unsqueeze_dim=0)
-        _close_to_transformers(cp, q_out, want_q, q, dtype)
-        _close_to_transformers(cp, k_out, want_k, k, dtype)
-    for out, x in ((q_out, q), (k_out, k)):
-        xs = np.transpose(x.float().cpu().numpy(), (0, 2, 1, 3)).reshape(n, heads, head_dim).astype(DTYPES[dtype])
-        got = np.transpose(cp.asnumpy(out), (0, 2, 1, 3)).reshape(n, heads, head_dim)
-        ref = mrope_reference(xs, cp.asnumpy(cos), cp.asnumpy(sin), pos, [head_dim // 4, head_dim // 4])
-        assert_rope_close(got, ref, xs, interleaved=False, dtype=np.dtype(DTYPES[dtype]))
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    ref = refs.qwen_vision("qwen2_5_vl", refs.QWEN_GRID, 16, 80, device="cuda")
+    freqs = axial_frequencies(80, style="same", numerics=numerics)
+    assert refs.ulps32(axial_frequencies(80, style="same", numerics="transformers"), ref.inv_freq).max() <= 1
+    cos, sin = rope_rtc.axial_tables(20, 80, style="same", numerics=numerics)
+    pos = ref.positions
+    p = np.concatenate([np.repeat(pos[:1], 20, 0), np.repeat(pos[1:], 20, 0)]).T.astype(np.float64)  # [N, D/2]
+    angle = np.abs(p * ref.inv_freq.astype(np.float64)).astype(np.float32)
+    # the frequencies' and the angle's float32 roundings, and CUDA's cosf/sinf (within 2 ulps)
+    bound = p * np.abs(freqs - ref.inv_freq.astype(np.float64)) + np.spacing(angle) + 2.0**-22
+    for table, hf in ((cos, ref.cos), (sin, ref.sin)):
+        tok = np.concatenate([table[pos[0], :20], table[pos[1], 20:]], -1)
+        assert np.all(np.abs(tok - hf.cpu().numpy()[:, :40]) <= bound)
 
 
 @pytest.mark.parametrize("style,numerics", [("same", "exact"), ("split", "transformers")])

@@ -119,86 +119,37 @@ def test_a_plan_relaunches_with_a_new_scale_and_in_graph_capture(cp):
     np.testing.assert_array_equal(cp.asnumpy(d["kv_cache"]), want[2])
 
 
-# DeepSeek-V3's rope_scaling (its mscale ratio is 1), and the same with mscale_all_dim 0.707, whose
-# attention factor is not 1: transformers multiplies cos and sin by it, as rope_tables does.
-DEEPSEEK_V3_YARN = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def _deepseek_v3_rotary(torch, transformers, ds, scaling: dict):
-    """transformers' DeepseekV3RotaryEmbedding for ``scaling`` (rope_theta 1e4, rotary dim R: its
-    config sets head_dim = qk_rope_head_dim); the model length is the original one, which
-    versions that read only max_position_embeddings for YaRN agree on."""
-    common = dict(hidden_size=1024, num_attention_heads=H, qk_nope_head_dim=NOPE, qk_rope_head_dim=R,
-                  kv_lora_rank=L, v_head_dim=NOPE, max_position_embeddings=scaling["original_max_position_embeddings"])
-    try:
-        if int(transformers.__version__.split(".")[0]) >= 5:
-            config = ds.DeepseekV3Config(**common, rope_parameters={**scaling, "rope_theta": 10000.0})
-        else:
-            config = ds.DeepseekV3Config(**common, rope_theta=10000.0, rope_scaling=dict(scaling))
-        return ds.DeepseekV3RotaryEmbedding(config=config).to("cuda")
-    except Exception as exc:  # a transformers without DeepSeek-V3's YaRN keys
-        pytest.skip(f"transformers {transformers.__version__} cannot build DeepSeek-V3's rotary embedding: {exc!r}")
-
-
 @pytest.mark.device
 @pytest.mark.parametrize("mscale_all_dim", [1.0, 0.707])
 def test_the_rotation_matches_transformers_deepseek_v3(cp, mscale_all_dim):
-    """transformers' DeepSeek-V3 attention (modeling_deepseek_v3.py): DeepseekV3RotaryEmbedding gives
-    cos/sin [B, S, R], cat(freqs, freqs).cos() / .sin() times attention_scaling (YaRN's
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim)); with config.rope_interleave,
-    apply_rotary_pos_emb_interleave(q_rot [B, H, S, R], k_rot [B, 1, S, R], cos, sin,
-    position_ids=None, unsqueeze_dim=1) unsqueezes cos/sin at dim 1, de-interleaves each head
-    (view(b, h, s, R/2, 2).transpose(4, 3): x[2i] -> i, x[2i+1] -> R/2 + i) and rotates half-split.
-
-    Our tables (rope_tables, numerics="transformers") stand within float32 noise of the module's;
-    fed the same tables, our interleaved rotation equals transformers' after that permutation
-    (float32, within FP32 rounding), and so do the q.k products attention takes from them."""
+    """transformers' DeepSeek-V3 rotation (DeepseekV3RotaryEmbedding's YaRN cos/sin with its
+    attention_scaling, apply_rotary_pos_emb_interleave), built and compared as
+    tests/transformers_refs.py's ``check_deepseek_v3`` does (run on the CPU with the NumPy backend
+    by test_transformers_refs.py), the kernel writing into a NaN-poisoned q_out: bit for bit the
+    NumPy reference, within the float32 bound of transformers' after its de-interleaving
+    permutation; and the FP8 bytes against torch's own float8 cast."""
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    ds = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
-    from test_gpu_tables import _inv_freq_noise_bound
+    pytest.importorskip("transformers")
+    import transformers_refs as refs
 
     import rope_rtc
 
-    scaling = {**DEEPSEEK_V3_YARN, "mscale_all_dim": mscale_all_dim}
-    inv, att = rope_rtc.inverse_frequencies(R, base=10000.0, scaling=scaling, max_positions=P, numerics="transformers")
-    cos_t, sin_t = rope_rtc.rope_tables(P, R, base=10000.0, scaling=scaling, numerics="transformers")
-    rotary = _deepseek_v3_rotary(torch, transformers, ds, scaling)
-    assert float(rotary.attention_scaling) == pytest.approx(att, rel=1e-12)
-    assert (att == 1.0) == (mscale_all_dim == 1.0)
-    hf_cos, hf_sin = rotary(torch.zeros(1, device="cuda"), torch.arange(P, device="cuda")[None])
-    hf_cos, hf_sin = hf_cos[0].cpu().numpy(), hf_sin[0].cpu().numpy()  # [P, R]: both halves the same
-    np.testing.assert_array_equal(hf_cos[:, :R // 2], hf_cos[:, R // 2:])
-    bound = _inv_freq_noise_bound(inv, rotary.inv_freq.cpu().numpy().astype(np.float32), att, P)
-    assert np.all(np.abs(cos_t - hf_cos[:, :R // 2]) <= bound) and np.all(np.abs(sin_t - hf_sin[:, :R // 2]) <= bound)
+    def mla(q, k_pe, kv_c, cos, sin, positions, slots, cache):
+        d = {n: cp.asarray(a) for n, a in dict(q=q, k_pe=k_pe, kv_c=kv_c, cos=cos, sin=sin, positions=positions,
+                                                 slots=slots, cache=cache).items()}
+        q_out = poisoned(cp, q.shape, np.float32)
+        rope_rtc.mla_rope_and_cache(d["q"], d["k_pe"], d["kv_c"], d["cos"], d["sin"], d["positions"], d["slots"],
+                                    d["cache"], q_out=q_out)  # interleaved=True, DeepSeek's pairs, the default
+        got = cp.asnumpy(q_out), cp.asnumpy(d["k_pe"])
+        want = mla_rope_and_cache_reference(q, k_pe, kv_c, cos, sin, positions, slots, cache)
+        np.testing.assert_array_equal(_bytes(got[0]), _bytes(want[0]))
+        np.testing.assert_array_equal(_bytes(got[1]), _bytes(want[1]))
+        np.testing.assert_array_equal(_bytes(cp.asnumpy(d["cache"])), _bytes(want[2]))
+        return got
 
-    h = _host("float32", "auto", seed=21)
-    h["cos"], h["sin"] = cos_t, sin_t
-    d = {n: cp.asarray(a) for n, a in h.items()}
-    rope_rtc.mla_rope_and_cache(d["q"], d["k_pe"], d["kv_c"], d["cos"], d["sin"], d["positions"], d["slot_mapping"],
-                                d["kv_cache"])  # interleaved=True, DeepSeek's pairs, the default
-    pos = torch.as_tensor(h["positions"], device="cuda")
-    cos = torch.as_tensor(np.concatenate([cos_t, cos_t], -1), device="cuda")[pos][None]  # [1, T, R], as the module
-    sin = torch.as_tensor(np.concatenate([sin_t, sin_t], -1), device="cuda")[pos][None]
-    tq = torch.as_tensor(h["q"][..., NOPE:], device="cuda").permute(1, 0, 2)[None]  # q_rot [1, H, T, R]
-    tk = torch.as_tensor(h["k_pe"], device="cuda")[None, None]  # k_rot [1, 1, T, R]
-    q_embed, k_embed = ds.apply_rotary_pos_emb_interleave(tq, tk, cos, sin, unsqueeze_dim=1)
-    hf_q, hf_k = q_embed[0].cpu().numpy(), k_embed[0, 0].cpu().numpy()  # [H, T, R], [T, R]
-
-    def deinterleave(x):  # transformers' permutation of each head's channels
-        return np.concatenate([x[..., 0::2], x[..., 1::2]], -1)
-
-    ours_q, ours_k = cp.asnumpy(d["q"])[..., NOPE:].transpose(1, 0, 2), cp.asnumpy(d["k_pe"])  # [H, T, R], [T, R]
-    tol = 4e-6 * 8  # a few float32 ulps of |x0 c| + |x1 s| (values of a few units, |cos|, |sin| <= 1.2)
-    np.testing.assert_allclose(deinterleave(ours_q), hf_q, rtol=0, atol=tol)
-    np.testing.assert_allclose(deinterleave(ours_k), hf_k, rtol=0, atol=tol)
-    # q.k per head and token pair, ours in our layout: the permutation leaves them unchanged
-    scores = np.einsum("htr,sr->hts", ours_q.astype(np.float64), ours_k.astype(np.float64))
-    hf_scores = np.einsum("htr,sr->hts", hf_q.astype(np.float64), hf_k.astype(np.float64))
-    qa, ka = np.abs(hf_q).sum(-1), np.abs(hf_k).sum(-1)
-    assert np.all(np.abs(scores - hf_scores) <= tol * (qa[..., None] + ka[None, None, :]) + 1e-9)
+    res = refs.check_deepseek_v3(mscale_all_dim, mla, device="cuda")
     # FP8 bytes against torch's own float8 cast of the same quotient
-    vals = torch.as_tensor(np.concatenate([h["kv_c"][:4], cp.asnumpy(d["k_pe"])[:4]], -1), device="cuda") / 0.5
+    rows = np.concatenate([np.random.default_rng(3).standard_normal((4, L)).astype(np.float32), res["got"][1][:4]], -1)
+    vals = torch.as_tensor(rows, device="cuda") / 0.5
     torch_e4m3 = vals.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).cpu().numpy()
     np.testing.assert_array_equal(torch_e4m3, fp8_quantize(vals.cpu().numpy() * 0.5, np.float32(0.5), "fp8_e4m3"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_tables import CASES, ulp_distance
+from transformers_refs import inv_freq_noise_bound as _inv_freq_noise_bound
 
 from rope_rtc.tables import inverse_frequencies, rope_tables
 
@@ -52,18 +53,6 @@ def hf_rotary():
     run.version = transformers.__version__
     run.cuda = torch.cuda.is_available()
     return run
-
-
-def _inv_freq_noise_bound(inv_ref, inv_hf, att, n):
-    """How far a table built from `inv_ref` may be from transformers' built from `inv_hf`.
-
-    Angles differ by p * |inv_ref - inv_hf| plus one float32 rounding of the angle; cos and
-    sin move by at most that (times the attention factor), plus two float32 roundings.
-    """
-    p = np.arange(n, dtype=np.float64)[:, None]
-    angle = np.abs(p * inv_hf.astype(np.float64)).astype(np.float32)
-    d_inv = np.abs(inv_ref.astype(np.float64) - inv_hf.astype(np.float64))
-    return att * (p * d_inv + np.spacing(angle) + 2.0**-23)
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

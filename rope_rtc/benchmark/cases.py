@@ -22,6 +22,7 @@ KV_TWO_STEP = "RopePlan, then a CuPy scatter per cache"
 ONNX_OP = "onnx.rotary_embedding"
 MROPE_OP = "apply_mrope_qk (MRopePlan)"
 MROPE_PLAIN = "plain RoPE, same arrays (RopePlan)"
+VISION_COMPILE = "torch.compile (transformers' vision rotary path)"  # the vision row's peer
 ONNX_APPLY = "apply_rope (same X, float32 tables)"
 QKNORM_OP = "apply_qk_norm_rope (QKNormRopePlan)"
 QKNORM_HF_NUMERICS = "apply_qk_norm_rope, numerics='transformers'"
@@ -72,6 +73,8 @@ HOST_PROCESSES = 3              # fresh processes that each measure the host-cos
 KV_FUSED_PREFILL_PCT = 95.0     # RoPE fused with the KV-cache write, prefill, % of a copy of its bytes
 MROPE_PREFILL_PCT = 95.0        # multimodal RoPE, prefill, % of a copy of its bytes
 MROPE_DECODE_EXTRA_US = 0.1     # multimodal RoPE decode GPU time, at most plain RoPE's plus this
+VISION_COPY_PCT = 97.0          # a vision tower's axial RoPE (two streams), % of a copy of its bytes
+VISION_COMPILE_SPEEDUP = 1.5    # ... and at least this many times faster than torch.compile of transformers' path
 QKNORM_PREFILL_PCT = 95.0       # QK-norm fused with RoPE, prefill, % of a copy of its bytes
 QKNORM_TWO_STEP_RATIO = 0.5     # ... and at most this fraction of the two-step sequence's GPU time
 MLA_PREFILL_PCT = 95.0          # MLA RoPE + latent-cache write, prefill, % of a copy of its bytes

@@ -13,6 +13,7 @@ from .cases import (ANGLES_OP, ANGLES_PREFILL_POINTS, ANGLES_TABLE, BLOG_FUSED_R
                     KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
                     KV_TWO_STEP, MLA_DECODE_COPY_RATIO, MLA_FUSED, MLA_FUSED_FP8, MLA_PREFILL_PCT, MLA_TWO_STEP,
                     MLA_TWO_STEP_FP8, OWN_COPY_FP8, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
+                    VISION_COMPILE, VISION_COMPILE_SPEEDUP, VISION_COPY_PCT,
                     ONE_CALL, ONE_CALL_HOST_US, ENGINE, ONE_CALL_PLAN_RATIO, ONE_CALL_POOL, ONE_CALL_PREFILL_POINTS, OURS, PEERS, PLAN_HOST_US,
                     TAIL_ONE_CALL_HOST_US,
                     PREFILL_RULES, TAIL_COPY_PCT, TAIL_GPU_US, TAIL_HOST_US, WARM_FIRST_S, MiB)
@@ -250,8 +251,25 @@ def _engine_targets(add, result: dict) -> None:
                 extra.append((float("inf") if _checked(by.get(MROPE_OP), 1.0) == 0.0 else ours - plain, r["id"]))
     _worst(add, f"MRoPE decode <= plain RoPE + {MROPE_DECODE_EXTRA_US} µs", extra,
            MROPE_DECODE_EXTRA_US, " µs", floor=False)
+    _vision_targets(add, [r for r in recs if r["id"].startswith("engine/vision-axial")])
     _angle_targets(add, [r for r in recs if r["id"].startswith("engine/angles-")])
     _mla_targets(add, [r for r in recs if r["id"].startswith("engine/mla-")])
+
+
+def _vision_targets(add, recs: list) -> None:
+    """A vision tower's axial RoPE (two position streams): against a copy of its bytes, and against
+    torch.compile of transformers' vision rotary path (its time over ours)."""
+    _worst(add, f"vision axial RoPE >= {VISION_COPY_PCT:.0f}% of copy",
+           [(_checked(rows_by_impl(r).get(MROPE_OP), pct_of_copy(r, rows_by_impl(r).get(MROPE_OP), "cold*")),
+             r["id"]) for r in recs], VISION_COPY_PCT, "%", floor=True)
+    speedups = []
+    for r in recs:
+        by = rows_by_impl(r)
+        ours, peer = timing(by.get(MROPE_OP), "cold*"), timing(by.get(VISION_COMPILE), "cold*")
+        if ours and peer:
+            speedups.append((_checked(by.get(MROPE_OP), peer / ours), r["id"]))
+    _worst(add, f"vision axial RoPE >= {VISION_COMPILE_SPEEDUP:g}x faster than torch.compile of transformers' path",
+           speedups, VISION_COMPILE_SPEEDUP, "x", floor=True)
 
 
 def _pct_of_own_copy(rec: dict, row: dict | None) -> float | None:
