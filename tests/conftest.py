@@ -254,6 +254,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"needs two CUDA devices, found {count}"))
 
 
+@pytest.fixture(autouse=True)
+def _no_fake_left_behind():
+    """A test must not leave a FakeGPU's fakes behind (``fakes.leaked_fakes``): every later test,
+    the GPU ones included, would launch fake kernels. Torn down after the test's monkeypatch."""
+    yield
+    import fakes
+
+    left = fakes.leaked_fakes()
+    if left:
+        fakes.restore_originals()
+        pytest.fail(f"left behind after the test: {'; '.join(left)}. Inside a FakeGPU, change what it patched "
+                    "with gpu.patch(owner, name, value), which it undoes in order, not with monkeypatch")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     reason = gpu_unavailable_reason()

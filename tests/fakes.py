@@ -264,6 +264,57 @@ def fake_torch_bf16_cai(shape) -> FakeDeviceArray:
 # A stand-in for the GPU step, so that the public APIs can be driven to the launch on a CPU.
 
 
+_FAKE_STATE: list = []
+# (owner, name) -> the value a FakeGPU found there the first time it patched it (the library's own).
+_ORIGINALS: dict = {}
+# What the library itself changes for good (a GPU seen, CuPy's array type): not a fake left behind.
+_STATE_FLAGS = ("_gpu_present", "_NDARRAY")
+
+
+def _value_of(owner, name):
+    return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+
+def restore_originals() -> None:
+    """Put back what :func:`leaked_fakes` finds left behind (so that one leak fails one test)."""
+    fake_state = fake_thread_state_type() if _FAKE_STATE else None
+    for (owner, name), original in _ORIGINALS.items():
+        if name == "_local":
+            if type(_value_of(owner, name)) is fake_state:
+                owner.forget()
+        elif name not in _STATE_FLAGS:
+            setattr(owner, name, original)
+
+
+def leaked_fakes() -> list[str]:
+    """What a FakeGPU patched that is not the library's own again: a fake kernel loader, launcher or
+    per-thread state left behind (by a ``monkeypatch`` inside the context, say), which would serve
+    fake kernels to every later test."""
+    fake_state = fake_thread_state_type() if _FAKE_STATE else None
+    left = []
+    for (owner, name), original in _ORIGINALS.items():
+        value = _value_of(owner, name)
+        if name == "_local":
+            if type(value) is fake_state:
+                left.append(f"{owner!r}._local (a FakeGPU's per-thread state)")
+        elif name not in _STATE_FLAGS and value is not original:
+            left.append(f"{getattr(owner, '__name__', owner)!s}.{name}")
+    return left
+
+
+def fake_thread_state_type() -> type:
+    """The type of a one-call function's per-thread state inside a FakeGPU (plans of fake kernels),
+    made once: ``tests/conftest.py`` fails a test that leaves one behind."""
+    if not _FAKE_STATE:
+        from rope_rtc.core import dispatch
+
+        class FakeThreadState(dispatch.ThreadState):
+            pass
+
+        _FAKE_STATE.append(FakeThreadState)
+    return _FAKE_STATE[0]
+
+
 class FakeGPU:
     """Replaces only what needs a GPU, and records what would have been launched.
 
@@ -297,8 +348,17 @@ class FakeGPU:
         self._replayed: dict = {}
 
     def _patch(self, owner, name, value) -> None:
-        self._saved.append((owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)))
+        current = _value_of(owner, name)
+        _ORIGINALS.setdefault((owner, name), current)
+        self._saved.append((owner, name, current))
         setattr(owner, name, value)
+
+    def patch(self, owner, name, value) -> None:
+        """Set ``owner.name`` for the rest of the context; restored when it exits, before its own
+        patches. A test that changes inside the context something the context patched must use this,
+        not ``monkeypatch``: monkeypatch would restore, after the test, the fake the context had set
+        (``tests/conftest.py`` fails a test that leaves a fake behind)."""
+        self._patch(owner, name, value)
 
     def replay_allocations(self, call) -> None:
         """From now on, the ``n``-th output allocated is at the address that the ``n``-th of an
@@ -323,6 +383,8 @@ class FakeGPU:
     def __enter__(self) -> "FakeGPU":
         from rope_rtc.core import dispatch, driver, outputs, prepared
         from rope_rtc.core import launcher as launch
+
+        FakeThreadState = fake_thread_state_type()
         from rope_rtc.ops import rope, rope_plan, tail
 
         def load_rope_functions(dtype, interleaved, vec, head_batch, device):
@@ -352,11 +414,11 @@ class FakeGPU:
         self._patch(mla, "load_mla_function", lambda req, device: ("mla_rope_cache", req.without_arrays()))
         self._patch(mla, "stream_handle", stream_handle)
         self._patch(mla, "current_device", lambda: 0)
-        self._patch(mla.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(mla.ONE_CALL, "_local", FakeThreadState())
         self._patch(kv_cache, "load_cache_function", load_cache_function)
         self._patch(kv_cache, "stream_handle", stream_handle)
         self._patch(kv_cache, "current_device", lambda: 0)
-        self._patch(kv_cache.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(kv_cache.ONE_CALL, "_local", FakeThreadState())
         self._patch(rope_plan, "load_rope_functions", load_rope_functions)
         self._patch(rope_plan, "load_fixed_function", load_fixed_function)
         from rope_rtc.ops import rope_launch
@@ -371,12 +433,12 @@ class FakeGPU:
         from rope_rtc.ops import mrope
 
         self._patch(mrope, "stream_handle", stream_handle)
-        self._patch(mrope.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(mrope.ONE_CALL, "_local", FakeThreadState())
         from rope_rtc.ops import qk_norm
 
         self._patch(qk_norm, "load_norm_function", lambda g, device: ("qk_norm_rope", g))
         self._patch(qk_norm, "stream_handle", stream_handle)
-        self._patch(qk_norm.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(qk_norm.ONE_CALL, "_local", FakeThreadState())
         import cupy
 
         from rope_rtc.core import backends
@@ -385,9 +447,9 @@ class FakeGPU:
         self._patch(rope, "_gpu_present", True)
         self._patch(rope, "_NDARRAY", cupy.ndarray)
         self._patch(driver, "require_gpu", lambda: None)
-        self._patch(rope.ONE_CALL, "_local", dispatch.ThreadState())
-        self._patch(rope.CONVENTION, "_local", dispatch.ThreadState())
-        self._patch(tail.ONE_CALL, "_local", dispatch.ThreadState())
+        self._patch(rope.ONE_CALL, "_local", FakeThreadState())
+        self._patch(rope.CONVENTION, "_local", FakeThreadState())
+        self._patch(tail.ONE_CALL, "_local", FakeThreadState())
         self._patch(tail, "_gpu_present", False)  # the first call resolves the backend, as on a real GPU
         self._patch(rope_plan, "current_device", lambda: 0)
         self._patch(tail, "current_device", lambda: 0)

@@ -250,8 +250,8 @@ def test_the_builds_a_vision_plan_loads_are_warmed(monkeypatch):
         loaded.append(g.spec().name)
         return "rope_fixed"
 
-    with FakeGPU():
-        monkeypatch.setattr(rope_plan, "load_fixed_function", record_fixed)
+    with FakeGPU() as gpu:
+        gpu.patch(rope_plan, "load_fixed_function", record_fixed)
         for layout, shape, pos in (("thd", (64, 16, 80), (2, 64)), ("bhsd", (1, 16, 64, 80), (2, 1, 64))):
             cos = fake_cupy((64, 40), np.float32)
             for k in (fake_cupy(shape, BF16), None):

@@ -83,7 +83,7 @@ def test_mla_equals_the_two_step_path(cp, kind):
     rope_rtc.mla_rope_and_cache(d["q"], d["k_pe"], d["kv_c"], d["cos"], d["sin"], d["positions"], d["slot_mapping"],
                                 d["kv_cache"], kv_cache_dtype=kind, kv_scale=scale)
     rope_rtc.apply_rope(two["q"], two["cos"], two["sin"], positions=two["positions"], layout="thd", interleaved=True,
-                        rotary_offset=NOPE, out=two["q"])
+                        rotary_offset=NOPE, rotary_dim=R, out=two["q"])
     k3 = two["k_pe"].reshape(T, 1, R)
     rope_rtc.apply_rope(k3, two["cos"], two["sin"], positions=two["positions"], layout="thd", interleaved=True, out=k3)
     cp.cuda.get_current_stream().synchronize()

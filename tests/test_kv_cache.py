@@ -239,7 +239,7 @@ def test_the_check_positions_switch_covers_the_cache_write(monkeypatch):
         rope_and_cache(**kw)
         assert checked == [] and len(gpu.launches) == 2
         monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
-        monkeypatch.setattr(kv_cache.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
+        gpu.patch(kv_cache.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
         RopeCachePlan(**kw).execute(**kw)
         rope_and_cache(**kw)
         assert checked == [kw["positions"].data.ptr] * 2 and len(gpu.launches) == 4

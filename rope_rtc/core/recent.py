@@ -1,6 +1,6 @@
 """Bounded caches of recent entries: the argument sets a plan remembers by identity
 (:mod:`rope_rtc.core.prepared`), the graphs a launcher keeps (:mod:`rope_rtc.core.graphs`) and the
-one-call functions' templates and plans (:mod:`rope_rtc.core.dispatch`)."""
+outputs kept for recycling (:mod:`rope_rtc.core.outputs`)."""
 
 from __future__ import annotations
 
