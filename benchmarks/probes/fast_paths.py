@@ -5,8 +5,9 @@ D=128, in place, per-sequence offsets; tail T=4, H=64, D=512).
 
 This probe turns each path off by patching rope_rtc's modules (the one probe that patches):
 
-- generated repeat path: the one-call functions' last path (``OneCall.launched`` declines) and a
-  plan's quick path (``Op.quick_path`` gives none): calls then find their template by signature;
+- generated repeat path: the one-call functions' last path (``OneCall.launched`` and ``launched_on``
+  decline) and a plan's quick path (``Op.quick_path`` gives none): calls then find their template
+  by signature;
 - remembered argument sets: a plan's last call and its recent sets are never matched
   (``Prepared._seen_again`` says no, ``Prepared.last`` is cleared): every call takes the quick path;
 - graph replay: ``Launcher.replay`` off (per-token graphs and per-prefix graph nodes): every
@@ -113,8 +114,11 @@ def main() -> None:
     def tail_plan():
         return next(iter(tail.ONE_CALL.thread().by_key.values()))
 
-    def declines():
-        return patched(dispatch.OneCall, "launched", lambda self, options, stream, *arrays: False)
+    @contextlib.contextmanager
+    def declines():  # both entries of the last path: launched (a stream) and launched_on (a handle)
+        with patched(dispatch.OneCall, "launched", lambda self, options, stream, *arrays: False), \
+                patched(dispatch.OneCall, "launched_on", lambda self, options, handle, *arrays: False):
+            yield
 
     @contextlib.contextmanager
     def no_quick():

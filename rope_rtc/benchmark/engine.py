@@ -940,7 +940,7 @@ def _mla_record(ctx, measure, copy_runner, T: int) -> dict:
         extra = dict(kv_scale=scale) if fp8 else {}
         fused = rope_rtc.MlaRopeCachePlan(q, k_pe, kv_c, cos, sin, pos, slots, dest, kv_cache_dtype=kind, **extra)
         check, two_check, two_fns = "-", "skip: not checked", None
-        try:  # on fresh copies (the timed calls rotate q and k_pe in place)
+        try:  # on fresh copies of the inputs (the timed calls rotate q and k_pe in place)
             want = mla_rope_and_cache_reference(qh[:n_check], kh[:n_check], kvh[:n_check], host_cos, host_sin,
                                                 pos_h[:n_check], slots_h[:n_check], np.zeros(shape, dest.dtype),
                                                 kv_cache_dtype=kind, kv_scale=MLA_KV_SCALE if fp8 else None)
@@ -952,12 +952,13 @@ def _mla_record(ctx, measure, copy_runner, T: int) -> dict:
                 return all(np.array_equal(*(np.ascontiguousarray(x).view(np.uint8) for x in (a, b)))
                            for a, b in zip(got, want))
 
-            q1, k1, c1 = q.copy(), k_pe.copy(), cp.zeros(shape, dest.dtype)
+            # From the host arrays: the timed calls of the previous pass rotated q and k_pe in place.
+            q1, k1, c1 = cp.asarray(qh), cp.asarray(kh), cp.zeros(shape, dest.dtype)
             fused.execute(q1, k1, kv_c, cos, sin, pos, slots, c1, **extra)
             fused_ok = like_reference(q1, k1, c1)
             check = "bit-exact (= the NumPy reference)" if fused_ok else "WRONG: differs from the NumPy reference"
             try:
-                q2, k2, c2 = q.copy(), k_pe.copy(), cp.zeros(shape, dest.dtype)
+                q2, k2, c2 = cp.asarray(qh), cp.asarray(kh), cp.zeros(shape, dest.dtype)
                 rope.execute(q2[..., N:], k2.reshape(T, 1, R), cos, sin, positions=pos)
                 _mla_cache_writer(cp, fp8, kv_c, k2, slots, c2, scale)()
                 same = all(bool(cp.array_equal(a.view(cp.uint8), b.view(cp.uint8))) for a, b in
