@@ -22,27 +22,13 @@ This probe turns each path off by patching rope_rtc's modules (the one probe tha
 from __future__ import annotations
 
 import contextlib
-import gc
 import statistics
-import time
 
 import ml_dtypes
 import numpy as np
+from probe_timing import host_us
 
 ROUNDS = 7
-
-
-def per_call_us(fn, n: int = 3000) -> float:
-    for _ in range(100):
-        fn()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6
-    finally:
-        gc.enable()
 
 
 @contextlib.contextmanager
@@ -151,9 +137,9 @@ def main() -> None:
         results = {i: ([], []) for i in range(len(rows))}
         for _ in range(ROUNDS):
             for i, (_, _, on_fn, off_fn, off) in enumerate(rows):
-                results[i][0].append(per_call_us(on_fn))
+                results[i][0].append(host_us(on_fn, 3000, 1, 100))
                 with off():
-                    results[i][1].append(per_call_us(off_fn))
+                    results[i][1].append(host_us(off_fn, 3000, 1, 100))
                 stream.synchronize()
                 given.synchronize()
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; median of {ROUNDS} rounds")

@@ -9,27 +9,10 @@ ctypes, and a one-node graph whose kernel node gets new arguments before each re
 from __future__ import annotations
 
 import ctypes
-import gc
-import time
 
 import ml_dtypes
 import numpy as np
-
-
-def per_call_us(fn, n: int = 20000, reps: int = 5) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    gc.disable()
-    try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    finally:
-        gc.enable()
-    return best
+from probe_timing import host_us
 
 
 class KernelNodeParams(ctypes.Structure):
@@ -63,18 +46,18 @@ def main() -> None:
             rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
 
         q0, k0, o0 = sets[0]
-        rows.append(("apply_rope_qk, 64 sets cycled", per_call_us(cycled)))
+        rows.append(("apply_rope_qk, 64 sets cycled", host_us(cycled)))
         rows.append(("apply_rope_qk, same arrays",
-                     per_call_us(lambda: rope_rtc.apply_rope_qk(q0, k0, cos, sin, offset=o0, q_out=q0, k_out=k0,
+                     host_us(lambda: rope_rtc.apply_rope_qk(q0, k0, cos, sin, offset=o0, q_out=q0, k_out=k0,
                                                                  layout="bshd"))))
         plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
-        rows.append(("RopePlan.execute, same arrays", per_call_us(lambda: plan.execute(q0, k0, cos, sin, offset=o0))))
+        rows.append(("RopePlan.execute, same arrays", host_us(lambda: plan.execute(q0, k0, cos, sin, offset=o0))))
         arrays = (q0, k0, cos, sin, None, q0, k0, None, o0)
-        rows.append(("signature of 9 arguments", per_call_us(lambda: prepared.signature(arrays))))
-        rows.append(("pointers of 9 arguments", per_call_us(lambda: prepared.pointers(arrays))))
-        rows.append(("cupy.cuda.get_current_stream().ptr", per_call_us(lambda: cp.cuda.get_current_stream().ptr)))
-        rows.append(("cupy.empty((8,1,32,128), bf16)", per_call_us(lambda: cp.empty((8, 1, 32, 128), bf16))))
-        rows.append(("empty Python call", per_call_us(lambda: None)))
+        rows.append(("signature of 9 arguments", host_us(lambda: prepared.signature(arrays))))
+        rows.append(("pointers of 9 arguments", host_us(lambda: prepared.pointers(arrays))))
+        rows.append(("cupy.cuda.get_current_stream().ptr", host_us(lambda: cp.cuda.get_current_stream().ptr)))
+        rows.append(("cupy.empty((8,1,32,128), bf16)", host_us(lambda: cp.empty((8, 1, 32, 128), bf16))))
+        rows.append(("empty Python call", host_us(lambda: None)))
         # Launch paths of the plan's own kernel and argument block.
         core = plan._core
         call = core.bind(arrays, 0)
@@ -85,16 +68,16 @@ def main() -> None:
 
         fnp = int(fn)
         rows.append(("cuLaunchKernel (CuPy's binding)",
-                     per_call_us(lambda: launchKernel(fnp, gx, gy, gz, bx, by, bz, shared, h, args, 0))))
+                     host_us(lambda: launchKernel(fnp, gx, gy, gz, bx, by, bz, shared, h, args, 0))))
         libcuda = ctypes.CDLL("libcuda.so.1")
         cu_launch = libcuda.cuLaunchKernel
         cu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         cu_launch.restype = ctypes.c_int
         rows.append(("cuLaunchKernel (ctypes)",
-                     per_call_us(lambda: cu_launch(fnp, gx, gy, gz, bx, by, bz, shared, h, args, None))))
+                     host_us(lambda: cu_launch(fnp, gx, gy, gz, bx, by, bz, shared, h, args, None))))
         launcher = launch_core.Launcher(args, core.device)
         launcher.replay = False
-        rows.append(("Launcher (plain)", per_call_us(lambda: launcher(call.prefix, h))))
+        rows.append(("Launcher (plain)", host_us(lambda: launcher(call.prefix, h))))
         # One graph, new kernel arguments before each replay.
         from cuda.bindings import driver as drv
 
@@ -113,10 +96,10 @@ def main() -> None:
         graph_launch = cp.cuda.runtime.graphLaunch
         status = set_params(gexec_p, node_p, params)
         rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {status})",
-                     per_call_us(lambda: set_params(gexec_p, node_p, params))))
-        rows.append(("cudaGraphLaunch", per_call_us(lambda: graph_launch(gexec_i, h))))
+                     host_us(lambda: set_params(gexec_p, node_p, params))))
+        rows.append(("cudaGraphLaunch", host_us(lambda: graph_launch(gexec_i, h))))
         rows.append(("set params + graph launch",
-                     per_call_us(lambda: (set_params(gexec_p, node_p, params), graph_launch(gexec_i, h)))))
+                     host_us(lambda: (set_params(gexec_p, node_p, params), graph_launch(gexec_i, h)))))
     stream.synchronize()
     for name, us in rows:
         print(f"{name:<60} {us:8.2f} µs")

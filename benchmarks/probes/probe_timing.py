@@ -1,6 +1,28 @@
-"""Timing helpers shared by the probes (CUDA events; CUDA-graph replay for latency-bound calls)."""
+"""Timing helpers shared by the probes (host time per call; CUDA events; CUDA-graph replay for
+latency-bound calls)."""
 
 from __future__ import annotations
+
+import gc
+import time
+
+
+def host_us(fn, n: int = 20000, reps: int = 5, warmup: int = 200) -> float:
+    """Host µs per call of ``fn``: the best of ``reps`` loops of ``n`` calls (after ``warmup``
+    untimed ones), with the garbage collector off."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    gc.disable()
+    try:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    finally:
+        gc.enable()
+    return best
 
 
 def event_us(fn, reps: int = 20) -> float:
