@@ -429,6 +429,8 @@ class FakeGPU:
         self._patch(outputs, "allocate", allocate)
         self._patch(rope, "stream_handle", stream_handle)
         self._patch(dispatch, "stream_handle", stream_handle)
+        self._patch(dispatch, "CURRENT_STREAM", [lambda device: _CURRENT_STREAM_ZERO])  # the repeat path's lookup
+        self._patch(rope, "CURRENT_STREAM", [lambda device: _CURRENT_STREAM_ZERO])
         self._patch(tail, "stream_handle", stream_handle)
         from rope_rtc.ops import mrope
 
@@ -460,6 +462,15 @@ class FakeGPU:
             owner, name, value = self._saved.pop()
             setattr(owner, name, value)
         return False
+
+
+class _StreamZero:
+    """The current stream under :class:`FakeGPU`: handle 0, as its ``stream_handle`` gives."""
+
+    ptr = 0
+
+
+_CURRENT_STREAM_ZERO = _StreamZero()
 
 
 class _RecordingLauncher:

@@ -27,8 +27,11 @@ WAY_OUT = r"no usable CUDA GPU: .*backend='numpy'"
 @pytest.fixture(autouse=True)
 def nothing_remembered(monkeypatch):
     """CuPy's current-stream lookup and allocator are looked up once per process: as if for the first time."""
-    monkeypatch.setattr(launcher, "_CURRENT_STREAM", [None])
+    current = launcher.CURRENT_STREAM[0]  # a list the dispatcher shares: emptied and refilled, not replaced
+    launcher.CURRENT_STREAM[0] = None
     monkeypatch.setattr(outputs, "_EMPTY", [])
+    yield
+    launcher.CURRENT_STREAM[0] = current
 
 
 def _rope_arrays():

@@ -89,6 +89,12 @@ def kernel_specs():
         for interleaved in (False, True):
             g = r.fixed_geometry(dtype, interleaved, 16, 0, 256, 64, 64, False, 2)
             specs += [b.spec() for b in r.both_strides([g])]
+    # DeepSeek-style MLA: every dtype and pair style, each cache kind with and without an FP8 q.
+    from rope_rtc.build.registry_mla import mla_model_specs
+
+    for dtype in r.DTYPE_CODES:
+        for interleaved in (False, True):
+            specs += mla_model_specs(dtype, interleaved, 128, 128, 64, 512)
     out, seen = [], set()
     for s in specs:
         if s.name not in seen:

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from .launcher import stream_handle
+from .launcher import CURRENT_STREAM, stream_handle
 from .prepared import cupy_ndarray, narrower, signature
 from .recent import remember
 
@@ -174,7 +174,9 @@ class OneCall:
         prefix = last.one_call(*arrays)
         if prefix is None:
             return False
-        last.go(prefix, stream_handle(stream, last.device))
+        # The current stream looked up here, not through stream_handle: this is every repeated call's path.
+        last.go(prefix, CURRENT_STREAM[0](last.device).ptr if stream is None and CURRENT_STREAM[0] is not None
+                else stream_handle(stream, last.device))
         return True
 
     def launched_on(self, options: tuple, handle: int, *arrays) -> bool:

@@ -85,7 +85,9 @@ def loaded_kernels() -> list[tuple[str, int]]:
     return sorted(_loaded)
 
 
-_CURRENT_STREAM: list = [None]  # cupy.cuda.get_current_stream, once CuPy is imported
+# [cupy.cuda.get_current_stream] once CuPy is imported (None before): the one-call functions look the
+# current stream up through it inline, as every repeated call does.
+CURRENT_STREAM: list = [None]
 
 
 # A raw CUstream is a pointer: 0 (the legacy default stream), the per-thread default stream's 2,
@@ -102,9 +104,9 @@ def stream_handle(stream, device: int | None = None) -> int:
     a bool is refused, not read as handle 1).
     """
     if stream is None:
-        current = _CURRENT_STREAM[0]
+        current = CURRENT_STREAM[0]
         if current is None:  # CuPy is imported on first use; the lookup is kept (it is on every call's path)
-            current = _CURRENT_STREAM[0] = driver.device_cupy().cuda.get_current_stream
+            current = CURRENT_STREAM[0] = driver.device_cupy().cuda.get_current_stream
         return current(-1 if device is None else device).ptr
     if type(stream) is int and 0 <= stream < HANDLE_LIMIT:
         return stream

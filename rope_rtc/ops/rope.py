@@ -19,7 +19,7 @@ from ..core import arrays as A
 from ..core import launcher, outputs
 from ..core.backends import auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
-from ..core.launcher import stream_handle
+from ..core.launcher import CURRENT_STREAM, stream_handle
 from ..core.dispatch import OneCall, signature_and_pointers, split_offset
 from ..core.prepared import cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
@@ -387,20 +387,30 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
                 and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
                 and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
                 and (layout is None or type(layout) is str)):
-            # As in apply_rope_qk; the output allocated as _run_device would (it takes it if the
-            # last path declines).
-            device = x.data.device_id
-            handle = stream_handle(stream, device)
-            if out is None:
-                out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
+            # As in apply_rope_qk; an output allocated as _run_device would (it takes it if the last
+            # path declines), on the stream resolved inline (CURRENT_STREAM) as launched does.
             options = (_X, layout, interleaved, rotary_dim, rotary_offset, inverse, None)
-            if type(offset) is int:
-                if ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens, None,
-                                        offset):
+            if out is not None:
+                if type(offset) is int:
+                    if ONE_CALL.launched(options, stream, x, None, cos, sin, positions, out, None, cu_seqlens, None,
+                                         offset):
+                        return out
+                elif ONE_CALL.launched(options, stream, x, None, cos, sin, positions, out, None, cu_seqlens, offset,
+                                       0):
                     return out
-            elif ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens, offset,
-                                      0):
-                return out
+                handle = stream_handle(stream, x.data.device_id)
+            else:
+                device, current = x.data.device_id, CURRENT_STREAM[0]
+                handle = (current(device).ptr if stream is None and current is not None
+                          else stream_handle(stream, device))
+                out = outputs.allocate(x.shape, x.dtype, device, handle, stream is None)
+                if type(offset) is int:
+                    if ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens,
+                                            None, offset):
+                        return out
+                elif ONE_CALL.launched_on(options, handle, x, None, cos, sin, positions, out, None, cu_seqlens,
+                                          offset, 0):
+                    return out
             return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, handle, options[1:],
                                _X)[0]
         q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
