@@ -45,6 +45,11 @@ import os
 import pytest
 
 
+# JAX (the README's and rope_rtc.jax's GPU tests) would otherwise take most of the GPU's memory on its
+# first use, leaving too little for the CuPy tests that run after it in the same process.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
 def _require_gpu() -> bool:
     return os.environ.get("ROPE_RTC_REQUIRE_GPU", "") not in ("", "0")
 

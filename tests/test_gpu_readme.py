@@ -13,6 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize(("name", "code"), GPU_EXAMPLES, ids=[n for n, _ in GPU_EXAMPLES])
 def test_gpu_examples_run(name, code):
-    if re.search(r"^import torch", code, re.M):
-        pytest.importorskip("torch")
+    for module in ("torch", "jax"):
+        if re.search(rf"^import {module}", code, re.M):
+            pytest.importorskip(module)
     _run(name, code)

@@ -1,0 +1,245 @@
+"""rope_rtc.jax under ``jax.jit`` on the GPU, beside the same RoPE written in jnp and fused by XLA
+(``backend="jnp"``) and beside a same-size device copy; then the host time each call adds to a
+jitted step.
+
+    PYTHONPATH=. python3 benchmarks/probes/jax_cost.py [--chain 200] [--layers 32]
+
+GPU time: CUDA events recorded on XLA's own stream from inside the program (two small buffer
+callbacks), around a chain of calls queued behind a spinning kernel, so that the calls run back
+to back whatever the host's speed; µs per call is the window over the chain's length, median of
+5 runs. Consecutive calls are kept apart by ``jax.lax.optimization_barrier`` (XLA would otherwise
+fuse a chain of jnp rotations into one kernel); q and k are rotated in place (intermediates).
+
+- prefill: bf16 ``bshd`` q and k ``[4, 4096, 32, 128]``, positions 0..4095: GB/s of the bytes
+  moved (q and k read and written, each token's table rows read) and % of a device-to-device copy
+  of that many bytes (``rope_rtc.measure``: half read, half written; cold L2);
+- decode: bf16 q ``[B, 1, 32, 128]``, k ``[B, 1, 8, 128]``, one offset per sequence (an array:
+  traced), B = 1, 8, 64: GPU µs per call, ours and XLA's;
+- host: wall µs per call of a jitted decode step of ``--layers`` chained calls (B = 8), ours and
+  jnp's, each step waited for; the part of ours spent inside the callback's one-call function (a
+  wrapper times it); then the same with buffer_callback's ``command_buffer_compatible`` on (XLA
+  may record the launches into its CUDA graphs), with its outputs checked against the default's
+  for two different inputs (a replay that kept stale addresses shows as WRONG).
+
+Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for its last row (and back) and wraps
+``rope_rtc.ops.rope.apply_rope_qk`` for the host section only. Exits 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy's copy needs memory too
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+SPIN = r"""extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}"""
+SPIN_CYCLES = 400_000_000  # about 0.2 s: longer than the host takes to queue a chain
+RUNS = 5
+
+
+class Window:
+    """CUDA events on XLA's stream, recorded by buffer callbacks: ``begin`` queues a spinning
+    kernel then the start event, ``end`` the end event; both pass their arrays through
+    (aliased, no copy)."""
+
+    def __init__(self, jax, cp) -> None:
+        from jax.experimental.buffer_callback import buffer_callback
+
+        self.jax, self.cp = jax, cp
+        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
+        kernel = cp.RawKernel(SPIN, "spin")
+
+        def stream_of(ctx, buffer):
+            cp.cuda.runtime.setDevice(buffer.__dlpack_device__()[1])  # XLA's thread: the device current
+            return cp.cuda.ExternalStream(ctx.stream)
+
+        def begin(ctx, outs, *xs):
+            stream = stream_of(ctx, xs[0])
+            with stream:
+                kernel((1,), (1,), (np.int64(SPIN_CYCLES),))
+            self.start.record(stream)
+
+        def end(ctx, outs, *xs):
+            self.stop.record(stream_of(ctx, xs[0]))
+
+        def passing(fn):
+            def call(*xs):
+                results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
+                return buffer_callback(fn, results, input_output_aliases={i: i for i in range(len(xs))})(*xs)
+            return call
+
+        self.begin, self.end = passing(begin), passing(end)
+
+    def ms(self) -> float:
+        self.stop.synchronize()
+        return self.cp.cuda.get_elapsed_time(self.start, self.stop)
+
+
+def chain_fn(jax, rj, window: Window, backend: str, length: int, offset):
+    """A jitted chain of ``length`` in-place rotations of (q, k) inside the event window."""
+
+    def chain(q, k, cos, sin, offsets):
+        q, k = window.begin(q, k)
+        for _ in range(length):
+            q, k = rj.apply_rope_qk(q, k, cos, sin, offset=offsets if offset is None else offset, layout="bshd",
+                                    backend=backend)
+            q, k = jax.lax.optimization_barrier((q, k))
+        return window.end(q, k)
+
+    return jax.jit(chain)
+
+
+def gpu_us_per_call(jax, fn, args, window: Window, length: int) -> float:
+    jax.block_until_ready(fn(*args))  # compiled, kernels loaded
+    times = []
+    for _ in range(RUNS):
+        jax.block_until_ready(fn(*args))
+        times.append(window.ms() * 1e3 / length)
+    return statistics.median(times)
+
+
+def inputs(jnp, rng, b: int, s: int, hq: int, hk: int, d: int, rows: int):
+    import rope_rtc
+
+    bf16 = ml_dtypes.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, s, hq, d)).astype(bf16))
+    k = jnp.asarray(rng.standard_normal((b, s, hk, d)).astype(bf16))
+    cos, sin = (jnp.asarray(t) for t in rope_rtc.rope_tables(rows, d))
+    offsets = jnp.asarray(rng.integers(0, max(rows - s, 1), b).astype(np.int32))
+    return q, k, cos, sin, offsets
+
+
+def copy_us(cp, moved: int) -> float:
+    from rope_rtc.measure import CopyRunner, gpu_us
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    runner = CopyRunner(cp, stream, moved, 1)
+    return gpu_us(cp, stream, runner.fns[0])
+
+
+def prefill(jax, jnp, cp, rj, window: Window, rng, length: int) -> None:
+    B, S, H, D = 4, 4096, 32, 128
+    args = inputs(jnp, rng, B, S, H, H, D, S)
+    moved = 2 * (args[0].nbytes + args[1].nbytes) + B * S * (D // 2) * 4 * 2
+    copy = copy_us(cp, moved)
+    print(f"prefill bf16 bshd q, k [{B}, {S}, {H}, {D}], in place: {moved / 2**20:.0f} MiB moved; "
+          f"device copy of that many bytes: {copy:.1f} us ({moved / copy / 1e3:.0f} GB/s)")
+    for label, backend in (("rope_rtc.jax (kernel)", "nvrtc"), ("jnp, fused by XLA", "jnp")):
+        us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, 0), args, window, length)
+        print(f"  {label:24s} {us:9.1f} us  {moved / us / 1e3:7.0f} GB/s  {100 * copy / us:5.1f}% of the copy")
+
+
+def decode(jax, jnp, rj, window: Window, rng, length: int) -> None:
+    print(f"decode bf16 q [B, 1, 32, 128], k [B, 1, 8, 128], offsets [B]: GPU us per call ({length} chained)")
+    for b in (1, 8, 64):
+        args = inputs(jnp, rng, b, 1, 32, 8, 128, 4096)
+        row = [f"  B={b:<3d}"]
+        for label, backend in (("rope_rtc.jax", "nvrtc"), ("jnp/XLA", "jnp")):
+            us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
+            row.append(f"{label} {us:7.2f}")
+        print("   ".join(row))
+
+
+def step_fn(jax, rj, backend: str, layers: int):
+    def step(q, k, cos, sin, offsets):
+        for _ in range(layers):
+            q, k = rj.apply_rope_qk(q, k, cos, sin, offset=offsets, layout="bshd", backend=backend)
+            q, k = jax.lax.optimization_barrier((q, k))
+        return q, k
+
+    return jax.jit(step)
+
+
+def wall_us_per_call(jax, fn, args, layers: int, steps: int = 200) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6 / layers
+
+
+def host(jax, jnp, rj, rng, layers: int) -> None:
+    import rope_rtc.ops.rope as ops_rope
+    from rope_rtc.jax import kernel_call
+
+    args = inputs(jnp, rng, 8, 1, 32, 8, 128, 4096)
+    print(f"host: a jitted decode step of {layers} chained calls (B=8), each step waited for: wall us per call")
+    jnp_us = wall_us_per_call(jax, step_fn(jax, rj, "jnp", layers), args, layers)
+    inside = [0.0, 0]
+    real = ops_rope.apply_rope_qk
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **kw)
+        finally:
+            inside[0] += time.perf_counter() - t0
+            inside[1] += 1
+
+    ours_fn = step_fn(jax, rj, "nvrtc", layers)
+    ours_us = wall_us_per_call(jax, ours_fn, args, layers)
+    ops_rope.apply_rope_qk = timed
+    try:
+        wall_us_per_call(jax, step_fn(jax, rj, "nvrtc", layers), args, layers, steps=50)
+    finally:
+        ops_rope.apply_rope_qk = real
+    print(f"  jnp, fused by XLA       {jnp_us:7.2f}")
+    print(f"  rope_rtc.jax            {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
+          f"one-call function: {inside[0] / max(inside[1], 1) * 1e6:.2f})")
+    expected = [jax.block_until_ready(ours_fn(*args))]
+    other = (*args[:4], (args[4] + 7) % 4000)
+    expected.append(jax.block_until_ready(ours_fn(*other)))
+    kernel_call.COMMAND_BUFFER = True
+    try:
+        graphed = step_fn(jax, rj, "nvrtc", layers)
+        graphed_us = wall_us_per_call(jax, graphed, args, layers)
+        same = all(bool((a == b).all()) for run, want in zip((args, other), expected)
+                   for a, b in zip(graphed(*run), want))
+        print(f"  command_buffer_compatible {graphed_us:5.2f}   outputs {'equal to the default' if same else 'WRONG'}")
+    except Exception as exc:  # the switch is new in JAX: say what happened
+        print(f"  command_buffer_compatible: not run ({type(exc).__name__}: {str(exc)[:300]})")
+    finally:
+        kernel_call.COMMAND_BUFFER = False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chain", type=int, default=200, help="calls per timed window at decode (prefill: 10)")
+    parser.add_argument("--layers", type=int, default=32, help="calls per jitted step in the host section")
+    opts = parser.parse_args()
+    try:
+        import jax
+
+        gpus = jax.devices("cuda")
+    except Exception as exc:  # no JAX, or a JAX without its CUDA backend
+        print(f"jax_cost.py needs JAX with a CUDA device: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    import cupy as cp
+    import jax.numpy as jnp
+
+    import rope_rtc
+    import rope_rtc.jax as rj
+
+    print(f"{gpus[0].device_kind}; JAX {jax.__version__}, rope_rtc {rope_rtc.__version__}, CuPy {cp.__version__}")
+    rng = np.random.default_rng(0)
+    with jax.default_device(gpus[0]):
+        window = Window(jax, cp)
+        prefill(jax, jnp, cp, rj, window, rng, 10)
+        decode(jax, jnp, rj, window, rng, opts.chain)
+        host(jax, jnp, rj, rng, opts.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
