@@ -263,7 +263,9 @@ def test_grad_is_the_kernels_inverse_rotation(jax, rj, cp, dtype, layout, scheme
         return f
 
     grad = jax.jit(jax.grad(loss("nvrtc"), argnums=(0, 1)))
-    assert grad.lower(jnp.asarray(q), jnp.asarray(k)).as_text().count("xla_buffer_python_gpu_callback") == 2
+    # The backward's launch is the kernel's: the one callback of the program (the loss is linear,
+    # so the gradient needs no value of the forward, and JAX drops the forward's launch).
+    assert grad.lower(jnp.asarray(q), jnp.asarray(k)).as_text().count("xla_buffer_python_gpu_callback") == 1
     gq, gk = grad(jnp.asarray(q), jnp.asarray(k))
     # The CuPy API's inverse rotation of the same cotangents: the same kernel, bit for bit.
     dev = {n: cp.asarray(a) for n, a in (("wq", wq.astype(dt)), ("wk", wk.astype(dt)), ("cos", cos), ("sin", sin))}
