@@ -27,3 +27,18 @@ def bits(a: np.ndarray) -> np.ndarray:
     from 0.0 and one NaN from another, which comparing values does not."""
     a = np.ascontiguousarray(a)
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+CACHE_ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
+
+
+def cache_write_reference(host: dict, kind: str, kv_layout: str, num_slots: int, k_scale=None, v_scale=None):
+    """The NumPy reference of ``rope_and_cache`` on a dict of host arrays named as its arguments
+    (``CACHE_ARGS``); a slot past the cache's ``num_slots`` writes nothing, as in the kernel (the
+    reference itself refuses such a slot)."""
+    from rope_rtc.reference import rope_and_cache_reference
+
+    slots = host["slot_mapping"].copy()
+    slots[slots >= num_slots] = -1
+    return rope_and_cache_reference(*(host[n] for n in CACHE_ARGS[:6]), slots, host["k_cache"], host["v_cache"],
+                                    kv_layout=kv_layout, kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)

@@ -29,9 +29,8 @@ import pytest
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from gpu_util import DTYPES, host_random, host_tables, keep_busy  # noqa: E402
-from helpers import bits, layout_shape, token_rows  # noqa: E402
-from rope_rtc.reference import (assert_rope_close, rope_and_cache_reference, rope_kernel_arithmetic,  # noqa: E402
-                                rope_reference)
+from helpers import CACHE_ARGS, bits, cache_write_reference, layout_shape, token_rows  # noqa: E402
+from rope_rtc.reference import assert_rope_close, rope_kernel_arithmetic, rope_reference  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -192,15 +191,8 @@ def _cache_host(dtype: str, kind: str, kv_layout: str, seed: int) -> dict:
     return host
 
 
-CACHE_ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
-
-
 def _cache_reference(host: dict, kind: str, kv_layout: str, scales: dict):
-    slots = host["slot_mapping"].copy()
-    slots[slots >= NB * BS] = -1  # the kernel skips a slot past the cache; the NumPy reference refuses it
-    return rope_and_cache_reference(*(host[n] for n in CACHE_ARGS[:6]), slots, host["k_cache"], host["v_cache"],
-                                    kv_layout=kv_layout, kv_cache_dtype=kind, k_scale=scales.get("k_scale"),
-                                    v_scale=scales.get("v_scale"))
+    return cache_write_reference(host, kind, kv_layout, NB * BS, scales.get("k_scale"), scales.get("v_scale"))
 
 
 @pytest.mark.parametrize("kind", ["auto", "fp8_e4m3", "fp8_e5m2"])

@@ -27,10 +27,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import rope_rtc  # noqa: E402
 import rope_rtc.jax as rj  # noqa: E402
-from helpers import bits, layout_shape, token_rows  # noqa: E402
+from helpers import CACHE_ARGS, bits, cache_write_reference, layout_shape, token_rows  # noqa: E402
 from rope_rtc.core import driver  # noqa: E402
 from rope_rtc.jax import checks, jnp_rope, kernel_call  # noqa: E402
-from rope_rtc.reference import assert_rope_close, rope_and_cache_reference, rope_reference  # noqa: E402
+from rope_rtc.reference import assert_rope_close, rope_reference  # noqa: E402
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 B, S, HQ, HK, D, ROWS = 2, 5, 4, 2, 32, 64
@@ -226,15 +226,8 @@ def cache_inputs(dtype, kind: str, kv_layout: str, seed: int = 0) -> dict:
     return host
 
 
-CACHE_ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache")
-
-
 def cache_reference(host: dict, kind: str, kv_layout: str):
-    slots = host["slot_mapping"].copy()
-    slots[slots >= NB * BS] = -1  # past the cache: nothing written (the NumPy reference refuses them)
-    return rope_and_cache_reference(*(host[n] for n in CACHE_ARGS[:6]), slots, host["k_cache"], host["v_cache"],
-                                    kv_layout=kv_layout, kv_cache_dtype=kind, k_scale=host.get("k_scale"),
-                                    v_scale=host.get("v_scale"))
+    return cache_write_reference(host, kind, kv_layout, NB * BS, host.get("k_scale"), host.get("v_scale"))
 
 
 @pytest.mark.parametrize("kind", ["auto", "fp8_e4m3", "fp8_e5m2"])
