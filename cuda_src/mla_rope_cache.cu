@@ -14,8 +14,8 @@
 // MLA_NOPE, MLA_RD (q's unrotated and rotated channels), MLA_LORA (kv_c's channels).
 //
 // Work split: one thread per (token, unit), token-major so that a token's threads read and write
-// neighbouring memory. A token's units are its q heads' (q_units each: the rotary units in groups
-// of MLA_QV, then, when the unrotated channels are copied or quantised, one per vector of them), then the cache
+// neighbouring memory. A token's units are its q heads' (q_units each: the rotary units, then,
+// when the unrotated channels are copied or quantised, one per vector of them), then the cache
 // row's: the rotary units of k_pe, then one per vector of kv_c. A rotary unit is a pair of vectors
 // (half-split: lo and hi) or one vector (interleaved); every access is one aligned vector.
 #include "common.cuh"
@@ -28,19 +28,8 @@
 #error "mla_rope_cache.cu needs every compile-time parameter (rope_rtc/build/registry.py: mla_spec)"
 #endif
 
-// MLA_QV: q's rotary units one thread takes (consecutive units of one head, loaded together);
-// MLA_TVEC: the cos/sin row slices read as vectors (the host guarantees 16-byte aligned slices).
-#ifndef MLA_QV
-#define MLA_QV 1
-#endif
-#ifndef MLA_TVEC
-#define MLA_TVEC 0
-#endif
-
 constexpr unsigned HALF = MLA_RD / 2;
 constexpr unsigned ROT_UNITS = (ROPE_INTERLEAVED ? MLA_RD : HALF) / VEC;
-constexpr unsigned ROT_GROUPS = ROT_UNITS / MLA_QV;  // a q head's threads on its rotary channels
-static_assert(ROT_UNITS % MLA_QV == 0, "MLA_QV must divide the rotary units");
 static_assert((ROPE_INTERLEAVED ? MLA_RD : HALF) % VEC == 0 && MLA_NOPE % VEC == 0 && MLA_LORA % VEC == 0,
               "vectors must tile q's parts and the cache row");
 static_assert((CACHE_KIND == 0 && MLA_QFP8 == 0) || VEC % 2 == 0, "FP8 entries are stored in pairs");
@@ -88,7 +77,7 @@ __device__ __forceinline__ Fp8Scale cache_scale(const MlaParams& p) {
 // The rotation of one rotary unit (u < ROT_UNITS) of the MLA_RD channels at x, in place in a/b.
 __device__ __forceinline__ void rotate_unit(const MlaParams& p, i64 row, unsigned u, vec_t& a, vec_t& b) {
     float c[NPAIR], sn[NPAIR];
-    table_slice_at<NPAIR>(p, row, u * NPAIR, MLA_TVEC != 0, 1.0f, c, sn);
+    table_slice_at<NPAIR>(p, row, u * NPAIR, false, 1.0f, c, sn);
 #if ROPE_INTERLEAVED
     rotate_interleaved<conv, VEC>(a, c, sn, a);
 #else
@@ -111,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
     const unsigned r = i - t * (unsigned)p.token_units;
     const unsigned q_part = MLA_H * (unsigned)p.q_units;
     constexpr bool two = !ROPE_INTERLEAVED;
-    if (r < q_part) {  // a group of q head h's units
+    if (r < q_part) {  // a unit of q head h
         const unsigned h = fast_div(r, p.div_q_units);
         const unsigned g = r - h * (unsigned)p.q_units;
         const bits_t* in = (const bits_t*)p.q + ((i64)t * p.q_st + (i64)h * p.q_sh);
@@ -120,8 +109,8 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
         const Fp8Scale s = fp8_scale(*(const float*)p.q_scale);
         unsigned char* f = (unsigned char*)p.q_fp8 + ((i64)t * p.qf_st + (i64)h * p.qf_sh);
 #endif
-        if (g >= ROT_GROUPS) {  // a vector of the unrotated channels: copied, quantised, or both
-            const unsigned c0 = (g - ROT_GROUPS) * VEC;
+        if (g >= ROT_UNITS) {  // a vector of the unrotated channels: copied, quantised, or both
+            const unsigned c0 = (g - ROT_UNITS) * VEC;
             const vec_t a = load_v(in + c0);
             if (out != in) store_v(out + c0, a);  // in place they stay as they are
 #if MLA_QFP8
@@ -129,26 +118,16 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
 #endif
             return;
         }
-        // The group's rotary units: every load first, then the rotations and stores.
-        vec_t a[MLA_QV], b[MLA_QV];
-#pragma unroll
-        for (unsigned j = 0; j < MLA_QV; ++j) {
-            const unsigned c0 = MLA_NOPE + (g * MLA_QV + j) * VEC;
-            a[j] = load_v(in + c0);
-            if (two) b[j] = load_v(in + c0 + HALF);
-        }
-        const i64 row = token_row_in<POS_POSITIONS>(p, t, 0, 0);
-#pragma unroll
-        for (unsigned j = 0; j < MLA_QV; ++j) {
-            const unsigned u = g * MLA_QV + j, c0 = MLA_NOPE + u * VEC;
-            rotate_unit(p, row, u, a[j], b[j]);
-            store_v(out + c0, a[j]);
-            if (two) store_v(out + c0 + HALF, b[j]);
+        const unsigned c0 = MLA_NOPE + g * VEC;  // rotary unit g
+        vec_t a = load_v(in + c0), b;
+        if (two) b = load_v(in + c0 + HALF);
+        rotate_unit(p, token_row_in<POS_POSITIONS>(p, t, 0, 0), g, a, b);
+        store_v(out + c0, a);
+        if (two) store_v(out + c0 + HALF, b);
 #if MLA_QFP8
-            store_fp8<MLA_QFP8, conv, VEC>(f + c0, a[j], s);
-            if (two) store_fp8<MLA_QFP8, conv, VEC>(f + c0 + HALF, b[j], s);
+        store_fp8<MLA_QFP8, conv, VEC>(f + c0, a, s);
+        if (two) store_fp8<MLA_QFP8, conv, VEC>(f + c0 + HALF, b, s);
 #endif
-        }
         return;
     }
     const unsigned u = r - q_part;

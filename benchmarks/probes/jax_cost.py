@@ -19,15 +19,17 @@ fuse a chain of jnp rotations into one kernel); q and k are rotated in place (in
   jnp's, each step waited for; the part of ours spent inside the callback's one-call function (a
   wrapper times it); then the same with buffer_callback's ``command_buffer_compatible`` on (XLA
   may record the launches into its CUDA graphs), with its outputs checked against the default's
-  for two different inputs (a replay that kept stale addresses shows as WRONG).
+  for five argument sets in distinct buffers (a replay that kept stale addresses shows as WRONG).
 
-Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for its last row (and back) and wraps
+Decode is also timed with ``command_buffer_compatible`` on. Sets
+``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for those rows (and back) and wraps
 ``rope_rtc.ops.rope.apply_rope_qk`` for the host section only. Exits 2 without a CUDA device.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -146,7 +148,22 @@ def decode(jax, jnp, rj, window: Window, rng, length: int) -> None:
         for label, backend in (("rope_rtc.jax", "nvrtc"), ("jnp/XLA", "jnp")):
             us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
             row.append(f"{label} {us:7.2f}")
+        with command_buffers():
+            us = gpu_us_per_call(jax, chain_fn(jax, rj, window, "nvrtc", length, None), args, window, length)
+        row.append(f"rope_rtc.jax, command_buffer_compatible {us:7.2f}")
         print("   ".join(row))
+
+
+@contextlib.contextmanager
+def command_buffers():
+    """buffer_callback's command_buffer_compatible on for the calls staged inside."""
+    from rope_rtc.jax import kernel_call
+
+    kernel_call.COMMAND_BUFFER = True
+    try:
+        yield
+    finally:
+        kernel_call.COMMAND_BUFFER = False
 
 
 def step_fn(jax, rj, backend: str, layers: int):
@@ -171,7 +188,6 @@ def wall_us_per_call(jax, fn, args, layers: int, steps: int = 200) -> float:
 
 def host(jax, jnp, rj, rng, layers: int) -> None:
     import rope_rtc.ops.rope as ops_rope
-    from rope_rtc.jax import kernel_call
 
     args = inputs(jnp, rng, 8, 1, 32, 8, 128, 4096)
     print(f"host: a jitted decode step of {layers} chained calls (B=8), each step waited for: wall us per call")
@@ -197,20 +213,20 @@ def host(jax, jnp, rj, rng, layers: int) -> None:
     print(f"  jnp, fused by XLA       {jnp_us:7.2f}")
     print(f"  rope_rtc.jax            {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
           f"one-call function: {inside[0] / max(inside[1], 1) * 1e6:.2f})")
-    expected = [jax.block_until_ready(ours_fn(*args))]
-    other = (*args[:4], (args[4] + 7) % 4000)
-    expected.append(jax.block_until_ready(ours_fn(*other)))
-    kernel_call.COMMAND_BUFFER = True
+    # Argument sets in distinct buffers, all kept alive (so no two share an address): a replay
+    # that kept the buffers it was recorded with shows as WRONG.
+    sets = [args] + [(args[0] * (1 + i), args[1] * (2 + i), *args[2:4], (args[4] + 7 * i) % 4000) for i in range(1, 5)]
+    expected = [jax.block_until_ready(ours_fn(*a)) for a in sets]
     try:
-        graphed = step_fn(jax, rj, "nvrtc", layers)
-        graphed_us = wall_us_per_call(jax, graphed, args, layers)
-        same = all(bool((a == b).all()) for run, want in zip((args, other), expected)
-                   for a, b in zip(graphed(*run), want))
-        print(f"  command_buffer_compatible {graphed_us:5.2f}   outputs {'equal to the default' if same else 'WRONG'}")
+        with command_buffers():
+            graphed = step_fn(jax, rj, "nvrtc", layers)
+            graphed_us = wall_us_per_call(jax, graphed, args, layers)
+            same = all(bool((x == y).all()) for run, want in zip(sets, expected)
+                       for _ in range(2) for x, y in zip(graphed(*run), want))
+        print(f"  command_buffer_compatible {graphed_us:5.2f}   outputs {'equal to the default' if same else 'WRONG'} "
+              f"for {len(sets)} argument sets in distinct buffers, each run twice")
     except Exception as exc:  # the switch is new in JAX: say what happened
         print(f"  command_buffer_compatible: not run ({type(exc).__name__}: {str(exc)[:300]})")
-    finally:
-        kernel_call.COMMAND_BUFFER = False
 
 
 def main() -> int:

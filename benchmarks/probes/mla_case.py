@@ -6,14 +6,12 @@ and slots) for Nsight Compute, and beside the bounds of its access pattern.
         one warm-up and two launches of the fused kernel (profile the last:
         ncu -k regex:mla_rope_cache --launch-skip 2 --launch-count 1 --set full ...)
     PYTHONPATH=. python3 benchmarks/probes/mla_case.py bounds [T ...]
-        GPU µs of the fused launch beside: a copy of the same bytes (cudaMemcpyAsync), and a
-        kernel that reads and writes exactly the fused launch's bytes in place without the
-        rotation (q's rotary channels, k_pe; kv_c read, the cache row written): what the access
-        pattern itself costs. CUDA events for prefill sizes, graph replay for T <= 64.
-    PYTHONPATH=. python3 benchmarks/probes/mla_case.py sweep [T ...]
-        the kernel's build knobs (MLA_QV: rotary units per thread; MLA_TVEC: vector table loads),
-        each build launched on the plan's own argument block, timed as above, and its outputs
-        compared bit for bit with the plan's.
+        GPU µs of the fused launch beside: a copy of the same bytes (cudaMemcpyAsync); a kernel
+        that reads and writes exactly the fused launch's bytes in place without the rotation
+        (q's rotary channels, k_pe; kv_c read, the cache row written): what the access pattern
+        itself costs; and the same kernel with q's rotary channels packed (the first third of
+        q's memory, dense) instead of 128 bytes in each 384-byte head row: what that sparse
+        pattern costs. CUDA events for prefill sizes, graph replay for T <= 64.
 """
 
 from __future__ import annotations
@@ -29,23 +27,24 @@ H, NOPE, ROPE, LORA, BLOCK, TABLE = 128, 128, 64, 512, 16, 32768
 # One thread per 16-byte vector of the fused launch's traffic, token-major like the fused kernel:
 # q's rotary vectors (8 per head), k_pe's (8), kv_c's (64, written to the cache row with k_pe's).
 _TOUCH = r"""
-struct __align__(16) V { unsigned a, b, c, d; };
+typedef uint4 V;
 extern "C" __global__ void __launch_bounds__(256) mla_touch(V* q, V* k_pe, const V* kv_c, const long long* slots,
-                                                            V* cache, unsigned flip, long long total) {
+                                                            V* cache, unsigned flip, long long total,
+                                                            unsigned q_head_vectors) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= total) return;
     const long long t = i / (128 * 8 + 8 + 64);
     const unsigned r = (unsigned)(i - t * (128 * 8 + 8 + 64));
-    if (r < 128 * 8) {  // q head r / 8, rotary vector r % 8: channels 128 + 8 * (r % 8)
-        V* p = q + t * (128 * 24) + (r / 8) * 24 + 16 + (r % 8);
-        V v = __ldcs(p); v.a ^= flip; __stcs(p, v);
+    if (r < 128 * 8) {  // q head r / 8, rotary vector r % 8: channels 128 + 8 * (r % 8) (or packed)
+        V* p = q_head_vectors == 24 ? q + t * (128 * 24) + (r / 8) * 24 + 16 + (r % 8) : q + t * (128 * 8) + r;
+        V v = __ldcs(p); v.x ^= flip; __stcs(p, v);
         return;
     }
     const long long slot = slots[t];
     if (r < 128 * 8 + 8) {
         const unsigned u = r - 128 * 8;
         V* p = k_pe + t * 8 + u;
-        V v = __ldcs(p); v.a ^= flip; __stcs(p, v);
+        V v = __ldcs(p); v.x ^= flip; __stcs(p, v);
         if (slot >= 0) __stcs(cache + slot * 72 + 64 + u, v);
         return;
     }
@@ -99,7 +98,10 @@ def bounds(sizes: list[int]) -> None:
             "fused": lambda: plan.execute(*args),
             "touch (same bytes, no rotation)": lambda: touch((-(-total // 256),), (256,),
                                                              (q, k_pe, kv_c, slots, cache, np.uint32(0),
-                                                              np.int64(total))),
+                                                              np.int64(total), np.uint32(24))),
+            "touch, q's rotary bytes packed": lambda: touch((-(-total // 256),), (256,),
+                                                            (q, k_pe, kv_c, slots, cache, np.uint32(0),
+                                                             np.int64(total), np.uint32(8))),
             "copy (same bytes)": lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, moved // 2, 3,
                                                                      cp.cuda.get_current_stream().ptr),
         }
@@ -109,61 +111,8 @@ def bounds(sizes: list[int]) -> None:
             print(f"T={T:<6} {name:<34} {us:9.2f} µs  {moved / us / 1e3:8.1f} GB/s")
 
 
-def sweep(sizes: list[int]) -> None:
-    import ctypes
-    import itertools
-
-    import cupy as cp
-
-    from rope_rtc.build.registry import KernelSpec
-    from rope_rtc.core.launcher import Launcher, StructArg, launch_prefix, load_kernel
-    from rope_rtc.ops.mla_request import MlaParams
-    from rope_rtc.ops.rope_params import fast_divisor
-
-    dev = cp.cuda.runtime.getDevice()
-    for T in sizes:
-        plan, args = _arrays(T)
-        q, k_pe, kv_c, cos, sin, pos, slots, cache = args
-        q0, k0 = q.copy(), k_pe.copy()
-        plan.execute(*args)
-        want = [a.copy() for a in (q, k_pe, cache)]
-        core = plan._core
-        spec0 = next(s_ for s_ in _loaded_specs() if s_.family == "mla_rope_cache")  # the plan's build
-        timer = graph_us if T <= 64 else event_us
-        rot_units = ROPE // 8  # bf16 interleaved, 16-byte vectors
-        for qv, tvec in itertools.product((1, 2, 4, 8), (0, 1)):
-            spec = KernelSpec(spec0.family, spec0.source, spec0.entries,
-                              spec0.defines + (("MLA_QV", str(qv)), ("MLA_TVEC", str(tvec))))
-            fn = load_kernel(spec, dev).functions["mla_rope_cache"]
-            arg = StructArg(MlaParams)
-            ctypes.memmove(ctypes.addressof(arg.values), ctypes.addressof(core.block), ctypes.sizeof(MlaParams))
-            p = arg.values
-            p.q_units = rot_units // qv
-            p.token_units = H * p.q_units + rot_units + LORA // 8
-            p.total = T * p.token_units
-            p.div_token, p.div_q_units = fast_divisor(p.token_units), fast_divisor(p.q_units)
-            launcher = Launcher(arg.address, dev)
-            prefix = launch_prefix(fn, (-(-p.total // 256), 1, 1), (256, 1, 1))
-            q[...] = q0
-            k_pe[...] = k0
-            cache.fill(0)
-            launcher(prefix)
-            same = all(bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
-                       for a, b in zip((q, k_pe, cache), want))
-            us = min(timer(lambda: launcher(prefix)) for _ in range(3))
-            print(f"T={T:<6} QV={qv} TVEC={tvec}  {us:9.2f} µs  {'bit-exact' if same else 'DIFFERENT'}", flush=True)
-
-
-def _loaded_specs():
-    from rope_rtc.core import launcher
-
-    return [k.spec for k in launcher._loaded.values()]
-
-
 if __name__ == "__main__":
     if sys.argv[1] == "ncu":
         ncu(int(sys.argv[2]))
-    elif sys.argv[1] == "sweep":
-        sweep([int(a) for a in sys.argv[2:]] or [16384, 64, 1])
     else:
         bounds([int(a) for a in sys.argv[2:]] or [16384, 64, 1])
