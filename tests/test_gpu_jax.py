@@ -324,11 +324,16 @@ def test_kernel_grad_is_what_torch_autograd_computes(jax, rj):
 
 def test_the_callback_returns_while_the_gpu_is_busy(jax, rj, cp, monkeypatch):
     """The kernel's callback queued behind a spinning kernel of the same program (on XLA's stream)
-    returns without waiting for it: it never synchronises the stream or the device."""
+    returns without waiting for it: it never synchronises the stream or the device. Staged with
+    command buffers off, so that the callback runs at every execution (as it does wherever XLA
+    does not record it)."""
     import jax.numpy as jnp
     from jax.experimental.buffer_callback import buffer_callback
 
     import rope_rtc.ops.rope as ops_rope
+    from rope_rtc.jax import kernel_call
+
+    monkeypatch.setattr(kernel_call, "COMMAND_BUFFER", False)
 
     x = jnp.asarray(host_random((B, S, HQ, D), np.float32, 71))
     cos, sin = host_tables(ROWS, D // 2, 72)
@@ -359,6 +364,58 @@ def test_the_callback_returns_while_the_gpu_is_busy(jax, rj, cp, monkeypatch):
     assert spans[0] < 0.25 * total, f"the callback took {spans[0]:.4f} s of a {total:.4f} s program"
     ref = rope_reference(_tokens(np.asarray(x), "bshd"), cos, sin, np.tile(np.arange(S), B), interleaved=False)
     assert_rope_close(_tokens(y, "bshd"), ref, _tokens(np.asarray(x), "bshd"), interleaved=False)
+
+
+def test_recorded_launches_follow_buffers_that_move(jax, rj):
+    """With command buffers (the default), XLA records the callback's launch and replays it: five
+    argument sets in distinct buffers, all alive at once so that no two share an address, each run
+    twice through one jitted step (not donated, so each step's results are new buffers too), give
+    the kernels' bits every time."""
+    import jax.numpy as jnp
+
+    from rope_rtc.jax import kernel_call
+
+    assert kernel_call.COMMAND_BUFFER
+    cos, sin = host_tables(ROWS, D // 2, 100)
+    hosts = [(host_random((B, 1, HQ, D), ml_dtypes.bfloat16, 101 + i), host_random((B, 1, HK, D), ml_dtypes.bfloat16, 111 + i),
+              np.array([3 + 11 * i, 40 + 7 * i], np.int32)) for i in range(5)]
+    step = jax.jit(lambda q, k, starts: rj.apply_rope_qk(q, k, cos, sin, offset=starts, layout="bshd"))
+    sets = [tuple(jnp.asarray(a) for a in h) for h in hosts]
+    for _ in range(2):
+        for (q, k, starts), arrays in zip(hosts, sets):
+            qo, ko = step(*arrays)
+            for got, x in ((qo, q), (ko, k)):
+                want = rope_kernel_arithmetic(x[:, 0], cos, sin, starts, interleaved=False)
+                np.testing.assert_array_equal(bits(np.asarray(got)[:, 0]), bits(want))
+
+
+def test_a_cold_process_records_its_first_launch(tmp_path):
+    """A fresh process whose first rope_rtc call of all is inside a jitted step, with an empty
+    kernel cache: the compile and the module load happen while XLA records the callback, and the
+    step's results are the kernels' bits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ml_dtypes, numpy as np, jax, jax.numpy as jnp
+        import rope_rtc.jax as rj
+        from rope_rtc.reference import rope_kernel_arithmetic
+        rng = np.random.default_rng(5)
+        x = rng.standard_normal((4, 1, 8, 64)).astype(ml_dtypes.bfloat16)
+        ang = rng.uniform(-3, 3, (64, 32))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        starts = np.array([1, 9, 30, 50], np.int32)
+        f = jax.jit(lambda x, s: rj.apply_rope(x, cos, sin, offset=s, layout="bshd", backend="nvrtc"))
+        for _ in range(3):
+            got = np.asarray(f(jnp.asarray(x), jnp.asarray(starts)))
+            want = rope_kernel_arithmetic(x[:, 0], cos, sin, starts, interleaved=False)
+            assert np.array_equal(got[:, 0].view(np.uint16), want.view(np.uint16))
+        print("ok")
+    """)
+    env = dict(os.environ, ROPE_RTC_CACHE_DIR=str(tmp_path / "cache"), XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_vmap_runs_the_kernel_per_element(jax, rj):

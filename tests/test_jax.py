@@ -478,6 +478,11 @@ def test_vmap_runs_the_callback_once_per_element(host_callback):
 
 # -- the program lowered for CUDA -----------------------------------------------------------------
 
+# The custom call XLA lowers the kernel's buffer callback to: the command-buffer kind
+# (rope_rtc.jax.kernel_call.COMMAND_BUFFER), which XLA may record into its CUDA graphs.
+KERNEL_TARGET = "xla_buffer_python_gpu_callback_cmd_buffer"
+
+
 def _custom_calls(text: str) -> list[str]:
     return re.findall(r"stablehlo\.custom_call @(\w+)\(([^)]*)\)[^\n]*", text)
 
@@ -494,7 +499,7 @@ def test_lowered_for_cuda_the_kernel_takes_donated_buffers(monkeypatch):
                      donate_argnums=(0, 1)).trace(q, k, offsets)
     cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
     calls = _custom_calls(cuda)
-    assert [name for name, _ in calls] == ["xla_buffer_python_gpu_callback"]
+    assert [name for name, _ in calls] == [KERNEL_TARGET]
     assert "output_operand_aliases" in cuda and "operand_index = 0" in cuda and "operand_index = 1" in cuda
     assert cuda.count("tf.aliasing_output") == 2  # the donated q and k are the results' buffers
     cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
@@ -507,7 +512,7 @@ def test_lowered_for_cuda_the_gradient_is_the_kernel_again(monkeypatch):
     cos, sin = host_tables(ROWS, D // 2, 124)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(rj.apply_rope(x, cos, sin, layout="thd", offset=2) ** 2)))
     text = grad.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert [name for name, _ in _custom_calls(text)] == ["xla_buffer_python_gpu_callback"] * 2
+    assert [name for name, _ in _custom_calls(text)] == [KERNEL_TARGET] * 2
 
 
 def test_lowered_for_cuda_the_cache_results_alias_the_caches(monkeypatch):
@@ -517,7 +522,7 @@ def test_lowered_for_cuda_the_cache_results_alias_the_caches(monkeypatch):
     traced = jax.jit(lambda *a: rj.rope_and_cache(*a, in_place=False), donate_argnums=(7, 8)).trace(*args)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     (name, operands), = _custom_calls(text)
-    assert name == "xla_buffer_python_gpu_callback"
+    assert name == KERNEL_TARGET
     # q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache: the caches are operands 7 and 8
     aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", text)
     assert sorted(aliases) == [("2", "7"), ("3", "8")]

@@ -14,15 +14,16 @@ fuse a chain of jnp rotations into one kernel); q and k are rotated in place (in
   moved (q and k read and written, each token's table rows read) and % of a device-to-device copy
   of that many bytes (``rope_rtc.measure``: half read, half written; cold L2);
 - decode: bf16 q ``[B, 1, 32, 128]``, k ``[B, 1, 8, 128]``, one offset per sequence (an array:
-  traced), B = 1, 8, 64: GPU µs per call, ours and XLA's;
-- host: wall µs per call of a jitted decode step of ``--layers`` chained calls (B = 8), ours and
-  jnp's, each step waited for; the part of ours spent inside the callback's one-call function (a
-  wrapper times it); then the same with buffer_callback's ``command_buffer_compatible`` on (XLA
-  may record the launches into its CUDA graphs), with its outputs checked against the default's
-  for five argument sets in distinct buffers (a replay that kept stale addresses shows as WRONG).
+  traced), B = 1, 8, 64: GPU µs per call, ours (with command buffers, the default, and without)
+  and XLA's;
+- host: wall µs per call of a jitted decode step of ``--layers`` chained calls (B = 8), jnp's and
+  ours with command buffers off (a Python call per execution; the part spent inside the
+  callback's one-call function timed by a wrapper), then ours with them on (buffer_callback's
+  ``command_buffer_compatible``: XLA records the launches into its CUDA graphs), its outputs
+  checked against the callback's for five argument sets in distinct buffers, each run twice (a
+  replay that kept stale addresses shows as WRONG).
 
-Decode is also timed with ``command_buffer_compatible`` on. Sets
-``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for those rows (and back) and wraps
+Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for the rows without command buffers and wraps
 ``rope_rtc.ops.rope.apply_rope_qk`` for the host section only. Exits 2 without a CUDA device.
 """
 
@@ -145,25 +146,24 @@ def decode(jax, jnp, rj, window: Window, rng, length: int) -> None:
     for b in (1, 8, 64):
         args = inputs(jnp, rng, b, 1, 32, 8, 128, 4096)
         row = [f"  B={b:<3d}"]
-        for label, backend in (("rope_rtc.jax", "nvrtc"), ("jnp/XLA", "jnp")):
-            us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
+        for label, backend, on in (("rope_rtc.jax", "nvrtc", True), ("command buffers off", "nvrtc", False),
+                                   ("jnp/XLA", "jnp", True)):
+            with command_buffers(on):
+                us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
             row.append(f"{label} {us:7.2f}")
-        with command_buffers():
-            us = gpu_us_per_call(jax, chain_fn(jax, rj, window, "nvrtc", length, None), args, window, length)
-        row.append(f"rope_rtc.jax, command_buffer_compatible {us:7.2f}")
         print("   ".join(row))
 
 
 @contextlib.contextmanager
-def command_buffers():
-    """buffer_callback's command_buffer_compatible on for the calls staged inside."""
+def command_buffers(on: bool):
+    """buffer_callback's command_buffer_compatible for the calls staged inside."""
     from rope_rtc.jax import kernel_call
 
-    kernel_call.COMMAND_BUFFER = True
+    before, kernel_call.COMMAND_BUFFER = kernel_call.COMMAND_BUFFER, on
     try:
         yield
     finally:
-        kernel_call.COMMAND_BUFFER = False
+        kernel_call.COMMAND_BUFFER = before
 
 
 def step_fn(jax, rj, backend: str, layers: int):
@@ -203,30 +203,29 @@ def host(jax, jnp, rj, rng, layers: int) -> None:
             inside[0] += time.perf_counter() - t0
             inside[1] += 1
 
-    ours_fn = step_fn(jax, rj, "nvrtc", layers)
-    ours_us = wall_us_per_call(jax, ours_fn, args, layers)
-    ops_rope.apply_rope_qk = timed
-    try:
-        wall_us_per_call(jax, step_fn(jax, rj, "nvrtc", layers), args, layers, steps=50)
-    finally:
-        ops_rope.apply_rope_qk = real
-    print(f"  jnp, fused by XLA       {jnp_us:7.2f}")
-    print(f"  rope_rtc.jax            {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
+    with command_buffers(False):
+        ours_fn = step_fn(jax, rj, "nvrtc", layers)
+        ours_us = wall_us_per_call(jax, ours_fn, args, layers)
+        ops_rope.apply_rope_qk = timed
+        try:
+            wall_us_per_call(jax, step_fn(jax, rj, "nvrtc", layers), args, layers, steps=50)
+        finally:
+            ops_rope.apply_rope_qk = real
+        # Argument sets in distinct buffers, all kept alive (so no two share an address): a
+        # replay that kept the buffers it was recorded with shows as WRONG.
+        sets = [args] + [(args[0] * (1 + i), args[1] * (2 + i), *args[2:4], (args[4] + 7 * i) % 4000)
+                         for i in range(1, 5)]
+        expected = [jax.block_until_ready(ours_fn(*a)) for a in sets]
+    print(f"  jnp, fused by XLA            {jnp_us:7.2f}")
+    print(f"  rope_rtc.jax, no cmd buffers {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
           f"one-call function: {inside[0] / max(inside[1], 1) * 1e6:.2f})")
-    # Argument sets in distinct buffers, all kept alive (so no two share an address): a replay
-    # that kept the buffers it was recorded with shows as WRONG.
-    sets = [args] + [(args[0] * (1 + i), args[1] * (2 + i), *args[2:4], (args[4] + 7 * i) % 4000) for i in range(1, 5)]
-    expected = [jax.block_until_ready(ours_fn(*a)) for a in sets]
-    try:
-        with command_buffers():
-            graphed = step_fn(jax, rj, "nvrtc", layers)
-            graphed_us = wall_us_per_call(jax, graphed, args, layers)
-            same = all(bool((x == y).all()) for run, want in zip(sets, expected)
-                       for _ in range(2) for x, y in zip(graphed(*run), want))
-        print(f"  command_buffer_compatible {graphed_us:5.2f}   outputs {'equal to the default' if same else 'WRONG'} "
-              f"for {len(sets)} argument sets in distinct buffers, each run twice")
-    except Exception as exc:  # the switch is new in JAX: say what happened
-        print(f"  command_buffer_compatible: not run ({type(exc).__name__}: {str(exc)[:300]})")
+    with command_buffers(True):
+        graphed = step_fn(jax, rj, "nvrtc", layers)
+        graphed_us = wall_us_per_call(jax, graphed, args, layers)
+        same = all(bool((x == y).all()) for run, want in zip(sets, expected)
+                   for _ in range(2) for x, y in zip(graphed(*run), want))
+    print(f"  rope_rtc.jax (cmd buffers)   {graphed_us:7.2f}   outputs {'equal to the callback' if same else 'WRONG'} "
+          f"(per-call) for {len(sets)} argument sets in distinct buffers, each run twice")
 
 
 def main() -> int:

@@ -10,8 +10,9 @@ donated (or no longer needed) input is then rotated where it lies, and the cache
 copies the cache.
 
 The buffers are valid only while the callback runs; nothing here keeps them (the one-call
-functions keep none of their arrays either). The callback runs on every execution of the
-computation, on the thread XLA executes it from.
+functions keep none of their arrays either). The callback runs on the thread XLA executes the
+computation from: on every execution, or, where XLA records it into a command buffer
+(``COMMAND_BUFFER``), each time XLA records it.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from .checks import CacheCall, RopeCall
 # What the callback asks of the CuPy API's one-call functions: the kernels. The CPU tests run the
 # same callback through JAX's CPU backend, on host buffers, with "numpy".
 CALLBACK_BACKEND = "nvrtc"
-# buffer_callback's command_buffer_compatible: whether XLA may record the callback's launch into
-# its command buffers (CUDA graphs) once and replay it without calling Python again. Off: a
-# recorded call is only as good as the buffers it was recorded with, and the switch is new in
-# JAX (benchmarks/probes/jax_cost.py measures both).
-COMMAND_BUFFER = False
+# buffer_callback's command_buffer_compatible: XLA records the callback's launch into its command
+# buffers (CUDA graphs) by running the callback under stream capture, once for each set of buffer
+# addresses, and replays the recording without calling Python again. The callback's launch
+# depends on nothing but the buffers' addresses and the call's static arguments (positions and
+# offsets are read on the GPU), so a replay is the launch the callback would make.
+# benchmarks/probes/jax_cost.py measures it on and off and checks replays on buffers that move.
+COMMAND_BUFFER = True
 # How buffer_callback maps over a vmapped axis: one call per element, in a loop (the kernels
 # take no extra batch axis).
 VMAP_METHOD = "sequential"
