@@ -14,7 +14,7 @@ Public API (imported lazily: ``import rope_rtc`` loads neither CuPy nor the CUDA
 - :func:`apply_qk_norm_rope`, :class:`QKNormRopePlan` — per-head RMSNorm fused with RoPE (Qwen3, Gemma 3)
 - :class:`TailRoPEForward`, :func:`tail_rope` — the prepared BF16 tail RoPE API
 - :class:`TensorDesc`, :class:`TupleDict`
-- :func:`release_outputs` — kept for earlier callers; one-call outputs go back to CuPy's pool when let go
+- :func:`release_outputs` — drop the small outputs this thread keeps for recycling
 """
 
 from __future__ import annotations

@@ -366,16 +366,16 @@ def test_the_callback_returns_while_the_gpu_is_busy(jax, rj, cp, monkeypatch):
     assert_rope_close(_tokens(y, "bshd"), ref, _tokens(np.asarray(x), "bshd"), interleaved=False)
 
 
-def test_recorded_launches_follow_buffers_that_move(jax, rj):
-    """With command buffers (the default), XLA records the callback's launch and replays it: five
-    argument sets in distinct buffers, all alive at once so that no two share an address, each run
-    twice through one jitted step (not donated, so each step's results are new buffers too), give
-    the kernels' bits every time."""
+def test_recorded_launches_follow_buffers_that_move(jax, rj, monkeypatch):
+    """With command buffers (``kernel_call.COMMAND_BUFFER``), XLA records the callback's launch
+    and replays it: five argument sets in distinct buffers, all alive at once so that no two share
+    an address, each run twice through one jitted step (not donated, so each step's results are
+    new buffers too), give the kernels' bits every time."""
     import jax.numpy as jnp
 
     from rope_rtc.jax import kernel_call
 
-    assert kernel_call.COMMAND_BUFFER
+    monkeypatch.setattr(kernel_call, "COMMAND_BUFFER", True)
     cos, sin = host_tables(ROWS, D // 2, 100)
     hosts = [(host_random((B, 1, HQ, D), ml_dtypes.bfloat16, 101 + i), host_random((B, 1, HK, D), ml_dtypes.bfloat16, 111 + i),
               np.array([3 + 11 * i, 40 + 7 * i], np.int32)) for i in range(5)]
@@ -390,9 +390,9 @@ def test_recorded_launches_follow_buffers_that_move(jax, rj):
 
 
 def test_a_cold_process_records_its_first_launch(tmp_path):
-    """A fresh process whose first rope_rtc call of all is inside a jitted step, with an empty
-    kernel cache: the compile and the module load happen while XLA records the callback, and the
-    step's results are the kernels' bits."""
+    """With command buffers, a fresh process whose first rope_rtc call of all is inside a jitted
+    step, with an empty kernel cache: the compile and the module load happen while XLA records the
+    callback, and the step's results are the kernels' bits."""
     import subprocess
     import sys
     import textwrap
@@ -400,7 +400,9 @@ def test_a_cold_process_records_its_first_launch(tmp_path):
     script = textwrap.dedent("""
         import ml_dtypes, numpy as np, jax, jax.numpy as jnp
         import rope_rtc.jax as rj
+        from rope_rtc.jax import kernel_call
         from rope_rtc.reference import rope_kernel_arithmetic
+        kernel_call.COMMAND_BUFFER = True
         rng = np.random.default_rng(5)
         x = rng.standard_normal((4, 1, 8, 64)).astype(ml_dtypes.bfloat16)
         ang = rng.uniform(-3, 3, (64, 32))

@@ -118,7 +118,7 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
     x = cp.asarray(host_random((4, 8, 512), BF16, seed=5))
     ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
     c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
-    for _ in range(3):  # the first call and the repeat path: each allocates its outputs
+    for _ in range(3):  # the first call and the repeat path (a caller's allocator: nothing is recycled)
         sizes.clear()
         with cp.cuda.using_allocator(poisoned):
             qo, ko = rope_rtc.apply_rope_qk(q, k, cos, sin, offset=starts, layout="bshd")
@@ -131,6 +131,90 @@ def test_allocated_outputs_come_from_the_current_allocator(cp):
         assert to.flags.c_contiguous and to.shape == x.shape
         assert np.array_equal(bits(cp.asnumpy(to)),
                               bits(tail_rope_reference(cp.asnumpy(x), cp.asnumpy(c), cp.asnumpy(s))))
+
+
+def test_recycled_outputs_are_written_whole_and_live_ones_are_left_alone(cp, monkeypatch):
+    """From CuPy's default pool, an output the caller let go of comes back from the next call of
+    its signature without an allocation (the same memory, poisoned with NaN bits in between): every
+    element is written again, bit-equal to a plan's result. An output the caller still holds, or
+    whose memory an alias built on its pointer reaches (``as_strided``), is never handed out, and
+    its contents stay."""
+    from cupy.lib.stride_tricks import as_strided
+
+    import rope_rtc
+    from rope_rtc.core import outputs as launch
+    from rope_rtc.reference import tail_rope_reference
+
+    cos_h, sin_h = host_tables(ROWS, D // 2, 2)
+    cos, sin = cp.asarray(cos_h), cp.asarray(sin_h)
+    qs = [cp.asarray(host_random((B, 1, HQ, D), BF16, seed=20 + i)) for i in range(2)]
+    ks = [cp.asarray(host_random((B, 1, HK, D), BF16, seed=30 + i)) for i in range(2)]
+    starts = cp.asarray(np.arange(B, dtype=np.int32) * 100)
+    want = []
+    for q, k in zip(qs, ks):
+        wq, wk = (cp.full_like(a, np.nan) for a in (q, k))
+        rope_rtc.RopePlan(q, k, cos, sin, offset=starts, q_out=wq, k_out=wk, layout="bshd").compile().execute(
+            q, k, cos, sin, offset=starts, q_out=wq, k_out=wk)
+        want.append((bits(cp.asnumpy(wq)), bits(cp.asnumpy(wk))))
+    x = [cp.asarray(host_random((4, 8, 512), BF16, seed=40 + i)) for i in range(2)]
+    ang = np.random.default_rng(6).uniform(-3, 3, (4, 32))
+    c, s = cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+    want_tail = [bits(tail_rope_reference(cp.asnumpy(xi), cp.asnumpy(c), cp.asnumpy(s))) for xi in x]
+    stream = cp.cuda.get_current_stream()
+    sizes: list[int] = []  # the outputs allocated (not recycled), by bytes
+    new_array = launch._new_array
+
+    def counting(shape, dtype, device, handle, current):
+        out = new_array(shape, dtype, device, handle, current)
+        sizes.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(launch, "_new_array", counting)
+
+    def poison(*arrays):
+        for a in arrays:
+            cp.cuda.runtime.memsetAsync(a.data.ptr, 0xFF, a.nbytes, stream.ptr)
+
+    def calls(i):
+        qo, ko = rope_rtc.apply_rope_qk(qs[i], ks[i], cos, sin, offset=starts, layout="bshd")
+        xo = rope_rtc.apply_rope(qs[i], cos, sin, offset=starts, layout="bshd")
+        return qo, ko, xo, rope_rtc.tail_rope(x[i], c, s)["out"]
+
+    def check(outs, i):
+        for got, w in zip(outs, (want[i][0], want[i][1], want[i][0], want_tail[i])):
+            assert got.flags.c_contiguous and np.array_equal(bits(cp.asnumpy(got)), w)
+
+    for i in (0, 1, 0):
+        rope_rtc.release_outputs()
+        outs = calls(i)
+        ptrs = sorted(a.data.ptr for a in outs)
+        poison(*outs)
+        del outs
+        sizes.clear()
+        outs = calls(i)
+        assert sizes == [] and sorted(a.data.ptr for a in outs) == ptrs, "the outputs were not recycled"
+        check(outs, i)
+        # Held: the next calls allocate and leave these alone.
+        held = [(a.data.ptr, bits(cp.asnumpy(a))) for a in outs]
+        j = 1 - i
+        sizes.clear()
+        new = calls(j)
+        assert sizes == [qs[j].nbytes, ks[j].nbytes, qs[j].nbytes, x[j].nbytes]
+        assert not {a.data.ptr for a in new} & {p for p, _ in held}
+        check(new, j)
+        for a, (_, before) in zip(outs, held):
+            assert np.array_equal(bits(cp.asnumpy(a)), before)
+        del outs, new, held
+    # An alias on the output's pointer keeps its memory: not recycled.
+    rope_rtc.release_outputs()
+    xo = rope_rtc.apply_rope(qs[0], cos, sin, offset=starts, layout="bshd")
+    alias = as_strided(xo)
+    del xo
+    sizes.clear()
+    xn = rope_rtc.apply_rope(qs[1], cos, sin, offset=starts, layout="bshd")
+    assert sizes == [qs[1].nbytes] and xn.data.ptr != alias.data.ptr
+    assert np.array_equal(bits(cp.asnumpy(alias)), want[0][0])
+    rope_rtc.release_outputs()
 
 
 def test_check_positions_switch_reads_device_positions_back(cp, monkeypatch):

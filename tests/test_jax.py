@@ -478,9 +478,9 @@ def test_vmap_runs_the_callback_once_per_element(host_callback):
 
 # -- the program lowered for CUDA -----------------------------------------------------------------
 
-# The custom call XLA lowers the kernel's buffer callback to: the command-buffer kind
-# (rope_rtc.jax.kernel_call.COMMAND_BUFFER), which XLA may record into its CUDA graphs.
-KERNEL_TARGET = "xla_buffer_python_gpu_callback_cmd_buffer"
+# The custom call XLA lowers the kernel's buffer callback to (rope_rtc.jax.kernel_call.COMMAND_BUFFER
+# off: a Python call at every execution).
+KERNEL_TARGET = "xla_buffer_python_gpu_callback"
 
 
 def _custom_calls(text: str) -> list[str]:

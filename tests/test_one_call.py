@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -734,7 +735,7 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
         return Array(shape, dtype)
 
     current = [allocator]
-    monkeypatch.setattr(launch, "_EMPTY", [(Array, lambda: current[0], cupy_empty)])
+    monkeypatch.setattr(launch, "_EMPTY", [(Array, lambda: current[0], cupy_empty, None)])
     a = launch.empty((8, 1, 32, 128), BF16)
     assert (a.shape, a.dtype, a.memptr) == ((8, 1, 32, 128), BF16, "memory of 65536")
     current[0] = lambda n: asked.append(-n) or "other"
@@ -742,6 +743,197 @@ def test_outputs_are_allocated_from_the_current_allocator(monkeypatch):
     assert asked == [65536, -60] and not made
     z = launch.empty((0, 4), np.dtype(np.float32))
     assert made == [(0, 4)] and z.memptr is None and asked == [65536, -60]
+
+
+class _Pool:
+    """A stand-in memory pool: what ``launch.allocate`` asks of one is its ``malloc``'s owner."""
+
+    def malloc(self, nbytes):
+        return None
+
+
+@pytest.fixture
+def recycling(monkeypatch):
+    """``launch.allocate`` over real CuPy arrays on fake memory (counted as they are made), with an
+    allocator to switch and an empty recycling cache."""
+    from rope_rtc.core import outputs as launch
+
+    made = []
+    default = _Pool()
+    allocator = [default.malloc]  # CuPy's default: its pool's malloc
+
+    def new_array(shape, dtype, device, stream, current):
+        out = fake_cupy(shape, dtype, device=device)
+        made.append(id(out))  # counted, not held
+        return out
+
+    monkeypatch.setattr(launch, "_new_array", new_array)
+    monkeypatch.setattr(launch, "_EMPTY", [(None, lambda: allocator[0], None, default)])
+    monkeypatch.setattr(launch, "_recycled", threading.local())
+    return launch, made, allocator
+
+
+def test_an_output_nothing_references_is_handed_out_again(recycling):
+    """A small output the caller has let go of comes back from the next call of its signature
+    without a new allocation. One whose memory anything still reaches never does, so a live
+    result is never overwritten: the array held, a view of it, an alias built on its pointer
+    (``as_strided``), the pointer itself, a pointer into its memory, a weak reference."""
+    from cupy.lib.stride_tricks import as_strided
+
+    launch, made, _ = recycling
+    shape, dt = (8, 1, 32, 128), np.dtype(BF16)
+    a = launch.allocate(shape, dt, 0, 7)
+    first = id(a)
+    del a
+    b = launch.allocate(shape, dt, 0, 7)
+    assert id(b) == first and len(made) == 1
+    del b
+    holds = [lambda x: x, lambda x: x[0], lambda x: x.reshape(-1), as_strided, lambda x: x.data,
+             lambda x: x.data + 16, weakref.ref, lambda x: [x]]
+    for hold in holds:
+        launch.release_outputs()
+        b = launch.allocate(shape, dt, 0, 7)
+        kept = hold(b)
+        del b
+        n = len(made)
+        c = launch.allocate(shape, dt, 0, 7)
+        assert len(made) == n + 1, f"reused an output still reached through {hold}"
+        del kept, c
+        d = launch.allocate(shape, dt, 0, 7)  # let go: recycled
+        assert len(made) == n + 1
+        del d
+
+
+def test_a_loop_that_rebinds_its_results_recycles_them(recycling):
+    """``q, k = apply_rope_qk(...)`` in a loop holds the last call's two outputs while it makes
+    the next call: with q and k of one shape (one key) the outputs still come back, four arrays in
+    all."""
+    launch, made, _ = recycling
+    shape, dt = (4, 8, 128), np.dtype(np.float16)
+    q = k = None
+    for _ in range(10):
+        new_q = launch.allocate(shape, dt, 0, 7)
+        new_k = launch.allocate(shape, dt, 0, 7)
+        assert new_q is not new_k and new_q is not q and new_q is not k and new_k is not q and new_k is not k
+        q, k = new_q, new_k
+        del new_q, new_k
+    assert len(made) == 4
+
+
+def test_recycling_keys_on_stream_device_dtype_and_shape(recycling):
+    """An output is only reused in the order of the stream and on the device it was made with, at
+    its shape and dtype; an output reshaped in place by the caller is not (and leaves the cache)."""
+    launch, made, allocator = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    a = launch.allocate(shape, dt, 0, 7)
+    a.shape = (64, 4)  # the caller reshaped it in place, then let it go
+    del a
+    for args in (((4, 64), dt, 0, 8), ((4, 64), dt, 1, 7), ((4, 64), np.dtype(np.float16), 0, 7), (shape, dt, 0, 7)):
+        n = len(made)
+        out = launch.allocate(*args)
+        assert len(made) == n + 1 and out.shape == args[0]
+        del out
+    assert len(launch._recycled.by_key[(shape, dt, 0, 7)]) == 1  # the reshaped one left
+    n = len(made)
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n
+    del out
+
+
+def test_only_the_default_pools_memory_is_recycled(recycling):
+    """Under another allocator (``using_allocator``, ``set_allocator``) nothing is kept: each call
+    allocates, and no caller's pool is kept alive (a kept output of a pool that is then freed would
+    point at freed memory). Back on the default pool, its own kept outputs come back."""
+    import gc
+
+    launch, made, allocator = recycling
+    default_malloc = allocator[0]
+    shape, dt = (16,), np.dtype(np.float32)
+    kept = launch.allocate(shape, dt, 0, 7)
+    del kept
+
+    class Pool:
+        __hash__ = None  # an unhashable allocator is no error either
+
+        def __eq__(self, other):
+            return self is other
+
+        def malloc(self, nbytes):
+            return None
+
+    pool = Pool()
+    gone = weakref.ref(pool)
+    allocator[0] = pool.malloc
+    n = len(made)
+    for _ in range(3):
+        out = launch.allocate(shape, dt, 0, 7)
+        del out
+    assert len(made) == n + 3
+    allocator[0] = lambda nbytes: None  # plain cudaMalloc, say
+    out = launch.allocate(shape, dt, 0, 7)
+    del out
+    assert len(made) == n + 4
+    del pool
+    allocator[0] = default_malloc
+    gc.collect()
+    assert gone() is None
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n + 4 and out.shape == shape
+
+
+def test_large_outputs_are_not_kept_and_release_drops_the_rest(recycling):
+    """Outputs above ``RECYCLE_BYTES`` are never kept (their GPU time hides an allocation);
+    ``release_outputs`` lets go of the small ones."""
+    launch, made, _ = recycling
+    big = (launch.RECYCLE_BYTES // 4 + 1,)
+    a = launch.allocate(big, np.dtype(np.float32), 0, 7)
+    del a
+    launch.allocate(big, np.dtype(np.float32), 0, 7)
+    assert len(made) == 2
+    a = launch.allocate((16,), np.dtype(np.float32), 0, 7)
+    del a
+    import rope_rtc
+
+    rope_rtc.release_outputs()
+    launch.allocate((16,), np.dtype(np.float32), 0, 7)
+    assert len(made) == 4
+
+
+def test_recycling_is_off_where_reference_counts_cannot_say_free(monkeypatch):
+    """The free counts are measured on this interpreter through the function that uses them, and
+    checked against an array, pointer, memory and weak reference held; a free-threaded build
+    (whose reference counts are not exact) recycles nothing."""
+    import sysconfig
+
+    from rope_rtc.core import outputs as launch
+
+    free = launch._calibrate()
+    assert free is not None and launch._FREE == free
+    out = fake_cupy((4, 4), np.float32)
+    slot = [out]
+    del out
+    assert launch._idle(slot, free) == 0
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else real(name))
+    assert launch._calibrate() is None
+    # An interpreter whose counts did not change when something holds the array: no recycling.
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "_getrefcount", lambda obj: 1)
+    assert launch._calibrate() is None
+
+
+def test_an_output_reshaped_in_place_leaves_the_cache_without_comparing_arrays(recycling):
+    """An idle output the caller reshaped in place is dropped from the cache by identity: arrays
+    are never compared with ``==`` (elementwise for CuPy, and a launch)."""
+    launch, made, _ = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    held = launch.allocate(shape, dt, 0, 7)
+    b = launch.allocate(shape, dt, 0, 7)
+    b.shape = (64, 4)
+    del b
+    out = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == 3 and out is not held and out.shape == shape
+    assert [a.shape for a in launch._recycled.by_key[(shape, dt, 0, 7)]] == [shape, shape]
 
 
 def test_a_missing_cupy_on_a_gpu_machine_is_a_toolchain_error(monkeypatch):
@@ -759,6 +951,20 @@ def test_a_missing_cupy_on_a_gpu_machine_is_a_toolchain_error(monkeypatch):
     monkeypatch.setattr(rope, "_gpu_present", False)
     with pytest.raises(ToolchainError, match="CuPy"):
         rope._resolve_backend("auto")
+
+
+def test_the_last_output_key_does_not_recycle_once_recycling_is_off(recycling, monkeypatch):
+    """The thread's last output key serves only while recycling is on: with the free counts
+    unknown (``_FREE`` None), a call of that key allocates a new output."""
+    launch, made, _ = recycling
+    shape, dt = (4, 64), np.dtype(np.float32)
+    a = launch.allocate(shape, dt, 0, 7)
+    del a
+    assert launch._recycled.last.shape == shape
+    monkeypatch.setattr(launch, "_FREE", None)
+    n = len(made)
+    b = launch.allocate(shape, dt, 0, 7)
+    assert len(made) == n + 1 and b.shape == shape
 
 
 def _engine_call(cache, q, k, pos, **kw):

@@ -12,6 +12,9 @@ This probe turns each path off by patching rope_rtc's modules (the one probe tha
   (``Prepared._seen_again`` says no, ``Prepared.last`` is cleared): every call takes the quick path;
 - graph replay: ``Launcher.replay`` off (per-token graphs and per-prefix graph nodes): every
   launch is a ``cuLaunchKernel``;
+- output recycling: ``outputs._FREE = None`` (as on an interpreter whose reference counts cannot
+  say an output is free): every output a one-call function allocates is a new array (timed with a
+  stream given, as an engine passes one, and with none);
 - templates per signature (the core itself, for scale): every call validated in full.
 
     PYTHONPATH=. python3 benchmarks/probes/fast_paths.py
@@ -43,7 +46,7 @@ def main() -> None:
     import cupy as cp
 
     import rope_rtc
-    from rope_rtc.core import dispatch, prepared
+    from rope_rtc.core import dispatch, outputs, prepared
     from rope_rtc.ops import rope, rope_plan, tail
 
     bf16 = ml_dtypes.bfloat16
@@ -58,6 +61,7 @@ def main() -> None:
     q0, k0, o0 = sets[0]
     plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
     stream = cp.cuda.Stream(non_blocking=True)  # the current stream while timing
+    given = cp.cuda.Stream(non_blocking=True)  # a stream passed to the call, as an engine passes its own
     counter = iter(range(10**12))
 
     def one_call_cycled():
@@ -79,6 +83,9 @@ def main() -> None:
 
     def tail_cycled():
         tail_rope(xs[next(counter) % 64], cosine, sine)
+
+    def tail_cycled_on_stream():
+        tail_rope(xs[next(counter) % 64], cosine, sine, stream=given)
 
     tail_rope = rope_rtc.tail_rope
 
@@ -119,6 +126,10 @@ def main() -> None:
         ("graph replay", "apply_rope_qk, 64 sets cycled", one_call_cycled, one_call_cycled,
          lambda: no_replay(next(iter(rope.ONE_CALL.thread().by_key.values())))),
         ("graph replay", "tail_rope, 64 sets cycled", tail_cycled, tail_cycled, lambda: no_replay(tail_plan())),
+        ("output recycling", "tail_rope, 64 sets cycled, stream given", tail_cycled_on_stream, tail_cycled_on_stream,
+         lambda: patched(outputs, "_FREE", None)),
+        ("output recycling", "tail_rope, 64 sets cycled, no stream", tail_cycled, tail_cycled,
+         lambda: patched(outputs, "_FREE", None)),
         ("templates per signature", "apply_rope_qk, 64 sets cycled", one_call_cycled, one_call_validated,
          declines),
     ]
@@ -131,6 +142,7 @@ def main() -> None:
                 with off():
                     results[i][1].append(host_us(off_fn, 3000, 1, 100))
                 stream.synchronize()
+                given.synchronize()
     print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; median of {ROUNDS} rounds")
     print(f"{'fast path':26s} {'call':42s} {'on µs':>7s} {'off µs':>7s} {'saves':>7s}")
     for i, (name, call, *_rest) in enumerate(rows):

@@ -14,8 +14,8 @@ fuse a chain of jnp rotations into one kernel); q and k are rotated in place (in
   moved (q and k read and written, each token's table rows read) and % of a device-to-device copy
   of that many bytes (``rope_rtc.measure``: half read, half written; cold L2);
 - decode: bf16 q ``[B, 1, 32, 128]``, k ``[B, 1, 8, 128]``, one offset per sequence (an array:
-  traced), B = 1, 8, 64: GPU µs per call, ours (with command buffers, the default, and without)
-  and XLA's;
+  traced), B = 1, 8, 64: GPU µs per call, ours (a callback per execution, the default; and with
+  command buffers) and XLA's;
 - host: wall µs per call of a jitted decode step of ``--layers`` chained calls (B = 8), jnp's and
   ours with command buffers off (a Python call per execution; the part spent inside the
   callback's one-call function timed by a wrapper), then ours with them on (buffer_callback's
@@ -23,7 +23,7 @@ fuse a chain of jnp rotations into one kernel); q and k are rotated in place (in
   checked against the callback's for five argument sets in distinct buffers, each run twice (a
   replay that kept stale addresses shows as WRONG).
 
-Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for the rows without command buffers and wraps
+Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for each row (and back) and wraps
 ``rope_rtc.ops.rope.apply_rope_qk`` for the host section only. Exits 2 without a CUDA device.
 """
 
@@ -146,8 +146,8 @@ def decode(jax, jnp, rj, window: Window, rng, length: int) -> None:
     for b in (1, 8, 64):
         args = inputs(jnp, rng, b, 1, 32, 8, 128, 4096)
         row = [f"  B={b:<3d}"]
-        for label, backend, on in (("rope_rtc.jax", "nvrtc", True), ("command buffers off", "nvrtc", False),
-                                   ("jnp/XLA", "jnp", True)):
+        for label, backend, on in (("rope_rtc.jax", "nvrtc", False), ("with command buffers", "nvrtc", True),
+                                   ("jnp/XLA", "jnp", False)):
             with command_buffers(on):
                 us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
             row.append(f"{label} {us:7.2f}")
@@ -217,14 +217,14 @@ def host(jax, jnp, rj, rng, layers: int) -> None:
                          for i in range(1, 5)]
         expected = [jax.block_until_ready(ours_fn(*a)) for a in sets]
     print(f"  jnp, fused by XLA            {jnp_us:7.2f}")
-    print(f"  rope_rtc.jax, no cmd buffers {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
+    print(f"  rope_rtc.jax                 {ours_us:7.2f}   (+{ours_us - jnp_us:.2f} per call over jnp; inside the "
           f"one-call function: {inside[0] / max(inside[1], 1) * 1e6:.2f})")
     with command_buffers(True):
         graphed = step_fn(jax, rj, "nvrtc", layers)
         graphed_us = wall_us_per_call(jax, graphed, args, layers)
         same = all(bool((x == y).all()) for run, want in zip(sets, expected)
                    for _ in range(2) for x, y in zip(graphed(*run), want))
-    print(f"  rope_rtc.jax (cmd buffers)   {graphed_us:7.2f}   outputs {'equal to the callback' if same else 'WRONG'} "
+    print(f"  with command buffers         {graphed_us:7.2f}   outputs {'equal to the callback' if same else 'WRONG'} "
           f"(per-call) for {len(sets)} argument sets in distinct buffers, each run twice")
 
 

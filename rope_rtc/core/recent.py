@@ -1,5 +1,6 @@
 """Bounded caches of recent entries: the argument sets a plan remembers by identity
-(:mod:`rope_rtc.core.prepared`) and the graphs a launcher keeps (:mod:`rope_rtc.core.graphs`)."""
+(:mod:`rope_rtc.core.prepared`), the graphs a launcher keeps (:mod:`rope_rtc.core.graphs`) and the
+outputs kept for recycling (:mod:`rope_rtc.core.outputs`)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ copies the cache.
 
 The buffers are valid only while the callback runs; nothing here keeps them (the one-call
 functions keep none of their arrays either). The callback runs on the thread XLA executes the
-computation from: on every execution, or, where XLA records it into a command buffer
-(``COMMAND_BUFFER``), each time XLA records it.
+computation from: on every execution, or, with ``COMMAND_BUFFER``, each time XLA records it
+into a command buffer.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from .checks import CacheCall, RopeCall
 # What the callback asks of the CuPy API's one-call functions: the kernels. The CPU tests run the
 # same callback through JAX's CPU backend, on host buffers, with "numpy".
 CALLBACK_BACKEND = "nvrtc"
-# buffer_callback's command_buffer_compatible: XLA records the callback's launch into its command
-# buffers (CUDA graphs) by running the callback under stream capture, once for each set of buffer
-# addresses, and replays the recording without calling Python again. The callback's launch
-# depends on nothing but the buffers' addresses and the call's static arguments (positions and
-# offsets are read on the GPU), so a replay is the launch the callback would make.
-# benchmarks/probes/jax_cost.py measures it on and off and checks replays on buffers that move.
-COMMAND_BUFFER = True
+# buffer_callback's command_buffer_compatible: whether XLA may record the callback's launch into
+# its command buffers (CUDA graphs), running the callback under stream capture once for each set
+# of buffer addresses, and replay the recording without calling Python again. The callback's
+# launch depends only on the buffers' addresses and the call's static arguments (positions and
+# offsets are read on the GPU), so a replay is the launch the callback would make. Off until the
+# GPU tests have run with it on (tests/test_gpu_jax.py turns it on for the replay tests);
+# benchmarks/probes/jax_cost.py measures both.
+COMMAND_BUFFER = False
 # How buffer_callback maps over a vmapped axis: one call per element, in a loop (the kernels
 # take no extra batch axis).
 VMAP_METHOD = "sequential"
