@@ -21,6 +21,33 @@ def host_tables(rows: int, half: int, seed: int) -> tuple[np.ndarray, np.ndarray
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+def cache_write_host(dtype: str, kind: str, kv_layout: str, seed: int, *, tokens: int, heads: tuple[int, int],
+                     head_dim: int, blocks: int, block_size: int, rows: int, rotary_dim: int | None = None,
+                     index_dtype=np.int32) -> dict:
+    """Host inputs of a paged KV-cache write (``rope_and_cache``): q, k, v ``[tokens, H, head_dim]``
+    of ``dtype``; cos/sin tables of ``rows`` rows for ``rotary_dim`` (default: the head); a random
+    position per token; random slots, one skipped (-1) and one past the cache; both caches
+    (``kv_layout``, FP8 kinds as uint8) filled with random bytes, so that every byte not written
+    must stay as it is."""
+    dt = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    hq, hk = heads
+    host = dict(q=host_random((tokens, hq, head_dim), dt, seed + 1, 2.0),
+                k=host_random((tokens, hk, head_dim), dt, seed + 2, 2.0),
+                v=host_random((tokens, hk, head_dim), dt, seed + 3, 2.0))
+    host["cos"], host["sin"] = host_tables(rows, (rotary_dim or head_dim) // 2, seed + 4)
+    host["positions"] = rng.integers(0, rows, tokens).astype(index_dtype)
+    slots = rng.permutation(blocks * block_size)[:tokens].astype(index_dtype)
+    slots[2], slots[5] = -1, blocks * block_size + 3  # a skipped token, and a device slot past the cache
+    host["slot_mapping"] = slots
+    shape = (blocks, block_size, hk, head_dim) if kv_layout == "nhd" else (blocks, hk, block_size, head_dim)
+    cache_dt = np.uint8 if kind != "auto" else dt
+    for name in ("k_cache", "v_cache"):
+        raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
+        host[name] = raw.view(cache_dt).reshape(shape)
+    return host
+
+
 def poisoned(cp, shape, dtype):
     """An output buffer full of NaN: an element the kernel fails to write stays NaN."""
     return cp.full(shape, np.nan, dtype=dtype)

@@ -28,7 +28,7 @@ import pytest
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from gpu_util import DTYPES, host_random, host_tables, keep_busy  # noqa: E402
+from gpu_util import DTYPES, cache_write_host, host_random, host_tables, keep_busy  # noqa: E402
 from helpers import CACHE_ARGS, bits, cache_write_reference, layout_shape, token_rows  # noqa: E402
 from rope_rtc.reference import assert_rope_close, rope_kernel_arithmetic, rope_reference  # noqa: E402
 
@@ -174,21 +174,8 @@ def test_inputs_not_donated_stay_as_they_were(jax, rj):
 # -- the cache write ------------------------------------------------------------------------------
 
 def _cache_host(dtype: str, kind: str, kv_layout: str, seed: int) -> dict:
-    dt = DTYPES[dtype]
-    rng = np.random.default_rng(seed)
-    host = dict(q=host_random((T, HQ, D), dt, seed + 1, 2.0), k=host_random((T, HK, D), dt, seed + 2, 2.0),
-                v=host_random((T, HK, D), dt, seed + 3, 2.0))
-    host["cos"], host["sin"] = host_tables(ROWS, D // 2, seed + 4)
-    host["positions"] = rng.integers(0, ROWS, T).astype(np.int32)
-    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
-    slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a device slot past the cache
-    host["slot_mapping"] = slots
-    shape = (NB, BS, HK, D) if kv_layout == "nhd" else (NB, HK, BS, D)
-    cache_dt = np.uint8 if kind != "auto" else dt
-    for name in ("k_cache", "v_cache"):  # random bytes: every byte not written must stay as it is
-        raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
-        host[name] = raw.view(cache_dt).reshape(shape)
-    return host
+    return cache_write_host(dtype, kind, kv_layout, seed, tokens=T, heads=(HQ, HK), head_dim=D, blocks=NB,
+                            block_size=BS, rows=ROWS)
 
 
 def _cache_reference(host: dict, kind: str, kv_layout: str, scales: dict):

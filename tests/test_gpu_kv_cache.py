@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gpu_util import DTYPES, after_current_stream, bits, host_random, host_tables, poisoned
+from gpu_util import DTYPES, after_current_stream, bits, cache_write_host, host_random, host_tables, poisoned
 from rope_rtc.core import dispatch
 from rope_rtc.reference import rope_and_cache_reference
 
@@ -20,21 +20,8 @@ T, HQ, HK, D, NB, BS, P = 9, 4, 2, 64, 4, 8, 64
 
 
 def _arrays(cp, dtype, kind, kv_layout, seed=0, rotary_dim=None, heads=(HQ, HK)):
-    dt = DTYPES[dtype]
-    rng = np.random.default_rng(seed)
-    hq, hk = heads
-    host = dict(q=host_random((T, hq, D), dt, seed + 1, 2.0), k=host_random((T, hk, D), dt, seed + 2, 2.0),
-                v=host_random((T, hk, D), dt, seed + 3, 2.0))
-    host["cos"], host["sin"] = host_tables(P, (rotary_dim or D) // 2, seed + 4)
-    host["positions"] = rng.integers(0, P, T).astype(np.int64)
-    slots = rng.permutation(NB * BS)[:T].astype(np.int64)
-    slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a device slot past the cache
-    host["slot_mapping"] = slots
-    shape = (NB, BS, hk, D) if kv_layout == "nhd" else (NB, hk, BS, D)
-    cache_dt = np.uint8 if kind != "auto" else dt
-    for name in ("k_cache", "v_cache"):  # random bytes: every byte not written must stay as it is
-        raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
-        host[name] = raw.view(cache_dt).reshape(shape)
+    host = cache_write_host(dtype, kind, kv_layout, seed, tokens=T, heads=heads, head_dim=D, blocks=NB, block_size=BS,
+                            rows=P, rotary_dim=rotary_dim, index_dtype=np.int64)
     dev = {n: cp.asarray(a) for n, a in host.items()}
     if kind != "auto":  # small scales: some entries saturate
         for name, value in (("k_scale", 0.004), ("v_scale", 0.02)):

@@ -27,12 +27,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import rope_rtc  # noqa: E402
 import rope_rtc.jax as rj  # noqa: E402
+from gpu_util import DTYPES, cache_write_host, host_random, host_tables  # noqa: E402
 from helpers import CACHE_ARGS, bits, cache_write_reference, layout_shape, token_rows  # noqa: E402
 from rope_rtc.core import driver  # noqa: E402
 from rope_rtc.jax import checks, jnp_rope, kernel_call  # noqa: E402
 from rope_rtc.reference import assert_rope_close, rope_reference  # noqa: E402
 
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 B, S, HQ, HK, D, ROWS = 2, 5, 4, 2, 32, 64
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "jax.md"
 
@@ -43,16 +43,6 @@ def _on_the_cpu():
     are tests/test_gpu_jax.py): the jnp reference is what runs without one."""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
-
-
-def host_random(shape, dtype, seed: int, scale: float = 1.0) -> np.ndarray:
-    """Normal random data, never zeros."""
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dtype)
-
-
-def host_tables(rows: int, half: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    ang = np.random.default_rng(seed).uniform(-20.0, 20.0, (rows, half))
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def scheme_arrays(scheme: str, layout: str, seed: int) -> tuple[dict, np.ndarray]:
@@ -207,20 +197,8 @@ T, NB, BS = 9, 4, 8
 
 
 def cache_inputs(dtype, kind: str, kv_layout: str, seed: int = 0) -> dict:
-    dt = DTYPES[dtype]
-    rng = np.random.default_rng(seed)
-    host = dict(q=host_random((T, HQ, D), dt, seed + 1, 2.0), k=host_random((T, HK, D), dt, seed + 2, 2.0),
-                v=host_random((T, HK, D), dt, seed + 3, 2.0))
-    host["cos"], host["sin"] = host_tables(ROWS, D // 2, seed + 4)
-    host["positions"] = rng.integers(0, ROWS, T).astype(np.int32)
-    slots = rng.permutation(NB * BS)[:T].astype(np.int32)
-    slots[2], slots[5] = -1, NB * BS + 3  # a skipped token, and a slot past the cache
-    host["slot_mapping"] = slots
-    shape = (NB, BS, HK, D) if kv_layout == "nhd" else (NB, HK, BS, D)
-    cache_dt = np.uint8 if kind != "auto" else dt
-    for name in ("k_cache", "v_cache"):  # random bytes: every entry not written must stay as it is
-        raw = rng.integers(0, 256, int(np.prod(shape)) * np.dtype(cache_dt).itemsize, dtype=np.uint8)
-        host[name] = raw.view(cache_dt).reshape(shape)
+    host = cache_write_host(dtype, kind, kv_layout, seed, tokens=T, heads=(HQ, HK), head_dim=D, blocks=NB,
+                            block_size=BS, rows=ROWS)
     if kind != "auto":
         host["k_scale"], host["v_scale"] = np.float32(0.004), np.float32(0.02)
     return host

@@ -23,16 +23,12 @@ import numpy as np
 
 from .frequencies import inverse_frequencies
 from .frequency_checks import _DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, _positive_int
-from .tables import angle_rows
+from .tables import table_rows
 
 __all__ = ["AXIAL_STYLES", "axial_frequencies", "axial_tables", "vision_positions"]
 
 #: The frequency styles of :func:`axial_tables`.
 AXIAL_STYLES = ("same", "split")
-
-# Rows computed per step: bounds the temporaries whatever ``max_positions`` is (as rope_tables).
-_ROWS_PER_CHUNK = 1 << 15
-
 
 def _head_dim(value: Any) -> int:
     dim = _positive_int("head_dim", value, MAX_ROTARY_DIM)
@@ -108,12 +104,7 @@ def axial_tables(max_positions: int, head_dim: int, *, base: float = _DEFAULT_BA
                          f"each; the limit is {MAX_TABLE_ENTRIES}")
     if not callable(getattr(xp, "asarray", None)):
         raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
-    cos = np.empty((rows, freqs.size), dtype=np.float32)
-    sin = np.empty_like(cos)
-    for start in range(0, rows, _ROWS_PER_CHUNK):
-        stop = min(start + _ROWS_PER_CHUNK, rows)
-        cos[start:stop], sin[start:stop] = angle_rows(np.arange(start, stop), freqs, 1.0)
-    return xp.asarray(cos), xp.asarray(sin)
+    return table_rows(rows, freqs, 1.0, xp)
 
 
 def vision_positions(grid_thw, *, spatial_merge_size: int, xp: Any = np) -> Any:

@@ -110,6 +110,12 @@ def rope_tables(
     inv_freq, attention = _frequencies(dim, base, scaling, rows, numerics)
     if not callable(getattr(xp, "asarray", None)):
         raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    return table_rows(rows, inv_freq, attention, xp)
+
+
+def table_rows(rows: int, inv_freq: np.ndarray, attention: float, xp: Any = np) -> tuple[Any, Any]:
+    """``(cos, sin)`` of positions ``0..rows-1`` (:func:`angle_rows`, a chunk of rows at a time),
+    as arrays of ``xp``."""
     cos = np.empty((rows, inv_freq.size), dtype=np.float32)
     sin = np.empty_like(cos)
     for start in range(0, rows, _ROWS_PER_CHUNK):
