@@ -101,3 +101,22 @@ __device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
 __device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {
     return (__umulhi(n, (unsigned)packed) + n) >> (unsigned)(packed >> 32);
 }
+
+// Programmatic dependent launch (sm_90 and newer; a build with -DROPE_PDL=1, launched by the host
+// with programmatic stream serialization): the kernel may start while the kernel before it on the
+// stream is still running, so its launch and its index arithmetic overlap that kernel's tail.
+// wait_for_producer() blocks until that kernel has finished and its writes are visible; every
+// kernel calls it before its first load. allow_dependents() lets the kernel after this one start
+// its own launch early (it still waits for this one's writes in its own wait). Both compile to
+// nothing in every other build, which is therefore unchanged.
+__device__ __forceinline__ void wait_for_producer() {
+#if defined(ROPE_PDL) && ROPE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(ROPE_PDL) && ROPE_PDL && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

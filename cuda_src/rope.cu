@@ -6,6 +6,7 @@
 //   ROPE_INTERLEAVED  0: half-split pairs (x[i], x[i + R/2]) (GPT-NeoX, HF rotate_half)
 //                     1: adjacent pairs (x[2i], x[2i + 1]) (RoFormer, GPT-J)
 //   ROPE_VEC          elements per vector access (16 bytes when the host's alignment allows)
+//   ROPE_PDL          optional: 1 for a programmatic dependent launch (common.cuh: wait_for_producer)
 // Everything else (strides, counts, window, positions, direction) is a run-time field of
 // RopeParams, so one binary serves every shape.
 //
@@ -187,12 +188,16 @@ __device__ __forceinline__ void narrow_thread(const RopeParams& p, float sign) {
     if (t >= (unsigned)p.num_tokens) return;  // the last tile's padding
     const unsigned b = fast_div(t, p.div_seq);
     const unsigned s = t - b * (unsigned)p.seq_len;
+    wait_for_producer();
+    allow_dependents();
     if (rot) rotate_group(p, t, b, s, h, u, sign);
     else copy_unit(p, b, s, h, u);
 }
 
 // The general case: 64-bit indices, grid-stride loop (the grid is capped at the CUDA limit).
 __device__ __forceinline__ void wide_loop(const RopeParams& p, float sign) {
+    wait_for_producer();
+    allow_dependents();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.total; i += (i64)gridDim.x * blockDim.x) {
         const bool rot = i < p.rot_total;
         const i64 j = rot ? i : i - p.rot_total;

@@ -4,7 +4,7 @@
 // it when a call fits (rope_rtc/rope_launch.py: fixed_build); everything else runs rope.cu.
 //
 // Compile-time parameters:
-//   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC  as in rope.cu
+//   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC, ROPE_PDL  as in rope.cu
 //   FIX_HQ, FIX_HK    q and k head counts (FIX_HK = 0: no k)
 //   FIX_D             head dim
 //   FIX_RO, FIX_RD    rotary window [FIX_RO, FIX_RO + FIX_RD) of each head
@@ -315,6 +315,8 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (unsigned)p.total) return;
 #endif
+    wait_for_producer();  // a programmatic dependent launch: the kernel before this one has written q and k
+    allow_dependents();
     const MergedStart m = gather_start(p);  // before the q/k loads (see gather_start)
 #if FIX_ORDER == 1
     const unsigned r = i / CHUNKS, u = i - r * CHUNKS;

@@ -387,10 +387,10 @@ class FakeGPU:
         FakeThreadState = fake_thread_state_type()
         from rope_rtc.ops import rope, rope_plan, tail
 
-        def load_rope_functions(dtype, interleaved, vec, head_batch, device):
+        def load_rope_functions(dtype, interleaved, vec, head_batch, device, pdl=False):
             from rope_rtc.build.registry import ROPE_ENTRIES
 
-            return tuple((e, dtype, interleaved, vec, head_batch) for e in ROPE_ENTRIES)
+            return tuple((e, dtype, interleaved, vec, head_batch) + (("pdl",) if pdl else ()) for e in ROPE_ENTRIES)
 
         def load_tail_function(heads, dim, device):
             from rope_rtc.build.registry import tail_spec
@@ -403,8 +403,8 @@ class FakeGPU:
         def stream_handle(stream, device=None):  # the real checks of a given stream; 0 for the current one
             return 0 if stream is None else launch.stream_handle(stream, device)
 
-        def load_fixed_function(g, device):
-            return ("rope_fixed", g)
+        def load_fixed_function(g, device, pdl=False):
+            return ("rope_fixed", g) + (("pdl",) if pdl else ())
 
         def load_cache_function(creq, device):
             return ("rope_cache", creq.without_arrays())  # a real entry point holds no caller's array either
@@ -481,6 +481,7 @@ class _RecordingLauncher:
 
         self.gpu = gpu
         self.replay = True
+        self.programmatic = False
         # Both argument kinds (StructArg, ArgPack) start with a pointer to the block.
         self._block = ctypes.c_void_p.from_address(args_address).value
 
@@ -492,7 +493,7 @@ class _RecordingLauncher:
 
         fn = prefix[0]
         record = {"fn": fn, "grid": tuple(prefix[1:4]), "block": tuple(prefix[4:7]), "stream": stream,
-                  "token": token, "thread": threading.get_ident()}
+                  "token": token, "thread": threading.get_ident(), "programmatic": self.programmatic}
         if isinstance(fn, tuple) and fn[0].startswith("rope_apply"):
             record["params"] = RopeParams.from_buffer_copy(ctypes.string_at(self._block, ctypes.sizeof(RopeParams)))
             record["vec"] = fn[3]
@@ -535,6 +536,11 @@ class _RecordingLauncher:
 
     def forget(self) -> None:
         """No graphs to drop."""
+
+    def launch_programmatically(self) -> None:
+        """Later launches are recorded as programmatic (``Launcher.launch_programmatically``)."""
+        self.programmatic = True
+        self.replay = False
 
 
 def rope_host_steps(req, num_sms: int = 132):

@@ -246,7 +246,7 @@ def test_the_builds_a_vision_plan_loads_are_warmed(monkeypatch):
     model = from_config(QWEN25_VL)
     loaded = []
 
-    def record_fixed(g, device):
+    def record_fixed(g, device, pdl=False):
         loaded.append(g.spec().name)
         return "rope_fixed"
 

@@ -213,7 +213,7 @@ def _uncached(monkeypatch, missing, hint: str = "") -> None:
 
     cached = rope_plan.load_fixed_function
 
-    def load(g, device):
+    def load(g, device, pdl=False):
         if missing(g):
             raise KernelNotCachedError(f"kernel {g.spec().name} for sm_90 is not in the cache{hint}")
         return cached(g, device)

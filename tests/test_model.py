@@ -229,11 +229,11 @@ def test_a_config_file_that_is_not_text_is_named(tmp_path):
 def test_specs_are_what_a_plan_for_the_model_loads(monkeypatch):
     loaded = []
 
-    def record(dtype, interleaved, vec, head_batch, device):
+    def record(dtype, interleaved, vec, head_batch, device, pdl=False):
         loaded.append(rope_spec(dtype, interleaved, vec, head_batch))
         return ("rope_apply", "rope_apply_wide")
 
-    def record_fixed(g, device):
+    def record_fixed(g, device, pdl=False):
         loaded.append(g.spec())
         return "rope_fixed"
 

@@ -206,7 +206,7 @@ def test_a_missing_build_is_named_not_an_assertion(gpu, monkeypatch):
     from rope_rtc.ops import rope_plan
     from rope_rtc.errors import KernelNotCachedError
 
-    def missing(g, device):
+    def missing(g, device, pdl=False):
         raise KernelNotCachedError("rope_fixed[...] is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids compiling it")
 
     monkeypatch.setattr(rope_plan, "load_fixed_function", missing)

@@ -89,13 +89,14 @@ def main(cases):
         Hk = k.shape[2] if lay == "bshd" else (k.shape[1])
         tokens_denser = lay == "bhsd"
         vec = 16 // q.itemsize
-        hbs = (1,) if decode else (1, 2)
         only = os.environ.get("FIXED_ONLY")
-        vecs = (vec, vec // 2)
         order = 1 if tokens_denser else 0
         mode = 2 if pos is not None else 0  # rope_params.POS_POSITIONS / POS_OFFSET
-        for hb, block, vec, fixed_pos, dense in itertools.product(hbs, (64, 128, 256) if decode else (256, 512), vecs,
-                                                                  (-1, mode), (0, 1)):
+        # Decode sweeps heads per thread and block size on the build the plan runs (full vectors,
+        # the scheme compiled in, dense); prefill every knob.
+        knobs = (((1, 2, 4, 8), (32, 64, 128, 256), (vec,), (mode,), (1,)) if decode
+                 else ((1, 2), (256, 512), (vec, vec // 2), (-1, mode), (0, 1)))
+        for hb, block, vec, fixed_pos, dense in itertools.product(*knobs):
                 chunks = (128 if inter else 64) // vec
                 name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
                 if only and only != name:

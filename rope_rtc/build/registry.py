@@ -42,6 +42,16 @@ class KernelSpec:
         return f"{self.family}[{','.join(f'{k}={v}' for k, v in self.defines)}]"
 
 
+# Programmatic dependent launch (griddepcontrol): sm_90 and newer.
+PDL_MIN_ARCH = 90
+
+
+def waiting_for_producer(spec: KernelSpec) -> KernelSpec:
+    """``spec`` built to wait for the kernel before it (``ROPE_PDL``, cuda_src/common.cuh), for a
+    launch with programmatic stream serialization."""
+    return KernelSpec(spec.family, spec.source, spec.entries, spec.defines + (("ROPE_PDL", "1"),))
+
+
 def blog_spec() -> KernelSpec:
     return KernelSpec("blog", "blog_kernels.cu",
                       ("rope_blog_baseline", "rope_blog_vectorized", "rope_blog_fused_qk"))

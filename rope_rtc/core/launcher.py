@@ -206,6 +206,34 @@ def _kernel_launch() -> tuple:
         return launch, _LaunchFailed
 
 
+def _programmatic_launch() -> tuple:
+    """``(launch, error type)`` as :func:`_kernel_launch` gives, launching through
+    ``cuLaunchKernelEx`` with programmatic stream serialization: the kernel may start before the
+    kernel ahead of it on the stream has finished (a build that waits for its producer,
+    ``ROPE_PDL``). Its launch configuration is made once and updated per launch."""
+    drv = driver._drv()
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = drv.CUlaunchConfig()
+    config.attrs = [attr]
+    config.numAttrs = 1
+    launch_ex, functions = drv.cuLaunchKernelEx, {}
+
+    def launch(fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        f = functions.get(fn)
+        if f is None:
+            f = functions[fn] = drv.CUfunction(fn)
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes, config.hStream = shared, stream
+        status = launch_ex(config, f, params, extra)[0]
+        if status:
+            raise _LaunchFailed(int(status))
+
+    return launch, _LaunchFailed
+
+
 class _LaunchFailed(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(status)
@@ -232,13 +260,14 @@ class Launcher(GraphReplay):
     least recently launched dropped first.
     """
 
-    __slots__ = ("_launch", "_launch_error", "_current_stream", "_get_device", "_capturing", "args_address",
-                 "device", "_check_device", "_stream_device", "_prefix", "_handle", "_argv")
+    __slots__ = ("_launch", "_launch_error", "_launch_name", "_current_stream", "_get_device", "_capturing",
+                 "args_address", "device", "_check_device", "_stream_device", "_prefix", "_handle", "_argv")
 
     def __init__(self, args_address: int, device: int | None = None) -> None:
         import cupy
 
         self._launch, self._launch_error = _kernel_launch()
+        self._launch_name = "cuLaunchKernel"
         self._current_stream = cupy.cuda.get_current_stream
         self._get_device = cupy.cuda.runtime.getDevice
         # CuPy's binding of cudaStreamIsCapturing takes any raw handle and costs the host about
@@ -333,6 +362,16 @@ class Launcher(GraphReplay):
             return
         self.launch(prefix, self._current_stream(self._stream_device).ptr if stream is None else self._resolve(stream))
 
+    def launch_programmatically(self) -> None:
+        """Launch every call with programmatic stream serialization (``cuLaunchKernelEx``), for a
+        build that waits for its producer (``ROPE_PDL``): its launch overlaps the tail of the
+        kernel before it on the stream. No graph replay: a kernel in a graph launched on its own
+        cannot overlap the kernel before the graph; a capture records the launch with its
+        programmatic edge."""
+        self.replay = False
+        self._launch, self._launch_error = _programmatic_launch()
+        self._launch_name = "cuLaunchKernelEx"
+
     def _plain(self, argv: tuple, prefix: tuple, handle: int) -> None:
         try:
             self._launch(*argv)
@@ -341,7 +380,7 @@ class Launcher(GraphReplay):
             if status is None:
                 raise
             driver.check((driver._drv().CUresult(status),),
-                         f"cuLaunchKernel(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x})")
+                         f"{self._launch_name}(grid={prefix[1:4]}, block={prefix[4:7]}, stream={handle:#x})")
 
     def _resolve(self, stream) -> int:
         if stream is None:

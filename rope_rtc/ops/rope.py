@@ -23,7 +23,7 @@ from ..core.launcher import CURRENT_STREAM, stream_handle
 from ..core.dispatch import OneCall, signature_and_pointers, split_offset
 from ..core.prepared import cupy_ndarray
 from .conventions import flatten_like, head_dim_of, name_the_cache, shape_of, split_cos_sin_cache, unflatten_heads
-from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables
+from .rope_plan import OWN_INPUT, SECOND_HALF, RopePlan, check_no_tables, check_pdl
 from .rope_request import Request, check_positions_of, validate
 
 # backends (rope_rtc.core.backends resolves the switch; this module keeps what its own quick paths read)
@@ -80,20 +80,22 @@ def _run_numpy(req: Request):
 _QK = ("q", "k")
 _X = ("x", "k")
 # attention_scaling: None for calls with tables; the factor for calls with inv_freq (then cos holds it).
-OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse", "attention_scaling")
+OPTION_NAMES = ("layout", "interleaved", "rotary_dim", "rotary_offset", "inverse", "attention_scaling", "pdl")
 
 
 def _kw(opts: tuple) -> dict:
-    """The options tuple (OPTION_NAMES order) as keywords."""
-    return dict(zip(OPTION_NAMES, opts))
+    """The options tuple (OPTION_NAMES order) as the keywords of validation (all but ``pdl``, the
+    plan's own)."""
+    return dict(zip(OPTION_NAMES[:-1], opts))
 
 
 def _plain(opts: tuple) -> bool:
     """Whether the options (OPTION_NAMES order) are of the types validation accepts as they are:
     equal values of other types (such as interleaved=1 or rotary_dim=64.0) share a dictionary key,
     so they get no cached path and take full validation every call."""
-    layout, interleaved, rotary_dim, rotary_offset, inverse, attention = opts
+    layout, interleaved, rotary_dim, rotary_offset, inverse, attention, pdl = opts
     return ((interleaved is True or interleaved is False) and (inverse is True or inverse is False)
+            and (pdl is True or pdl is False)
             and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
             and (layout is None or type(layout) is str) and (attention is None or type(attention) is float))
 
@@ -111,7 +113,7 @@ def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[Request, tupl
 
 
 def _new_plan(req: Request, arrays: tuple, scalar: int, options: tuple, device: int) -> RopePlan:
-    plan = RopePlan._from_request(req, _kw(options[1:]), options[0], req.device)
+    plan = RopePlan._from_request(req, _kw(options[1:]), options[0], req.device, options[-1])
     plan._ensure_core()
     return plan
 
@@ -162,7 +164,7 @@ def _remember_convention(names, q, k, q_out, k_out, positions, offset, cu_seqlen
     flat = flat[:3] + ((SECOND_HALF, ptrs[3] - ptrs[2]),) + flat[4:]
     one_call = tmpl.one_call(flat)
     if one_call is not None:
-        CONVENTION.remember_last((names, head_dim) + opts[:5], one_call, plan)
+        CONVENTION.remember_last((names, head_dim) + opts[:5] + opts[6:], one_call, plan)
 
 
 def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts: tuple,
@@ -192,6 +194,7 @@ def _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, str
 
 def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
            opts: tuple):
+    check_pdl(opts[6])
     requested, backend = backend, _resolve_backend(backend)
     if backend == "nvrtc" and type(q) is _NDARRAY and (k is None or type(k) is _NDARRAY):
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
@@ -252,7 +255,7 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
                   interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                   inverse: bool = False, q_out=None, k_out=None, stream=None, backend: str = "auto",
                   cos_sin_cache=None, head_dim: int | None = None, inv_freq=None,
-                  attention_scaling: float | None = None):
+                  attention_scaling: float | None = None, pdl: bool = False):
     """Rotate q and k in one launch. q and k may have different head counts (GQA/MQA).
 
     Parameters
@@ -316,6 +319,13 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     backend : {"auto", "nvrtc", "numpy"}
         ``"numpy"`` runs the float64-accumulating reference on the CPU; ``"auto"`` uses the GPU when one
         is present, else NumPy (with a one-time warning).
+    pdl : bool
+        Programmatic dependent launch (compute capability 9.0 and newer; elsewhere it changes
+        nothing): the kernel is launched with programmatic stream serialization and may start
+        while the kernel before it on the stream (the QKV projection, say) finishes; it waits for
+        that kernel's writes before its first load. The same bits as without. Launched with
+        ``cuLaunchKernelEx`` on every call (no graph replay of the plan's own); inside a CUDA-graph
+        capture it records a programmatic edge.
 
     Returns
     -------
@@ -336,10 +346,10 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         if (q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
                 and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
                 and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
-                and (layout is None or type(layout) is str)):
+                and (layout is None or type(layout) is str) and (pdl is False or pdl is True)):
             # The engine's call: the thread's last path (the template's generated checks of one
             # signature), options of the types validation accepts as they are (_plain).
-            options = (_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, None)
+            options = (_QK, layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl)
             if type(offset) is int:
                 if ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, None,
                                      offset):
@@ -347,13 +357,13 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
             elif ONE_CALL.launched(options, stream, q, k, cos, sin, positions, q_out, k_out, cu_seqlens, offset, 0):
                 return q_out, k_out  # an offsets array; anything else the function declines (not its signature)
         return _apply(_QK, q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl))
     if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
             and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc")
             and (head_dim is None or type(head_dim) is int)
-            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None))):
+            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl))):
         # The engines' convention: its last path, checked on the flat arrays and the cache themselves.
-        options = (_QK, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse)
+        options = (_QK, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse, pdl)
         if type(offset) is int:
             if CONVENTION.launched(options, stream, q, k, cos_sin_cache, None, positions, q_out, k_out, cu_seqlens,
                                    None, offset):
@@ -364,7 +374,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
     engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
               and attention_scaling is None and _gpu_present and type(q) is _NDARRAY and type(k) is _NDARRAY
               and q_out is not None and k_out is not None and (backend == "auto" or backend == "nvrtc"))
-    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
+    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling),
+            pdl)
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(q, head_dim, layout))
     flat_q = shape_of(q, "q") if head_dim is not None and q_out is None else None
     flat_k = shape_of(k, "k") if head_dim is not None and k_out is None else None
@@ -377,7 +388,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
 def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None, layout: str | None = None,
                interleaved: bool = False, rotary_dim: int | None = None, rotary_offset: int = 0,
                inverse: bool = False, out=None, stream=None, backend: str = "auto", cos_sin_cache=None,
-               head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None):
+               head_dim: int | None = None, inv_freq=None, attention_scaling: float | None = None,
+               pdl: bool = False):
     """Rotate one tensor. Same arguments as :func:`apply_rope_qk` with ``x``/``out`` for ``q``/``q_out``.
 
     ``out=x`` rotates in place. Returns the output array.
@@ -386,10 +398,10 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
         if (_gpu_present and type(x) is _NDARRAY and (backend == "auto" or backend == "nvrtc")
                 and (interleaved is True or interleaved is False) and (inverse is True or inverse is False)
                 and type(rotary_offset) is int and (rotary_dim is None or type(rotary_dim) is int)
-                and (layout is None or type(layout) is str)):
+                and (layout is None or type(layout) is str) and (pdl is False or pdl is True)):
             # As in apply_rope_qk; an output allocated as _run_device would (it takes it if the last
             # path declines), on the stream resolved inline (CURRENT_STREAM) as launched does.
-            options = (_X, layout, interleaved, rotary_dim, rotary_offset, inverse, None)
+            options = (_X, layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl)
             if out is not None:
                 if type(offset) is int:
                     if ONE_CALL.launched(options, stream, x, None, cos, sin, positions, out, None, cu_seqlens, None,
@@ -414,13 +426,13 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
             return _run_device(x, None, cos, sin, positions, offset, cu_seqlens, out, None, handle, options[1:],
                                _X)[0]
         q, _ = _apply(_X, x, None, cos, sin, positions, offset, cu_seqlens, out, None, stream, backend,
-                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None))
+                      (layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl))
         return q
     if (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None and attention_scaling is None
             and out is not None and (backend == "auto" or backend == "nvrtc")
             and (head_dim is None or type(head_dim) is int)
-            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None))):
-        options = (_X, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse)  # as in apply_rope_qk
+            and _plain((layout, interleaved, rotary_dim, rotary_offset, inverse, None, pdl))):
+        options = (_X, head_dim, layout, interleaved, rotary_dim, rotary_offset, inverse, pdl)  # as in apply_rope_qk
         if type(offset) is int:
             if CONVENTION.launched(options, stream, x, None, cos_sin_cache, None, positions, out, None, cu_seqlens,
                                    None, offset):
@@ -431,7 +443,8 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     engine = (cos_sin_cache is not None and cos is None and sin is None and inv_freq is None
               and attention_scaling is None and _gpu_present and type(x) is _NDARRAY and out is not None
               and (backend == "auto" or backend == "nvrtc"))
-    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling))
+    opts = (layout, interleaved, rotary_dim, rotary_offset, inverse, _attention_option(inv_freq, attention_scaling),
+            pdl)
     cos, sin = _tables_or_angles(inv_freq, cos, sin, cos_sin_cache, rotary_dim, head_dim_of(x, head_dim, layout))
     flat = shape_of(x, "x") if head_dim is not None and out is None else None
     q, _ = _apply_converted(_X, ("out", "k_out"), x, None, cos, sin, cos_sin_cache, head_dim, positions, offset,

@@ -11,10 +11,10 @@ import warnings
 from dataclasses import replace
 from operator import is_, itemgetter
 
-from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, ROPE_ENTRIES, FixedGeometry, angle_geometries, both_strides, \
-    fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths
+from ..build.registry import ANGLE_MODES, FIXED_ENTRIES, PDL_MIN_ARCH, ROPE_ENTRIES, FixedGeometry, angle_geometries, \
+    both_strides, fixed_geometry, rope_head_batches, rope_spec, rope_vector_widths, waiting_for_producer
 from ..core import arrays as A
-from ..core.driver import current_device
+from ..core.driver import current_device, device_arch
 from ..core.codegen import address_predicate, address_terms, aligned_term, arrays_title, generated, signature_checks
 from ..core.dispatch import split_offset
 from ..core.launcher import StructArg, launch_prefix, load_kernel, single_device
@@ -33,9 +33,12 @@ Q, K, COS, SIN, POSITIONS, Q_OUT, K_OUT, CU_SEQLENS, OFFSETS = range(9)
 _TABLES_AND_INDICES = (COS, SIN, POSITIONS, CU_SEQLENS, OFFSETS)
 
 
-def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int, device: int) -> tuple:
-    """The (32-bit, 64-bit) entries of one build of the general kernel, loaded on ``device``."""
-    k = load_kernel(rope_spec(dtype, interleaved, vec, head_batch), device)
+def load_rope_functions(dtype: str, interleaved: bool, vec: int, head_batch: int, device: int,
+                        pdl: bool = False) -> tuple:
+    """The (32-bit, 64-bit) entries of one build of the general kernel, loaded on ``device``
+    (``pdl``: the build that waits for its producer)."""
+    spec = rope_spec(dtype, interleaved, vec, head_batch)
+    k = load_kernel(waiting_for_producer(spec) if pdl else spec, device)
     return tuple(k.functions[e] for e in ROPE_ENTRIES)
 
 
@@ -49,9 +52,10 @@ assert (FixedParams.out.offset, FixedParams.cos.offset, FixedParams.offset.offse
 
 
 
-def load_fixed_function(g: FixedGeometry, device: int):
-    """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on ``device``."""
-    return load_kernel(g.spec(), device).functions[FIXED_ENTRIES[0]]
+def load_fixed_function(g: FixedGeometry, device: int, pdl: bool = False):
+    """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on ``device``
+    (``pdl``: the build that waits for its producer)."""
+    return load_kernel(waiting_for_producer(g.spec()) if pdl else g.spec(), device).functions[FIXED_ENTRIES[0]]
 
 
 class RopePlan:
@@ -74,13 +78,17 @@ class RopePlan:
     ``ROPE_RTC_NO_GRAPH_REPLAY=1`` turns it off). Capturable in a CUDA graph: capture
     ``execute`` on the capturing stream, then refill the same buffers and replay. A plan holds
     one argument block: give each thread its own plan.
+
+    ``pdl=True``: programmatic dependent launches (see :func:`apply_rope_qk`), on compute
+    capability 9.0 and newer; ``programmatic`` says whether they apply on the plan's device.
     """
 
     def __init__(self, q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=None,
                  layout: str | None = None, interleaved: bool = False, rotary_dim: int | None = None,
                  rotary_offset: int = 0, inverse: bool = False, q_out=None, k_out=None, device: int | None = None,
                  cos_sin_cache=None, head_dim: int | None = None, inv_freq=None,
-                 attention_scaling: float | None = None) -> None:
+                 attention_scaling: float | None = None, pdl: bool = False) -> None:
+        check_pdl(pdl)
         self._opts = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim,
                           rotary_offset=rotary_offset, inverse=inverse)
         if inv_freq is not None:
@@ -118,10 +126,11 @@ class RopePlan:
             raise ValueError("k_out: an out-of-place plan (q_out given) needs k_out too")
         if not in_place and q_out is None:  # execute() would refuse every call
             raise ValueError("q_out: an out-of-place plan (k_out given) needs q_out too")
-        self._configure(req, in_place, device)
+        self._configure(req, in_place, device, pdl)
 
     @classmethod
-    def _from_request(cls, req: Request, opts: dict, names: tuple[str, str], device: int | None = None) -> "RopePlan":
+    def _from_request(cls, req: Request, opts: dict, names: tuple[str, str], device: int | None = None,
+                      pdl: bool = False) -> "RopePlan":
         """The plan of a call already validated into ``req`` (with both outputs given), by the
         keywords ``opts`` (``validate``'s) and naming q and k ``names`` in its errors: what the
         one-call functions build, so that their first call is validated once."""
@@ -132,13 +141,13 @@ class RopePlan:
         plan._flat_head_dim = None
         plan._converted = plan._flat_quick = None
         in_place = A.same_view(req.q_out, req.q) and (req.k is None or A.same_view(req.k_out, req.k))
-        plan._configure(req, in_place, device)
+        plan._configure(req, in_place, device, pdl)
         plan._names = names
         return plan
 
-    def _configure(self, req: Request, in_place: bool, device: int | None) -> None:
+    def _configure(self, req: Request, in_place: bool, device: int | None, pdl: bool = False) -> None:
         """What the plan fixes, from its validated request; ``in_place``: whether it rotates q and k
-        in place."""
+        in place; ``pdl``: whether it launches programmatically (``RopePlan``'s ``pdl``)."""
         self.in_place = in_place
         interleaved, inverse = req.interleaved, req.inverse
         # layout=None settled by q's rank (3-d: "thd"); every execute is validated against that.
@@ -163,6 +172,8 @@ class RopePlan:
         self._core: Prepared | None = None
         self._check_positions = False
         self._names = ("q", "k")  # what errors call q and k (apply_rope's plans: "x")
+        self.pdl = pdl
+        self._programmatic = None  # whether pdl applies on the plan's device: asked on first use
 
     def compile(self) -> "RopePlan":
         """Load the kernels this plan can launch (every vector width and head batch of its dtype
@@ -270,10 +281,10 @@ class RopePlan:
         if g in self._fixed:
             return self._fixed[g]
         if g.angles:  # no generic build computes angles: a missing one raises (KernelNotCachedError)
-            fn = self._fixed[g] = load_fixed_function(g, self.device)
+            fn = self._fixed[g] = load_fixed_function(g, self.device, self.programmatic)
             return fn
         try:
-            fn = load_fixed_function(g, self.device)
+            fn = load_fixed_function(g, self.device, self.programmatic)
         except KernelNotCachedError as exc:
             instead = ("its strided build where the cache holds it, else the generic build" if g.dense else
                        "the generic build")
@@ -288,7 +299,7 @@ class RopePlan:
         fns = self._kernels.get((vec, head_batch))
         if fns is None:
             fns = self._kernels[(vec, head_batch)] = load_rope_functions(self.dtype, self.interleaved, vec,
-                                                                         head_batch, self.device)
+                                                                         head_batch, self.device, self.programmatic)
         return fns
 
     # The specialised build's argument block (a build that extends it names its own).
@@ -310,7 +321,17 @@ class RopePlan:
 
             self._check_positions = settings().check_positions
             self._core = Prepared(self._op(), StructArg(RopeParams), self.device)
+            if self.programmatic:
+                self._core.launcher.launch_programmatically()
         return self._core
+
+    @property
+    def programmatic(self) -> bool:
+        """Whether this plan's launches are programmatic dependent launches: ``pdl=True`` on a
+        device of compute capability 9.0 or newer (elsewhere ``pdl`` changes nothing)."""
+        if self._programmatic is None:
+            self._programmatic = bool(self.pdl) and device_arch(self.device) >= PDL_MIN_ARCH
+        return self._programmatic
 
     def _op(self) -> Op:
         return _RopeOp(self)
@@ -358,6 +379,12 @@ class RopePlan:
         if self._check_positions:
             check_positions_of(arrays, scalar, self._opts)
         return core.execute(arrays, scalar, stream)
+
+
+def check_pdl(pdl) -> None:
+    """``pdl`` is True or False (a launch option: anything else is a mistake worth naming)."""
+    if pdl is not True and pdl is not False:
+        raise TypeError(f"pdl: expected True or False, got {type(pdl).__name__} {pdl!r}")
 
 
 def check_no_tables(cos, sin, cos_sin_cache) -> None:
