@@ -81,8 +81,8 @@ def test_general_cases_match_the_issue():
 
 def test_decode_and_tail_cases_match_the_issue():
     dec = bcases.decode_cases(False)
-    assert [c.T for c in dec] == [1, 4, 64]
-    assert all((c.H, c.Hkv, c.D, c.dtype, c.layout) == (32, 8, 128, "bfloat16", "thd") for c in dec)
+    assert [(c.dtype, c.T) for c in dec] == [(dt, t) for dt in ("bfloat16", "float16") for t in (1, 4, 64)]
+    assert all((c.H, c.Hkv, c.D, c.layout) == (32, 8, 128, "thd") for c in dec)
     tail = bcases.tail_cases(False)
     assert {(c.T, c.H, c.D) for c in tail} == {(t, h, d) for t in (1, 4, 4096, 16384)
                                                for h, d in ((64, 512), (32, 128), (8, 512), (4, 128), (1, 512), (1, 128))}
@@ -314,7 +314,7 @@ def test_targets_pass_miss_and_na():
     t = {x["target"]: x for x in report.evaluate_targets(res)}
     assert t["prefill >= 97% of copy, 32 MiB+ moved"]["status"] == "PASS"
     assert t["blog's configuration: time <= 1.01x the blog's fused kernel"]["status"] == "PASS"
-    assert t["decode GPU time under graph replay <= 1.2x the copy node"]["status"] == "PASS"
+    assert t["decode GPU time under graph replay <= 1.1x the copy node"]["status"] == "PASS"
     assert t["never slower than the fastest peer (within 1%)"]["status"] == "PASS"
     assert t["decode GPU time under graph replay <= 1.4 µs"]["status"] == "PASS"
     assert t["RopePlan.execute host time <= 5.0 µs"]["status"] == "PASS"
@@ -1106,7 +1106,7 @@ def test_the_kernel_issue_targets_miss_when_decode_or_the_blog_kernel_falls_behi
         if regime in bb[bcases.OURS]["timings"]:
             bb[bcases.OURS]["timings"][regime]["us"] = 1.05 * bb["fused"]["timings"][regime]["us"]
     t = {x["target"]: x for x in report.evaluate_targets(res)}
-    miss = t["decode GPU time under graph replay <= 1.2x the copy node"]
+    miss = t["decode GPU time under graph replay <= 1.1x the copy node"]
     assert miss["status"] == "MISS" and miss["where"] == dec["id"] and miss["measured"] == "worst 1.30x"
     miss = t["blog's configuration: time <= 1.01x the blog's fused kernel"]
     assert miss["status"] == "MISS" and miss["where"] == blog["id"] and miss["measured"] == "worst 1.05x"
