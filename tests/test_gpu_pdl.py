@@ -44,7 +44,12 @@ def test_pdl_gives_the_plain_launch_bits(cp, dtype, T):
         results.append([bits(cp.asnumpy(a)) for a in (q, k, qo, ko, x)])
     for plain, programmatic in zip(*results):
         np.testing.assert_array_equal(programmatic, plain)
-    assert_half_split_qk(cp, [q, k, qo, ko, x], [q_h, k_h, q_h, k_h, q_h], cos_h, sin_h, pos_h)
+    _check(cp, [q, k, qo, ko, x], [q_h, k_h, q_h, k_h, q_h], cos_h, sin_h, pos_h)
+
+
+def _check(cp, outs, hosts, cos_h, sin_h, pos_h) -> None:
+    """``thd`` outputs against the reference (the helper takes [B, S, H, D]: one sequence)."""
+    assert_half_split_qk(cp, outs, [h[None] for h in hosts], cos_h, sin_h, pos_h)
 
 
 def _producer(cp):
@@ -75,7 +80,7 @@ def test_pdl_rope_reads_what_the_kernel_before_it_wrote(cp, T):
             produce(src_k.view(cp.uint16), np.int64(20000), k.view(cp.uint16))
             plan.execute(q, k, cos, sin, positions=pos, stream=stream)
             stream.synchronize()
-            assert_half_split_qk(cp, [q, k], [q_h, k_h], cos_h, sin_h, pos_h)
+            _check(cp, [q, k], [q_h, k_h], cos_h, sin_h, pos_h)
 
 
 def test_pdl_rope_in_a_captured_graph_replayed(cp):
@@ -105,4 +110,4 @@ def test_pdl_rope_in_a_captured_graph_replayed(cp):
             graph.launch(stream)
             stream.synchronize()
             for q, k in zip(qs, ks):
-                assert_half_split_qk(cp, [q, k], [q_h, k_h], cos_h, sin_h, pos_h)
+                _check(cp, [q, k], [q_h, k_h], cos_h, sin_h, pos_h)

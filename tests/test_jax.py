@@ -457,8 +457,8 @@ def test_vmap_runs_the_callback_once_per_element(host_callback):
 # -- the program lowered for CUDA -----------------------------------------------------------------
 
 # The custom call XLA lowers the kernel's buffer callback to (rope_rtc.jax.kernel_call.COMMAND_BUFFER
-# off: a Python call at every execution).
-KERNEL_TARGET = "xla_buffer_python_gpu_callback"
+# on, the default: XLA may record the launch into its command buffers).
+KERNEL_TARGET = "xla_buffer_python_gpu_callback_cmd_buffer"
 
 
 def _custom_calls(text: str) -> list[str]:

@@ -1,5 +1,5 @@
 """What a programmatic dependent launch (``pdl=True``) saves per layer, under CUDA-graph replay:
-a decode step's QKV projection (a cuBLAS GEMM, fp16, x [T, 4096] @ W [4096, 6144], CuPy) followed
+a decode step's QKV projection (a cuBLAS GEMM, fp16, x [T, 4096] @ W [4096, 6144], torch) followed
 by RoPE in place on the q and k views of its output (32 q heads, 8 k heads, head dim 128, random
 positions), as an engine runs it layer after layer.
 
@@ -20,68 +20,72 @@ import numpy as np
 LAYERS, HIDDEN, HQ, HK, D, ROWS = 32, 4096, 32, 8, 128, 8192
 
 
-def per_layer_us(stream, step, layers: int = LAYERS, samples: int = 7) -> float:
-    """GPU µs per layer of ``step(i)`` for i in range(layers), captured once into a graph."""
-    import cupy as cp
-
-    with stream:
-        for i in range(layers):  # warm: compiles, loads, cuBLAS handles
+def per_layer_us(torch, stream, step, layers: int = LAYERS, samples: int = 7) -> float:
+    """GPU µs per layer of ``step(i)`` for i in range(layers), captured once into a graph on
+    ``stream`` (torch's capture: CuPy refuses cuBLAS calls under capture)."""
+    with torch.cuda.stream(stream):
+        for i in range(layers):  # warm: compiles, loads, cuBLAS handles and workspaces
             step(i)
-        stream.synchronize()
-        stream.begin_capture()
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
         for i in range(layers):
             step(i)
-        graph = stream.end_capture()
-        graph.upload(stream)
-        graph.launch(stream)
+    with torch.cuda.stream(stream):
+        graph.replay()
         stream.synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         best = float("inf")
         for _ in range(samples):
             start.record(stream)
             for _ in range(10):
-                graph.launch(stream)
+                graph.replay()
             end.record(stream)
             end.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, end) * 1e3 / (10 * layers))
+            best = min(best, start.elapsed_time(end) * 1e3 / (10 * layers))
     return best
 
 
 def main(sizes: list[int]) -> None:
     import cupy as cp
+    import torch
 
     import rope_rtc
 
+    torch.manual_seed(0)
     rng = np.random.default_rng(0)
     cos, sin = rope_rtc.rope_tables(ROWS, D, xp=cp)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = torch.cuda.Stream()
+    handle = stream.cuda_stream
     for T in sizes:
-        x = [cp.asarray(rng.standard_normal((T, HIDDEN), dtype=np.float32).astype(np.float16)) for _ in range(LAYERS)]
-        w = cp.asarray((rng.standard_normal((HIDDEN, (HQ + 2 * HK) * D), dtype=np.float32) / 64).astype(np.float16))
-        qkv = [cp.empty((T, (HQ + 2 * HK) * D), np.float16) for _ in range(LAYERS)]
+        x = [torch.randn(T, HIDDEN, device="cuda", dtype=torch.float16) for _ in range(LAYERS)]
+        w = torch.randn(HIDDEN, (HQ + 2 * HK) * D, device="cuda", dtype=torch.float16) / 64
+        qkv_t = [torch.empty(T, (HQ + 2 * HK) * D, device="cuda", dtype=torch.float16) for _ in range(LAYERS)]
+        qkv = [cp.from_dlpack(t) for t in qkv_t]  # the same memory
         q = [a[:, :HQ * D].reshape(T, HQ, D) for a in qkv]
         k = [a[:, HQ * D:(HQ + HK) * D].reshape(T, HK, D) for a in qkv]
         pos = cp.asarray(rng.integers(0, ROWS, T).astype(np.int32))
         plans = {pdl: rope_rtc.RopePlan(q[0], k[0], cos, sin, positions=pos, layout="thd", pdl=pdl).compile()
                  for pdl in (False, True)}
+        cp.cuda.runtime.deviceSynchronize()
 
         def gemm(i):
-            cp.matmul(x[i], w, out=qkv[i])
+            torch.matmul(x[i], w, out=qkv_t[i])
 
         def pair(pdl):
             def step(i):
                 gemm(i)
-                plans[pdl].execute(q[i], k[i], cos, sin, positions=pos, stream=stream)
+                plans[pdl].execute(q[i], k[i], cos, sin, positions=pos, stream=handle)
             return step
 
         def rope_only(pdl):
-            return lambda i: plans[pdl].execute(q[i], k[i], cos, sin, positions=pos, stream=stream)
+            return lambda i: plans[pdl].execute(q[i], k[i], cos, sin, positions=pos, stream=handle)
 
-        rows = {"GEMM alone": per_layer_us(stream, gemm)}
+        rows = {"GEMM alone": per_layer_us(torch, stream, gemm)}
         for pdl in (False, True):
-            rows[f"GEMM, then RoPE{' (pdl)' if pdl else ''}"] = per_layer_us(stream, pair(pdl))
+            rows[f"GEMM, then RoPE{' (pdl)' if pdl else ''}"] = per_layer_us(torch, stream, pair(pdl))
         for pdl in (False, True):
-            rows[f"RoPE alone, back to back{' (pdl)' if pdl else ''}"] = per_layer_us(stream, rope_only(pdl))
+            rows[f"RoPE alone, back to back{' (pdl)' if pdl else ''}"] = per_layer_us(torch, stream, rope_only(pdl))
         base = rows["GEMM alone"]
         for name, us in rows.items():
             extra = f"  RoPE adds {us - base:5.2f} µs" if name.startswith("GEMM, then") else ""
@@ -89,15 +93,15 @@ def main(sizes: list[int]) -> None:
         saved = rows["GEMM, then RoPE"] - rows["GEMM, then RoPE (pdl)"]
         print(f"T={T:<3} pdl saves {saved:.2f} µs per layer ({saved * LAYERS:.1f} µs per 32-layer step)", flush=True)
         # bits: both builds on the same inputs
-        with stream:
+        with torch.cuda.stream(stream):
             gemm(0)
-            ref = qkv[0].copy()
-            plans[False].execute(q[0], k[0], cos, sin, positions=pos, stream=stream)
-            plain = qkv[0].copy()
-            qkv[0][...] = ref
-            plans[True].execute(q[0], k[0], cos, sin, positions=pos, stream=stream)
-            stream.synchronize()
-        same = bool((qkv[0].view(np.uint16) == plain.view(np.uint16)).all())
+            ref = qkv_t[0].clone()
+            plans[False].execute(q[0], k[0], cos, sin, positions=pos, stream=handle)
+            plain = qkv_t[0].clone()
+            qkv_t[0].copy_(ref)
+            plans[True].execute(q[0], k[0], cos, sin, positions=pos, stream=handle)
+        stream.synchronize()
+        same = bool(torch.equal(qkv_t[0].view(torch.int16), plain.view(torch.int16)))
         print(f"T={T:<3} outputs bit for bit equal with and without pdl: {same}", flush=True)
 
 

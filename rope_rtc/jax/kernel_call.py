@@ -31,10 +31,10 @@ CALLBACK_BACKEND = "nvrtc"
 # its command buffers (CUDA graphs), running the callback under stream capture once for each set
 # of buffer addresses, and replay the recording without calling Python again. The callback's
 # launch depends only on the buffers' addresses and the call's static arguments (positions and
-# offsets are read on the GPU), so a replay is the launch the callback would make. Off until the
-# GPU tests have run with it on (tests/test_gpu_jax.py turns it on for the replay tests);
-# benchmarks/probes/jax_cost.py measures both.
-COMMAND_BUFFER = False
+# offsets are read on the GPU), so a replay is the launch the callback would make, without the
+# Python call and its launch gap: what brings decode to XLA's own fusion (docs/jax.md;
+# benchmarks/probes/jax_cost.py measures both ways). False: a Python call at every execution.
+COMMAND_BUFFER = True
 # How buffer_callback maps over a vmapped axis: one call per element, in a loop (the kernels
 # take no extra batch axis).
 VMAP_METHOD = "sequential"
