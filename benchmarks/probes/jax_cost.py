@@ -30,95 +30,16 @@ Sets ``rope_rtc.jax.kernel_call.COMMAND_BUFFER`` for each row (and back) and wra
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy's copy needs memory too
 
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-SPIN = r"""extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}"""
-SPIN_CYCLES = 400_000_000  # about 0.2 s: longer than the host takes to queue a chain
-RUNS = 5
-
-
-class Window:
-    """CUDA events on XLA's stream, recorded by buffer callbacks: ``begin`` queues a spinning
-    kernel then the start event, ``end`` the end event; both pass their arrays through
-    (aliased, no copy)."""
-
-    def __init__(self, jax, cp) -> None:
-        from jax.experimental.buffer_callback import buffer_callback
-
-        self.jax, self.cp = jax, cp
-        self.start, self.stop = cp.cuda.Event(), cp.cuda.Event()
-        kernel = cp.RawKernel(SPIN, "spin")
-
-        def stream_of(ctx, buffer):
-            cp.cuda.runtime.setDevice(buffer.__dlpack_device__()[1])  # XLA's thread: the device current
-            return cp.cuda.ExternalStream(ctx.stream)
-
-        def begin(ctx, outs, *xs):
-            stream = stream_of(ctx, xs[0])
-            with stream:
-                kernel((1,), (1,), (np.int64(SPIN_CYCLES),))
-            self.start.record(stream)
-
-        def end(ctx, outs, *xs):
-            self.stop.record(stream_of(ctx, xs[0]))
-
-        def passing(fn):
-            def call(*xs):
-                results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs)
-                return buffer_callback(fn, results, input_output_aliases={i: i for i in range(len(xs))})(*xs)
-            return call
-
-        self.begin, self.end = passing(begin), passing(end)
-
-    def ms(self) -> float:
-        self.stop.synchronize()
-        return self.cp.cuda.get_elapsed_time(self.start, self.stop)
-
-
-def chain_fn(jax, rj, window: Window, backend: str, length: int, offset):
-    """A jitted chain of ``length`` in-place rotations of (q, k) inside the event window."""
-
-    def chain(q, k, cos, sin, offsets):
-        q, k = window.begin(q, k)
-        for _ in range(length):
-            q, k = rj.apply_rope_qk(q, k, cos, sin, offset=offsets if offset is None else offset, layout="bshd",
-                                    backend=backend)
-            q, k = jax.lax.optimization_barrier((q, k))
-        return window.end(q, k)
-
-    return jax.jit(chain)
-
-
-def gpu_us_per_call(jax, fn, args, window: Window, length: int) -> float:
-    jax.block_until_ready(fn(*args))  # compiled, kernels loaded
-    times = []
-    for _ in range(RUNS):
-        jax.block_until_ready(fn(*args))
-        times.append(window.ms() * 1e3 / length)
-    return statistics.median(times)
-
-
-def inputs(jnp, rng, b: int, s: int, hq: int, hk: int, d: int, rows: int):
-    import rope_rtc
-
-    bf16 = ml_dtypes.bfloat16
-    q = jnp.asarray(rng.standard_normal((b, s, hq, d)).astype(bf16))
-    k = jnp.asarray(rng.standard_normal((b, s, hk, d)).astype(bf16))
-    cos, sin = (jnp.asarray(t) for t in rope_rtc.rope_tables(rows, d))
-    offsets = jnp.asarray(rng.integers(0, max(rows - s, 1), b).astype(np.int32))
-    return q, k, cos, sin, offsets
+from rope_rtc.benchmark.engine_jax import (Window, chain_fn, chain_us as gpu_us_per_call,  # noqa: E402
+                                          command_buffers, inputs, step_fn, wall_us_per_call)
 
 
 def copy_us(cp, moved: int) -> float:
@@ -152,38 +73,6 @@ def decode(jax, jnp, rj, window: Window, rng, length: int) -> None:
                 us = gpu_us_per_call(jax, chain_fn(jax, rj, window, backend, length, None), args, window, length)
             row.append(f"{label} {us:7.2f}")
         print("   ".join(row))
-
-
-@contextlib.contextmanager
-def command_buffers(on: bool):
-    """buffer_callback's command_buffer_compatible for the calls staged inside."""
-    from rope_rtc.jax import kernel_call
-
-    before, kernel_call.COMMAND_BUFFER = kernel_call.COMMAND_BUFFER, on
-    try:
-        yield
-    finally:
-        kernel_call.COMMAND_BUFFER = before
-
-
-def step_fn(jax, rj, backend: str, layers: int):
-    def step(q, k, cos, sin, offsets):
-        for _ in range(layers):
-            q, k = rj.apply_rope_qk(q, k, cos, sin, offset=offsets, layout="bshd", backend=backend)
-            q, k = jax.lax.optimization_barrier((q, k))
-        return q, k
-
-    return jax.jit(step)
-
-
-def wall_us_per_call(jax, fn, args, layers: int, steps: int = 200) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6 / layers
 
 
 def host(jax, jnp, rj, rng, layers: int) -> None:

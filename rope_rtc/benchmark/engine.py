@@ -24,6 +24,7 @@ from .cases import MLA_FUSED, MLA_FUSED_FP8, MLA_TWO_STEP, MLA_TWO_STEP_FP8
 from .cases import ANGLES_OP, ANGLES_TABLE, MROPE_OP, MROPE_PLAIN, ONNX_APPLY, ONNX_OP as ONNX, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
 from .cases import VISION_COMPILE
 from .cases import selected
+from .engine_jax import jax_records
 from .impls import _cupy_capture
 
 KV_HEADS = (32, 8, 128)   # Hq, Hkv, D
@@ -91,6 +92,7 @@ def engine_jobs(quick: bool = False) -> list[tuple[str, str, tuple]]:
     jobs += [(f"angles/T={T}", "_angles_record", (T,)) for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
     jobs += [(mla_ident(T).removeprefix("engine/"), "_mla_record", (T,))
              for T in (MLA_PREFILL_T,) + (MLA_DECODE_T_QUICK if quick else MLA_DECODE_T)]
+    jobs.append(("jax", "jax_records", ()))  # several records, from a child process (engine_jax)
     return jobs
 
 
@@ -111,7 +113,8 @@ def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = Non
     recs = []
     for name, job in jobs:  # one failing record costs only itself
         try:
-            recs.append(job())
+            got = job()
+            recs.extend(got if isinstance(got, list) else [got])
         except Exception as exc:
             line = f"engine/{name} failed: {type(exc).__name__}: {exc}"[:400]
             print(line, flush=True)

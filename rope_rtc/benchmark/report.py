@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from .cases import (ANGLES_OP, ANGLES_PREFILL_POINTS, ANGLES_TABLE, BLOG_FUSED_RATIO, BLOG_VARIANTS, COMPILE_ONE_S, COPY, COPY_FP8, COPY_KERNEL, DECODE_COPY_RATIO, DECODE_GPU_US, KV_FUSED, KV_FUSED_FP8,
-                    KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
+                    JAX_OURS, JAX_PREFILL_PCT, JAX_XLA, KV_FUSED_PREFILL_PCT, QKNORM_OP, QKNORM_PREFILL_PCT, QKNORM_TWO_STEP, QKNORM_TWO_STEP_RATIO,
                     KV_TWO_STEP, MLA_DECODE_COPY_RATIO, MLA_FUSED, MLA_FUSED_FP8, MLA_PREFILL_PCT, MLA_TWO_STEP,
                     MLA_TWO_STEP_FP8, OWN_COPY_FP8, MROPE_DECODE_EXTRA_US, MROPE_OP, MROPE_PLAIN, MROPE_PREFILL_PCT, NOISE,
                     VISION_COMPILE, VISION_COMPILE_SPEEDUP, VISION_COPY_PCT,
@@ -254,6 +254,24 @@ def _engine_targets(add, result: dict) -> None:
     _vision_targets(add, [r for r in recs if r["id"].startswith("engine/vision-axial")])
     _angle_targets(add, [r for r in recs if r["id"].startswith("engine/angles-")])
     _mla_targets(add, [r for r in recs if r["id"].startswith("engine/mla-")])
+    _jax_targets(add, [r for r in recs if r["id"].startswith("engine/jax-")])
+
+
+def _jax_targets(add, recs: list) -> None:
+    """rope_rtc.jax inside jit: prefill against a copy of its bytes, decode against the same RoPE
+    in jnp fused by XLA (within the peers' 1% of noise)."""
+    _worst(add, f"rope_rtc.jax prefill >= {JAX_PREFILL_PCT:.0f}% of copy",
+           [(_checked(rows_by_impl(r).get(JAX_OURS), pct_of_copy(r, rows_by_impl(r).get(JAX_OURS), "cold*")), r["id"])
+            for r in recs if r["id"].startswith("engine/jax-prefill")], JAX_PREFILL_PCT, "%", floor=True)
+    ratios = []
+    for r in recs:
+        if r["id"].startswith("engine/jax-decode"):
+            by = rows_by_impl(r)
+            ours, xla = timing(by.get(JAX_OURS), "cold*"), timing(by.get(JAX_XLA), "cold*")
+            if ours and xla:
+                ratios.append((float("inf") if _checked(by.get(JAX_OURS), 1.0) == 0.0 else ours / xla, r["id"]))
+    _worst(add, "rope_rtc.jax decode GPU time <= XLA's fusion of the jnp RoPE (within 1%)", ratios, NOISE, "x",
+           floor=False)
 
 
 def _vision_targets(add, recs: list) -> None:
