@@ -1,5 +1,6 @@
 """Measuring on the device: the yardstick every kernel is judged against (a device-to-device copy
-of the same number of bytes) and GPU time per call by CUDA events.
+of the same number of bytes) and GPU time per call by CUDA events, or under CUDA-graph replay for
+calls too small to time one by one.
 
 The demo times with :func:`gpu_us`; the benchmark (``rope_rtc.benchmark``) builds its rotations
 and its copy kernel on :class:`CopyRunner` and times with its own adaptive clock. Library code,
@@ -68,4 +69,30 @@ def gpu_us(cp, stream, fn, *, reps: int = 7, sample_s: float = 1e-3, max_calls: 
     return statistics.median(_burst_seconds(cp, stream, fn, calls) / calls * 1e6 for _ in range(reps))
 
 
-__all__ = ["CopyRunner", "gpu_us"]
+def graph_us(cp, fn, *, n: int = 200, samples: int = 5) -> float:
+    """GPU µs per call of ``fn`` captured ``n`` times into one CUDA graph, best of ``samples``
+    replays (``fn`` launches on CuPy's current stream): the time of a latency-bound call as a node
+    among others, without the host's launch rate."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(n):
+            fn()
+        graph = stream.end_capture()
+        graph.upload(stream)
+        graph.launch(stream)
+        stream.synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        best = float("inf")
+        for _ in range(samples):
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            best = min(best, cp.cuda.get_elapsed_time(start, end) / n * 1e3)
+    return best
+
+
+__all__ = ["CopyRunner", "gpu_us", "graph_us"]

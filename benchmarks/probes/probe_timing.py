@@ -43,26 +43,9 @@ def event_us(fn, reps: int = 20) -> float:
 
 def graph_us(fn, n: int = 200, samples: int = 5) -> float:
     """GPU µs per call of ``fn`` captured ``n`` times into one CUDA graph, best of ``samples``
-    replays (``fn`` must launch on CuPy's current stream)."""
+    replays (``fn`` must launch on CuPy's current stream): ``rope_rtc.measure.graph_us``."""
     import cupy as cp
 
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(n):
-            fn()
-        graph = stream.end_capture()
-        graph.upload(stream)
-        graph.launch(stream)
-        stream.synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        best = float("inf")
-        for _ in range(samples):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, end) / n * 1e3)
-    return best
+    from rope_rtc.measure import graph_us as measure_graph_us
+
+    return measure_graph_us(cp, fn, n=n, samples=samples)

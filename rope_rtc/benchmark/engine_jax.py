@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..measure import CopyRunner, gpu_us, graph_us
 from .cases import COPY, JAX_OURS, JAX_XLA
 
 SPIN = r"""extern "C" __global__ void spin(long long cycles) {
@@ -170,27 +171,12 @@ def _row(impl: str, us: float, regimes: tuple, note: str = "", check: str = "-")
     return {"impl": impl, "layout": "bshd", "check": check, "note": note, "timings": timings}
 
 
-def _copy_graph_us(cp, moved: int, n: int = 200, samples: int = 5) -> float:
-    """GPU µs per copy node of ``moved // 2`` bytes, ``n`` nodes in one CUDA graph (best of ``samples``)."""
+def _copy_graph_us(cp, moved: int) -> float:
+    """GPU µs per copy node of ``moved // 2`` bytes, in a CUDA graph of such nodes."""
     half = moved // 2
     src, dst = cp.empty(half, cp.uint8), cp.empty(half, cp.uint8)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for _ in range(n):
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3, stream.ptr)
-        graph = stream.end_capture()
-        graph.launch(stream)
-        stream.synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        best = float("inf")
-        for _ in range(samples):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, end) * 1e3 / n)
-    return best
+    return graph_us(cp, lambda: cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half, 3,
+                                                            cp.cuda.get_current_stream().ptr))
 
 
 def _check(jax, cp, rj, args) -> str:
@@ -215,8 +201,6 @@ def measure_records(quick: bool, seed: int) -> list[dict]:
     jax.devices("cuda")  # raises without JAX's CUDA backend
     import cupy as cp
     import jax.numpy as jnp
-
-    from rope_rtc.measure import CopyRunner, gpu_us
 
     import rope_rtc.jax as rj
 

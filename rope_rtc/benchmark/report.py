@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import re
 from pathlib import Path
@@ -194,6 +195,19 @@ def _checked(row: dict | None, value):
     return value
 
 
+def _paired(recs: list, prefix: str, ours: str, other: str, regime: str, combine) -> list:
+    """``(combine(our µs, other µs), id)`` for each record whose id starts with ``prefix`` and has
+    both rows measured in ``regime``; infinity where our row failed its output check."""
+    pts = []
+    for r in recs:
+        if r["id"].startswith(prefix):
+            by = rows_by_impl(r)
+            us, them = timing(by.get(ours), regime), timing(by.get(other), regime)
+            if us and them:
+                pts.append((float("inf") if _checked(by.get(ours), 1.0) == 0.0 else combine(us, them), r["id"]))
+    return pts
+
+
 def _engine_targets(add, result: dict) -> None:
     """RoPE fused with the KV-cache write: prefill against a copy of its bytes, decode against the
     two-step sequence (our RoPE, then a separate cache write)."""
@@ -227,29 +241,17 @@ def _engine_targets(add, result: dict) -> None:
             two.append((_checked(by.get(QKNORM_OP), ours / seq) if ok(by.get(QKNORM_OP)) else float("inf"), r["id"]))
     _worst(add, f"QK-norm + RoPE, prefill <= {QKNORM_TWO_STEP_RATIO:g}x the two-step sequence", two,
            QKNORM_TWO_STEP_RATIO, "x", floor=False)
-    ratios = []
-    for r in recs:
-        if r["id"].startswith("engine/kv-cache-decode"):
-            by = rows_by_impl(r)
-            fused, two = timing(by.get(KV_FUSED), "graph"), timing(by.get(KV_TWO_STEP), "graph")
-            if fused and two:
-                ratios.append((float("inf") if _checked(by.get(KV_FUSED), 1.0) == 0.0 else fused / two, r["id"]))
     # "faster": a ratio of exactly 1 misses
-    _worst(add, "RoPE + KV-cache write, decode faster than two steps", ratios,
+    _worst(add, "RoPE + KV-cache write, decode faster than two steps",
+           _paired(recs, "engine/kv-cache-decode", KV_FUSED, KV_TWO_STEP, "graph", operator.truediv),
            1.0 - 1e-9, "x", floor=False)
     mrope = [r for r in recs if r["id"].startswith("engine/mrope-")]
     _worst(add, f"MRoPE prefill >= {MROPE_PREFILL_PCT:.0f}% of copy",
            [(_checked(rows_by_impl(r).get(MROPE_OP), pct_of_copy(r, rows_by_impl(r).get(MROPE_OP), "cold*")),
              r["id"]) for r in mrope if r["id"].startswith("engine/mrope-prefill")], MROPE_PREFILL_PCT, "%",
            floor=True)
-    extra = []
-    for r in mrope:
-        if r["id"].startswith("engine/mrope-decode"):
-            by = rows_by_impl(r)
-            ours, plain = timing(by.get(MROPE_OP), "graph"), timing(by.get(MROPE_PLAIN), "graph")
-            if ours and plain:
-                extra.append((float("inf") if _checked(by.get(MROPE_OP), 1.0) == 0.0 else ours - plain, r["id"]))
-    _worst(add, f"MRoPE decode <= plain RoPE + {MROPE_DECODE_EXTRA_US} µs", extra,
+    _worst(add, f"MRoPE decode <= plain RoPE + {MROPE_DECODE_EXTRA_US} µs",
+           _paired(mrope, "engine/mrope-decode", MROPE_OP, MROPE_PLAIN, "graph", operator.sub),
            MROPE_DECODE_EXTRA_US, " µs", floor=False)
     _vision_targets(add, [r for r in recs if r["id"].startswith("engine/vision-axial")])
     _angle_targets(add, [r for r in recs if r["id"].startswith("engine/angles-")])
@@ -263,15 +265,8 @@ def _jax_targets(add, recs: list) -> None:
     _worst(add, f"rope_rtc.jax prefill >= {JAX_PREFILL_PCT:.0f}% of copy",
            [(_checked(rows_by_impl(r).get(JAX_OURS), pct_of_copy(r, rows_by_impl(r).get(JAX_OURS), "cold*")), r["id"])
             for r in recs if r["id"].startswith("engine/jax-prefill")], JAX_PREFILL_PCT, "%", floor=True)
-    ratios = []
-    for r in recs:
-        if r["id"].startswith("engine/jax-decode"):
-            by = rows_by_impl(r)
-            ours, xla = timing(by.get(JAX_OURS), "cold*"), timing(by.get(JAX_XLA), "cold*")
-            if ours and xla:
-                ratios.append((float("inf") if _checked(by.get(JAX_OURS), 1.0) == 0.0 else ours / xla, r["id"]))
-    _worst(add, "rope_rtc.jax decode GPU time <= XLA's fusion of the jnp RoPE (within 1%)", ratios, NOISE, "x",
-           floor=False)
+    _worst(add, "rope_rtc.jax decode GPU time <= XLA's fusion of the jnp RoPE (within 1%)",
+           _paired(recs, "engine/jax-decode", JAX_OURS, JAX_XLA, "cold*", operator.truediv), NOISE, "x", floor=False)
 
 
 def _vision_targets(add, recs: list) -> None:
@@ -343,21 +338,19 @@ def _row_pct(rec: dict, row: dict | None) -> float | None:
 def _angle_targets(add, recs: list) -> None:
     """Angles computed in the kernel: prefill within ANGLES_PREFILL_POINTS of the table kernel's %
     of copy (each of its own bytes); decode GPU time at most the table kernel's."""
-    gaps, ratios = [], []
+    gaps = []
     for r in recs:
-        by = rows_by_impl(r)
-        ours, table = by.get(ANGLES_OP), by.get(ANGLES_TABLE)
         if r["id"].startswith("engine/angles-prefill"):
+            by = rows_by_impl(r)
+            ours, table = by.get(ANGLES_OP), by.get(ANGLES_TABLE)
             a, b = _row_pct(r, ours), _row_pct(r, table)
             if a is not None and b is not None:
                 gaps.append((-float("inf") if _checked(ours, 1.0) == 0.0 else a - b, r["id"]))
-        else:
-            a, b = timing(ours, "graph"), timing(table, "graph")
-            if a and b:
-                ratios.append((float("inf") if _checked(ours, 1.0) == 0.0 else a / b, r["id"]))
     _worst(add, f"inv_freq prefill within {ANGLES_PREFILL_POINTS:g} point of the tables", gaps,
            -ANGLES_PREFILL_POINTS, " points", floor=True)
-    _worst(add, "inv_freq decode GPU time <= the tables", ratios, 1.0, "x", floor=False)
+    _worst(add, "inv_freq decode GPU time <= the tables",
+           _paired(recs, "engine/angles-decode", ANGLES_OP, ANGLES_TABLE, "graph", operator.truediv), 1.0, "x",
+           floor=False)
 
 
 def coldstart_table(result: dict) -> list[list[str]]:
