@@ -156,10 +156,10 @@ def array_checks(name: str, ref: str, entry: tuple, several: bool, namespace: di
               f"not {name}._c_contiguous and {name}.strides == {tuple(map(int, strides))!r}")
     condition = (f"type({name}) is nd and {layout} and {name}.shape == {tuple(map(int, shape))!r} "
                  f"and {name}.dtype is {ref}_dtype")
-    statements = f"    d = {name}.data\n"
-    if several:
-        statements += f"    if d.device_id != {int(device)}:\n        return None\n"
-    return condition, statements + f"    {ref} = d.ptr\n"
+    if not several:
+        return condition, f"    {ref} = {name}.data.ptr\n"
+    return condition, (f"    d = {name}.data\n    if d.device_id != {int(device)}:\n        return None\n"
+                       f"    {ref} = d.ptr\n")
 
 
 def signature_checks(names: tuple, sig: tuple, own_input: dict, several: bool, namespace: dict,
