@@ -14,6 +14,9 @@ PEERS = ("cupy", "torch", "torch.compile", "liger")
 OURS = "rope_rtc"
 ONE_CALL = "rope_rtc apply_rope_qk"  # the one-call function on the same buffers as OURS (a plan)
 ENGINE = "rope_rtc cos_sin_cache"  # decode in the engines' convention: flat q/k, one cos|sin table
+# decode on the inputs the peers get: cos and sin gathered at the step's positions once (Hugging
+# Face computes them once per step for every layer), no positions array
+STEP_TABLES = "rope_rtc, step tables"
 COPY = "copy"
 KV_FUSED = "rope_and_cache (RopeCachePlan)"        # engine section: the fused RoPE + KV-cache write
 KV_FUSED_FP8 = "rope_and_cache, FP8 e4m3 entries"
@@ -66,7 +69,8 @@ PLAN_HOST_US = 5.0
 TAIL_COPY_PCT = 97.0
 TAIL_GPU_US = 1.6
 TAIL_HOST_US = 5.0
-ONE_CALL_HOST_US = 8.0          # apply_rope / apply_rope_qk, new arrays of a seen signature every call
+ONE_CALL_HOST_US = 5.0          # apply_rope_qk in place (tables; engines' convention), new arrays of a seen signature
+ONE_CALL_ALLOC_HOST_US = 8.0    # apply_rope allocating its output, new arrays of a seen signature
 ONE_CALL_PLAN_RATIO = 2.0       # ... and at most this many times RopePlan.execute (same arrays)
 TAIL_ONE_CALL_HOST_US = 10.0    # tail_rope, output allocation included
 ONE_CALL_PREFILL_POINTS = 1.0   # one-call prefill within this many points of the plan's % of copy

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 
 from .buffers import SetBuffers, bf16_bits_to_f32, f32_to_bf16_bits
-from .cases import BLOG_VARIANTS, ENGINE, ONE_CALL, OURS, TAIL_COLS, Case, Skip
+from .cases import BLOG_VARIANTS, ENGINE, ONE_CALL, OURS, STEP_TABLES, TAIL_COLS, Case, Skip
 from .timing import capture_cupy, capture_torch
 
 
@@ -261,6 +261,23 @@ def setup_engine_decode(ctx, case: Case, bufs: SetBuffers) -> Runner:
     return run
 
 
+def setup_step_tables_decode(ctx, case: Case, bufs: SetBuffers) -> Runner:
+    """Decode on the peers' inputs: each set's cos and sin rows gathered at its positions once
+    (float32 ``[T, D/2]``, untimed, as the peers' per-step tables are), token t at row t; a
+    RopePlan with no positions, in place. The same bits as the plan with positions."""
+    import cupy as cp
+
+    from ..ops.rope import RopePlan
+
+    tables = [(cp.ascontiguousarray(bufs.cos(i)[bufs.pos(i)]), cp.ascontiguousarray(bufs.sin(i)[bufs.pos(i)]))
+              for i in range(bufs.n)]
+    plan = RopePlan(bufs.q(0), bufs.k(0), *tables[0], layout=case.layout, interleaved=case.interleaved).compile()
+    fns = [partial(plan.execute, bufs.q(i), bufs.k(i), *tables[i]) for i in range(bufs.n)]
+    return Runner(fns, lambda: (fns[0](), (bufs.q(0), bufs.k(0)))[1], case.layout, case.interleaved,
+                 f"{case.layout}/{_pairing(case.interleaved)}", True, _cupy_capture(ctx, fns),
+                 "RopePlan.execute on cos/sin gathered once per step (the peers' inputs), in place")
+
+
 def setup_blog_variant(variant: str, ctx, case: Case, bufs: SetBuffers) -> Runner:
     from ..ops.blog import prepare_blog_variant
 
@@ -505,6 +522,7 @@ def impls_for(case: Case) -> list[Impl]:
         out.append(Impl(ONE_CALL, None, _same_layout, setup_one_call_general))
     if case.group == "decode":
         out.append(Impl(ENGINE, None, _same_layout, setup_engine_decode))
+        out.append(Impl(STEP_TABLES, None, _same_layout, setup_step_tables_decode))
     out.append(Impl("cupy", "cupy", _same_layout, setup_cupy_tail if tail else setup_cupy_general))
     out.append(Impl("torch", "torch", _torch_layout,
                     partial(setup_torch_tail, False) if tail else partial(setup_torch_general, False)))
