@@ -7,7 +7,9 @@ table, in place) beside the bounds of its access pattern, and for Nsight Compute
         kernel node's floor); a kernel that loads and stores q and k in place, 16 bytes a thread
         (what the bytes cost in a kernel); the same kernel that also loads each token's position
         and then a 16-byte slice of the cos and sin rows it names before storing (the dependent
-        chain RoPE adds); and the plan, bf16 and fp16.
+        chain RoPE adds); the plan, bf16 and fp16; and the plan given the step's tables instead
+        of positions (cos and sin gathered at the positions once per step, as Hugging Face
+        computes them once for all layers and as the benchmark's peers receive them).
     PYTHONPATH=. python3 benchmarks/probes/decode_case.py ncu T
         two launches each of the plan, the touch kernels and the empty kernel, for
         ncu -k regex:'rope_fixed|decode_' --set full ...
@@ -61,6 +63,17 @@ def _arrays(T: int, dtype):
     return plan, (q, k, cos, sin, pos)
 
 
+def _step_tables(q, k, cos, sin, pos):
+    """The plan on the step's own tables: rows ``cos[pos]``, ``sin[pos]``, token t at row t."""
+    import cupy as cp
+
+    import rope_rtc
+
+    scos, ssin = cp.ascontiguousarray(cos[pos]), cp.ascontiguousarray(sin[pos])
+    plan = rope_rtc.RopePlan(q, k, scos, ssin, layout="thd").compile()
+    return lambda: plan.execute(q, k, scos, ssin)
+
+
 def _calls(T: int, dtype) -> dict:
     import cupy as cp
 
@@ -82,6 +95,7 @@ def _calls(T: int, dtype) -> dict:
         "touch q, k in place": touch_call(0),
         "touch + position -> table chain": touch_call(1),
         "RopePlan.execute": lambda: plan.execute(q, k, cos, sin, positions=pos),
+        "RopePlan.execute, the step's tables": _step_tables(q, k, cos, sin, pos),
     }
 
 
