@@ -36,8 +36,8 @@
 //
 // Work split: one thread per (token, group of FIX_HB heads, vector unit), in FIX_ORDER. A thread
 // issues its q/k loads and its position load independently (with the scheme compiled in, the
-// compiler issues the position load first; the gathered multimodal build loads its first merged
-// value's position before the q/k loads), then the table loads, then rotates and stores; the
+// compiler issues the position load first; the gathered multimodal builds load their merged
+// values' positions before the q/k loads), then the table loads, then rotates and stores; the
 // table slice is read once for the thread's heads.
 // The vector width, heads per thread, orders and cache hints here are the fastest measured
 // (benchmarks/probes/fixed_sweep.py sweeps them); a lane loading one vector and taking its
@@ -165,12 +165,42 @@ __device__ __forceinline__ i64 stream_row(const i64 (&row)[FIX_MN], int k) {
 #endif
 #endif
 
-// Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to FIX_MN rows,
-// so the block first gathers each of its tokens' merged row (every pair column from its own
-// stream's row) into shared memory, one value per thread, and each thread then reads its slice
-// from there. One table read per value per block instead of one per head group.
+// Interleaved sections in token-major order (thd, bshd): a unit's pairs come from up to FIX_MN
+// rows, so each token's merged row (every pair column from its own stream's row) is gathered
+// first: one table read per value instead of one per head group. Where a token's threads are
+// whole warps and the half window a whole number of columns per lane (MROPE_WARP), each warp
+// gathers its token's row itself, LANE_COLS columns per lane, and every thread takes its slice
+// from the lanes holding it by warp shuffles: no shared memory and no block barrier, faster at
+// decode (the benchmark's engine/mrope-decode). Otherwise (MROPE_SHARED) the block gathers its
+// tokens' rows into shared memory, one value per thread, and each thread reads its slice there.
+#define MROPE_THREADS_PER_TOKEN ((FIX_HQ + FIX_HK) / FIX_HB * (FIX_RD / 2 / ROPE_VEC))
+#ifndef MROPE_WARP
+#define MROPE_WARP (FIX_MROPE == 2 && FIX_ORDER == 0 && MROPE_THREADS_PER_TOKEN % 32 == 0 && \
+                    (FIX_RD / 2) % 32 == 0 && ROPE_VEC % (FIX_RD / 64) == 0)
+#endif
 #ifndef MROPE_SHARED
-#define MROPE_SHARED (FIX_MROPE == 2 && FIX_ORDER == 0)
+#define MROPE_SHARED (FIX_MROPE == 2 && FIX_ORDER == 0 && !MROPE_WARP)
+#endif
+#if MROPE_WARP
+constexpr int LANE_COLS = HALF / 32;  // pair columns each lane gathers: lane l holds l * LANE_COLS + c
+
+// The positions of this lane's columns, in the stream of each, for the thread's token: loaded
+// before the q/k loads, so that the position loads, on which the table loads and the shuffles
+// wait, leave first.
+struct MergedStart {
+    i64 pos[LANE_COLS];
+};
+
+__device__ __forceinline__ MergedStart gather_start(const FixedParams& p) {
+    const bool wide = p.index_flags & IDX_POSITIONS_I64;
+    const unsigned t = (blockIdx.x * blockDim.x + threadIdx.x) / (GROUPS * CHUNKS);
+    const unsigned lane = threadIdx.x & 31;
+    MergedStart m;
+#pragma unroll
+    for (int c = 0; c < LANE_COLS; ++c)
+        m.pos[c] = load_index(p.positions, (i64)mrope_stream(lane * LANE_COLS + c) * mrope_stride(p) + t, wide);
+    return m;
+}
 #endif
 #if MROPE_SHARED
 constexpr unsigned TOKEN_THREADS = GROUPS * CHUNKS;
@@ -221,7 +251,7 @@ __device__ __forceinline__ void gather_merged(const FixedParams& p, const Merged
         merged[slot][1][col] = sn;
     }
 }
-#else
+#elif !MROPE_WARP
 struct MergedStart {};  // the other builds gather nothing
 __device__ __forceinline__ MergedStart gather_start(const FixedParams&) { return MergedStart(); }
 #endif
@@ -241,7 +271,28 @@ __device__ __forceinline__ i64 fixed_row(const FixedParams& p, unsigned t, unsig
 // The table slice of pair unit pu for token t (NaN outside the table), sign applied to sin.
 __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, unsigned b, unsigned s, unsigned pu,
                                             float* c, float* sn, const MergedStart& m) {
-#if MROPE_SHARED
+#if MROPE_WARP
+    // This lane's columns of the token's merged row, then each pair's value from its lane.
+    const unsigned lane = threadIdx.x & 31;
+    const float sign = p.sin_sign;
+    float cv[LANE_COLS], sv[LANE_COLS];
+#pragma unroll
+    for (int k = 0; k < LANE_COLS; ++k) {
+        const unsigned col = lane * LANE_COLS + k;
+        const i64 r = (m.pos[k] >= 0 && m.pos[k] < p.table_rows) ? m.pos[k] : -1;
+        cv[k] = __int_as_float(0x7fffffff), sv[k] = cv[k];
+        if (r >= 0) {
+            cv[k] = __ldg((const float*)p.cos + r * p.table_stride + col);
+            sv[k] = sign * __ldg((const float*)p.sin + r * p.table_stride + col);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        const unsigned src = pu * (NPAIR / LANE_COLS) + j / LANE_COLS;
+        c[j] = __shfl_sync(0xffffffffu, cv[j % LANE_COLS], src);
+        sn[j] = __shfl_sync(0xffffffffu, sv[j % LANE_COLS], src);
+    }
+#elif MROPE_SHARED
     __shared__ __align__(16) float merged[MERGED_TOKENS][2][HALF];
     gather_merged(p, m, merged);
     __syncthreads();

@@ -333,7 +333,7 @@ def test_stress_captured_replays_of_new_arrays_under_load(round_, gpu_pressure):
 @pytest.mark.parametrize("layout", ["thd", "bhsd"])
 def test_prefill_builds_with_several_heads_per_thread(interleaved_sections, layout):
     """Launches of 2^14 threads and more take the prefill builds (2 or 4 heads per thread; interleaved
-    sections in token-major order gather their merged rows in shared memory)."""
+    sections in token-major order gather their merged rows first)."""
     import cupy as cp
 
     import rope_rtc
@@ -355,6 +355,29 @@ def test_prefill_builds_with_several_heads_per_thread(interleaved_sections, layo
                                        interleaved_sections=interleaved_sections)
         actual = _from_layout(cp.asnumpy(out), layout, B, S).reshape(B * S, h, D)
         np.testing.assert_array_equal(bits(actual), bits(want))
+
+
+@pytest.mark.parametrize("hq,hk", [(4, 2), (28, 4), (8, 8)])
+@pytest.mark.parametrize("T", [8, 700])
+def test_interleaved_sections_gathered_by_the_block_or_by_each_warp(hq, hk, T):
+    """Interleaved sections in token-major order gather each token's merged row by warp shuffles
+    when a token's threads are whole warps (28 + 4 and 8 + 8 heads at bf16: 256 and 128 threads a
+    token at decode), else through shared memory (4 + 2 heads: 48); both bit for bit, at decode
+    and on the prefill builds (700 tokens: two heads per thread), with 32-bit positions."""
+    import cupy as cp
+
+    import rope_rtc
+
+    section = SECTIONS[True]
+    qh, kh = host_random((T, hq, D), DTYPES["bfloat16"], 71, 2.0), host_random((T, hk, D), DTYPES["bfloat16"], 72, 2.0)
+    cos, sin = host_tables(P, D // 2, 73)
+    pos = np.random.default_rng(74).integers(0, P, (3, T)).astype(np.int32)
+    q_out, k_out = poisoned(cp, qh.shape, DTYPES["bfloat16"]), poisoned(cp, kh.shape, DTYPES["bfloat16"])
+    rope_rtc.apply_mrope_qk(cp.asarray(qh), cp.asarray(kh), cp.asarray(cos), cp.asarray(sin), cp.asarray(pos),
+                            section, interleaved_sections=True, layout="thd", q_out=q_out, k_out=k_out)
+    for out, host in ((q_out, qh), (k_out, kh)):
+        want = mrope_kernel_arithmetic(host, cos, sin, pos, section, interleaved_sections=True)
+        np.testing.assert_array_equal(bits(cp.asnumpy(out)), bits(want))
 
 
 @pytest.mark.parametrize("interleaved_sections,section", [(False, [10, 27, 27]), (True, [22, 21, 21])])

@@ -309,8 +309,8 @@ def mrope_head_batch(q_heads: int, k_heads: int, interleaved_sections: bool, sma
     """Heads per thread of a multimodal RoPE build: sharing a thread's table slice across heads
     pays on prefill (2 heads for contiguous sections, 4 for interleaved ones read per thread,
     whose pairs read up to three rows each), one head (two for interleaved sections) on small
-    launches such as decode. ``gathered``: interleaved sections whose block gathers its tokens'
-    merged rows in shared memory first (token-major order, cuda_src/rope_fixed.cu): two heads on
+    launches such as decode. ``gathered``: interleaved sections whose warps or block gather their
+    tokens' merged rows first (token-major order, cuda_src/rope_fixed.cu): two heads on
     prefill, one on small launches (twice the threads share the gather's wait at decode).
     Always a divisor of both head counts."""
     if gathered:
@@ -330,7 +330,7 @@ def mrope_geometries(dtype: str, q_heads: int, k_heads: int, head_dim: int, rota
     if g is None:
         return []
     mrope = (2 if interleaved_sections else 1,) + tuple(int(v) for v in sections)
-    gathered = interleaved_sections and g.order == 0  # MROPE_SHARED in cuda_src/rope_fixed.cu
+    gathered = interleaved_sections and g.order == 0  # MROPE_WARP or MROPE_SHARED in cuda_src/rope_fixed.cu
     return [replace(g, mrope=mrope, head_batch=mrope_head_batch(q_heads, k_heads, interleaved_sections, small,
                                                                 gathered))
             for small in (True, False)]
