@@ -181,6 +181,19 @@ __device__ __forceinline__ i64 stream_row(const i64 (&row)[FIX_MN], int k) {
 #ifndef MROPE_SHARED
 #define MROPE_SHARED (FIX_MROPE == 2 && FIX_ORDER == 0 && !MROPE_WARP)
 #endif
+#if MROPE_WARP || MROPE_SHARED
+// Column col of the merged row at stream position pos: cos, and sin times sign (NaN for a position
+// outside the table). Both gathers read their values through this.
+__device__ __forceinline__ void merged_value(const FixedParams& p, i64 pos, unsigned col, float sign, float& c,
+                                             float& sn) {
+    const i64 r = (pos >= 0 && pos < p.table_rows) ? pos : -1;
+    c = __int_as_float(0x7fffffff), sn = c;
+    if (r >= 0) {
+        c = __ldg((const float*)p.cos + r * p.table_stride + col);
+        sn = sign * __ldg((const float*)p.sin + r * p.table_stride + col);
+    }
+}
+#endif
 #if MROPE_WARP
 constexpr int LANE_COLS = HALF / 32;  // pair columns each lane gathers: lane l holds l * LANE_COLS + c
 
@@ -241,12 +254,8 @@ __device__ __forceinline__ void gather_merged(const FixedParams& p, const Merged
         const unsigned slot = v / HALF, col = v - slot * HALF;
         const i64 pos = v == threadIdx.x ? m.pos0
                                          : load_index(p.positions, (i64)mrope_stream(col) * mrope_stride(p) + m.t0 + slot, wide);
-        const i64 r = (pos >= 0 && pos < p.table_rows) ? pos : -1;
-        float c = __int_as_float(0x7fffffff), sn = c;
-        if (r >= 0) {
-            c = __ldg((const float*)p.cos + r * p.table_stride + col);
-            sn = sign * __ldg((const float*)p.sin + r * p.table_stride + col);
-        }
+        float c, sn;
+        merged_value(p, pos, col, sign, c, sn);
         merged[slot][0][col] = c;
         merged[slot][1][col] = sn;
     }
@@ -277,15 +286,7 @@ __device__ __forceinline__ void table_slice(const FixedParams& p, unsigned t, un
     const float sign = p.sin_sign;
     float cv[LANE_COLS], sv[LANE_COLS];
 #pragma unroll
-    for (int k = 0; k < LANE_COLS; ++k) {
-        const unsigned col = lane * LANE_COLS + k;
-        const i64 r = (m.pos[k] >= 0 && m.pos[k] < p.table_rows) ? m.pos[k] : -1;
-        cv[k] = __int_as_float(0x7fffffff), sv[k] = cv[k];
-        if (r >= 0) {
-            cv[k] = __ldg((const float*)p.cos + r * p.table_stride + col);
-            sv[k] = sign * __ldg((const float*)p.sin + r * p.table_stride + col);
-        }
-    }
+    for (int k = 0; k < LANE_COLS; ++k) merged_value(p, m.pos[k], lane * LANE_COLS + k, sign, cv[k], sv[k]);
 #pragma unroll
     for (int j = 0; j < NPAIR; ++j) {
         const unsigned src = pu * (NPAIR / LANE_COLS) + j / LANE_COLS;
