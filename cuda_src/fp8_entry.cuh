@@ -1,7 +1,6 @@
-// FP8 entries of a value in the input dtype, for the MLA kernel (mla_rope_cache.cu): value / scale
-// in FP32 (round to nearest), saturated to the format's largest finite value and rounded to
-// nearest even (cuda_fp8.h, __NV_SATFINITE). The same arithmetic as rope_cache.cu's entries, which
-// keeps its own copy so that its source bytes, and so its cache keys, stay as they are.
+// FP8 entries of a value in the input dtype, for the cache writes of rope_cache.cu and
+// mla_rope_cache.cu: value / scale in FP32 (round to nearest), saturated to the format's largest
+// finite value and rounded to nearest even (cuda_fp8.h, __NV_SATFINITE).
 #pragma once
 
 #include "common.cuh"

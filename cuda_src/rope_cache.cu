@@ -20,7 +20,7 @@
 #include "common.cuh"
 #include "positions.cuh"
 #include "rope_types.cuh"
-#include <cuda_fp8.h>
+#include "fp8_entry.cuh"
 
 #if !defined(CACHE_KIND) || !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD) || !defined(KV_HB)
 #error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
@@ -35,8 +35,6 @@ constexpr unsigned GROUPS = HEADS / KV_HB;
 static_assert((ROPE_INTERLEAVED ? KV_RD : HALF) % VEC == 0 && (KV_D - KV_RD) % VEC == 0, "vectors must tile the head");
 static_assert(CACHE_KIND == 0 || VEC >= 2, "an FP8 entry store needs at least 2 bytes");
 static_assert(KV_HQ % KV_HB == 0 && KV_HK % KV_HB == 0, "KV_HB must divide both head counts");
-
-typedef Vec<unsigned char, VEC> fp8_vec_t;
 
 // [0] is q, [1] is k, [2] is v (element strides of the token and head axes; the channel axis is
 // contiguous). Every field is 8 bytes (the host mirror is a ctypes Structure).
@@ -65,47 +63,12 @@ __device__ __forceinline__ vec_t load_v(const bits_t* p) {
 
 __device__ __forceinline__ void store_v(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
 
-#if CACHE_KIND != 0
-// value / scale rounded to nearest, as __fdiv_rn gives it, in three FMA-pipe instructions and no
-// branch (the division's own sequence is about ten, with a slow-path branch): q0 = value * r,
-// with r the correctly rounded reciprocal of the scale, is within one ulp of the quotient, and
-// one Markstein correction, q0 + (value - scale * q0) * r, rounds it correctly (Muller et al.,
-// Handbook of Floating-Point Arithmetic, theorem 4.10), as long as nothing underflows or
-// overflows. The kernel takes this path only for scales in [2^-64, 2^64] (fp8_fast_scale), where
-// a residual can underflow only for quotients far below FP8's smallest subnormal (both sides give
-// a signed zero). Where the correction has no meaning (q1 zero or NaN: a signed zero, an infinite
-// value, an overflowing quotient) q0 is what the division gives, or rounds to the same entry
-// after saturation.
-__device__ __forceinline__ float fp8_quotient(float x, float scale, float r) {
-    const float q0 = __fmul_rn(x, r);
-    const float q1 = __fmaf_rn(__fmaf_rn(-q0, scale, x), r, q0);
-    return fabsf(q1) > 0.0f ? q1 : q0;
-}
-
-__device__ __forceinline__ bool fp8_fast_scale(float scale) {
-    const float a = fabsf(scale);
-    return a >= 0x1p-64f && a <= 0x1p64f;
-}
-#endif
-
-// One cache entry vector: the input dtype's bits, or FP8 of value / scale (r: the scale's
-// reciprocal, fast: whether fp8_quotient is exact for this scale). FP8 values are converted in
-// pairs (one cvt.rn.satfinite per two entries).
-__device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, float scale, float r, bool fast) {
+// One cache entry vector: the input dtype's bits, or FP8 of value / scale (fp8_entry.cuh).
+__device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, const Fp8Scale& s) {
 #if CACHE_KIND == 0
     store_v((bits_t*)cache + at, x);
 #else
-    Vec<unsigned short, VEC / 2> e;
-#pragma unroll
-    for (int j = 0; j < VEC / 2; ++j) {
-        const float x0 = conv::to_float(x.v[2 * j]), x1 = conv::to_float(x.v[2 * j + 1]);
-        const float2 v = fast ? make_float2(fp8_quotient(x0, scale, r), fp8_quotient(x1, scale, r))
-                              : make_float2(__fdiv_rn(x0, scale), __fdiv_rn(x1, scale));
-        e.v[j] = __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, CACHE_KIND == 1 ? __NV_E4M3 : __NV_E5M2);
-    }
-    // Evict-first, as store_v: with the default policy the entries stay in L2 at q/k's expense
-    // and the FP8 launch takes as long as one writing twice the entry bytes.
-    __stcs((typename RawAccess<VEC>::type*)((unsigned char*)cache + at), e.raw);
+    store_fp8<CACHE_KIND, conv, VEC>((unsigned char*)cache + at, x, s);
 #endif
 }
 
@@ -173,15 +136,13 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
     const i64 at = (i64)block * p.cache_sb + off * p.cache_so + (i64)hh * p.cache_sh;
     const u64 cache = which == 1 ? p.k_cache : p.v_cache;
 #if CACHE_KIND == 0
-    const float rcp = 1.0f;
-    const bool fast = true;
+    const Fp8Scale s{1.0f, 1.0f, true};
 #else
-    const float rcp = __frcp_rn(scale);
-    const bool fast = fp8_fast_scale(scale);
+    const Fp8Scale s = fp8_scale(scale);
 #endif
 #pragma unroll
     for (int k = 0; k < KV_HB; ++k) {
-        store_entry(cache, at + k * p.cache_sh + c0, a[k], scale, rcp, fast);
-        if (two) store_entry(cache, at + k * p.cache_sh + c1, b[k], scale, rcp, fast);
+        store_entry(cache, at + k * p.cache_sh + c0, a[k], s);
+        if (two) store_entry(cache, at + k * p.cache_sh + c1, b[k], s);
     }
 }
