@@ -871,7 +871,7 @@ def test_engine_section_is_rendered_and_judged():
 
 
 def test_engine_bytes_moved():
-    from rope_rtc.benchmark.engine import kv_bytes_moved
+    from rope_rtc.benchmark.engine.kv_cache import kv_bytes_moved
 
     # bf16, T=8, Hq=32, Hkv=8, D=128: q, k (read + written) and v read, two entries, rows, position, slot
     T, item = 8, 2
@@ -905,14 +905,14 @@ def test_mrope_targets():
 
 
 def test_vision_bytes_moved_and_shape():
-    from rope_rtc.benchmark.engine import VISION_GRID, VISION_HEADS, vision_bytes_moved
+    from rope_rtc.benchmark.engine.vision import VISION_GRID, VISION_HEADS, vision_bytes_moved
 
     assert VISION_HEADS == (16, 80) and VISION_GRID[1] * VISION_GRID[2] == 16384
     assert vision_bytes_moved(16384) == 16384 * (2 * 2 * 16 * 80 * 2 + 80 * 4 + 16)
 
 
 def test_mrope_bytes_moved():
-    from rope_rtc.benchmark.engine import mrope_bytes_moved
+    from rope_rtc.benchmark.engine.mrope import mrope_bytes_moved
 
     assert mrope_bytes_moved(8) == 8 * (2 * (28 + 4) * 128 * 2 + 128 * 4 + 24)
 
@@ -1060,7 +1060,7 @@ def test_mla_jobs_are_listed_and_chosen_by_cases(monkeypatch, capsys):
 
 
 def test_mla_bytes_moved():
-    from rope_rtc.benchmark.engine import mla_bytes_moved
+    from rope_rtc.benchmark.engine.mla import mla_bytes_moved
 
     # bf16, in place: q's 128 heads x 64 rotary channels and k_pe's 64 read and written, kv_c's 512
     # read, the 576-entry row written, a cos and a sin row of 32 floats, a position and a slot.
@@ -1346,15 +1346,16 @@ def test_the_vision_row_is_in_the_quick_run_and_its_peer_skips_with_a_note():
     from types import SimpleNamespace
 
     from rope_rtc.benchmark import engine
+    from rope_rtc.benchmark.engine import vision
 
     assert any(fn == "_vision_record" for _, fn, _ in engine.engine_jobs(quick=True))
-    assert engine._vision_skip_reason(None) == "--peers excludes torch.compile"
-    assert engine._vision_skip_reason(SimpleNamespace(wanted={"cupy", "torch"}, torch=object(), compiled={})) \
+    assert vision._vision_skip_reason(None) == "--peers excludes torch.compile"
+    assert vision._vision_skip_reason(SimpleNamespace(wanted={"cupy", "torch"}, torch=object(), compiled={})) \
         == "--peers excludes torch.compile"
-    assert engine._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=None, compiled={})) \
+    assert vision._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=None, compiled={})) \
         == "PyTorch unusable here"
-    assert engine._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=object(), compiled={})) \
+    assert vision._vision_skip_reason(SimpleNamespace(wanted={"torch.compile"}, torch=object(), compiled={})) \
         == "torch.compile unusable here"
-    row = engine._vision_peer(SimpleNamespace(peers=None), None, None, None, None, None, None, (20, 20), 8)
+    row = vision._vision_peer(SimpleNamespace(peers=None), None, None, None, None, None, None, (20, 20), 8)
     assert row["impl"] == bcases.VISION_COMPILE and row["timings"] == {}
     assert row["check"] == "skip: --peers excludes torch.compile"

@@ -1,0 +1,82 @@
+"""The engine-interface section of the benchmark: RoPE fused with the paged KV-cache write
+(``RopeCachePlan``, the input dtype and FP8) against the two-step sequence an engine would
+otherwise run (our ``RopePlan``, then one scatter per cache) and a copy of the same bytes; and
+ONNX ``RotaryEmbedding`` (``rope_rtc.onnx.rotary_embedding``) beside ``apply_rope`` on the same
+tensor and a copy; multimodal RoPE (three streams) and a vision tower's axial RoPE (two streams,
+Qwen2.5-VL's patches) beside a copy; DeepSeek-style MLA (``MlaRopeCachePlan``: RoPE on q's rotary
+channels and on k_pe, the ``[kv_c | k_pe]`` cache row, model dtype and FP8) beside its two-step
+sequence and a copy.
+
+Each record is checked before it is timed: the fused launch's q, k and cache entries must equal,
+bit for bit, what the two-step sequence writes (the kernels share their arithmetic), and ONNX's
+output must equal ``apply_rope``'s on the same tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+from ..cases import DTYPE_SHORT, selected
+# Every record function the job list names, imported here because run_engine_section looks each
+# one up by its name in this module's namespace (where a test also stands in for one).
+from ..engine_jax import jax_records
+from .angles import ANGLES_DECODE_T, ANGLES_PREFILL_T, _angles_record
+from .kv_cache import KV_DECODE_T, KV_PREFILL_T, _kv_record
+from .mla import MLA_DECODE_T, MLA_DECODE_T_QUICK, MLA_PREFILL_T, _mla_record, mla_ident
+from .mrope import MROPE_DECODE_T, MROPE_PREFILL_T, _mrope_record
+from .onnx import _onnx_record
+from .qk_norm import QKNORM_DECODE_T, QKNORM_PREFILL_T, _qk_norm_record
+from .vision import VISION_GRID, _vision_record
+
+
+def engine_jobs(quick: bool = False) -> list[tuple[str, str, tuple]]:
+    """Every engine job: ``(name, record function of this module, its arguments after ctx,
+    measure and copy_runner)``. ``engine/<name>`` is what ``--cases`` and ``--list`` match; the
+    quick run measures fewer MLA decode sizes."""
+    jobs = [(f"kv-cache-{label}/{DTYPE_SHORT[dtype]}/{'inter' if interleaved else 'half'}", "_kv_record",
+             (label, T, dtype, interleaved))
+            for label, T, dtype, interleaved in (("decode", KV_DECODE_T, "bfloat16", False),
+                                                 ("prefill", KV_PREFILL_T, "bfloat16", False),
+                                                 ("prefill", KV_PREFILL_T, "bfloat16", True),
+                                                 ("prefill", KV_PREFILL_T, "float32", False))]
+    jobs.append(("onnx", "_onnx_record", ()))
+    jobs += [(f"mrope/T={T}", "_mrope_record", (T, interleaved))
+             for interleaved in (False, True) for T in (MROPE_DECODE_T, MROPE_PREFILL_T)]
+    jobs.append((f"vision/N={VISION_GRID[1] * VISION_GRID[2]}", "_vision_record", ()))
+    jobs += [(f"qk-norm/T={T}", "_qk_norm_record", (T,)) for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
+    jobs += [(f"angles/T={T}", "_angles_record", (T,)) for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
+    jobs += [(mla_ident(T).removeprefix("engine/"), "_mla_record", (T,))
+             for T in (MLA_PREFILL_T,) + (MLA_DECODE_T_QUICK if quick else MLA_DECODE_T)]
+    jobs.append(("jax", "jax_records", ()))  # several records, from a child process (engine_jax)
+    return jobs
+
+
+def engine_job_selected(name: str, tokens: list[str] | None) -> bool:
+    """``--cases``: ``engine`` (or a glob over it) selects every job, ``engine/<prefix>`` the jobs
+    whose ``engine/<name>`` starts with it (``engine/angles``, ``engine/kv-cache-prefill/bf16``,
+    ``engine/mla``)."""
+    if selected("engine", "engine", tokens):
+        return True
+    return any(t.startswith("engine/") and f"engine/{name}".startswith(t) for t in tokens)
+
+
+def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = None) -> list[dict]:
+    """Every selected engine record (``measure``/``copy_runner``: the runner's, passed in to keep
+    imports one way; ``tokens``: ``--cases``, see :func:`engine_job_selected`)."""
+    jobs = [(name, partial(globals()[fn], ctx, measure, copy_runner, *args))
+            for name, fn, args in engine_jobs(bool(getattr(ctx, "quick", False))) if engine_job_selected(name, tokens)]
+    recs = []
+    for name, job in jobs:  # one failing record costs only itself
+        try:
+            got = job()
+            recs.extend(got if isinstance(got, list) else [got])
+        except Exception as exc:
+            line = f"engine/{name} failed: {type(exc).__name__}: {exc}"[:400]
+            print(line, flush=True)
+            recs.append({"id": f"engine/{name}", "group": "engine", "params": {}, "bytes_moved": 0, "error": line,
+                         "rows": []})
+            with contextlib.suppress(Exception):
+                ctx.stream.synchronize()
+        ctx.free()
+    return recs
