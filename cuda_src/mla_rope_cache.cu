@@ -46,21 +46,10 @@ struct MlaParams {
     u64 div_block, div_token, div_q_units;
 };
 
-typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
-
-// Everything is read once and written once: evict-first loads and stores, as rope_cache.cu's.
-__device__ __forceinline__ vec_t load_v(const bits_t* p) {
-    vec_t r;
-    r.raw = __ldcs((const raw_t*)p);
-    return r;
-}
-
-__device__ __forceinline__ void store_v(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
-
 // A cache entry vector at element `at` of the cache: the input dtype's bits, or FP8.
 __device__ __forceinline__ void store_entry(const MlaParams& p, i64 at, const vec_t& x, const Fp8Scale& s) {
 #if CACHE_KIND == 0
-    store_v((bits_t*)p.cache + at, x);
+    store_stream((bits_t*)p.cache + at, x);
 #else
     store_fp8<CACHE_KIND, conv, VEC>((unsigned char*)p.cache + at, x, s);
 #endif
@@ -111,19 +100,19 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
 #endif
         if (g >= ROT_UNITS) {  // a vector of the unrotated channels: copied, quantised, or both
             const unsigned c0 = (g - ROT_UNITS) * VEC;
-            const vec_t a = load_v(in + c0);
-            if (out != in) store_v(out + c0, a);  // in place they stay as they are
+            const vec_t a = load_stream(in + c0);
+            if (out != in) store_stream(out + c0, a);  // in place they stay as they are
 #if MLA_QFP8
             store_fp8<MLA_QFP8, conv, VEC>(f + c0, a, s);
 #endif
             return;
         }
         const unsigned c0 = MLA_NOPE + g * VEC;  // rotary unit g
-        vec_t a = load_v(in + c0), b;
-        if (two) b = load_v(in + c0 + HALF);
+        vec_t a = load_stream(in + c0), b;
+        if (two) b = load_stream(in + c0 + HALF);
         rotate_unit(p, token_row_in<POS_POSITIONS>(p, t, 0, 0), g, a, b);
-        store_v(out + c0, a);
-        if (two) store_v(out + c0 + HALF, b);
+        store_stream(out + c0, a);
+        if (two) store_stream(out + c0 + HALF, b);
 #if MLA_QFP8
         store_fp8<MLA_QFP8, conv, VEC>(f + c0, a, s);
         if (two) store_fp8<MLA_QFP8, conv, VEC>(f + c0 + HALF, b, s);
@@ -135,11 +124,11 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
         const i64 at = row_at(p, t);
         const unsigned c0 = u * VEC;
         bits_t* kp = (bits_t*)p.k_pe + (i64)t * p.kpe_st;
-        vec_t a = load_v(kp + c0), b;
-        if (two) b = load_v(kp + c0 + HALF);
+        vec_t a = load_stream(kp + c0), b;
+        if (two) b = load_stream(kp + c0 + HALF);
         rotate_unit(p, token_row_in<POS_POSITIONS>(p, t, 0, 0), u, a, b);
-        store_v(kp + c0, a);
-        if (two) store_v(kp + c0 + HALF, b);
+        store_stream(kp + c0, a);
+        if (two) store_stream(kp + c0 + HALF, b);
         if (at < 0) return;
         const Fp8Scale s = cache_scale(p);
         store_entry(p, at + MLA_LORA + c0, a, s);
@@ -149,6 +138,6 @@ extern "C" __global__ void __launch_bounds__(256) mla_rope_cache(const MlaParams
     const i64 at = row_at(p, t);  // a vector of kv_c: nothing to do for a token that writes no row
     if (at < 0) return;
     const unsigned c = (u - ROT_UNITS) * VEC;
-    const vec_t x = load_v((const bits_t*)p.kv_c + (i64)t * p.kvc_st + c);
+    const vec_t x = load_stream((const bits_t*)p.kv_c + (i64)t * p.kvc_st + c);
     store_entry(p, at + c, x, cache_scale(p));
 }

@@ -51,22 +51,10 @@ struct CacheParams {
     u64 div_block;  // fast_div packed block_size
 };
 
-typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
-
-// q, k and v are read once and the outputs written once: evict-first loads and stores, as the
-// specialised RoPE build streams them.
-__device__ __forceinline__ vec_t load_v(const bits_t* p) {
-    vec_t r;
-    r.raw = __ldcs((const raw_t*)p);
-    return r;
-}
-
-__device__ __forceinline__ void store_v(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
-
 // One cache entry vector: the input dtype's bits, or FP8 of value / scale (fp8_entry.cuh).
 __device__ __forceinline__ void store_entry(u64 cache, i64 at, const vec_t& x, const Fp8Scale& s) {
 #if CACHE_KIND == 0
-    store_v((bits_t*)cache + at, x);
+    store_stream((bits_t*)cache + at, x);
 #else
     store_fp8<CACHE_KIND, conv, VEC>((unsigned char*)cache + at, x, s);
 #endif
@@ -102,8 +90,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
     vec_t a[KV_HB], b[KV_HB];
 #pragma unroll
     for (int k = 0; k < KV_HB; ++k) {
-        a[k] = load_v(in + k * in_sh + c0);
-        if (two) b[k] = load_v(in + k * in_sh + c1);
+        a[k] = load_stream(in + k * in_sh + c0);
+        if (two) b[k] = load_stream(in + k * in_sh + c1);
     }
 
     if (which < 2 && rot) {  // rotate q and k: one table slice for the group's heads
@@ -125,8 +113,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_cache(const CacheParams p
         if (rot || out != in) {
 #pragma unroll
             for (int k = 0; k < KV_HB; ++k) {
-                store_v(out + k * out_sh + c0, a[k]);
-                if (two) store_v(out + k * out_sh + c1, b[k]);
+                store_stream(out + k * out_sh + c0, a[k]);
+                if (two) store_stream(out + k * out_sh + c1, b[k]);
             }
         }
     }

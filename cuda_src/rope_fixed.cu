@@ -98,18 +98,6 @@ static_assert(FIX_MN >= 3 || FIX_MW == 0, "a third section needs FIX_MN >= 3");
 static_assert(FIX_MT + FIX_MH + FIX_MW + FIX_MX == HALF, "the MRoPE sections must sum to FIX_RD / 2");
 #endif
 
-typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
-
-// q and k are streamed once: evict-first loads and stores (ld/st.global.cs) keep them from
-// displacing the table rows in L2, and are faster than plain ones on every prefill case.
-__device__ __forceinline__ vec_t load_stream(const bits_t* p) {
-    vec_t r;
-    r.raw = __ldcs((const raw_t*)p);
-    return r;
-}
-
-__device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
-
 // Whether table rows are read NPAIR floats per access. A dense build always does: the plan runs
 // it only on calls whose table rows allow it, and the strided build (same block) on the others,
 // so the dense build skips the run-time choice, which small launches feel.

@@ -35,3 +35,15 @@ constexpr int NPAIR = ROPE_INTERLEAVED ? VEC / 2 : VEC;
 typedef Scalar<elem_t> conv;
 typedef conv::bits_t bits_t;
 typedef Vec<bits_t, VEC> vec_t;
+typedef typename RawAccess<sizeof(vec_t)>::type raw_t;
+
+// q and k (and v, and the cache entries) are streamed once: evict-first loads and stores
+// (ld/st.global.cs) keep them from displacing the table rows in L2, and are faster than plain
+// ones on every prefill case. (The generic build, rope.cu, keeps plain accesses.)
+__device__ __forceinline__ vec_t load_stream(const bits_t* p) {
+    vec_t r;
+    r.raw = __ldcs((const raw_t*)p);
+    return r;
+}
+
+__device__ __forceinline__ void store_stream(bits_t* p, const vec_t& v) { __stcs((raw_t*)p, v.raw); }
