@@ -40,8 +40,10 @@ __device__ __forceinline__ Fp8Scale fp8_scale(float scale) {
 }
 
 // The N entries (N even) of a vector x of element type Conv (a Scalar<T> of common.cuh) in FP8 of
-// KIND (1: e4m3fn, 2: e5m2), stored as one N-byte access at dst (evict-first: written once, read
-// by a later kernel). Converted in pairs: one cvt.rn.satfinite per two entries.
+// KIND (1: e4m3fn, 2: e5m2), stored as one N-byte access at dst. Evict-first: written once, read
+// by a later kernel; with the default policy the entries stay in L2 at q's and k's expense, and
+// the KV-cache write's FP8 launch took as long as one writing twice the entry bytes. Converted
+// in pairs: one cvt.rn.satfinite per two entries.
 template <int KIND, typename Conv, int N>
 __device__ __forceinline__ void store_fp8(unsigned char* dst, const Vec<typename Conv::bits_t, N>& x,
                                           const Fp8Scale& s) {
