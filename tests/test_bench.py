@@ -880,6 +880,37 @@ def test_engine_bytes_moved():
     assert kv_bytes_moved(T, "bfloat16", fp8=True) == want - T * 2 * 8 * 128
 
 
+def test_engine_rows_are_timed_as_their_record_is(monkeypatch):
+    """The copy row and every timed row of an engine record: a small (decode) record's calls are
+    replayed from a CUDA graph, a large one's launched; the copy row names its bytes."""
+    from types import SimpleNamespace
+
+    from rope_rtc.benchmark.engine import records
+
+    calls = []
+
+    def measure(ctx, fns, capture, small, reps):
+        calls.append((list(fns), capture is not None, small, reps))
+        return {"median_us": 1.0}
+
+    def copy_runner(cp, stream, moved, n):
+        assert (stream, moved, n) == ("stream", 4096, 1)
+        return SimpleNamespace(fns=["copy"], half=moved // 2)
+
+    monkeypatch.setattr(records, "_cupy_capture", lambda ctx, fns: ("cupy graph", tuple(fns)))
+    ctx = SimpleNamespace(stream="stream")
+    for small in (True, False):
+        calls.clear()
+        row = records._copy_row(None, ctx, measure, copy_runner, 4096, small)
+        assert row == {"impl": bcases.COPY, "layout": "-", "check": "-", "note": "cudaMemcpyAsync of 2048 bytes",
+                       "timings": {"median_us": 1.0}}
+        assert calls == [(["copy"], small, small, 1)]
+        assert records._copy_row(None, ctx, measure, copy_runner, 4096, small, "copy, fp8")["impl"] == "copy, fp8"
+        calls.clear()
+        records._timed_torch(ctx, measure, None, "torch fn", small)
+        assert calls == [(["torch fn"], small, small, 1)]
+
+
 def test_mrope_targets():
     def rec(ident, rows):
         return {"id": ident, "group": "engine", "params": {}, "bytes_moved": 1_000_000_000, "rows": [

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cases import ANGLES_OP, ANGLES_TABLE, COPY
-from ..impls import _cupy_capture
-from .records import _record, _row, _torch_capture
+from ..cases import ANGLES_OP, ANGLES_TABLE
+from .records import _copy_row, _record, _row, _timed, _timed_torch
 
 ANGLES_HEADS = (32, 8, 128)  # Llama-3-8B: Hq, Hkv, D
 ANGLES_DECODE_T = 8          # B=8 sequences, one token each, positions anywhere below ANGLES_ROWS
@@ -51,10 +50,7 @@ def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
     k = cp.asarray(rng.standard_normal((T, hk, d)).astype(ml_dtypes.bfloat16))
     pos = cp.asarray(rng.integers(0, ANGLES_ROWS, T) if small else np.arange(T)).astype(cp.int64)
     rows = rec["rows"]
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rows.append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
-                     f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rows.append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
     table = rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd").compile()
     angles = rope_rtc.RopePlan(q, k, inv_freq=inv, attention_scaling=att, positions=pos, layout="thd").compile()
     try:  # on fresh copies (the timed calls rotate q and k in place)
@@ -67,10 +63,10 @@ def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
     except Exception as exc:
         check = f"error: {type(exc).__name__}: {exc}"[:300]
     fns = [lambda: angles.execute(q, k, positions=pos, inv_freq=inv)]
-    rows.append(_row(ANGLES_OP, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+    rows.append(_row(ANGLES_OP, _timed(ctx, measure, fns, small),
                      "float64 inv_freq, in place", check))
     fns = [lambda: table.execute(q, k, cos, sin, positions=pos)]
-    row = _row(ANGLES_TABLE, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+    row = _row(ANGLES_TABLE, _timed(ctx, measure, fns, small),
                f"exact table of {ANGLES_ROWS} rows, in place", "-")
     row["bytes_moved"] = angles_bytes_moved(T, table=True)
     rows.append(row)
@@ -107,16 +103,15 @@ def _angles_peers(ctx, measure, torch, q, k, inv_freq, attention: float, pos, sm
             return apply_rotary_pos_emb(qv, kv, c, s)
 
         hf()
-        rows = [_row(name, measure(ctx, [hf], _torch_capture(ctx, torch, hf) if small else None, small, 1),
-                     "float32 angles per call, eager", "-")]
+        rows = [_row(name, _timed_torch(ctx, measure, torch, hf, small), "float32 angles per call, eager", "-")]
     except Exception as exc:
         return [_row(name, {}, "", f"skip: {type(exc).__name__}: {exc}"[:200])]
     if ctx.peers.compiled.get("general") is not None:  # torch.compile is usable here
         try:
             compiled = torch.compile(hf, dynamic=False)
             compiled()
-            rows.append(_row(label, measure(ctx, [compiled], _torch_capture(ctx, torch, compiled) if small else None,
-                                            small, 1), "torch.compile(dynamic=False)", "-"))
+            rows.append(_row(label, _timed_torch(ctx, measure, torch, compiled, small), "torch.compile(dynamic=False)",
+                             "-"))
         except Exception as exc:
             rows.append(_row(label, {}, "", f"skip: {type(exc).__name__}: {exc}"[:200]))
     return rows

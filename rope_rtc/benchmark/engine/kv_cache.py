@@ -9,10 +9,9 @@ from functools import partial
 
 import numpy as np
 
-from ..cases import COPY, COPY_FP8, DTYPE_SHORT, ITEMSIZE
+from ..cases import COPY_FP8, DTYPE_SHORT, ITEMSIZE
 from ..cases import KV_FUSED as FUSED, KV_FUSED_FP8 as FUSED_FP8, KV_TWO_STEP as TWO_STEP
-from ..impls import _cupy_capture
-from .records import _record, _row
+from .records import _copy_row, _record, _row, _timed
 
 KV_HEADS = (32, 8, 128)   # Hq, Hkv, D
 KV_BLOCK = 16             # tokens per cache block
@@ -65,10 +64,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
     small = label == "decode"
     rows = rec["rows"]
 
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rows.append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
-                     f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rows.append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
 
     # The check: the fused launch against the two-step sequence, on fresh copies of the inputs.
     rope = rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd", interleaved=interleaved).compile()
@@ -88,7 +84,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
 
     fused = rope_rtc.RopeCachePlan(q, k, v, cos, sin, pos, slots, kc, vc, interleaved=interleaved)
     fns = [partial(fused.execute, q, k, v, cos, sin, pos, slots, kc, vc)]
-    rows.append(_row(FUSED, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+    rows.append(_row(FUSED, _timed(ctx, measure, fns, small),
                      "in place, one launch", check))
     if dtype != "float32" or small:
         fused8 = rope_rtc.RopeCachePlan(q, k, v, cos, sin, pos, slots, kc8, vc8, interleaved=interleaved,
@@ -96,11 +92,9 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
         fns8 = [partial(fused8.execute, q, k, v, cos, sin, pos, slots, kc8, vc8, k_scale=scale, v_scale=scale)]
         moved8 = kv_bytes_moved(T, dtype, fp8=True)
         if not small:  # the FP8 row's own same-size copy: a copy's rate depends on its size
-            copy8 = copy_runner(cp, ctx.stream, moved8, 1)
-            row = _row(COPY_FP8, measure(ctx, copy8.fns, None, False, 1), f"cudaMemcpyAsync of {copy8.half} bytes")
+            row = _copy_row(cp, ctx, measure, copy_runner, moved8, False, COPY_FP8)
             row["bytes_moved"] = moved8
             rows.append(row)
-            del copy8
         check8 = "-"
         try:  # on fresh copies: the entries against the NumPy reference's quantisation of RoPE's output
             from rope_rtc.numerics.reference import fp8_quantize
@@ -119,7 +113,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
             del q8, k8, kc8c, vc8c, k2
         except Exception as exc:
             check8 = f"error: {type(exc).__name__}: {exc}"[:300]
-        row8 = _row(FUSED_FP8, measure(ctx, fns8, _cupy_capture(ctx, fns8) if small else None, small, 1),
+        row8 = _row(FUSED_FP8, _timed(ctx, measure, fns8, small),
                     "entries of one byte", check8)
         row8["bytes_moved"] = moved8  # fewer bytes than the record's: GB/s and % of copy use these
         rows.append(row8)
@@ -129,7 +123,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
         flat_k[slots] = k
         flat_v[slots] = v
 
-    rows.append(_row(TWO_STEP, measure(ctx, [two_step], _cupy_capture(ctx, [two_step]) if small else None, small, 1),
+    rows.append(_row(TWO_STEP, _timed(ctx, measure, [two_step], small),
                      "three launches"))
     for r in rows:
         us = r["timings"].get("graph" if small else "cold", {}).get("us")

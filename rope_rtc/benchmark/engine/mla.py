@@ -8,9 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from ..cases import COPY, COPY_FP8, MLA_FUSED, MLA_FUSED_FP8, MLA_TWO_STEP, MLA_TWO_STEP_FP8
-from ..impls import _cupy_capture
-from .records import _record, _row
+from ..cases import COPY_FP8, MLA_FUSED, MLA_FUSED_FP8, MLA_TWO_STEP, MLA_TWO_STEP_FP8
+from .records import _copy_row, _record, _row, _timed
 
 # DeepSeek-V3: q heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank
 MLA_HEADS, MLA_NOPE, MLA_ROPE, MLA_LORA = 128, 128, 64, 512
@@ -121,17 +120,13 @@ def _mla_record(ctx, measure, copy_runner, T: int) -> dict:
     rows = rec["rows"]
 
     def timed(fns):
-        return measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1)
+        return _timed(ctx, measure, fns, small)
 
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rows.append(_row(COPY, timed(copy.fns), f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rows.append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
     if not small:  # the FP8 rows' own same-size copy: a copy's rate depends on its size
-        copy8 = copy_runner(cp, ctx.stream, moved8, 1)
-        row = _row(COPY_FP8, timed(copy8.fns), f"cudaMemcpyAsync of {copy8.half} bytes")
+        row = _copy_row(cp, ctx, measure, copy_runner, moved8, False, COPY_FP8)
         row["bytes_moved"] = moved8
         rows.append(row)
-        del copy8
 
     rope = rope_rtc.RopePlan(q[..., N:], k_pe.reshape(T, 1, R), cos, sin, positions=pos, layout="thd",
                              interleaved=True).compile()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cases import COPY, MROPE_OP, MROPE_PLAIN
-from ..impls import _cupy_capture
-from .records import _record, _row, _torch_capture
+from ..cases import MROPE_OP, MROPE_PLAIN
+from .records import _copy_row, _record, _row, _timed, _timed_torch
 
 MROPE_HEADS = (28, 4, 128)   # Qwen2-VL-7B: Hq, Hkv, D
 MROPE_SECTIONS = {False: (16, 24, 24), True: (24, 20, 20)}  # Qwen2-VL's contiguous, Qwen3-VL's interleaved
@@ -75,10 +74,7 @@ def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
     pos_h = rng.integers(0, rows, (3, T)).astype(np.int64)
     q, k, pos = cp.asarray(qh), cp.asarray(kh), cp.asarray(pos_h)
     cos, sin = rope_rtc.rope_tables(rows, d, xp=cp)
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
-                            f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rec["rows"].append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
     n_check = min(T, 256)
     ref = [mrope_reference(h[:n_check], cp.asnumpy(cos), cp.asnumpy(sin), pos_h[:, :n_check], section,
                            interleaved_sections=interleaved) for h in (qh, kh)]
@@ -100,10 +96,10 @@ def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
     except Wrong as exc:
         check = f"WRONG: {exc}"
     fns = [lambda: plan.execute(q, k, cos, sin, pos)]
-    rec["rows"].append(_row(MROPE_OP, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+    rec["rows"].append(_row(MROPE_OP, _timed(ctx, measure, fns, small),
                             "MRopePlan, in place", check))
     fns = [lambda: plain.execute(q, k, cos, sin, positions=pos0)]
-    rec["rows"].append(_row(MROPE_PLAIN, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1),
+    rec["rows"].append(_row(MROPE_PLAIN, _timed(ctx, measure, fns, small),
                             "RopePlan, one position stream", "-"))
     torch = ctx.peers.torch if ctx.peers is not None else None
     if torch is not None:  # on fresh copies of the inputs (the timed calls above rotated q and k in place)
@@ -139,17 +135,18 @@ def _mrope_peers(ctx, measure, torch, q, k, cos, sin, pos, small: bool, checked,
     rows = []
     qv, kv = tq[None].transpose(1, 2), tk[None].transpose(1, 2)  # [1, H, T, d] views
 
+    def peer_check(run) -> str:
+        """A peer's q and k outputs ([1, H, T, d] each) against the reference, or what went wrong."""
+        try:
+            return checked(tuple(o[0].transpose(0, 1).float().cpu().numpy() for o in run()), False)
+        except Exception as exc:
+            return f"WRONG: {type(exc).__name__}: {exc}"[:200]
+
     def hf():
         return hf_apply(qv, kv, c1, s1)
 
-    try:
-        oq, ok_ = hf()
-        check = checked((oq[0].transpose(0, 1).float().cpu().numpy(), ok_[0].transpose(0, 1).float().cpu().numpy()),
-                        False)
-    except Exception as exc:
-        check = f"WRONG: {type(exc).__name__}: {exc}"[:200]
-    rows.append(_row("torch (Hugging Face's rotation)", measure(ctx, [hf], _torch_capture(ctx, torch, hf) if small
-                                                                else None, small, 1),
+    check = peer_check(hf)  # before the timing: its first call, outside a graph capture
+    rows.append(_row("torch (Hugging Face's rotation)", _timed_torch(ctx, measure, torch, hf, small),
                      "cos/sin recombined once per step, bf16, out of place", check))
     liger = None if interleaved else _liger_mrope()
     if interleaved:
@@ -162,13 +159,7 @@ def _mrope_peers(ctx, measure, torch, q, k, cos, sin, pos, small: bool, checked,
     def lg():
         return liger(lq, lk, c3, s3, sec)
 
-    try:
-        a, b = liger(tq.clone()[None].transpose(1, 2), tk.clone()[None].transpose(1, 2), c3, s3, sec)
-        check = checked((a[0].transpose(0, 1).float().cpu().numpy(), b[0].transpose(0, 1).float().cpu().numpy()),
-                        False)
-    except Exception as exc:
-        check = f"WRONG: {type(exc).__name__}: {exc}"[:200]
-    rows.append(_row("liger (LigerQwen2VLMRopeFunction)", measure(ctx, [lg], _torch_capture(ctx, torch, lg) if small
-                                                                  else None, small, 1),
+    check = peer_check(lambda: liger(tq.clone()[None].transpose(1, 2), tk.clone()[None].transpose(1, 2), c3, s3, sec))
+    rows.append(_row("liger (LigerQwen2VLMRopeFunction)", _timed_torch(ctx, measure, torch, lg, small),
                      "Triton, in place, cos/sin [3, 1, T, D] bf16", check))
     return rows

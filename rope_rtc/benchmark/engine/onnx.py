@@ -8,8 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from ..cases import COPY, ONNX_APPLY, ONNX_OP as ONNX
-from .records import _record, _row
+from ..cases import ONNX_APPLY, ONNX_OP as ONNX
+from .records import _copy_row, _record, _row
 
 
 def _onnx_record(ctx, measure, copy_runner) -> dict:
@@ -34,9 +34,7 @@ def _onnx_record(ctx, measure, copy_runner) -> dict:
     cos16, sin16 = cos32.astype(cp.float16), sin32.astype(cp.float16)
     pos = cp.asarray(rng.integers(0, rows_pos, (B, S)).astype(np.int64))
     out = cp.empty_like(X)
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, None, False, 1), f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rec["rows"].append(_copy_row(cp, ctx, measure, copy_runner, moved, False))
     wide_c, wide_s = cos16.astype(cp.float32), sin16.astype(cp.float32)
     check = "-"
     try:

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cases import COPY, QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
-from ..impls import _cupy_capture
-from .records import _record, _row, _torch_capture
+from ..cases import QKNORM_HF_NUMERICS, QKNORM_OP, QKNORM_TWO_STEP
+from .records import _copy_row, _record, _row, _timed, _timed_torch
 
 QKNORM_HEADS = (32, 8, 128)  # Qwen3-8B: Hq, Hkv, D
 QKNORM_DECODE_T = 8
@@ -51,10 +50,7 @@ def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
     pos_h = rng.integers(0, rows, T).astype(np.int64)
     q, k, qw, kw, pos = (cp.asarray(a) for a in (qh, kh, wq, wk, pos_h))
     cos, sin = rope_rtc.rope_tables(rows, d, xp=cp)
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, _cupy_capture(ctx, copy.fns) if small else None, small, 1),
-                            f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rec["rows"].append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
     n_check = min(T, 256)
     host_cos, host_sin = cp.asnumpy(cos), cp.asnumpy(sin)
     check = "-"
@@ -82,7 +78,7 @@ def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
                                        "roundings", "-")):
         plan = plans[numerics]
         fns = [lambda plan=plan: plan.execute(q, k, qw, kw, cos, sin, positions=pos)]
-        rec["rows"].append(_row(impl, measure(ctx, fns, _cupy_capture(ctx, fns) if small else None, small, 1), note,
+        rec["rows"].append(_row(impl, _timed(ctx, measure, fns, small), note,
                                 chk))
     torch = ctx.peers.torch if ctx.peers is not None else None
     if torch is not None:
@@ -133,16 +129,15 @@ def _qk_norm_peers(ctx, measure, torch, q, k, qw, kw, cos, sin, pos, small: bool
     def hf():
         return apply_rotary_pos_emb(q_norm(qv).transpose(1, 2), k_norm(kv).transpose(1, 2), c, s)
 
-    rows.append(_row("torch (Hugging Face's Qwen3 path)",
-                     measure(ctx, [hf], _torch_capture(ctx, torch, hf) if small else None, small, 1),
+    rows.append(_row("torch (Hugging Face's Qwen3 path)", _timed_torch(ctx, measure, torch, hf, small),
                      "Qwen3RMSNorm on q and k heads, then apply_rotary_pos_emb, eager", "-"))
     if ctx.peers.compiled.get("general") is not None:  # torch.compile is usable here
         try:
             compiled = torch.compile(hf, dynamic=False)
             compiled()
             rows.append(_row("torch.compile (Hugging Face's Qwen3 path)",
-                             measure(ctx, [compiled], _torch_capture(ctx, torch, compiled) if small else None, small,
-                                     1), "torch.compile(dynamic=False) of the same path", "-"))
+                             _timed_torch(ctx, measure, torch, compiled, small),
+                             "torch.compile(dynamic=False) of the same path", "-"))
         except Exception as exc:
             rows.append(_row("torch.compile (Hugging Face's Qwen3 path)", {}, "",
                              f"skip: {type(exc).__name__}: {exc}"[:200]))

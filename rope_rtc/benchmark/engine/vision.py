@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cases import COPY, MROPE_OP, VISION_COMPILE
-from .records import _record, _row
+from ..cases import MROPE_OP, VISION_COMPILE
+from .records import _copy_row, _record, _row
 
 VISION_HEADS = (16, 80)        # Qwen2.5-VL's vision tower: heads (q and k alike), head dim 80 (1280 / 16)
 VISION_GRID = (1, 128, 128)    # one image of 128 x 128 patches: 16384 patches in merge order (2 x 2)
@@ -48,9 +48,7 @@ def _vision_record(ctx, measure, copy_runner) -> dict:
     kh = rng.standard_normal((N, heads, d)).astype(ml_dtypes.bfloat16)
     q, k, pos = cp.asarray(qh), cp.asarray(kh), cp.asarray(pos_h)
     cos, sin = rope_rtc.axial_tables(max(VISION_GRID[1:]), d, style="same", xp=cp)
-    copy = copy_runner(cp, ctx.stream, moved, 1)
-    rec["rows"].append(_row(COPY, measure(ctx, copy.fns, None, False, 1), f"cudaMemcpyAsync of {copy.half} bytes"))
-    del copy
+    rec["rows"].append(_copy_row(cp, ctx, measure, copy_runner, moved, False))
     n_check = 256
     ref = [mrope_reference(h[:n_check], cp.asnumpy(cos), cp.asnumpy(sin), pos_h[:, :n_check], section)
            for h in (qh, kh)]
