@@ -119,9 +119,6 @@ def _mla_record(ctx, measure, copy_runner, T: int) -> dict:
     scale = cp.asarray(np.array([MLA_KV_SCALE], np.float32))
     rows = rec["rows"]
 
-    def timed(fns):
-        return _timed(ctx, measure, fns, small)
-
     rows.append(_copy_row(cp, ctx, measure, copy_runner, moved, small))
     if not small:  # the FP8 rows' own same-size copy: a copy's rate depends on its size
         row = _copy_row(cp, ctx, measure, copy_runner, moved8, False, COPY_FP8)
@@ -177,13 +174,13 @@ def _mla_record(ctx, measure, copy_runner, T: int) -> dict:
         except Exception as exc:
             check = f"error: {type(exc).__name__}: {exc}"[:300]
         fns = [partial(fused.execute, q, k_pe, kv_c, cos, sin, pos, slots, dest, **extra)]
-        row = _row(MLA_FUSED_FP8 if fp8 else MLA_FUSED, timed(fns), "in place, one launch", check)
+        row = _row(MLA_FUSED_FP8 if fp8 else MLA_FUSED, _timed(ctx, measure, fns, small), "in place, one launch", check)
         if fp8:
             row["bytes_moved"] = moved8  # fewer bytes than the record's: GB/s and % of copy use these
         rows.append(row)
         name = MLA_TWO_STEP_FP8 if fp8 else MLA_TWO_STEP
-        row = (_row(name, timed(two_fns), "two launches: RoPE, then the cache write", two_check) if two_fns
-               else _row(name, {}, "", two_check))
+        row = (_row(name, _timed(ctx, measure, two_fns, small), "two launches: RoPE, then the cache write",
+                    two_check) if two_fns else _row(name, {}, "", two_check))
         if fp8:
             row["bytes_moved"] = moved8
         rows.append(row)
