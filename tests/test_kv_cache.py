@@ -548,6 +548,37 @@ def test_a_declaration_in_place_of_an_array_is_refused_before_any_launch(name):
         assert gpu.launches == []
 
 
+def _declared(kw: dict) -> dict:
+    """``kw`` with every array replaced by its TensorDesc declaration (on device 0)."""
+    from rope_rtc import TensorDesc
+
+    return {n: TensorDesc(np.dtype(a.dtype), a.shape, device=0) if hasattr(a, "dtype") else a
+            for n, a in kw.items()}
+
+
+def test_declarations_are_checked_as_arrays_when_allowed():
+    """The JAX functions check a cache write at trace time on TensorDesc declarations (``allow_desc``):
+    a valid call gives the request its arrays would give, and a wrong one is refused naming the
+    argument, as for arrays; without ``allow_desc`` a declaration is refused."""
+    from rope_rtc.ops.kv_cache import validate_cache_call
+
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", k_cache=fake_cupy((3, 16, HK, D), np.uint8),
+               v_cache=fake_cupy((3, 16, HK, D), np.uint8), k_scale=fake_cupy((1,), np.float32),
+               v_scale=fake_cupy((1,), np.float32))
+    with FakeGPU():
+        for change in ({}, fp8):
+            kw = _call(**change)
+            real, _ = validate_cache_call(**kw)
+            creq, _ = validate_cache_call(**_declared(kw), allow_desc=True)
+            assert (creq.kind, creq.vec, creq.rope.num_tokens, creq.rope.rotary_dim, creq.k_cache.shape) == \
+                (real.kind, real.vec, real.rope.num_tokens, real.rope.rotary_dim, real.k_cache.shape)
+        bad = _declared(_call(v_cache=fake_cupy((3, 16, HK, D // 2), BF16)))
+        with pytest.raises(ValueError, match=f"v_cache: holds {HK} heads of dim {D // 2}"):
+            validate_cache_call(**bad, allow_desc=True)
+        with pytest.raises(TypeError, match="a TensorDesc declares an array"):
+            validate_cache_call(**_declared(_call()))
+
+
 @pytest.mark.parametrize("case,culprit", [
     ("v_cache", "v_cache"),
     ("v", "v"),

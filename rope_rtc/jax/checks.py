@@ -92,34 +92,6 @@ def declared(x) -> TensorDesc | None:
     return TensorDesc(np.dtype(x.dtype), tuple(int(d) for d in x.shape), device=_DECLARED_DEVICE)
 
 
-class _Placeholder:
-    """An abstract array as the cache write's checks can read it: its shape and dtype through
-    ``__cuda_array_interface__``, at an address of its own that no other placeholder's extent
-    reaches (so the checks see distinct, aligned arrays), never dereferenced. The checks of
-    ``kv_cache.validate_cache_call`` refuse :class:`~rope_rtc.TensorDesc` declarations (a plan of
-    that op takes arrays only), so the JAX layer declares its arrays this way for them. The type
-    entry is the dtype itself, which names bfloat16 (its type string ``<V2`` does not)."""
-
-    __slots__ = ("__cuda_array_interface__",)
-
-    def __init__(self, x, address: int) -> None:
-        self.__cuda_array_interface__ = {"shape": tuple(int(d) for d in x.shape), "typestr": np.dtype(x.dtype),
-                                         "data": (address, False), "version": 3}
-
-
-# Placeholder addresses: from 2^56, above every address a process can map on x86-64 and AArch64
-# (so the driver, asked which device holds one, knows none), 2^40 bytes apart (more than any
-# array's extent, and aligned for every vector).
-_PLACEHOLDER_BASE = 1 << 56
-_PLACEHOLDER_SPACING = 1 << 40
-
-
-def placeholders(arrays: tuple) -> list:
-    """:class:`_Placeholder` of each JAX array (None stays None; an int stays an int)."""
-    return [a if a is None or is_int(a) else _Placeholder(a, _PLACEHOLDER_BASE + i * _PLACEHOLDER_SPACING)
-            for i, a in enumerate(arrays)]
-
-
 def offset_arg(offset, name: str = "offset"):
     """``offset`` as the checks take it: a Python int stays (static: one compilation per value),
     an array becomes a JAX array (traced: one compilation for every value). A 0-d array is one
@@ -237,11 +209,11 @@ def check_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv
     offset = offset_arg(offset)
 
     def checked(offset):
-        arrays = placeholders((q, k, v, cos, sin, positions, slots, k_cache, v_cache, *scales, cu_seqlens, offset))
+        arrays = [declared(a) for a in (q, k, v, cos, sin, positions, slots, k_cache, v_cache, *scales, cu_seqlens)]
         return validate_cache_call(*arrays[:9], kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=arrays[9],
                                    v_scale=arrays[10], cu_seqlens=arrays[11],
-                                   offset=arrays[12] if is_array(offset) else offset, interleaved=interleaved,
-                                   rotary_dim=rotary_dim)[0]
+                                   offset=declared(offset) if is_array(offset) else offset, interleaved=interleaved,
+                                   rotary_dim=rotary_dim, allow_desc=True)[0]
 
     offsets = None
     if is_array(offset):  # as in check_rope

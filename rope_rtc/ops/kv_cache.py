@@ -94,7 +94,8 @@ def check_cache_options(kv_layout, kv_cache_dtype) -> None:
 def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
                         kv_cache_dtype="auto", k_scale=None, v_scale=None, q_out=None, k_out=None, offset=0,
                         cu_seqlens=None, interleaved=False, rotary_dim=None,
-                        allow_host_slots: bool = False, host: bool = False) -> tuple[CacheRequest, tuple]:
+                        allow_host_slots: bool = False, host: bool = False,
+                        allow_desc: bool = False) -> tuple[CacheRequest, tuple]:
     """Every check of a call, before anything is launched or written. Returns the request and the
     call's arguments in the core's order. Positions follow the general API (device arrays); a
     NumPy ``slot_mapping`` (``allow_host_slots``: the one-call function, which copies it to the
@@ -102,7 +103,10 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
 
     ``host``: host arrays are accepted too, all of one kind (the one-call function's host path,
     whose arrays the NumPy backend reads or the GPU path copies); their addresses and strides,
-    which no kernel reads, are not checked."""
+    which no kernel reads, are not checked.
+
+    ``allow_desc``: the arrays may be :class:`~rope_rtc.TensorDesc` declarations (the JAX
+    functions' abstract values, checked at trace time), whose addresses the checks skip."""
     check_cache_options(kv_layout, kv_cache_dtype)
     if k is None or v is None:
         raise TypeError("k, v: rope_and_cache writes both caches; pass k and v")
@@ -110,7 +114,8 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
     q_out = q if q_out is None else q_out
     k_out = k if k_out is None else k_out
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, layout="thd",
-                   interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=host)
+                   interleaved=interleaved, rotary_dim=rotary_dim, q_out=q_out, k_out=k_out, allow_host=host,
+                   allow_desc=allow_desc)
     T, Hk, D = req.num_tokens, req.ck.H, req.cq.D
     vi = A.describe(v, "v", allow_host=host)
     if vi.dtype != req.k.dtype:  # a dtype is a TypeError, as for every other argument
@@ -195,7 +200,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                              "token's k and v (a negative slot skips its token)")
     everything = [i for i in (*req.infos(), vi, si, *scales) if i is not None]
     for info in (vi, si, *caches, *scales):  # the RoPE part's arguments were checked by validate
-        if info is not None:
+        if info is not None and not allow_desc:
             A.check_holds_memory(info)
     if host:  # everything of one kind (the general checks have seen to q, k, the tables and positions)
         check_kinds(everything + caches)

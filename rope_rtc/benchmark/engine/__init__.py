@@ -20,6 +20,8 @@ from functools import partial
 from ..cases import DTYPE_SHORT, selected
 # Every record function the job list names, imported here because run_engine_section looks each
 # one up by its name in this module's namespace (where a test also stands in for one).
+# engine_jax stays outside this package: it is also the child process's `python -m` entry, which a
+# module this package imports could not be without runpy running it a second time.
 from ..engine_jax import jax_records
 from .angles import ANGLES_DECODE_T, ANGLES_PREFILL_T, _angles_record
 from .kv_cache import KV_DECODE_T, KV_PREFILL_T, _kv_record
