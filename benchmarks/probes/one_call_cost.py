@@ -1,7 +1,13 @@
 """Where the host time of a one-call ``apply_rope_qk`` goes (decode, bf16, B=8, Hq=32, Hkv=8,
-D=128, per-sequence offsets, in place): the whole call with new arrays each call, and the
-pieces it is made of, including the launch paths (cuLaunchKernel through CuPy's binding or
-ctypes, and a one-node graph whose kernel node gets new arguments before each replay).
+D=128, per-sequence offsets, in place, new arrays each call): the whole call beside the pieces of
+its path, each timed alone on the objects the call itself uses:
+
+- the thread's last path, the generated check-and-write of the signature (``core/dispatch.py``);
+- the current stream's lookup and ``cudaStreamIsCapturing`` (``Launcher.launch``);
+- ``cuGraphExecKernelNodeSetParams`` on the launch's graph node, through cuda.bindings as the
+  launcher calls it and through ctypes (the launcher keeps the cheaper);
+- ``cudaGraphLaunch`` of that graph, beside ``cuLaunchKernel`` (CuPy's binding), which the node
+  and the graph launch replace, and a bare ``cudaMemcpyAsync`` for scale.
 
     PYTHONPATH=. python3 benchmarks/probes/one_call_cost.py
 """
@@ -16,19 +22,20 @@ from probe_timing import host_us
 
 
 class KernelNodeParams(ctypes.Structure):
-    """CUDA_KERNEL_NODE_PARAMS (v1 ABI, what the unversioned symbol takes)."""
+    """CUDA_KERNEL_NODE_PARAMS_v2, what ``cuGraphExecKernelNodeSetParams_v2`` takes."""
 
     _fields_ = [("func", ctypes.c_void_p), ("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint),
                 ("bx", ctypes.c_uint), ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("shared", ctypes.c_uint),
-                ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+                ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p),
+                ("ctx", ctypes.c_void_p)]
 
 
 def main() -> None:
     import cupy as cp
+    from cupy_backends.cuda.api.driver import launchKernel
 
     import rope_rtc
-    from rope_rtc.core import launcher as launch_core
-    from rope_rtc.core import prepared
+    from rope_rtc.ops.rope import ONE_CALL
 
     bf16 = ml_dtypes.bfloat16
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
@@ -39,67 +46,52 @@ def main() -> None:
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
     with stream:
-        it = iter(range(10**9))
+        it = iter(range(10**12))
 
         def cycled():
             q, k, o = sets[next(it) % 64]
             rope_rtc.apply_rope_qk(q, k, cos, sin, offset=o, q_out=q, k_out=k, layout="bshd")
 
+        for _ in range(3):  # validation, then the signature's last path and its graph node
+            cycled()
         q0, k0, o0 = sets[0]
         rows.append(("apply_rope_qk, 64 sets cycled", host_us(cycled)))
         rows.append(("apply_rope_qk, same arrays",
                      host_us(lambda: rope_rtc.apply_rope_qk(q0, k0, cos, sin, offset=o0, q_out=q0, k_out=k0,
-                                                                 layout="bshd"))))
+                                                            layout="bshd"))))
         plan = rope_rtc.RopePlan(q0, k0, cos, sin, offset=o0, layout="bshd").compile()
         rows.append(("RopePlan.execute, same arrays", host_us(lambda: plan.execute(q0, k0, cos, sin, offset=o0))))
-        arrays = (q0, k0, cos, sin, None, q0, k0, None, o0)
-        rows.append(("signature of 9 arguments", host_us(lambda: prepared.signature(arrays))))
-        rows.append(("pointers of 9 arguments", host_us(lambda: prepared.pointers(arrays))))
-        rows.append(("cupy.cuda.get_current_stream().ptr", host_us(lambda: cp.cuda.get_current_stream().ptr)))
-        rows.append(("cupy.empty((8,1,32,128), bf16)", host_us(lambda: cp.empty((8, 1, 32, 128), bf16))))
-        rows.append(("empty Python call", host_us(lambda: None)))
-        # Launch paths of the plan's own kernel and argument block.
-        core = plan._core
-        call = core.bind(arrays, 0)
-        fn, gx, gy, gz, bx, by, bz, shared = call.prefix
-        args = core.args.address
-        h = stream.ptr
-        from cupy_backends.cuda.api.driver import launchKernel
 
-        fnp = int(fn)
+        # The pieces, on the call's own path: its generated function, launcher and graph node.
+        last = ONE_CALL.thread().last
+        launcher, check_and_write = last.go.__self__, last.one_call
+        args = (q0, k0, cos, sin, None, q0, k0, None, o0, 0)
+        fn, gx, gy, gz, bx, by, bz, shared = check_and_write(*args)
+        graph, h = launcher._last_updated, stream.ptr
+        rows.append(("last path: generated check-and-write", host_us(lambda: check_and_write(*args))))
+        current = cp.cuda.get_current_stream
+        rows.append(("current stream lookup", host_us(lambda: current(0).ptr)))
+        capturing = cp.cuda.runtime.streamIsCapturing
+        rows.append(("cudaStreamIsCapturing (CuPy's binding)", host_us(lambda: capturing(h))))
+        set_node, node_args = launcher._set_node, (graph.handle, graph.node, graph.params)
+        rows.append(("cuGraphExecKernelNodeSetParams (cuda.bindings)", host_us(lambda: set_node(*node_args))))
+        by_ctypes = ctypes.CDLL("libcuda.so.1").cuGraphExecKernelNodeSetParams_v2
+        by_ctypes.argtypes = [ctypes.c_void_p] * 3
+        by_ctypes.restype = ctypes.c_int
+        params = KernelNodeParams(int(fn), gx, gy, gz, bx, by, bz, shared, launcher.args_address, None, None, None)
+        raw = (graph.handle_int, int(graph.node), ctypes.addressof(params))
+        status = by_ctypes(*raw)
+        rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {status})", host_us(lambda: by_ctypes(*raw))))
+        graph_launch, exe = cp.cuda.runtime.graphLaunch, graph.handle_int
+        rows.append(("cudaGraphLaunch", host_us(lambda: graph_launch(exe, h))))
+        block, fnp = launcher.args_address, int(fn)
         rows.append(("cuLaunchKernel (CuPy's binding)",
-                     host_us(lambda: launchKernel(fnp, gx, gy, gz, bx, by, bz, shared, h, args, 0))))
-        libcuda = ctypes.CDLL("libcuda.so.1")
-        cu_launch = libcuda.cuLaunchKernel
-        cu_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
-        cu_launch.restype = ctypes.c_int
-        rows.append(("cuLaunchKernel (ctypes)",
-                     host_us(lambda: cu_launch(fnp, gx, gy, gz, bx, by, bz, shared, h, args, None))))
-        launcher = launch_core.Launcher(args, core.device)
-        launcher.replay = False
-        rows.append(("Launcher (plain)", host_us(lambda: launcher(call.prefix, h))))
-        # One graph, new kernel arguments before each replay.
-        from cuda.bindings import driver as drv
-
-        set_params = libcuda.cuGraphExecKernelNodeSetParams
-        set_params.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(KernelNodeParams)]
-        set_params.restype = ctypes.c_int
-        graph = drv.cuGraphCreate(0)[1]
-        node_params = drv.CUDA_KERNEL_NODE_PARAMS()
-        node_params.func, node_params.sharedMemBytes, node_params.kernelParams = fn, shared, args
-        node_params.gridDimX, node_params.gridDimY, node_params.gridDimZ = gx, gy, gz
-        node_params.blockDimX, node_params.blockDimY, node_params.blockDimZ = bx, by, bz
-        node = drv.cuGraphAddKernelNode(graph, None, 0, node_params)[1]
-        gexec = drv.cuGraphInstantiate(graph, 0)[1]
-        params = ctypes.byref(KernelNodeParams(fnp, gx, gy, gz, bx, by, bz, shared, args, None))
-        node_p, gexec_p, gexec_i = ctypes.c_void_p(int(node)), ctypes.c_void_p(int(gexec)), int(gexec)
-        graph_launch = cp.cuda.runtime.graphLaunch
-        status = set_params(gexec_p, node_p, params)
-        rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {status})",
-                     host_us(lambda: set_params(gexec_p, node_p, params))))
-        rows.append(("cudaGraphLaunch", host_us(lambda: graph_launch(gexec_i, h))))
-        rows.append(("set params + graph launch",
-                     host_us(lambda: (set_params(gexec_p, node_p, params), graph_launch(gexec_i, h)))))
+                     host_us(lambda: launchKernel(fnp, gx, gy, gz, bx, by, bz, shared, h, block, 0))))
+        src, dst = cp.empty(1 << 16, cp.uint8), cp.empty(1 << 16, cp.uint8)
+        copy = cp.cuda.runtime.memcpyAsync
+        rows.append(("cudaMemcpyAsync of 64 KB (reference)",
+                     host_us(lambda: copy(dst.data.ptr, src.data.ptr, 1 << 16, 3, h))))
+        rows.append(("empty Python call", host_us(lambda: None)))
     stream.synchronize()
     for name, us in rows:
         print(f"{name:<60} {us:8.2f} µs")
