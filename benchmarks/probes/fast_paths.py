@@ -27,7 +27,7 @@ import statistics
 
 import ml_dtypes
 import numpy as np
-from probe_timing import host_us
+from probe_timing import decode_sets, host_us
 
 ROUNDS = 7
 
@@ -52,9 +52,7 @@ def main() -> None:
     bf16 = ml_dtypes.bfloat16
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
     rng = np.random.default_rng(0)
-    sets = [(cp.asarray(rng.standard_normal((8, 1, 32, 128)).astype(bf16)),
-             cp.asarray(rng.standard_normal((8, 1, 8, 128)).astype(bf16)),
-             cp.asarray(rng.integers(0, 4000, 8).astype(np.int32))) for _ in range(64)]
+    sets = decode_sets(cp, rng)
     xs = [cp.asarray(rng.standard_normal((4, 64, 512)).astype(bf16)) for _ in range(64)]
     cosine = cp.asarray(rng.standard_normal((4, 32)).astype(np.float32))
     sine = cp.asarray(rng.standard_normal((4, 32)).astype(np.float32))

@@ -4,8 +4,8 @@ profile), for Nsight Compute:
     ncu -k regex:rope_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats python3 benchmarks/probes/kernel_case.py blog
 
-Cases: ``blog`` (FP32 interleaved bhsd [4,32,4096,128], q+k in place), ``prefill`` (bf16
-half-split bshd [4,4096,32,128], Hkv=32, in place), ``decode[-T]`` (bf16 thd, T=1 by default,
+Cases: ``blog`` (FP32 interleaved bhsd [4,32,4096,128], q+k in place), ``prefill[-<bshd|bhsd>[-<half|inter>]]``
+(bf16 [4,4096,32,128] in that order, Hkv=32, in place; half-split bshd by default), ``decode[-T]`` (bf16 thd, T=1 by default,
 Hq=32, Hkv=8, D=128, a positions array), ``decode-step[-T]`` (the same on cos/sin gathered at the
 positions once, no positions array: the benchmark's peers' inputs). Cases that compare two builds
 run each twice, the op's first: ``mrope-<contiguous|interleaved>`` (the benchmark's MRoPE decode
@@ -34,11 +34,15 @@ def main(case: str) -> None:
         k = rng.standard_normal((4, 32, 4096, 128), dtype=cp.float32)
         cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
         kw = dict(layout="bhsd", interleaved=True)
-    elif case == "prefill":
-        q = rng.standard_normal((4, 4096, 32, 128), dtype=cp.float32).astype(bf16)
-        k = rng.standard_normal((4, 4096, 32, 128), dtype=cp.float32).astype(bf16)
+    elif case.split("-")[0] == "prefill":
+        parts = case.split("-")
+        layout = parts[1] if len(parts) > 1 else "bshd"
+        pairing = parts[2] if len(parts) > 2 else "half"
+        shape = (4, 4096, 32, 128) if layout == "bshd" else (4, 32, 4096, 128)
+        q = rng.standard_normal(shape, dtype=cp.float32).astype(bf16)
+        k = rng.standard_normal(shape, dtype=cp.float32).astype(bf16)
         cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
-        kw = dict(layout="bshd")
+        kw = dict(layout=layout, interleaved=pairing == "inter")
     elif case.startswith("decode"):
         T = int(case.rsplit("-", 1)[1]) if case[-1].isdigit() else 1
         q = rng.standard_normal((T, 32, 128), dtype=cp.float32).astype(bf16)
@@ -55,7 +59,7 @@ def main(case: str) -> None:
     elif case.startswith("angles-"):
         return _pair(cp, *_angles(cp, rng, int(case.split("-")[1])))
     else:
-        raise SystemExit(f"unknown case {case!r}: blog, prefill, decode[-T], decode-step[-T], mrope-<contiguous|"
+        raise SystemExit(f"unknown case {case!r}: blog, prefill[-<bshd|bhsd>[-<half|inter>]], decode[-T], decode-step[-T], mrope-<contiguous|"
                          "interleaved> or angles-<T>")
     plan = rope_rtc.RopePlan(q, k, cos, sin, **kw).compile()
     pos = kw.get("positions")

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
-from probe_timing import host_us
+from probe_timing import decode_sets, host_us
 
 
 class KernelNodeParams(ctypes.Structure):
@@ -37,12 +36,9 @@ def main() -> None:
     import rope_rtc
     from rope_rtc.ops.rope import ONE_CALL
 
-    bf16 = ml_dtypes.bfloat16
     cos, sin = rope_rtc.rope_tables(4096, 128, xp=cp)
     rng = np.random.default_rng(0)
-    sets = [(cp.asarray(rng.standard_normal((8, 1, 32, 128)).astype(bf16)),
-             cp.asarray(rng.standard_normal((8, 1, 8, 128)).astype(bf16)),
-             cp.asarray(rng.integers(0, 4000, 8).astype(np.int32))) for _ in range(64)]
+    sets = decode_sets(cp, rng)
     stream = cp.cuda.Stream(non_blocking=True)
     rows = []
     with stream:

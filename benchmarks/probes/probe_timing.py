@@ -1,5 +1,5 @@
 """Timing helpers shared by the probes (host time per call; CUDA events; CUDA-graph replay for
-latency-bound calls)."""
+latency-bound calls), and the decode arrays the host-cost probes cycle through."""
 
 from __future__ import annotations
 
@@ -49,3 +49,16 @@ def graph_us(fn, n: int = 200, samples: int = 5) -> float:
     from rope_rtc.measure import graph_us as measure_graph_us
 
     return measure_graph_us(cp, fn, n=n, samples=samples)
+
+
+def decode_sets(cp, rng, n: int = 64) -> list:
+    """``n`` new (q, k, offsets) sets of a bf16 decode step, bshd [8, 1, 32|8, 128] with int32
+    offsets below 4000: the arrays the host-cost probes cycle through, so that no call finds the
+    previous call's arrays."""
+    import ml_dtypes
+    import numpy as np
+
+    bf16 = ml_dtypes.bfloat16
+    return [(cp.asarray(rng.standard_normal((8, 1, 32, 128)).astype(bf16)),
+             cp.asarray(rng.standard_normal((8, 1, 8, 128)).astype(bf16)),
+             cp.asarray(rng.integers(0, 4000, 8).astype(np.int32))) for _ in range(n)]
