@@ -1,5 +1,5 @@
 // cos and sin computed in the kernel from the inverse frequencies instead of read from a table
-// (rope_rtc/rope_request.py: inv_freq=; FixedGeometry.angles). The argument block's cos field
+// (rope_rtc/ops/rope_request.py: inv_freq=; FixedGeometry.angles). The argument block's cos field
 // holds inv_freq (rotary_dim / 2 entries), `attention` the factor that multiplies cos and sin.
 //
 // ANGLES 1, inv_freq float64 (numerics "exact"): the angle is double(pos) * inv_freq[i] rounded

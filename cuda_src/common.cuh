@@ -12,7 +12,7 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // Element types, selected by the host with -DROPE_DTYPE=<code>. The codes are part of the
-// host/device contract (rope_rtc/registry.py names them).
+// host/device contract (rope_rtc/build/registry.py names them).
 #define ROPE_DTYPE_F32 0
 #define ROPE_DTYPE_F16 1
 #define ROPE_DTYPE_BF16 2
@@ -95,7 +95,7 @@ __device__ __forceinline__ void store_vec(void* p, const Vec<Bits, N>& v) {
 
 // Division of n < 2^31 by a run-time invariant d in [1, 2^31) as a multiply-shift (Granlund and
 // Montgomery, PLDI 1994): the host packs m = floor(2^32 (2^l - d) / d) + 1 in the low 32 bits and
-// l = ceil(log2 d) above them (rope_rtc/rope_params.py: fast_divisor). Exact for every n < 2^32
+// l = ceil(log2 d) above them (rope_rtc/ops/rope_params.py: fast_divisor). Exact for every n < 2^32
 // whose n + umulhi(n, m) does not overflow, which n < 2^31 guarantees. A 32-bit division is a
 // ~20-instruction sequence; this is three.
 __device__ __forceinline__ unsigned fast_div(unsigned n, u64 packed) {

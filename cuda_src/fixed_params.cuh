@@ -1,6 +1,6 @@
 // The argument block of the specialised general kernel (rope_fixed.cu), which the fused
 // QK-norm kernel (qk_norm_rope.cu) extends. [0] is q, [1] is k. The host mirror is a ctypes
-// Structure (rope_rtc/rope_params.py, FIXED_FIELDS).
+// Structure (rope_rtc/ops/rope_params.py, FIXED_FIELDS).
 //
 // A launch's arguments reach each SM through the constant cache cold, one miss per 64-byte line,
 // and small launches wait on those misses. So what a dense build

@@ -25,7 +25,7 @@
 
 #if !defined(CACHE_KIND) || !defined(MLA_QFP8) || !defined(MLA_H) || !defined(MLA_NOPE) || !defined(MLA_RD) || \
     !defined(MLA_LORA)
-#error "mla_rope_cache.cu needs every compile-time parameter (rope_rtc/build/registry.py: mla_spec)"
+#error "mla_rope_cache.cu needs every compile-time parameter (rope_rtc/build/registry_mla.py: mla_spec)"
 #endif
 
 constexpr unsigned HALF = MLA_RD / 2;

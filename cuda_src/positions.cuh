@@ -2,7 +2,7 @@
 // rope_cache.cu).
 //
 // A kernel's argument block P has the fields pos_mode, index_flags, offset, offsets, positions,
-// cu_seqlens, num_seqs and table_rows; the codes are mirrored in rope_rtc/rope_params.py.
+// cu_seqlens, num_seqs and table_rows; the codes are mirrored in rope_rtc/ops/rope_params.py.
 #pragma once
 
 #include "common.cuh"

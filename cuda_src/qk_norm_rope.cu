@@ -1,4 +1,4 @@
-// Per-head RMSNorm fused with RoPE (rope_rtc/qk_norm.py), as Qwen3 and Gemma 3 prepare q and k:
+// Per-head RMSNorm fused with RoPE (rope_rtc/ops/qk_norm.py), as Qwen3 and Gemma 3 prepare q and k:
 // each head is normalised over the head dim, scaled by a learned weight of head_dim entries
 // (one for q, one for k), then rotated, in one pass over q and k.
 //
@@ -49,7 +49,7 @@
 #if !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) || !defined(ROPE_VEC) || !defined(NORM_HQ) || \
     !defined(NORM_HK) || !defined(NORM_D) || !defined(NORM_RO) || !defined(NORM_RD) || !defined(NORM_WF32) || \
     !defined(NORM_MODE) || !defined(NORM_HB) || !defined(NORM_STAGED)
-#error "qk_norm_rope.cu needs every compile-time parameter (rope_rtc/registry.py: NormGeometry)"
+#error "qk_norm_rope.cu needs every compile-time parameter (rope_rtc/build/registry.py: NormGeometry)"
 #endif
 
 constexpr int VEC = ROPE_VEC;

@@ -13,7 +13,7 @@
 // Work split: one thread per (token, group of HEAD_BATCH heads, vector unit), a flat grid like a
 // copy kernel's, in the order (token tile, head group, token in tile, unit). A thread loads its
 // table slice once, issues the loads of all its heads before any store, then rotates and stores.
-// The host picks the tile (token_tile in rope_rtc/rope.py): 1 token when heads are the denser
+// The host picks the tile (token_tile in rope_rtc/ops/rope_launch.py): 1 token when heads are the denser
 // axis (bshd), so a warp covers one token's heads; several when tokens are (bhsd), so a warp
 // covers a run of consecutive rows of one head. Either way the threads of one block share a few
 // cos/sin rows, which L1 then serves to every head: a table row is read from L2 once per block,
@@ -26,7 +26,7 @@
 // the compiler could not reorder a load of one head above the store of another on its own: the
 // pointers may alias).
 #ifndef ROPE_HEAD_BATCH
-#error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/registry.py: rope_head_batch)"
+#error "rope.cu needs -DROPE_HEAD_BATCH (rope_rtc/build/registry.py: rope_head_batch)"
 #endif
 constexpr int HEAD_BATCH = ROPE_HEAD_BATCH;
 

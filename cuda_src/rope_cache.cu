@@ -1,4 +1,4 @@
-// RoPE fused with the paged KV-cache write (rope_rtc/kv_cache.py): in one launch, rotate q (in
+// RoPE fused with the paged KV-cache write (rope_rtc/ops/kv_cache.py): in one launch, rotate q (in
 // place or into q_out) and k (into k_out, which may be k), and write the rotated k and the
 // unrotated v into the caches at slot_mapping[t] (block = slot / block_size, offset = slot %
 // block_size); a negative slot, or one past the cache, writes no cache entry for that token.
@@ -23,7 +23,7 @@
 #include "fp8_entry.cuh"
 
 #if !defined(CACHE_KIND) || !defined(KV_HQ) || !defined(KV_HK) || !defined(KV_D) || !defined(KV_RD) || !defined(KV_HB)
-#error "rope_cache.cu needs every compile-time parameter (rope_rtc/registry.py: cache_spec)"
+#error "rope_cache.cu needs every compile-time parameter (rope_rtc/build/registry.py: cache_spec)"
 #endif
 
 constexpr int HALF = KV_RD / 2;

@@ -1,7 +1,7 @@
 // The general RoPE kernel specialised on what a model fixes: head dim, rotary window, q and k
 // head counts, dtype and pair style are compile-time, so the index arithmetic is divisions by
 // constants, every loop has a fixed trip count and the argument block is small. The plan picks
-// it when a call fits (rope_rtc/rope_launch.py: fixed_build); everything else runs rope.cu.
+// it when a call fits (rope_rtc/ops/rope_launch.py: fixed_build); everything else runs rope.cu.
 //
 // Compile-time parameters:
 //   ROPE_DTYPE, ROPE_INTERLEAVED, ROPE_VEC, ROPE_PDL  as in rope.cu
@@ -12,7 +12,7 @@
 //   FIX_ORDER         0: thread order (token, head group, unit), the memory order when heads are
 //                     the denser axis (bshd, thd); 1: (batch, head group, token, unit), the memory
 //                     order of bhsd, one head's rows end to end
-//   FIX_MROPE         optional multimodal RoPE (rope_rtc/mrope.py): 0 or absent: none; 1: contiguous
+//   FIX_MROPE         optional multimodal RoPE (rope_rtc/ops/mrope.py): 0 or absent: none; 1: contiguous
 //                     sections (Qwen2-VL, Qwen2.5-VL, vision towers' axial RoPE); 2: interleaved
 //                     T, H, W, T, ... (Qwen3-VL); with FIX_MT, FIX_MH, FIX_MW, FIX_MX the sections
 //                     (pairs per stream, summing to FIX_RD / 2; absent ones 0) and FIX_MN the number
@@ -25,7 +25,7 @@
 //   FIX_POS           optional: the position scheme (POS_* in positions.cuh), fixed at compile time;
 //                     absent or -1: read from the block (the multimodal builds, which read their
 //                     own position streams; the angle builds for large launches; the table
-//                     builds of bf16 interleaved pairs in bhsd order: rope_rtc/registry.py)
+//                     builds of bf16 interleaved pairs in bhsd order: rope_rtc/build/registry.py)
 //   FIX_DENSE         optional: 1 for arrays whose heads (token-major order) or rows (bhsd) are
 //                     head_dim apart and whose batches follow each other: one run-time stride per
 //                     array (dense_in, dense_out); with an offset, offsets or positions compiled
@@ -51,7 +51,7 @@
 #if !defined(FIX_HQ) || !defined(FIX_HK) || !defined(FIX_D) || !defined(FIX_RO) || !defined(FIX_RD) || \
     !defined(FIX_HB) || !defined(FIX_ORDER) || !defined(ROPE_DTYPE) || !defined(ROPE_INTERLEAVED) ||  \
     !defined(ROPE_VEC)
-#error "rope_fixed.cu needs every compile-time parameter (rope_rtc/registry.py: FixedGeometry)"
+#error "rope_fixed.cu needs every compile-time parameter (rope_rtc/build/registry.py: FixedGeometry)"
 #endif
 
 constexpr int HALF = FIX_RD / 2;
@@ -60,7 +60,7 @@ constexpr unsigned HEADS = FIX_HQ + FIX_HK;
 constexpr unsigned GROUPS = HEADS / FIX_HB;
 // Threads per head window: one per vector unit (a vector of each half for half-split pairs).
 constexpr unsigned CHUNKS = UNITS;
-// Threads per block: at most this many (rope_rtc/rope_launch.py: fixed_launch_shape picks).
+// Threads per block: at most this many (rope_rtc/ops/rope_launch.py: fixed_launch_shape picks).
 constexpr int MAX_BLOCK = 512;
 
 static_assert(FIX_RD % 2 == 0 && FIX_RO + FIX_RD <= FIX_D, "rotary window outside the head");
@@ -105,7 +105,7 @@ __device__ __forceinline__ bool rows_in_vectors(const FixedParams& p) { return F
 
 #if FIX_MROPE
 // Elements between the position streams. A dense build's streams are the call's token count apart
-// (rope_rtc/mrope.py: mrope_geometry), which the thread count gives: no read of the block's third
+// (rope_rtc/ops/mrope.py: mrope_geometry), which the thread count gives: no read of the block's third
 // line on the position's path.
 __device__ __forceinline__ i64 mrope_stride(const FixedParams& p) {
 #if FIX_DENSE
