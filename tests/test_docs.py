@@ -1,6 +1,7 @@
 """The maintainer's pages stay what they are for: docs/design.md opens with the picture of a
 call and maps every module; docs/performance.md is a product page whose figures live on the
-generated benchmark page; code comments give reasons, not measured figures."""
+generated benchmark page; code comments give reasons, not measured figures; every repository
+path a comment or page names exists."""
 
 from __future__ import annotations
 
@@ -92,3 +93,23 @@ def test_code_comments_quote_no_measured_figures_and_no_performance_page():
     bad = [f"{p.relative_to(REPO)}:{n}: {t.strip()[:80]}" for p, n, t in found
            if MICROSECONDS.search(t) or "docs/performance.md" in t]
     assert not bad, "comments quoting measured figures or docs/performance.md:\n" + "\n".join(bad)
+
+
+# A repository path a comment, docstring or page names: rope_rtc/ops/rope.py, cuda_src/rope.cu,
+# benchmarks/probes/kernel_case.py, scripts/bench.py.
+NAMED_PATH = re.compile(r"\b((?:rope_rtc|cuda_src|benchmarks|scripts|tests)/[\w/]*\w\.(?:py|cu|cuh|sh|md))\b")
+
+
+def test_every_repository_path_a_comment_or_page_names_exists():
+    """A module moved without its mentions sends a newcomer to a file that is not there."""
+    found = []
+    for path in sorted((REPO / "rope_rtc").rglob("*.py")):
+        found += [(path, n, t) for n, t in _python_comments_and_docstrings(path)]
+    for path in sorted((REPO / "cuda_src").iterdir()):
+        if path.suffix in (".cu", ".cuh"):
+            found += [(path, n, t) for n, t in _cuda_comments(path)]
+    for path in [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "benchmarks").rglob("*.md"))]:
+        found += [(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1)]
+    bad = [f"{p.relative_to(REPO)}:{n}: {m}" for p, n, t in found for m in NAMED_PATH.findall(t)
+           if not (REPO / m).exists()]
+    assert not bad, "paths that do not exist:\n" + "\n".join(bad)
