@@ -83,13 +83,19 @@ def _cuda_comments(path: Path):
             yield number, line[line.index("//"):]
 
 
-def test_code_comments_quote_no_measured_figures_and_no_performance_page():
+def _code_comments() -> list[tuple[Path, int, str]]:
+    """(file, line, text) of every comment and docstring of the package and the CUDA sources."""
     found = []
     for path in sorted((REPO / "rope_rtc").rglob("*.py")):
         found += [(path, n, t) for n, t in _python_comments_and_docstrings(path)]
     for path in sorted((REPO / "cuda_src").iterdir()):
         if path.suffix in (".cu", ".cuh"):
             found += [(path, n, t) for n, t in _cuda_comments(path)]
+    return found
+
+
+def test_code_comments_quote_no_measured_figures_and_no_performance_page():
+    found = _code_comments()
     bad = [f"{p.relative_to(REPO)}:{n}: {t.strip()[:80]}" for p, n, t in found
            if MICROSECONDS.search(t) or "docs/performance.md" in t]
     assert not bad, "comments quoting measured figures or docs/performance.md:\n" + "\n".join(bad)
@@ -102,12 +108,7 @@ NAMED_PATH = re.compile(r"\b((?:rope_rtc|cuda_src|benchmarks|scripts|tests)/[\w/
 
 def test_every_repository_path_a_comment_or_page_names_exists():
     """A module moved without its mentions sends a newcomer to a file that is not there."""
-    found = []
-    for path in sorted((REPO / "rope_rtc").rglob("*.py")):
-        found += [(path, n, t) for n, t in _python_comments_and_docstrings(path)]
-    for path in sorted((REPO / "cuda_src").iterdir()):
-        if path.suffix in (".cu", ".cuh"):
-            found += [(path, n, t) for n, t in _cuda_comments(path)]
+    found = _code_comments()
     for path in [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "benchmarks").rglob("*.md"))]:
         found += [(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1)]
     bad = [f"{p.relative_to(REPO)}:{n}: {m}" for p, n, t in found for m in NAMED_PATH.findall(t)
