@@ -103,13 +103,16 @@ def test_code_comments_quote_no_measured_figures_and_no_performance_page():
 
 # A repository path a comment, docstring or page names: rope_rtc/ops/rope.py, cuda_src/rope.cu,
 # benchmarks/probes/kernel_case.py, scripts/bench.py.
-NAMED_PATH = re.compile(r"\b((?:rope_rtc|cuda_src|benchmarks|scripts|tests)/[\w/]*\w\.(?:py|cu|cuh|sh|md))\b")
+# Not inside a longer path or an address (github.com/x/y/blob/main/tests/...).
+NAMED_PATH = re.compile(r"(?<![\w/.-])((?:rope_rtc|cuda_src|benchmarks|scripts|tests)/[\w/]*\w\.(?:py|cu|cuh|sh|md))\b")
 
 
 def test_every_repository_path_a_comment_or_page_names_exists():
     """A module moved without its mentions sends a newcomer to a file that is not there."""
-    found = _code_comments()
-    for path in [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "benchmarks").rglob("*.md"))]:
+    found = [(p, n, t) for p, n, t in _code_comments() if p.suffix == ".py"]
+    texts = [REPO / "README.md", *sorted(DOCS.glob("*.md")), *sorted((REPO / "benchmarks").rglob("*.md"))]
+    texts += [p for p in sorted((REPO / "cuda_src").iterdir()) if p.suffix in (".cu", ".cuh")]  # #error lines too
+    for path in texts:
         found += [(path, n, line) for n, line in enumerate(path.read_text().splitlines(), 1)]
     bad = [f"{p.relative_to(REPO)}:{n}: {m}" for p, n, t in found for m in NAMED_PATH.findall(t)
            if not (REPO / m).exists()]

@@ -451,5 +451,7 @@ def test_the_token_tile_knob_compiles_in_bhsd_order_only():
     tiled = spec.defines + (("FIX_TILE", "2"),)
     assert compiler.compile_source(spec.name, spec.source, tiled, Target(90)).binary
     token_major = tuple((k, "0" if k == "FIX_ORDER" else v) for k, v in tiled)
-    with pytest.raises(CompileError, match="token tiles are a bhsd order"):
-        compiler.compile_source(spec.name, spec.source, token_major, Target(90))
+    negative = spec.defines + (("FIX_TILE", "-1"),)
+    for defines in (token_major, negative):
+        with pytest.raises(CompileError, match="token tiles are a bhsd order"):
+            compiler.compile_source(spec.name, spec.source, defines, Target(90))

@@ -144,11 +144,12 @@ def main(cases):
                     p.table_vec = 1
                     p.sin_sign = 1.0
                     groups = (Hq + Hk) // hb
-                    p.total = (-(-B * S // tile) * tile if tile else B * S) * groups * chunks
+                    p.total = B * S * groups * chunks
+                    threads = (-(-B * S // tile) * tile if tile else B * S) * groups * chunks  # whole tiles
                     p.div_seq = fast_divisor(S)
                     launcher = Launcher(arg.address, dev)
                     launcher.replay = False
-                    prefix = launch_prefix(fn, (-(-p.total // block), 1, 1), (block, 1, 1))
+                    prefix = launch_prefix(fn, (-(-threads // block), 1, 1), (block, 1, 1))
                     run = lambda: launcher(prefix, cp.cuda.get_current_stream().ptr)
                     q[...] = q0
                     k[...] = k0

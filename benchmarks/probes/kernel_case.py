@@ -4,10 +4,11 @@ profile), for Nsight Compute:
     ncu -k regex:rope_ --launch-skip 1 --launch-count 1 --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats python3 benchmarks/probes/kernel_case.py blog
 
-Cases: ``blog`` (FP32 interleaved bhsd [4,32,4096,128], q+k in place), ``prefill[-<bshd|bhsd>[-<half|inter>]]``
-(bf16 [4,4096,32,128] in that order, Hkv=32, in place; half-split bshd by default), ``decode[-T]`` (bf16 thd, T=1 by default,
-Hq=32, Hkv=8, D=128, a positions array), ``decode-step[-T]`` (the same on cos/sin gathered at the
-positions once, no positions array: the benchmark's peers' inputs). Cases that compare two builds
+Cases: ``blog`` (FP32 interleaved bhsd [4,32,4096,128], q+k in place),
+``prefill[-<bshd|bhsd>[-<half|inter>]]`` (bf16, B=4, S=4096, H=Hkv=32, D=128, in place; half-split
+bshd by default), ``decode[-T]`` (bf16 thd, T=1 by default, Hq=32, Hkv=8, D=128, a positions array),
+``decode-step[-T]`` (the same on cos/sin gathered at the positions once, no positions array: the
+benchmark's peers' inputs). Cases that compare two builds
 run each twice, the op's first: ``mrope-<contiguous|interleaved>`` (the benchmark's MRoPE decode
 record: Qwen2-VL-7B's heads, T=8, three position streams; then plain RoPE on the same arrays) and
 ``angles-<T>`` (the angle record: Llama-3-8B's heads and rope scaling, float64 inv_freq; then the
@@ -38,6 +39,8 @@ def main(case: str) -> None:
         parts = case.split("-")
         layout = parts[1] if len(parts) > 1 else "bshd"
         pairing = parts[2] if len(parts) > 2 else "half"
+        if layout not in ("bshd", "bhsd") or pairing not in ("half", "inter") or len(parts) > 3:
+            raise SystemExit(f"unknown case {case!r}: prefill[-<bshd|bhsd>[-<half|inter>]]")
         shape = (4, 4096, 32, 128) if layout == "bshd" else (4, 32, 4096, 128)
         q = rng.standard_normal(shape, dtype=cp.float32).astype(bf16)
         k = rng.standard_normal(shape, dtype=cp.float32).astype(bf16)
@@ -59,8 +62,8 @@ def main(case: str) -> None:
     elif case.startswith("angles-"):
         return _pair(cp, *_angles(cp, rng, int(case.split("-")[1])))
     else:
-        raise SystemExit(f"unknown case {case!r}: blog, prefill[-<bshd|bhsd>[-<half|inter>]], decode[-T], decode-step[-T], mrope-<contiguous|"
-                         "interleaved> or angles-<T>")
+        raise SystemExit(f"unknown case {case!r}: blog, prefill[-<bshd|bhsd>[-<half|inter>]], decode[-T], "
+                         "decode-step[-T], mrope-<contiguous|interleaved> or angles-<T>")
     plan = rope_rtc.RopePlan(q, k, cos, sin, **kw).compile()
     pos = kw.get("positions")
     for _ in range(2):
