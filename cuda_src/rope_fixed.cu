@@ -26,11 +26,6 @@
 //                     absent or -1: read from the block (the multimodal builds, which read their
 //                     own position streams; the angle builds for large launches; the table
 //                     builds of bf16 interleaved pairs in bhsd order: rope_rtc/build/registry.py)
-//   FIX_TILE          optional, FIX_ORDER 1 only: tokens per tile of the order (batches folded
-//                     into tokens, token tile, head group, token in tile, unit), the grid
-//                     covering whole tiles (p.total stays the call's thread count); absent or
-//                     0: (batch, head group, token, unit). A knob of
-//                     benchmarks/probes/fixed_sweep.py; the registry's builds leave it absent
 //   FIX_DENSE         optional: 1 for arrays whose heads (token-major order) or rows (bhsd) are
 //                     head_dim apart and whose batches follow each other: one run-time stride per
 //                     array (dense_in, dense_out); with an offset, offsets or positions compiled
@@ -83,10 +78,6 @@ static_assert(FIX_HQ % FIX_HB == 0 && FIX_HK % FIX_HB == 0, "FIX_HB must divide 
 #ifndef FIX_DENSE
 #define FIX_DENSE 0
 #endif
-#ifndef FIX_TILE
-#define FIX_TILE 0
-#endif
-static_assert(FIX_TILE >= 0 && (FIX_TILE == 0 || FIX_ORDER == 1), "token tiles are a bhsd order");
 static_assert(!(FIX_ANGLES && FIX_MROPE), "multimodal RoPE reads tables");
 #if FIX_MROPE
 // Three streams (Qwen2-VL, Qwen3-VL) define no FIX_MN, so their builds preprocess to the source they
@@ -362,26 +353,12 @@ extern "C" __global__ void __launch_bounds__(MAX_BLOCK) rope_fixed(const FixedPa
     const unsigned i = live ? blockIdx.x * blockDim.x + threadIdx.x : (unsigned)p.total - 1;
 #else
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
-#if !FIX_TILE
     if (i >= (unsigned)p.total) return;
-#endif
 #endif
     wait_for_producer();  // a programmatic dependent launch: the kernel before this one has written q and k
     allow_dependents();
     const MergedStart m = gather_start(p);  // before the q/k loads (see gather_start)
-#if FIX_ORDER == 1 && FIX_TILE
-    // (token tile, head group, token in tile, unit): the tile's rows of one head group lie in
-    // one run (one warp's, where FIX_TILE * CHUNKS is 32 or more), and the block's other
-    // head groups find the same table rows in L1. The grid covers whole tiles while p.total
-    // stays the call's thread count (mrope_stride reads it): threads of the last tile past the
-    // last token, and any past the grid's last whole tile, do nothing.
-    const unsigned r = i / CHUNKS, u = i - r * CHUNKS;
-    const unsigned r2 = r / FIX_TILE, tt = r - r2 * FIX_TILE;
-    const unsigned tile = r2 / GROUPS, g = r2 - tile * GROUPS;
-    const unsigned t = tile * FIX_TILE + tt;
-    if (t >= (unsigned)p.total / (GROUPS * CHUNKS)) return;
-    const unsigned b = fast_div(t, p.div_seq), s = t - b * (unsigned)p.seq_len;
-#elif FIX_ORDER == 1
+#if FIX_ORDER == 1
     const unsigned r = i / CHUNKS, u = i - r * CHUNKS;
     const unsigned bg = fast_div(r, p.div_seq), s = r - bg * (unsigned)p.seq_len;
     const unsigned b = bg / GROUPS, g = bg - b * GROUPS;

@@ -438,20 +438,3 @@ def test_tables_read_backwards_keep_the_specialised_builds(gpu):
     qw, kw = fake_cupy((128,), BF16), fake_cupy((128,), BF16)
     apply_qk_norm_rope(q, k, qw, kw, cos[::-1], sin[::-1], eps=1e-6, layout="thd", offset=2, q_out=q, k_out=k)
     assert gpu.launches[-1]["norm"].table_stride == -64
-
-
-def test_the_token_tile_knob_compiles_in_bhsd_order_only():
-    """fixed_sweep.py's FIX_TILE (tokens per tile of the bhsd order) builds for order 1 and is
-    refused, naming the rule, for the token-major order."""
-    from rope_rtc.build import compiler
-    from rope_rtc.build.toolchain import Target
-    from rope_rtc.errors import CompileError
-
-    spec = fixed_geometry("bfloat16", True, 32, 32, 128, 0, 128, True).spec()
-    tiled = spec.defines + (("FIX_TILE", "2"),)
-    assert compiler.compile_source(spec.name, spec.source, tiled, Target(90)).binary
-    token_major = tuple((k, "0" if k == "FIX_ORDER" else v) for k, v in tiled)
-    negative = spec.defines + (("FIX_TILE", "-1"),)
-    for defines in (token_major, negative):
-        with pytest.raises(CompileError, match="token tiles are a bhsd order"):
-            compiler.compile_source(spec.name, spec.source, defines, Target(90))

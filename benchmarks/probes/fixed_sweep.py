@@ -1,9 +1,8 @@
 """Sweep the specialised kernel's build knobs (heads per thread, vector width, block size, the
-position scheme fixed at compile time or read from the block, the dense build's one stride per
-array against the strided build's layout, and for bhsd the tokens per tile of the thread order)
-against the plan's own launch and a same-size copy, on the prefill, blog and decode cases. Prints
-one line per (case, build): time, % of the copy, registers, and whether the output equals the
-plan's bit for bit.
+position scheme fixed at compile time or read from the block, and the dense build's one stride per
+array against the strided build's layout) against the plan's own launch and a same-size copy, on
+the prefill, blog and decode cases. Prints one line per (case, build): time, % of the copy,
+registers, and whether the output equals the plan's bit for bit.
 
     PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
 
@@ -11,8 +10,7 @@ Cases: ``prefill-<bf16|fp16|fp32>-<half|inter>-<bshd|bhsd>-<S>`` (B=4, H=32+32, 
 ``blog`` (FP32 interleaved bhsd [4,32,4096,128]) and ``decode-<T>`` (bf16 thd, Hq=32, Hkv=8,
 positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4,pos=-1"`` runs one
 build (for ncu; pos -1 reads the scheme from the block, else the case's scheme code is compiled
-in; add ``,dense=1`` for the dense build, ``,tile=N`` for N tokens per tile); ``FIXED_REPS`` sets
-the repetitions.
+in; add ``,dense=1`` for the dense build); ``FIXED_REPS`` sets the repetitions.
 """
 
 from __future__ import annotations
@@ -96,14 +94,11 @@ def main(cases):
         mode = 2 if pos is not None else 0  # rope_params.POS_POSITIONS / POS_OFFSET
         # Decode sweeps heads per thread, block size and vector width on the build the plan runs
         # (the scheme compiled in, dense); prefill every knob.
-        # bhsd prefill also sweeps tokens per tile of the order (0: one head's rows end to end).
-        knobs = (((1, 2, 4, 8), (32, 64, 128, 256), (vec, vec // 2, vec // 4), (mode,), (1,), (0,)) if decode
-                 else ((1, 2), (256, 512), (vec, vec // 2), (-1, mode), (0, 1),
-                       (0, 1, 2, 4, 8, 16) if lay == "bhsd" else (0,)))
-        for hb, block, vec, fixed_pos, dense, tile in itertools.product(*knobs):
+        knobs = (((1, 2, 4, 8), (32, 64, 128, 256), (vec, vec // 2, vec // 4), (mode,), (1,)) if decode
+                 else ((1, 2), (256, 512), (vec, vec // 2), (-1, mode), (0, 1)))
+        for hb, block, vec, fixed_pos, dense in itertools.product(*knobs):
                 chunks = (128 if inter else 64) // vec
-                name = (f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
-                        + (f",tile={tile}" if tile else ""))
+                name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
                 if only and only != name:
                     continue
                 if True:
@@ -114,8 +109,6 @@ def main(cases):
                         defines += (("FIX_POS", str(fixed_pos)),)
                     if dense:
                         defines += (("FIX_DENSE", "1"),)
-                    if tile:
-                        defines += (("FIX_TILE", str(tile)),)
                     spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
                     fn = load_kernel(spec, dev).functions["rope_fixed"]
                     arg = StructArg(FixedParams)
@@ -145,11 +138,10 @@ def main(cases):
                     p.sin_sign = 1.0
                     groups = (Hq + Hk) // hb
                     p.total = B * S * groups * chunks
-                    threads = (-(-B * S // tile) * tile if tile else B * S) * groups * chunks  # whole tiles
                     p.div_seq = fast_divisor(S)
                     launcher = Launcher(arg.address, dev)
                     launcher.replay = False
-                    prefix = launch_prefix(fn, (-(-threads // block), 1, 1), (block, 1, 1))
+                    prefix = launch_prefix(fn, (-(-p.total // block), 1, 1), (block, 1, 1))
                     run = lambda: launcher(prefix, cp.cuda.get_current_stream().ptr)
                     q[...] = q0
                     k[...] = k0
