@@ -4,7 +4,9 @@
 //
 // A launch's arguments reach each SM through the constant cache cold, one miss per 64-byte line,
 // and small launches wait on those misses. So what a dense build
-// (FIX_DENSE: one run-time stride per array) reads lies in the first two lines, 32-bit where
+// (FIX_DENSE: one run-time stride per array) reads lies in the block's first 128 bytes (its
+// "lines" 0 and 1 below; on sm_90, whose parameters start 16 bytes into a line, they span
+// three of the cache's lines, the first shared with the global-memory descriptor), 32-bit where
 // the plan's limits allow (fewer than 2^31 threads, table rows below 2^32, row strides of fewer
 // than 2^31 elements either way); the angle and multimodal builds' own fields and a scheme read
 // from the block come next, then the strides of the general layouts and the cu_seqlens

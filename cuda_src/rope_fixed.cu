@@ -29,7 +29,7 @@
 //   FIX_DENSE         optional: 1 for arrays whose heads (token-major order) or rows (bhsd) are
 //                     head_dim apart and whose batches follow each other: one run-time stride per
 //                     array (dense_in, dense_out); with an offset, offsets or positions compiled
-//                     in, every field it reads lies in the block's first two lines
+//                     in, every field it reads lies in the block's first 128 bytes
 //                     (fixed_params.cuh). Absent or 0: any strides the plan accepts.
 // The kernel rotates in place or out of place with the whole head rotated; an out-of-place
 // call with a partial window (the outside copied) runs the generic kernel.
