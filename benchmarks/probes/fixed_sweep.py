@@ -106,68 +106,66 @@ def main(cases):
         knobs = (((1, 2, 4, 8), (32, 64, 128, 256), (vec, vec // 2, vec // 4), (mode,), (1,)) if decode
                  else ((1, 2), (256, 512), (vec, vec // 2), (-1, mode), (0, 1)))
         for hb, block, vec, fixed_pos, dense in itertools.product(*knobs):
-                chunks = (128 if inter else 64) // vec
-                name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
-                if only and only != name:
-                    continue
-                if True:
-                    defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
-                               ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", "128"),
-                               ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
-                    if fixed_pos >= 0:
-                        defines += (("FIX_POS", str(fixed_pos)),)
-                    if dense:
-                        defines += (("FIX_DENSE", "1"),)
-                    spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
-                    fn = load_kernel(spec, dev).functions["rope_fixed"]
-                    arg = StructArg(FixedParams)
-                    p = arg.values
-                    for w, arr in ((0, q), (1, k)):
-                        st = [s_ // arr.itemsize for s_ in arr.strides]
-                        if lay == "bshd":
-                            sb, ss, sh = st[0], st[1], st[2]
-                        elif lay == "bhsd":
-                            sb, sh, ss = st[0], st[1], st[2]
-                        else:
-                            sb, ss, sh = 0, st[0], st[1]
-                        p.in_[w] = p.out[w] = arr.data.ptr
-                        # contiguous arrays: the token stride (token-major) or the head stride (bhsd)
-                        p.dense_in[w] = p.dense_out[w] = sh if lay == "bhsd" else ss
-                        p.in_sb[w] = p.out_sb[w] = sb
-                        p.in_ss[w] = p.out_ss[w] = ss
-                        p.in_sh[w] = p.out_sh[w] = sh
-                    p.cos, p.sin = cos.data.ptr, sin.data.ptr
-                    p.positions = pos.data.ptr if pos is not None else 0
-                    p.pos_mode = mode
-                    p.num_tokens = B * S
-                    p.seq_len = S
-                    p.num_seqs = B
-                    p.table_rows, p.table_stride = cos.shape[0], cos.strides[0] // 4
-                    p.table_vec = 1
-                    p.sin_sign = 1.0
-                    groups = (Hq + Hk) // hb
-                    p.total = B * S * groups * chunks
-                    p.div_seq = fast_divisor(S)
-                    launcher = Launcher(arg.address, dev)
-                    launcher.replay = False
-                    prefix = launch_prefix(fn, (-(-p.total // block), 1, 1), (block, 1, 1))
-                    run = lambda: launcher(prefix, cp.cuda.get_current_stream().ptr)
-                    q[...] = q0
-                    k[...] = k0
-                    q[...] = q0
-                    run()
-                    cp.cuda.runtime.deviceSynchronize()
-                    exact = bool((q.view(cp.uint16 if q.itemsize == 2 else cp.uint32) ==
-                                  ref_q.view(cp.uint16 if q.itemsize == 2 else cp.uint32)).all()
-                                 and (k.view(cp.uint16 if k.itemsize == 2 else cp.uint32) ==
-                                      ref_k.view(cp.uint16 if k.itemsize == 2 else cp.uint32)).all())
-                    err = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
-                              for a, b in ((q, ref_q), (k, ref_k)))
-                    t = graph_us(run) if decode else event_us(run, reps)
-                    regs = fn_regs(fn)
-                    print(f"  {name} order={order}: {t:.2f} us "
-                          f"({100 * tc / t:.1f}% of copy) "
-                          f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)
+            chunks = (128 if inter else 64) // vec
+            name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
+            if only and only != name:
+                continue
+            defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
+                       ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", "128"),
+                       ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
+            if fixed_pos >= 0:
+                defines += (("FIX_POS", str(fixed_pos)),)
+            if dense:
+                defines += (("FIX_DENSE", "1"),)
+            spec = KernelSpec("rope_fixed", "rope_fixed.cu", ("rope_fixed",), defines)
+            fn = load_kernel(spec, dev).functions["rope_fixed"]
+            arg = StructArg(FixedParams)
+            p = arg.values
+            for w, arr in ((0, q), (1, k)):
+                st = [s_ // arr.itemsize for s_ in arr.strides]
+                if lay == "bshd":
+                    sb, ss, sh = st[0], st[1], st[2]
+                elif lay == "bhsd":
+                    sb, sh, ss = st[0], st[1], st[2]
+                else:
+                    sb, ss, sh = 0, st[0], st[1]
+                p.in_[w] = p.out[w] = arr.data.ptr
+                # contiguous arrays: the token stride (token-major) or the head stride (bhsd)
+                p.dense_in[w] = p.dense_out[w] = sh if lay == "bhsd" else ss
+                p.in_sb[w] = p.out_sb[w] = sb
+                p.in_ss[w] = p.out_ss[w] = ss
+                p.in_sh[w] = p.out_sh[w] = sh
+            p.cos, p.sin = cos.data.ptr, sin.data.ptr
+            p.positions = pos.data.ptr if pos is not None else 0
+            p.pos_mode = mode
+            p.num_tokens = B * S
+            p.seq_len = S
+            p.num_seqs = B
+            p.table_rows, p.table_stride = cos.shape[0], cos.strides[0] // 4
+            p.table_vec = 1
+            p.sin_sign = 1.0
+            groups = (Hq + Hk) // hb
+            p.total = B * S * groups * chunks
+            p.div_seq = fast_divisor(S)
+            launcher = Launcher(arg.address, dev)
+            launcher.replay = False
+            prefix = launch_prefix(fn, (-(-p.total // block), 1, 1), (block, 1, 1))
+            run = lambda: launcher(prefix, cp.cuda.get_current_stream().ptr)
+            q[...] = q0
+            k[...] = k0
+            run()
+            cp.cuda.runtime.deviceSynchronize()
+            exact = bool((q.view(cp.uint16 if q.itemsize == 2 else cp.uint32) ==
+                          ref_q.view(cp.uint16 if q.itemsize == 2 else cp.uint32)).all()
+                         and (k.view(cp.uint16 if k.itemsize == 2 else cp.uint32) ==
+                              ref_k.view(cp.uint16 if k.itemsize == 2 else cp.uint32)).all())
+            err = max(float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max())
+                      for a, b in ((q, ref_q), (k, ref_k)))
+            t = graph_us(run) if decode else event_us(run, reps)
+            regs = fn_regs(fn)
+            print(f"  {name} order={order}: {t:.2f} us "
+                  f"({100 * tc / t:.1f}% of copy) "
+                  f"regs={regs} exact={exact} maxdiff={err:.3g}", flush=True)
 
 
 def fn_regs(fn):
