@@ -40,8 +40,10 @@ def test_geometry_rules():
     assert (g.vec, g.head_batch, g.order) == (4, 1, 0)  # 8-byte halves, one head per thread
     g = fixed_geometry("bfloat16", False, 32, 8, 128, 0, 128, True)
     assert (g.vec, g.head_batch, g.order) == (4, 2, 1)  # bhsd, 16-bit half-split: two heads per thread
-    for dtype, interleaved in (("float32", False), ("float32", True), ("bfloat16", True), ("float16", True)):
+    for dtype, interleaved in (("float32", False), ("float32", True)):
         assert fixed_geometry(dtype, interleaved, 32, 8, 128, 0, 128, True).head_batch == 1  # measured faster
+    for dtype in ("bfloat16", "float16"):  # 16-bit interleaved pairs in bhsd order: two heads too
+        assert fixed_geometry(dtype, True, 32, 8, 128, 0, 128, True).head_batch == 2
     assert fixed_geometry("bfloat16", False, 3, 1, 128, 0, 128, True).head_batch == 1  # odd heads
     assert fixed_geometry("float32", True, 32, 32, 128, 0, 128, True).vec == 4  # 16 bytes
     assert fixed_geometry("float16", True, 32, 32, 128, 0, 128, False).vec == 8

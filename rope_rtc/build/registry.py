@@ -284,11 +284,10 @@ def fixed_geometry(dtype: str, interleaved: bool, q_heads: int, k_heads: int, he
     if rotary_dim <= 0 or rotary_dim % 2 or span % vec or rotary_offset % vec or q_heads <= 0 or k_heads < 0:
         return None
     order = 1 if tokens_denser else 0
-    # One head per thread, but two for 16-bit half-split pairs where a warp walks one head's rows
-    # (bhsd): there two share the table slice at no cost, where for FP32 and interleaved pairs a
-    # second head per thread is slower (benchmarks/probes/fixed_sweep.py).
-    hb = 2 if (order == 1 and ITEMSIZE[dtype] == 2 and not interleaved and q_heads % 2 == 0
-               and k_heads % 2 == 0) else 1
+    # One head per thread, but two for 16-bit pairs where a warp walks one head's rows (bhsd):
+    # there two share the table slice at no cost, where for FP32 a second head per thread is
+    # slower (benchmarks/probes/fixed_sweep.py).
+    hb = 2 if (order == 1 and ITEMSIZE[dtype] == 2 and q_heads % 2 == 0 and k_heads % 2 == 0) else 1
     # The position scheme is compile-time, so the index load issues first (faster at decode and on
     # half-split prefill), but for bf16 interleaved pairs in bhsd order, which are slower with it
     # (benchmarks/probes/fixed_sweep.py): they read it from the block.
