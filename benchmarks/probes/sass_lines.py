@@ -17,7 +17,6 @@ cuobjdump comes with the CUDA toolkit, or from the `nvidia-cuda-cuobjdump` wheel
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import shutil
