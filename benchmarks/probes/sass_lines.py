@@ -79,25 +79,24 @@ def report(geometry, arch: int, cuobjdump: str) -> None:
     insns = sass(compile_source(spec.family, spec.source, spec.defines, Target(arch)).binary, cuobjdump)
     print(f"{spec.name}: {SCHEMES.get(geometry.pos_mode, geometry.pos_mode)}, {len(insns)} instructions")
     first_load = next((i for i, (_, text) in enumerate(insns) if re.match(r"(@!?P\d+ )?LDG", text)), len(insns))
-    seen: list[int] = []
+    before: list[int] = []  # lines first read before the first load, in that order
+    after: list[int] = []
     for i, (at, text) in enumerate(insns):
         for reg, off in _CONST.findall(text):
             o = int(off, 16)
             if o == 0x28:  # the stack pointer every kernel loads first
                 continue
             line = o - o % LINE
-            new = line not in seen
+            new = line not in before and line not in after
             if new:
-                seen.append(line)
+                (before if i < first_load else after).append(line)
             if i < first_load:
                 where = f"{describe(o, arch)}{' (indexed)' if reg else ''}"
                 print(f"  {at}  c[0x{o:03x}]  line 0x{line:03x}{' new' if new else '    '}  {where}")
         if i == first_load:
-            print(f"  {at}  first global load: {text.split()[0] if not text.startswith('@') else text.split()[1]}")
-    before = {int(off, 16) - int(off, 16) % LINE for _, text in insns[:first_load] for _, off in _CONST.findall(text)}
-    before.discard(0)
-    print(f"  lines before the first load: {', '.join(f'0x{x:03x}' for x in seen if x in before)}; "
-          f"after it: {', '.join(f'0x{x:03x}' for x in seen if x not in before and x) or 'none'}\n")
+            print(f"  {at}  first global load: {text.split()[1 if text.startswith('@') else 0]}")
+    lines = lambda xs: ", ".join(f"0x{x:03x}" for x in xs if x) or "none"  # line 0: launch constants
+    print(f"  lines before the first load: {lines(before)}; after it: {lines(after)}\n")
 
 
 def main(argv: list[str]) -> int:
