@@ -5,7 +5,9 @@ its path, each timed alone on the objects the call itself uses:
 - the thread's last path, the generated check-and-write of the signature (``core/dispatch.py``);
 - the current stream's lookup and ``cudaStreamIsCapturing`` (``Launcher.launch``);
 - ``cuGraphExecKernelNodeSetParams`` on the launch's graph node, through cuda.bindings as the
-  launcher calls it and through ctypes (the launcher keeps the cheaper);
+  launcher calls it and through ctypes (the launcher keeps the cheaper), and with cuda-bindings
+  13.5 or newer through its experimental integer-handle module ``cuda.bindings._v2`` (with that
+  module's capture query, graph launch and ``cuLaunchKernel``);
 - ``cudaGraphLaunch`` of that graph, beside ``cuLaunchKernel`` (CuPy's binding), which the node
   and the graph launch replace, and a bare ``cudaMemcpyAsync`` for scale.
 
@@ -30,6 +32,7 @@ class KernelNodeParams(ctypes.Structure):
 
 
 def main() -> None:
+    import cuda.bindings
     import cupy as cp
     from cupy_backends.cuda.api.driver import launchKernel
 
@@ -78,6 +81,24 @@ def main() -> None:
         raw = (graph.handle_int, int(graph.node), ctypes.addressof(params))
         status = by_ctypes(*raw)
         rows.append((f"cuGraphExecKernelNodeSetParams (ctypes; status {status})", host_us(lambda: by_ctypes(*raw))))
+        try:  # the experimental integer-handle bindings (cuda-bindings 13.5 and newer)
+            from cuda.bindings._v2 import driver as drv2
+        except ImportError:
+            drv2 = None
+        if drv2 is not None:
+            p2 = drv2.KernelNodeParams_v2()
+            p2.func, p2.grid_dim_x, p2.grid_dim_y, p2.grid_dim_z = int(fn), gx, gy, gz
+            p2.block_dim_x, p2.block_dim_y, p2.block_dim_z = bx, by, bz
+            p2.shared_mem_bytes, p2.kernel_params = shared, launcher.args_address
+            set2, raw2 = drv2.graph_exec_kernel_node_set_params_v2, (graph.handle_int, int(graph.node), p2.ptr)
+            rows.append(("cuGraphExecKernelNodeSetParams (cuda.bindings._v2)", host_us(lambda: set2(*raw2))))
+            cap2 = drv2.stream_is_capturing
+            rows.append(("cuStreamIsCapturing (cuda.bindings._v2)", host_us(lambda: cap2(h))))
+            launch2, exe2 = drv2.graph_launch, graph.handle_int
+            rows.append(("cuGraphLaunch (cuda.bindings._v2)", host_us(lambda: launch2(exe2, h))))
+            kl2, fn2 = drv2.launch_kernel, int(fn)
+            rows.append(("cuLaunchKernel (cuda.bindings._v2)",
+                         host_us(lambda: kl2(fn2, gx, gy, gz, bx, by, bz, shared, h, launcher.args_address, 0))))
         graph_launch, exe = cp.cuda.runtime.graphLaunch, graph.handle_int
         rows.append(("cudaGraphLaunch", host_us(lambda: graph_launch(exe, h))))
         block, fnp = launcher.args_address, int(fn)
@@ -89,6 +110,7 @@ def main() -> None:
                      host_us(lambda: copy(dst.data.ptr, src.data.ptr, 1 << 16, 3, h))))
         rows.append(("empty Python call", host_us(lambda: None)))
     stream.synchronize()
+    print(f"cuda-bindings {cuda.bindings.__version__}")
     for name, us in rows:
         print(f"{name:<60} {us:8.2f} µs")
 
