@@ -65,26 +65,32 @@ __device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
 // `vec`: the row slice is aligned for one NPAIR-float load.
 template <int NPAIR, typename P, typename At, typename Flag>
 __device__ __forceinline__ void table_slice_at(const P& p, i64 row, At at, Flag vec, float sign, float* c, float* sn) {
-    if (row >= 0) {
-        const float* cr = (const float*)p.cos + row * p.table_stride + at;
-        const float* sr = (const float*)p.sin + row * p.table_stride + at;
-        if (vec) {
-            const Vec<float, NPAIR> cv = ldg_vec<float, NPAIR>(cr);
-            const Vec<float, NPAIR> sv = ldg_vec<float, NPAIR>(sr);
+    // Loads predicated on the row rather than a branch around them: with a branch the compiler
+    // issues them only once the bounds check has resolved, which lengthens a decode launch's short
+    // path (benchmarks/probes/decode_case.py).
+    const bool inside = row >= 0;
+    const float* cr = (const float*)p.cos + row * p.table_stride + at;
+    const float* sr = (const float*)p.sin + row * p.table_stride + at;
+    Vec<float, NPAIR> cv, sv;
 #pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                c[j] = cv.v[j];
-                sn[j] = sign * sv.v[j];
-            }
-        } else {
-#pragma unroll
-            for (int j = 0; j < NPAIR; ++j) {
-                c[j] = __ldg(cr + j);
-                sn[j] = sign * __ldg(sr + j);
-            }
+    for (int j = 0; j < NPAIR; ++j) cv.v[j] = sv.v[j] = __int_as_float(0x7fffffff);
+    if (vec) {
+        if (inside) {
+            cv = ldg_vec<float, NPAIR>(cr);
+            sv = ldg_vec<float, NPAIR>(sr);
         }
     } else {
 #pragma unroll
-        for (int j = 0; j < NPAIR; ++j) c[j] = sn[j] = __int_as_float(0x7fffffff);
+        for (int j = 0; j < NPAIR; ++j) {
+            if (inside) {
+                cv.v[j] = __ldg(cr + j);
+                sv.v[j] = __ldg(sr + j);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NPAIR; ++j) {
+        c[j] = cv.v[j];
+        sn[j] = sign * sv.v[j];
     }
 }

@@ -114,6 +114,31 @@ def test_position_schemes_and_float32_weights(scheme):
                      interleaved=False, rotary_dim=None, rotary_offset=0, dtype="bfloat16")
 
 
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_positions_outside_the_table_give_nan_for_their_tokens(index_dtype):
+    """Device positions past the table's last row or negative (never read back): those tokens'
+    heads are NaN (the table loads are predicated on the row), the others exact."""
+    import cupy as cp
+
+    import rope_rtc
+
+    d, dt, T = 128, DTYPES["bfloat16"], 6
+    qh, kh = host_random((T, HQ, d), dt, 51, 2.0), host_random((T, HK, d), dt, 52, 2.0)
+    qw, kw = _weight(d, np.float32, 53), _weight(d, np.float32, 54)
+    cos, sin = host_tables(P, d // 2, 55)
+    pos = np.array([5, P, -1, 0, P + 7, P - 1], index_dtype)
+    bad = (pos < 0) | (pos >= P)
+    q_out, k_out = poisoned(cp, qh.shape, dt), poisoned(cp, kh.shape, dt)
+    rope_rtc.apply_qk_norm_rope(cp.asarray(qh), cp.asarray(kh), cp.asarray(qw), cp.asarray(kw), cp.asarray(cos),
+                                cp.asarray(sin), eps=EPS, layout="thd", positions=cp.asarray(pos), q_out=q_out,
+                                k_out=k_out)
+    for out, host, w in ((q_out, qh, qw), (k_out, kh, kw)):
+        got = cp.asnumpy(out)
+        assert np.isnan(got[bad].astype(np.float32)).all()
+        _check_exact(got[~bad], host[~bad], w, cos, sin, pos[~bad], interleaved=False, rotary_dim=None,
+                     rotary_offset=0, dtype="bfloat16")
+
+
 def _torch_from(a):
     """A torch view of a CuPy array (bfloat16 through its 16-bit pattern)."""
     import cupy as cp
