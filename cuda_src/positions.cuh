@@ -65,8 +65,9 @@ __device__ __forceinline__ i64 token_row(const P& p, i64 t, i64 b, i64 s) {
 // `vec`: the row slice is aligned for one NPAIR-float load.
 template <int NPAIR, typename P, typename At, typename Flag>
 __device__ __forceinline__ void table_slice_at(const P& p, i64 row, At at, Flag vec, float sign, float* c, float* sn) {
-    // Loads predicated on the row rather than a branch around them: with a branch the compiler
-    // issues them only once the bounds check has resolved, which lengthens a decode launch's short
+    // The loads sit under the row's check with NaN defaults, not in one arm of an if/else around
+    // the whole slice: the specialised decode builds then predicate them, where the if/else made
+    // the compiler issue them only once a branch had resolved, later on a decode launch's short
     // path (benchmarks/probes/decode_case.py).
     const bool inside = row >= 0;
     const float* cr = (const float*)p.cos + row * p.table_stride + at;

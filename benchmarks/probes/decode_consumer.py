@@ -1,15 +1,16 @@
 """What the evict-first q/k accesses of the decode kernels cost the kernel that reads q and k next
 (attention, in an engine): RoPE then a consumer of q and k, under graph replay, hot (one buffer set)
-and cycling over buffer sets (q and k of 256 to 4096 sets: 10 to 84 MB, as the benchmark's cold
-sets cycle).
+and cycling over buffer sets: up to 42 MB of q and k at 1 and 8 tokens, 84 MB at 64 (the H100's L2
+holds 50 MB).
 
     PYTHONPATH=. python3 benchmarks/probes/decode_consumer.py
 
 Per call of each pair, and of each kernel alone: a hand-written RoPE kernel with the plan's thread
-map (one head per thread, 8-byte halves, blocks of 256) on the step's tables, built twice, with
-evict-first loads and stores of q and k (`__ldcs`/`__stcs`, as cuda_src/rope_types.cuh) and with
-plain ones; the plan itself on the same tables; the consumer (plain 16-byte loads of every q and
-k vector, one float per block written). bf16 `thd`, Hq=32, Hkv=8, D=128.
+map (a thread per 4 pairs of one head, an 8-byte vector of each half; blocks of 256) on the step's
+tables, built twice, with evict-first loads and stores of q and k (`__ldcs`/`__stcs`, as
+cuda_src/rope_types.cuh) and with plain ones, checked against the plan's bits first; the plan
+itself on the same tables; the consumer (plain 16-byte loads of every q and k vector, summed into
+a sink so that they stay). bf16 `thd`, Hq=32, Hkv=8, D=128.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(256) rope_step(__nv_bfloat16* __res
     ST(p + 16, y.v);
 }
 
-// Every 16 bytes of q then k read once, as attention reads them; one float per block written.
+// Every 16 bytes of q then k read once, as attention reads them; partial sums added into one
+// float per block, a sink that keeps the loads.
 extern "C" __global__ void __launch_bounds__(256) consume(const uint4* __restrict__ q, const uint4* __restrict__ k,
                                                           unsigned nq, unsigned nk, float* out) {
     float acc = 0.f;
@@ -73,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(256) consume(const uint4* __restric
 }
 """
 
-# (tokens, buffer-set counts): one set (hot), then enough sets that a graph's calls pass the L2.
+# (tokens, buffer-set counts): one set (hot), then sets of q and k near and past the L2's size.
 CASES = ((1, (1, 256, 4096)), (8, (1, 512)), (64, (1, 16, 64)))
 
 
@@ -114,7 +116,8 @@ def main() -> None:
     mods = {hint: cp.RawModule(code=_KERNELS, options=("-std=c++17", f"-DHINT={hint}")) for hint in (1, 0)}
     rope = {hint: m.get_function("rope_step") for hint, m in mods.items()}
     consume = mods[0].get_function("consume")
-    out = cp.zeros(132, cp.float32)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(sms, cp.float32)
     for T, set_counts in CASES:
         nmax = max(set_counts)
         q = cp.asarray(rng.standard_normal((nmax, T, 32, 128), dtype=np.float32).astype(bf16))
@@ -123,7 +126,7 @@ def main() -> None:
         plan = rope_rtc.RopePlan(q[0], k[0], cos, sin, layout="thd").compile()
         total = T * 40 * 16
         nq, nk = T * 32 * 128 // 8, T * 8 * 128 // 8
-        grid = min(132, -(-(nq + nk) // 256))
+        grid = min(sms, -(-(nq + nk) // 256))
         ref = q[0].copy(), k[0].copy()
         plan.execute(ref[0], ref[1], cos, sin)
         for hint in (1, 0):  # the hand-written kernel gives the plan's bits
