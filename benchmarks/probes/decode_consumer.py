@@ -79,37 +79,22 @@ extern "C" __global__ void __launch_bounds__(256) consume(const uint4* __restric
 CASES = ((1, (1, 256, 4096)), (8, (1, 512)), (64, (1, 16, 64)))
 
 
-def _graph_us(cp, fn, sets: int, samples: int = 5) -> float:
-    """GPU µs per call of fn(i) captured for i = 0, 1, .. (sets cycled, at least 200 calls) into one
-    graph, best of ``samples`` replays."""
-    n = max(200, sets)
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for i in range(sets):
-            fn(i)
-        stream.synchronize()
-        stream.begin_capture()
-        for j in range(n):
-            fn(j % sets)
-        graph = stream.end_capture()
-        graph.upload(stream)
-        graph.launch(stream)
-        stream.synchronize()
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        best = float("inf")
-        for _ in range(samples):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            best = min(best, cp.cuda.get_elapsed_time(start, end) / n * 1e3)
-    return best
+def _cycling(fn, sets: int):
+    """A call that runs fn(0), fn(1), .. fn(sets - 1), fn(0), .. one per call."""
+    count = [0]
+
+    def call():
+        fn(count[0] % sets)
+        count[0] += 1
+
+    return call
 
 
 def main() -> None:
     import cupy as cp
 
     import rope_rtc
+    from rope_rtc.measure import graph_us
 
     bf16 = ml_dtypes.bfloat16
     rng = np.random.default_rng(0)
@@ -151,7 +136,8 @@ def main() -> None:
                  "evict-first+consumer": pair(hand(1)), "plain+consumer": pair(hand(0)),
                  "plan+consumer": pair(plan_call)}
         for sets in set_counts:
-            row = "  ".join(f"{name} {_graph_us(cp, fn, sets):.3f}" for name, fn in calls.items())
+            times = {name: graph_us(cp, _cycling(fn, sets), n=max(200, sets)) for name, fn in calls.items()}
+            row = "  ".join(f"{name} {us:.3f}" for name, us in times.items())
             print(f"T={T:<3} sets={sets:<5} ({sets * (q[0].nbytes + k[0].nbytes) / 1e6:5.1f} MB)  {row}", flush=True)
 
 
