@@ -313,3 +313,63 @@ def test_a_tail_plan_with_new_arrays_every_call_writes_each_calls_own_result(cp)
             cp.cuda.get_current_stream().synchronize()
             _exact(cp, host, out)
     assert len(plan._core.recent) >= 3
+
+
+@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("entry", ["plan", "one-call", "engines' convention"])
+def test_one_capture_of_many_layers_rotates_each_layers_own_arrays(cp, entry, T):
+    """A decode step captured whole, as an engine does: one call per layer on that layer's own q
+    and k (bf16 thd, Hq=32, Hkv=8, D=128, device positions), through a plan, the one-call
+    function and the engines' flat arrays with cos_sin_cache, each warmed first (so the capture
+    meets the remembered paths and graph replay). Replayed twice on new values written in place:
+    every layer's q and k are the eager call's bits on copies of the same inputs, and the capture
+    itself wrote nothing."""
+    import rope_rtc
+
+    layers, P = 6, 64
+    bf16 = DTYPES["bfloat16"]
+    ch, sh = host_tables(P, 64, 70)
+    cos, sin = cp.asarray(ch), cp.asarray(sh)
+    cache = cp.asarray(np.concatenate([ch, sh], axis=1))
+    pos = cp.asarray(np.random.default_rng(71).integers(0, P, T).astype(np.int32))
+    qs = [cp.asarray(host_random((T, 32, 128), bf16, 100 + i)) for i in range(layers)]
+    ks = [cp.asarray(host_random((T, 8, 128), bf16, 200 + i)) for i in range(layers)]
+    plan = rope_rtc.RopePlan(qs[0], ks[0], cos, sin, positions=pos, layout="thd").compile()
+
+    def rotate(q, k, stream):
+        if entry == "plan":
+            plan.execute(q, k, cos, sin, positions=pos, stream=stream)
+        elif entry == "one-call":
+            rope_rtc.apply_rope_qk(q, k, cos, sin, positions=pos, q_out=q, k_out=k, layout="thd", stream=stream)
+        else:
+            fq, fk = q.reshape(T, -1), k.reshape(T, -1)
+            rope_rtc.apply_rope_qk(fq, fk, cos_sin_cache=cache, positions=pos, head_dim=128, q_out=fq, k_out=fk,
+                                   stream=stream)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    for _ in range(3):  # the remembered paths and graph replay warmed on every layer's arrays
+        for q, k in zip(qs, ks):
+            rotate(q, k, stream)
+    stream.synchronize()
+    before = [(q.copy(), k.copy()) for q, k in zip(qs, ks)]
+    stream.begin_capture()
+    for q, k in zip(qs, ks):
+        rotate(q, k, stream)
+    graph = stream.end_capture()
+    for (q, k), (q0, k0) in zip(zip(qs, ks), before):  # captured, not run
+        np.testing.assert_array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(q0)))
+        np.testing.assert_array_equal(bits(cp.asnumpy(k)), bits(cp.asnumpy(k0)))
+    for gen in range(2):
+        for i, (q, k) in enumerate(zip(qs, ks)):
+            q.set(host_random(q.shape, bf16, 1000 * (gen + 1) + i))
+            k.set(host_random(k.shape, bf16, 1000 * (gen + 1) + 50 + i))
+        want = [(q.copy(), k.copy()) for q, k in zip(qs, ks)]
+        cp.cuda.Device().synchronize()
+        for q, k in want:  # eager, on copies
+            rope_rtc.RopePlan(q, k, cos, sin, positions=pos, layout="thd").execute(q, k, cos, sin, positions=pos)
+        cp.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        for (q, k), (wq, wk) in zip(zip(qs, ks), want):
+            np.testing.assert_array_equal(bits(cp.asnumpy(q)), bits(cp.asnumpy(wq)))
+            np.testing.assert_array_equal(bits(cp.asnumpy(k)), bits(cp.asnumpy(wk)))
