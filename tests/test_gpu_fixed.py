@@ -47,6 +47,17 @@ def _served(plan, launched: list) -> tuple:
     return core.quick[2], launched[-1]
 
 
+def _off_the_vector_boundary(cp, *tables):
+    """Copies of float32 tables starting 4 bytes into their allocations (off every vector boundary)."""
+    out = []
+    for t in tables:
+        buf = cp.empty(t.size + 1, cp.float32)
+        view = buf[1:].reshape(t.shape)
+        view[...] = t
+        out.append(view)
+    return out
+
+
 def _run(cp, monkeypatch, use_fixed, dtype, layout, interleaved, scheme, in_place, rotary_dim=None, with_k=True,
          Hq=32, Hk=8, D=128, dense=True):
     """One RopePlan call; returns (q_out, k_out) on the host and the plan. ``dense``: whether dense
@@ -215,11 +226,8 @@ def test_positions_outside_the_table_give_nan_as_the_generic_kernel(cp, monkeypa
     q0 = host_random(layout_shape(layout, B, S, Hq, D), dt, 41)
     k0 = host_random(layout_shape(layout, B, S, Hk, D), dt, 42)
     cos, sin = (cp.asarray(a) for a in host_tables(P, D // 2, 43))
-    if not aligned:  # the same values 4 bytes into an allocation
-        bufs = [cp.empty(P * D // 2 + 1, cp.float32) for _ in range(2)]
-        for buf, t in zip(bufs, (cos, sin)):
-            buf[1:].reshape(P, D // 2)[...] = t
-        cos, sin = (buf[1:].reshape(P, D // 2) for buf in bufs)
+    if not aligned:
+        cos, sin = _off_the_vector_boundary(cp, cos, sin)
     pos_h = np.array([3, P, 0, -1, P - 1, 2 ** 20, 7, -P, 11, P + 1], index_dtype)
     if index_dtype == np.int64:
         pos_h[5] = 2 ** 33 + 3  # its low 32 bits are a row inside the table
@@ -274,9 +282,7 @@ def test_tables_off_the_vector_boundary_take_the_strided_build_on_a_dense_plan(c
     ch, sh = host_tables(40, 64, 32)
     pos = cp.asarray(np.random.default_rng(33).integers(0, 40, 6).astype(np.int32))
     cos, sin = cp.asarray(ch), cp.asarray(sh)
-    cbuf, sbuf = cp.empty(40 * 64 + 1, cp.float32), cp.empty(40 * 64 + 1, cp.float32)
-    c4, s4 = cbuf[1:].reshape(40, 64), sbuf[1:].reshape(40, 64)
-    c4[...], s4[...] = cos, sin
+    c4, s4 = _off_the_vector_boundary(cp, cos, sin)
     outs = []
     q = cp.asarray(q0)
     plan = rope_rtc.RopePlan(q, None, cos, sin, layout="thd", positions=pos).compile()
@@ -299,9 +305,7 @@ def test_new_int_offsets_on_the_strided_fallback(cp):
     k0 = host_random((1, 9, 2, 128), DTYPES["bfloat16"], 42)
     ch, sh = host_tables(40, 64, 43)
     cos, sin = cp.asarray(ch), cp.asarray(sh)
-    cbuf, sbuf = cp.empty(40 * 64 + 1, cp.float32), cp.empty(40 * 64 + 1, cp.float32)
-    c4, s4 = cbuf[1:].reshape(40, 64), sbuf[1:].reshape(40, 64)
-    c4[...], s4[...] = cos, sin
+    c4, s4 = _off_the_vector_boundary(cp, cos, sin)
     q, k = cp.asarray(q0), cp.asarray(k0)
     plan = rope_rtc.RopePlan(q, k, c4, s4, layout="bshd").compile()
     for offset in (0, 3, 7, 3):
