@@ -58,8 +58,14 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
+# Modules the docs name by attribute path (rope_rtc.tables.cos_sin_cache, rope_rtc.reference...,
+# rope_rtc.onnx.rotary_embedding): imported on first use, so that `import rope_rtc` alone serves them.
+_MODULES = ("tables", "reference", "onnx", "blog", "errors")
+
 
 def __getattr__(name: str):
+    if name in _MODULES:
+        return import_module(f".{name}", __name__)  # the import binds it here too
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rope_rtc' has no attribute {name!r}")
@@ -69,4 +75,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted([*__all__, *_MODULES])

@@ -354,3 +354,31 @@ def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path, monkeypatc
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     names = {name for _, name in _imported_modules(fake)}
     assert {"rope_rtc.benchmark", "rope_rtc.benchmark.runner", "rope_rtc.benchmark.cli"} <= names
+
+
+ATTRIBUTE_PATHS = """
+import json, sys
+import rope_rtc
+got = {{}}
+for name in {names!r}:
+    module = getattr(rope_rtc, name)
+    got[name] = module.__name__
+got["heavy"] = sorted(m for m in sys.modules if m == "cupy" or m.startswith("cupy.") or m == "torch" or m == "jax")
+print(json.dumps(got))
+"""
+
+
+def test_public_modules_are_attributes_after_import_rope_rtc_alone():
+    """``import rope_rtc`` then ``rope_rtc.tables.cos_sin_cache`` (or ``rope_rtc.reference``,
+    ``rope_rtc.onnx``, ``rope_rtc.blog``, ``rope_rtc.errors``), as the docs write them, in a fresh
+    interpreter where nothing imported those modules first: each resolves to its module on first
+    use, loading no device library."""
+    names = [alias.rpartition(".")[2] for alias in PUBLIC_MODULES] + ["errors"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", ATTRIBUTE_PATHS.format(names=names)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = {**{alias.rpartition(".")[2]: real for alias, real in PUBLIC_MODULES.items()},
+            "errors": "rope_rtc.errors", "heavy": []}
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == want
