@@ -30,13 +30,18 @@ print(json.dumps({{"heavy": heavy, "seconds": elapsed}}))
 """
 
 
-def probe(modules: str) -> dict:
+def fresh_interpreter(code: str):
+    """What ``code`` prints last, as JSON, run in a fresh interpreter on this checkout (no
+    ``ROPE_RTC_*`` setting)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
     env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run([sys.executable, "-c", PROBE.format(modules=modules)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def probe(modules: str) -> dict:
+    return fresh_interpreter(PROBE.format(modules=modules))
 
 
 def test_import_rope_rtc_loads_neither_cupy_nor_the_cuda_driver():
@@ -121,12 +126,31 @@ def test_public_module_paths_are_the_real_modules(alias_first):
     order = list(PUBLIC_MODULES) + list(PUBLIC_MODULES.values())
     if not alias_first:
         order.reverse()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
-    env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run([sys.executable, "-c", ALIASES.format(public=PUBLIC_MODULES, order=order)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {alias: True for alias in PUBLIC_MODULES}
+    seen = fresh_interpreter(ALIASES.format(public=PUBLIC_MODULES, order=order))
+    assert seen == {alias: True for alias in PUBLIC_MODULES}
+
+
+ATTRIBUTE_PATHS = """
+import json, sys
+import rope_rtc
+got = {{}}
+for name in {names!r}:
+    module = getattr(rope_rtc, name)
+    got[name] = module.__name__
+got["heavy"] = sorted(m for m in sys.modules if m == "cupy" or m.startswith("cupy.") or m == "torch" or m == "jax")
+print(json.dumps(got))
+"""
+
+
+def test_public_modules_are_attributes_after_import_rope_rtc_alone():
+    """``import rope_rtc`` then ``rope_rtc.tables.cos_sin_cache`` (or ``rope_rtc.reference``,
+    ``rope_rtc.onnx``, ``rope_rtc.blog``, ``rope_rtc.errors``), as the docs write them, in a fresh
+    interpreter where nothing imported those modules first: each resolves to its module on first
+    use, loading no device library."""
+    names = [alias.rpartition(".")[2] for alias in PUBLIC_MODULES] + ["errors"]
+    want = {**{alias.rpartition(".")[2]: real for alias, real in PUBLIC_MODULES.items()},
+            "errors": "rope_rtc.errors", "heavy": []}
+    assert fresh_interpreter(ATTRIBUTE_PATHS.format(names=names)) == want
 
 
 def test_public_paths_import(monkeypatch):
@@ -355,30 +379,3 @@ def test_the_import_scan_sees_relative_and_absolute_imports(tmp_path, monkeypatc
     names = {name for _, name in _imported_modules(fake)}
     assert {"rope_rtc.benchmark", "rope_rtc.benchmark.runner", "rope_rtc.benchmark.cli"} <= names
 
-
-ATTRIBUTE_PATHS = """
-import json, sys
-import rope_rtc
-got = {{}}
-for name in {names!r}:
-    module = getattr(rope_rtc, name)
-    got[name] = module.__name__
-got["heavy"] = sorted(m for m in sys.modules if m == "cupy" or m.startswith("cupy.") or m == "torch" or m == "jax")
-print(json.dumps(got))
-"""
-
-
-def test_public_modules_are_attributes_after_import_rope_rtc_alone():
-    """``import rope_rtc`` then ``rope_rtc.tables.cos_sin_cache`` (or ``rope_rtc.reference``,
-    ``rope_rtc.onnx``, ``rope_rtc.blog``, ``rope_rtc.errors``), as the docs write them, in a fresh
-    interpreter where nothing imported those modules first: each resolves to its module on first
-    use, loading no device library."""
-    names = [alias.rpartition(".")[2] for alias in PUBLIC_MODULES] + ["errors"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROPE_RTC_")}
-    env["PYTHONPATH"] = str(REPO)
-    r = subprocess.run([sys.executable, "-c", ATTRIBUTE_PATHS.format(names=names)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    want = {**{alias.rpartition(".")[2]: real for alias, real in PUBLIC_MODULES.items()},
-            "errors": "rope_rtc.errors", "heavy": []}
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == want
