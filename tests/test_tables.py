@@ -406,6 +406,22 @@ def test_qwen2_vl_legacy_mrope_type_is_default_rope():
         rope_tables(64, 128, scaling={"rope_type": "mrope"})
 
 
+@pytest.mark.parametrize("fn", [rope_tables, tables.cos_sin_cache])
+@pytest.mark.parametrize("xp", ["cupy", None, object()])
+def test_a_non_module_xp_is_a_type_error_naming_it_before_the_table_is_built(fn, xp, monkeypatch):
+    """cos_sin_cache takes rope_tables' arguments and checks xp= as it does, before any row is
+    computed (it built the whole table, then failed inside on xp.asarray with AttributeError)."""
+    from rope_rtc.numerics import tables as impl
+
+    def no_rows(*args, **kwargs):
+        raise AssertionError("the table was built before xp= was checked")
+
+    monkeypatch.setattr(impl, "table_rows", no_rows)
+    monkeypatch.setattr(impl, "angle_rows", no_rows)
+    with pytest.raises(TypeError, match="xp must be an array module"):
+        fn(64, 16, xp=xp)
+
+
 def test_xp_receives_the_tables():
     calls = []
 

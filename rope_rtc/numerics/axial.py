@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from .frequencies import inverse_frequencies
-from .frequency_checks import _DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, _positive_int
+from .frequency_checks import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, _array_module,
+                               _positive_int)
 from .tables import table_rows
 
 __all__ = ["AXIAL_STYLES", "axial_frequencies", "axial_tables", "vision_positions"]
@@ -102,8 +103,7 @@ def axial_tables(max_positions: int, head_dim: int, *, base: float = _DEFAULT_BA
     if rows * freqs.size > MAX_TABLE_ENTRIES:
         raise ValueError(f"max_positions={rows} and head_dim={head_dim} ask for tables of {rows * freqs.size} entries "
                          f"each; the limit is {MAX_TABLE_ENTRIES}")
-    if not callable(getattr(xp, "asarray", None)):
-        raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    _array_module(xp)
     return table_rows(rows, freqs, 1.0, xp)
 
 
@@ -143,8 +143,7 @@ def vision_positions(grid_thw, *, spatial_merge_size: int, xp: Any = np) -> Any:
     """
     m = _positive_int("spatial_merge_size", spatial_merge_size, MAX_POSITIONS)
     grid = _grid(grid_thw)
-    if not callable(getattr(xp, "asarray", None)):
-        raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    _array_module(xp)
     parts = []
     for index, (t, h, w) in enumerate(grid):
         if h % m or w % m:

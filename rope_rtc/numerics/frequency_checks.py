@@ -50,6 +50,14 @@ def _positive_int(name: str, value: Any, limit: int) -> int:
     return int(value)
 
 
+def _array_module(xp: Any) -> Any:
+    """``xp`` when it is an array module (anything with ``asarray``: numpy, cupy), else the
+    TypeError naming it."""
+    if not callable(getattr(xp, "asarray", None)):
+        raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    return xp
+
+
 def _rotary_dim(value: Any) -> int:
     dim = _positive_int("rotary_dim", value, MAX_ROTARY_DIM)
     if dim % 2:

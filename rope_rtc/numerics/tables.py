@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from .frequencies import ROPE_TYPES, _frequencies, inverse_frequencies
-from .frequency_checks import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, NUMERICS, _positive_int,
-                               _rotary_dim)
+from .frequency_checks import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, NUMERICS, _array_module,
+                               _positive_int, _rotary_dim)
 
 __all__ = ["MAX_POSITIONS", "MAX_ROTARY_DIM", "MAX_TABLE_ENTRIES", "NUMERICS", "ROPE_TYPES", "inverse_frequencies",
            "rope_tables"]
@@ -109,8 +109,7 @@ def rope_tables(
             f"the limit is {MAX_TABLE_ENTRIES} (8 GiB of float32 per table)"
         )
     inv_freq, attention = _frequencies(dim, base, scaling, rows, numerics)
-    if not callable(getattr(xp, "asarray", None)):
-        raise TypeError(f"xp must be an array module with asarray (numpy or cupy), got {xp!r}")
+    _array_module(xp)
     return table_rows(rows, inv_freq, attention, xp)
 
 
@@ -158,5 +157,6 @@ def cos_sin_cache(
     ``concatenate([cos, sin], axis=-1)`` of :func:`rope_tables` with the same arguments (every
     ``rope_type`` and both numerics). Pass it to the general API as ``cos_sin_cache=``; the
     kernels read the two halves in place."""
+    _array_module(xp)
     cos, sin = rope_tables(max_positions, rotary_dim, base=base, scaling=scaling, numerics=numerics)
     return xp.asarray(np.concatenate([cos, sin], axis=-1))
