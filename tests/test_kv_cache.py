@@ -94,6 +94,25 @@ def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, 
                                      v_scale=np.float32(1))
 
 
+@pytest.mark.parametrize("typed", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_op_names_the_uint8_storage_for_a_typed_fp8_cache(typed):
+    """rope_and_cache takes FP8 caches as their uint8 storage, as the kernels write them. A cache
+    typed as ml_dtypes' FP8 (which the reference accepts) gets a TypeError naming the cache, its
+    dtype and the view that fixes it; float8_e4m3fn was refused as an unnamed PyTorch bfloat16 to
+    pass through DLPack, as every named 1-byte extension type was."""
+    import ml_dtypes
+
+    fp8 = np.dtype(getattr(ml_dtypes, typed))
+    q, k, v, cos, sin, positions, slots, kc, vc = _cache_write_inputs("nhd")
+    kind = "fp8_e4m3" if typed == "float8_e4m3fn" else "fp8_e5m2"
+    scale = np.array([0.5], np.float32)
+    options = dict(kv_cache_dtype=kind, k_scale=scale, v_scale=scale, backend="numpy")
+    with pytest.raises(TypeError, match=rf"k_cache: dtype {typed}, expected uint8 .*k_cache.view\('uint8'\)") as err:
+        rope_and_cache(q, k, v, cos, sin, positions, slots, kc.view(fp8), vc, **options)
+    assert "DLPack" not in str(err.value)
+    rope_and_cache(q, k, v, cos, sin, positions, slots, kc, vc, **options)  # the uint8 storage is taken
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", BF16])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_kernel_arithmetic_is_within_the_bound(dtype, interleaved):

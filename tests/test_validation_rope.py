@@ -9,6 +9,7 @@ checked where they stop without that stand-in: at the GPU step, with a no-driver
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -21,6 +22,8 @@ from rope_rtc.core import arrays as A
 from rope_rtc.ops import rope as R
 from rope_rtc.ops import rope_launch as RL
 from rope_rtc.core.prepared import RECENT_SETS
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 from rope_rtc.ops.rope_params import POS_CU_SEQLENS, POS_OFFSET, POS_OFFSETS, POS_POSITIONS
 
@@ -190,6 +193,8 @@ CASES = [
      API_NAMES),
     ("cos_v2_cai", lambda: _with(cos=FakeDeviceArray((ROWS, D // 2), np.float32, typestr="<V4")), TypeError,
      r"cos: .*DLPack", API_NAMES),
+    ("x_ml_dtypes_fp8", lambda: _with(q=fake_cupy((B, S, H, D), FP8)), TypeError,
+     r"{x}: dtype float8_e4m3fn is not supported; expected one of", API_NAMES),  # named: not torch's unnamed <V1
     ("x_requires_grad", lambda: _with(q=FakeTorchTensor((B, S, H, D), np.float16)), TypeError, r"{x} requires grad",
      API_NAMES),
     ("sin_requires_grad", lambda: _with(sin=FakeTorchTensor((ROWS, D // 2), np.float32)), TypeError,
