@@ -393,17 +393,19 @@ def test_legacy_type_key_and_empty_dict():
     np.testing.assert_array_equal(rope_tables(50, 16, scaling={})[0], rope_tables(50, 16)[0])
 
 
-def test_qwen2_vl_legacy_mrope_type_is_default_rope():
+@pytest.mark.parametrize("qwen2_vl", [
+    {"type": "mrope", "mrope_section": [16, 24, 24]},                       # config.json as published
+    {"rope_type": "mrope", "mrope_section": [16, 24, 24]},                  # transformers 5 maps it too
+    {"type": "mrope", "rope_type": "mrope", "mrope_section": [16, 24, 24]},
+])
+def test_qwen2_vl_mrope_type_is_default_rope(qwen2_vl):
     """Qwen2-VL's and Qwen2.5-VL's config.json hold rope_scaling = {"type": "mrope", "mrope_section":
     [...]}, which transformers reads as default RoPE (the sections only split the pairs between
     position streams): the dict as it stands gives the default tables, not a ValueError."""
-    qwen2_vl = {"type": "mrope", "mrope_section": [16, 24, 24]}
     for got, want in ((rope_tables(64, 128, base=1e6, scaling=qwen2_vl), rope_tables(64, 128, base=1e6)),
                       (inverse_frequencies(128, base=1e6, scaling=qwen2_vl), inverse_frequencies(128, base=1e6))):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
-    with pytest.raises(ValueError, match="'mrope' is not supported"):  # the current key has no such type
-        rope_tables(64, 128, scaling={"rope_type": "mrope"})
 
 
 @pytest.mark.parametrize("fn", [rope_tables, tables.cos_sin_cache])

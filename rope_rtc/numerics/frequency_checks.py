@@ -106,8 +106,8 @@ def _scaling_params(scaling: Any, rope_types: tuple[str, ...]) -> tuple[str, Map
                          f"the one of the layers the table is for, e.g. scaling=rope_parameters[{layers[0]!r}]")
     # `rope_type` is the current key; configs saved before transformers 4.42 use `type`.
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "mrope" and "rope_type" not in scaling:
-        # Qwen2-VL's and Qwen2.5-VL's configs: transformers reads this legacy type as default RoPE
+    if rope_type == "mrope":
+        # Qwen2-VL's and Qwen2.5-VL's configs: transformers reads this type as default RoPE
         # (mrope_section only splits the pairs between position streams).
         rope_type = "default"
     if not isinstance(rope_type, str) or rope_type not in rope_types:

@@ -59,8 +59,8 @@ def rope_tables(
         ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``), ``"longrope"``
         (``short_factor``, ``long_factor``, ``original_max_position_embeddings``, optional
         ``factor``, ``attention_factor``) or ``"llama3"`` (``factor``, ``low_freq_factor``,
-        ``high_freq_factor``, ``original_max_position_embeddings``); the legacy ``type``
-        ``"mrope"`` of Qwen2-VL's configs is ``"default"``, as transformers reads it. Where
+        ``high_freq_factor``, ``original_max_position_embeddings``); ``"mrope"`` (Qwen2-VL's
+        configs) is ``"default"``, as transformers reads it. Where
         transformers reads a value from the model config instead, add it to the dict: a missing
         ``original_max_position_embeddings`` is taken from ``max_position_embeddings`` in the
         dict, and a missing yarn/longrope ``factor`` is derived from it. ``"dynamic"``
