@@ -4,6 +4,8 @@ launch (fake device arrays, recorded launches), and the argument block."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -94,23 +96,33 @@ def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, 
                                      v_scale=np.float32(1))
 
 
-@pytest.mark.parametrize("typed", ["float8_e4m3fn", "float8_e5m2"])
-def test_the_op_names_the_uint8_storage_for_a_typed_fp8_cache(typed):
+@pytest.mark.parametrize("typed,kind,hint", [
+    ("float8_e4m3fn", "fp8_e4m3", r"; its bytes are k_cache\.view\('uint8'\)$"),
+    ("float8_e5m2", "fp8_e5m2", r"; its bytes are k_cache\.view\('uint8'\)$"),
+    ("float8_e5m2", "fp8_e4m3", r"; its bytes are k_cache\.view\('uint8'\), with kv_cache_dtype='fp8_e5m2'$"),
+    ("float8_e4m3fn", "auto", r"; its bytes are k_cache\.view\('uint8'\), with kv_cache_dtype='fp8_e4m3'$"),
+    ("float8_e4m3fnuz", "fp8_e4m3", r"'fp8_e4m3'$"),  # another encoding: no view holds fp8_e4m3 bytes
+])
+def test_the_op_names_the_uint8_storage_for_a_typed_fp8_cache(typed, kind, hint):
     """rope_and_cache takes FP8 caches as their uint8 storage, as the kernels write them. A cache
     typed as ml_dtypes' FP8 (which the reference accepts) gets a TypeError naming the cache, its
-    dtype and the view that fixes it; float8_e4m3fn was refused as an unnamed PyTorch bfloat16 to
-    pass through DLPack, as every named 1-byte extension type was."""
+    dtype and, for the two formats the kernels write, the view (and kv_cache_dtype) that fixes it;
+    float8_e4m3fn was refused as an unnamed PyTorch bfloat16 to pass through DLPack, as every
+    named 1-byte extension type was."""
     import ml_dtypes
 
     fp8 = np.dtype(getattr(ml_dtypes, typed))
     q, k, v, cos, sin, positions, slots, kc, vc = _cache_write_inputs("nhd")
-    kind = "fp8_e4m3" if typed == "float8_e4m3fn" else "fp8_e5m2"
     scale = np.array([0.5], np.float32)
-    options = dict(kv_cache_dtype=kind, k_scale=scale, v_scale=scale, backend="numpy")
-    with pytest.raises(TypeError, match=rf"k_cache: dtype {typed}, expected uint8 .*k_cache.view\('uint8'\)") as err:
-        rope_and_cache(q, k, v, cos, sin, positions, slots, kc.view(fp8), vc, **options)
+    fp8_options = dict(k_scale=scale, v_scale=scale) if kind != "auto" else {}
+    with pytest.raises(TypeError, match=rf"^k_cache: dtype {typed}, expected .* for kv_cache_dtype='{kind}'") as err:
+        rope_and_cache(q, k, v, cos, sin, positions, slots, kc.view(fp8), vc.view(fp8), kv_cache_dtype=kind,
+                       backend="numpy", **fp8_options)
+    assert re.search(hint, str(err.value)), str(err.value)
     assert "DLPack" not in str(err.value)
-    rope_and_cache(q, k, v, cos, sin, positions, slots, kc, vc, **options)  # the uint8 storage is taken
+    if kind != "auto":  # the uint8 storage is taken
+        rope_and_cache(q, k, v, cos, sin, positions, slots, kc, vc, kv_cache_dtype=kind, backend="numpy",
+                       **fp8_options)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", BF16])

@@ -89,7 +89,7 @@ def _resolve_dtype_uncached(dtype, name: str) -> tuple[str, int]:
         # be rotated as garbage (or rejected after a first output was written).
         raise TypeError(f"{name}: dtype {dt.str} is in non-native byte order; pass "
                         f"{name}.astype({name}.dtype.newbyteorder('='))")
-    if dt.type is np.void:  # unnamed; ml_dtypes' types (float8_e4m3fn, int4, ...) keep their names
+    if issubclass(dt.type, np.void):  # ml_dtypes' types (float8_e4m3fn, int4, ...) are named, not void
         raise TypeError(
             f"{name}: dtype {dt.str} is an unnamed {dt.itemsize}-byte type (PyTorch reports bfloat16 this way through "
             "__cuda_array_interface__); pass the tensor through DLPack instead (any object with __dlpack__ "

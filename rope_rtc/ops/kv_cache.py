@@ -142,8 +142,13 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
         want = "uint8" if kind else req.dtype
         if ci.dtype != want:
             hint = ("; an FP8 cache is a uint8 array with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'" if kind == 0 else "")
-            if ci.dtype.startswith("float8"):  # ml_dtypes' FP8: the same bytes as the storage the kernels write
-                hint += f" ({name}.view('uint8') holds its bytes)"
+            from ..numerics.ref_cache import FP8_DTYPES  # ml_dtypes' types: their bytes are the kernels' storage
+
+            fmt = next((k for k, typed in FP8_DTYPES.items() if typed == ci.dtype), None)
+            if fmt is not None:
+                hint = f"; its bytes are {name}.view('uint8')"
+                if fmt != kv_cache_dtype:
+                    hint += f", with kv_cache_dtype={fmt!r}"
             raise TypeError(f"{name}: dtype {ci.dtype}, expected {want} for kv_cache_dtype={kv_cache_dtype!r}{hint}")
         if len(ci.shape) != 4:
             raise ValueError(f"{name}: expected a 4-d cache ({'[blocks, block_size, H_kv, D]' if kv_layout == 'nhd' else '[blocks, H_kv, block_size, D]'}), got shape {ci.shape}")
