@@ -291,8 +291,8 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
         With ``inv_freq``: the factor that multiplies cos and sin (the second value
         ``inverse_frequencies`` returns; 1.0 when omitted).
     positions : array of int32/int64, optional
-        One absolute position per token: ``[B, S]``, or ``[T]`` for ``layout="thd"``. Not with a
-        nonzero ``offset`` (``ValueError``: the positions are absolute).
+        One absolute position per token: ``[B, S]``, or ``[T]`` for ``layout="thd"``. ``offset``
+        then stays the int 0 (any other offset is a ``ValueError``: the positions are absolute).
     offset : int or int array ``[B]``
         Default positions are ``offset + s``; an array gives each sequence its own start (decode with
         different cache lengths). With ``cu_seqlens``, the per-sequence start of the restarted positions.
