@@ -393,6 +393,21 @@ def test_legacy_type_key_and_empty_dict():
     np.testing.assert_array_equal(rope_tables(50, 16, scaling={})[0], rope_tables(50, 16)[0])
 
 
+def test_llama3_scaling_with_equal_band_factors_divides_the_long_wavelengths_only():
+    """Llama 4 Scout ships llama3 scaling with low_freq_factor == high_freq_factor == 1.0: no band
+    between, so transformers (which only warns) divides the pairs whose wavelength passes the
+    original context by the factor and keeps the rest; the tables follow (they raised ValueError)."""
+    scout = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+             "original_max_position_embeddings": 8192}
+    inv, attention = inverse_frequencies(128, base=500000.0, scaling=scout)
+    plain = 1.0 / 500000.0 ** (np.arange(0, 128, 2) / 128)
+    long_wave = 2 * math.pi / plain > 8192
+    assert attention == 1.0 and 0 < long_wave.sum() < 64
+    np.testing.assert_allclose(inv, np.where(long_wave, plain / 16.0, plain), rtol=1e-15, atol=0)
+    cos, sin = rope_tables(64, 128, base=500000.0, scaling=scout)
+    assert np.isfinite(cos).all() and np.isfinite(sin).all()
+
+
 @pytest.mark.parametrize("qwen2_vl", [
     {"type": "mrope", "mrope_section": [16, 24, 24]},                       # config.json as published
     {"rope_type": "mrope", "mrope_section": [16, 24, 24]},                  # transformers 5 maps it too
