@@ -41,6 +41,28 @@ def test_partial_rotary_factor_explicit_head_dim_and_nested_text_config():
     assert from_config(LLAMA3_8B, dtype="fp16", interleaved=True).dtype == "float16"
 
 
+# As published on the Hub (the fields the reader looks at): GPT-2's names for the geometry, and
+# rotary_dim the rotated width of each head.
+GPTJ_6B = {"architectures": ["GPTJForCausalLM"], "model_type": "gptj", "n_embd": 4096, "n_head": 16,
+           "n_layer": 28, "n_positions": 2048, "rotary_dim": 64, "torch_dtype": "float32"}
+CODEGEN_350M = {"architectures": ["CodeGenForCausalLM"], "model_type": "codegen", "n_embd": 1024, "n_head": 16,
+                "n_layer": 20, "n_positions": 2048, "rotary_dim": 32, "torch_dtype": "float16"}
+
+
+def test_gptj_and_codegen_configs_are_read_as_published():
+    """transformers maps num_attention_heads and hidden_size to GPT-J's and CodeGen's n_head and
+    n_embd, and rotates the first rotary_dim channels of each head (the whole head without it):
+    both configs raised ValueError (num_attention_heads missing, then rotary_dim 'disagreeing'
+    with a partial_rotary_factor they do not have)."""
+    assert from_config(GPTJ_6B) == ModelRope(256, 16, 16, 64, "float32", True)
+    assert from_config(CODEGEN_350M) == ModelRope(64, 16, 16, 32, "float16", True)
+    assert from_config({k: v for k, v in GPTJ_6B.items() if k != "rotary_dim"}).rotary_dim == 256
+    with pytest.raises(ValueError, match=r"config: rotary_dim 65 .*even"):
+        from_config({**GPTJ_6B, "rotary_dim": 65})
+    with pytest.raises(ValueError, match=r"config: rotary_dim must be in 1\.\.256"):
+        from_config({**GPTJ_6B, "rotary_dim": 512})
+
+
 def test_fields_a_config_reading_took_wrongly():
     """GPT-NeoX's rotary_pct was ignored (the whole head rotated); a null in text_config erased the
     outer value; mrope_interleaved "false" read as true; a text_config that is not an object."""

@@ -39,6 +39,12 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3
 # text models, Cohere, ERNIE 4.5, Helium), Llama 4 multiplies complex numbers made of adjacent
 # channels, GPT-J and CodeGen rotate_every_two; ChatGLM's own code (not in transformers) pairs
 # x[..., 2i] with x[..., 2i + 1]. Their kernels are the interleaved builds.
+# Model types whose configs name the geometry as GPT-2's do (transformers' attribute_map:
+# num_attention_heads is n_head, hidden_size is n_embd) and give the rotated width of each head as
+# rotary_dim (none: the whole head).
+GPT2_NAMED_MODEL_TYPES = ("gptj", "codegen")
+_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd"}
+
 ADJACENT_PAIR_MODEL_TYPES = ("glm", "glm4", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "cohere", "cohere2",
                              "cohere2_moe", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
                              "helium", "llama4", "llama4_text", "gptj", "codegen", "chatglm")
@@ -250,9 +256,13 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
     (``"float64"``, ``"float32"``) of inverse frequencies the model's calls pass instead of tables,
     whose builds to warm too.
 
-    Raises ``ValueError`` for a config whose rotary geometry these fields would misread (multi-head
-    latent attention, ChatGLM, kv heads under another name, no rotary embedding, a ``rotary_dim``
-    that disagrees with ``partial_rotary_factor``), naming the field and the geometry to give
+    A multi-head latent attention config (DeepSeek-V2/V3, Kimi K2) is read as its rotary part
+    (``model_mla``). GPT-J's and CodeGen's are read by their own names (``n_head``, ``n_embd``,
+    and ``rotary_dim`` the rotated width of each head, the whole head when absent).
+
+    Raises ``ValueError`` for a config whose rotary geometry these fields would misread (ChatGLM,
+    kv heads under another name, no rotary embedding, a ``rotary_dim`` that disagrees with
+    ``partial_rotary_factor``), naming the field and the geometry to give
     instead: with ``head_dim``, ``q_heads``, ``kv_heads`` and ``rotary_dim`` all given, the
     config supplies only the dtype and such a config is read. Raises ``ValueError`` too for head
     counts above ``MAX_HEADS`` and head dims above ``MAX_HEAD_DIM``, and for a file that is not a
@@ -281,6 +291,10 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         # The text model's fields win, but a null there (a field it leaves to the outer config)
         # does not erase the outer value.
         config = {**config, **{k: v for k, v in text.items() if v is not None}}
+    gpt2_named = any(t in GPT2_NAMED_MODEL_TYPES for t in types)
+    if gpt2_named:
+        config = {**config, **{name: config[own] for name, own in _GPT2_NAMES.items()
+                               if config.get(name) is None and config.get(own) is not None}}
     mla = ()
     if None in (head_dim, q_heads, kv_heads, rotary_dim) and uses_mla(config):
         given = {"head_dim": head_dim, "q_heads": q_heads, "kv_heads": kv_heads, "rotary_dim": rotary_dim}
@@ -316,6 +330,12 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
                                 MAX_HEAD_DIM)
         else:
             head_dim = _int_field(config, "head_dim", where, MAX_HEAD_DIM)
+    if rotary_dim is None and gpt2_named:
+        stated = config.get("rotary_dim")
+        rotary_dim = head_dim if stated is None else _bounded(stated, f"{where}: rotary_dim", head_dim)
+        if rotary_dim % 2:
+            raise ValueError(f"{where}: rotary_dim {rotary_dim} is odd; the rotated channels are whole pairs, so it "
+                             "must be even")
     if rotary_dim is None:
         field, factor = _partial_rotary_factor(config)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
