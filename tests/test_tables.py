@@ -408,6 +408,17 @@ def test_llama3_scaling_with_equal_band_factors_divides_the_long_wavelengths_onl
     assert np.isfinite(cos).all() and np.isfinite(sin).all()
 
 
+def test_a_missing_original_context_names_the_config_field_beside_rope_scaling():
+    """Phi-3's longrope dict lacks original_max_position_embeddings, which its config keeps at the
+    top level; transformers reads that one (and max_position_embeddings only without it). The
+    error said to add it "or the model's max_position_embeddings", which gives other tables
+    silently (attention factor 1.0, the long factors past 131072 instead of 4096)."""
+    phi3 = {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
+    with pytest.raises(ValueError, match=r"top level.*with its 'max_position_embeddings'") as err:
+        inverse_frequencies(96, base=10000.0, scaling=phi3)
+    assert "or the model's 'max_position_embeddings'" not in str(err.value)
+
+
 @pytest.mark.parametrize("qwen2_vl", [
     {"type": "mrope", "mrope_section": [16, 24, 24]},                       # config.json as published
     {"rope_type": "mrope", "mrope_section": [16, 24, 24]},                  # transformers 5 maps it too

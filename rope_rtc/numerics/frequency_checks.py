@@ -160,8 +160,9 @@ def _original_max(params: Mapping, rope_type: str) -> int:
         if params.get(key) is not None:
             return _positive_int(f"scaling[{key!r}]", params[key], MAX_POSITIONS)
     raise ValueError(
-        f"scaling['original_max_position_embeddings'] is required for rope_type {rope_type!r} "
-        "(the pretraining context length: add it, or the model's 'max_position_embeddings', to the dict)"
+        f"scaling['original_max_position_embeddings'] is required for rope_type {rope_type!r} (the pretraining "
+        "context length): add the config's own, which some configs (Phi-3) keep at the top level, with its "
+        "'max_position_embeddings'; only a config without one gives 'max_position_embeddings' alone"
     )
 
 
