@@ -51,16 +51,18 @@ CODEGEN_350M = {"architectures": ["CodeGenForCausalLM"], "model_type": "codegen"
 
 def test_gptj_and_codegen_configs_are_read_as_published():
     """transformers maps num_attention_heads and hidden_size to GPT-J's and CodeGen's n_head and
-    n_embd, and rotates the first rotary_dim channels of each head (the whole head without it):
+    n_embd, and rotates the first rotary_dim channels of each head (64 without the key):
     both configs raised ValueError (num_attention_heads missing, then rotary_dim 'disagreeing'
     with a partial_rotary_factor they do not have)."""
     assert from_config(GPTJ_6B) == ModelRope(256, 16, 16, 64, "float32", True)
     assert from_config(CODEGEN_350M) == ModelRope(64, 16, 16, 32, "float16", True)
-    assert from_config({k: v for k, v in GPTJ_6B.items() if k != "rotary_dim"}).rotary_dim == 256
-    with pytest.raises(ValueError, match=r"config: rotary_dim 65 .*even"):
-        from_config({**GPTJ_6B, "rotary_dim": 65})
-    with pytest.raises(ValueError, match=r"config: rotary_dim must be in 1\.\.256"):
-        from_config({**GPTJ_6B, "rotary_dim": 512})
+    assert from_config({k: v for k, v in GPTJ_6B.items() if k != "rotary_dim"}).rotary_dim == 64  # its default
+    with pytest.raises(ValueError, match=r"config: rotary_dim is null.*not 16.*--rotary-dim"):
+        from_config({**GPTJ_6B, "rotary_dim": None})
+    assert from_config({**GPTJ_6B, "n_head": 1, "rotary_dim": None}).rotary_dim == 4096  # one head: all of it
+    for bad in (65, 512):
+        with pytest.raises(ValueError, match=rf"config: rotary_dim {bad} must be even and at most head_dim 256"):
+            from_config({**GPTJ_6B, "rotary_dim": bad})
 
 
 def test_fields_a_config_reading_took_wrongly():

@@ -34,17 +34,18 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_text", "qwen3
                        "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
                        "gemma3", "gemma3_text")
 
+# Model types whose configs name the geometry as GPT-2's do (transformers' attribute_map:
+# num_attention_heads is n_head, hidden_size is n_embd) and give the rotated width of each head as
+# rotary_dim, GPT2_NAMED_ROTARY_DIM when the key is absent (transformers' default for both).
+GPT2_NAMED_MODEL_TYPES = ("gptj", "codegen")
+_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd"}
+GPT2_NAMED_ROTARY_DIM = 64
+
 # Models whose attention rotates adjacent pairs (x[2i], x[2i + 1]), as transformers implements
 # them: rotate_half takes x[..., 0::2] and x[..., 1::2] (GLM and GLM-4 with GLM-4V's and GLM-OCR's
 # text models, Cohere, ERNIE 4.5, Helium), Llama 4 multiplies complex numbers made of adjacent
 # channels, GPT-J and CodeGen rotate_every_two; ChatGLM's own code (not in transformers) pairs
 # x[..., 2i] with x[..., 2i + 1]. Their kernels are the interleaved builds.
-# Model types whose configs name the geometry as GPT-2's do (transformers' attribute_map:
-# num_attention_heads is n_head, hidden_size is n_embd) and give the rotated width of each head as
-# rotary_dim (none: the whole head).
-GPT2_NAMED_MODEL_TYPES = ("gptj", "codegen")
-_GPT2_NAMES = {"num_attention_heads": "n_head", "hidden_size": "n_embd"}
-
 ADJACENT_PAIR_MODEL_TYPES = ("glm", "glm4", "glm4v", "glm4v_text", "glm_ocr", "glm_ocr_text", "cohere", "cohere2",
                              "cohere2_moe", "ernie4_5", "ernie4_5_moe", "ernie4_5_vl_moe", "ernie4_5_vl_moe_text",
                              "helium", "llama4", "llama4_text", "gptj", "codegen", "chatglm")
@@ -258,11 +259,12 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
 
     A multi-head latent attention config (DeepSeek-V2/V3, Kimi K2) is read as its rotary part
     (``model_mla``). GPT-J's and CodeGen's are read by their own names (``n_head``, ``n_embd``,
-    and ``rotary_dim`` the rotated width of each head, the whole head when absent).
+    and ``rotary_dim`` the rotated width of each head, 64 when absent, as transformers reads them).
 
     Raises ``ValueError`` for a config whose rotary geometry these fields would misread (ChatGLM,
     kv heads under another name, no rotary embedding, a ``rotary_dim`` that disagrees with
-    ``partial_rotary_factor``), naming the field and the geometry to give
+    ``partial_rotary_factor``, an MLA config that does not say its pair style), naming the field and
+    the geometry to give
     instead: with ``head_dim``, ``q_heads``, ``kv_heads`` and ``rotary_dim`` all given, the
     config supplies only the dtype and such a config is read. Raises ``ValueError`` too for head
     counts above ``MAX_HEADS`` and head dims above ``MAX_HEAD_DIM``, and for a file that is not a
@@ -331,11 +333,17 @@ def from_config(config: dict | str | os.PathLike, *, dtype: str | None = None, h
         else:
             head_dim = _int_field(config, "head_dim", where, MAX_HEAD_DIM)
     if rotary_dim is None and gpt2_named:
-        stated = config.get("rotary_dim")
-        rotary_dim = head_dim if stated is None else _bounded(stated, f"{where}: rotary_dim", head_dim)
-        if rotary_dim % 2:
-            raise ValueError(f"{where}: rotary_dim {rotary_dim} is odd; the rotated channels are whole pairs, so it "
-                             "must be even")
+        stated = config.get("rotary_dim", GPT2_NAMED_ROTARY_DIM)
+        if stated is None:
+            # transformers then builds tables n_embd wide, which fit the heads only when there is one.
+            if q_heads != 1:
+                raise ValueError(f"{where}: rotary_dim is null, which rotates n_embd channels of each head and fits "
+                                 f"only one head, not {q_heads}; give the rotated width as --rotary-dim (rotary_dim=)")
+            stated = head_dim
+        rotary_dim = _bounded(stated, f"{where}: rotary_dim")
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"{where}: rotary_dim {rotary_dim} must be even and at most head_dim {head_dim} (the "
+                             "rotated channels are whole pairs of one head)")
     if rotary_dim is None:
         field, factor = _partial_rotary_factor(config)
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
