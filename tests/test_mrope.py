@@ -403,3 +403,24 @@ def test_new_arrays_of_a_seen_signature_take_the_generated_path(gpu, monkeypatch
             f = gpu.launches[-1]["fixed"]
             assert (f.in_[0], f.in_[1], f.positions) == (kw["q"].data.ptr, kw["k"].data.ptr, kw["positions"].data.ptr)
     assert counts == {}
+
+
+@pytest.mark.parametrize("declared", ["q", "positions", "all"])
+def test_a_plan_built_from_declarations_is_refused_naming_the_array(declared):
+    """MRopePlan takes arrays, not TensorDesc declarations (RopePlan's and TailRoPEForward's): the
+    TypeError the other plans give, naming the declared array; declared positions raised an
+    AttributeError from inside (no __cuda_array_interface__)."""
+    from rope_rtc import TensorDesc
+
+    T, HQ, HK, D = 6, 4, 2, 64
+    arrays = dict(q=fake_cupy((T, HQ, D), BF16), k=fake_cupy((T, HK, D), BF16),
+                  cos=fake_cupy((100, D // 2), np.float32), sin=fake_cupy((100, D // 2), np.float32),
+                  positions=fake_cupy((3, T), np.int64))
+    for name in (arrays if declared == "all" else (declared,)):
+        arrays[name] = TensorDesc(arrays[name].dtype, arrays[name].shape)
+    first = "q" if declared == "q" else "positions"  # the position streams are checked first
+    with FakeGPU() as gpu:
+        with pytest.raises(TypeError, match=rf"^{first}: a TensorDesc declares an array but holds none"):
+            MRopePlan(arrays["q"], arrays["k"], arrays["cos"], arrays["sin"], arrays["positions"], [8, 12, 12],
+                      layout="thd")
+        assert gpu.launches == []

@@ -215,7 +215,7 @@ def check_holds_memory(info: ArrayInfo) -> None:
     """A TensorDesc declares an array but holds no memory: launching with it would use address 0."""
     if isinstance(info.array, TensorDesc):
         raise TypeError(f"{info.name}: a TensorDesc declares an array but holds none; pass arrays here "
-                        "(declarations are for building a RopePlan)")
+                        "(declarations build a RopePlan or a TailRoPEForward)")
 
 
 def check_dtype(info: ArrayInfo, allowed: tuple[str, ...], what: str = "") -> None:

@@ -53,6 +53,7 @@ def _positions(positions, q, layout, host: bool = False, streams: int = 3) -> tu
     the number of position streams (``len(mrope_section)``). ``host``: a host array is accepted
     (the one-call functions' host path)."""
     pi = A.describe(positions, "positions", allow_host=host)
+    A.check_holds_memory(pi)  # a declaration has no first stream to view
     want = _streams_shape(q, layout, streams)
     if want is not None and pi.shape != want or len(pi.shape) < 2 or pi.shape[0] != streams:
         what = f"[{streams}, T]" if layout == "thd" else f"[{streams}, B, S]"
