@@ -99,6 +99,20 @@ def test_numpy_backend_fp8_is_the_two_step_path_bit_for_bit(kind, dtype):
     assert not np.array_equal(k_in.view(np.uint8), k_pe.view(np.uint8))
 
 
+@pytest.mark.parametrize("bad", [16, -1])
+def test_host_positions_outside_the_table_are_refused_and_nothing_is_written(bad):
+    """As every other op with host positions: a ValueError naming the entry, with q, k_pe and the
+    cache untouched. Past the table a bare IndexError escaped from the reference; -1 wrapped to the
+    table's last row and the results were written in place."""
+    q, k_pe, kv_c, cos, sin, positions, slots, cache = _host_inputs()
+    positions[3] = bad
+    before = [a.copy() for a in (q, k_pe, kv_c, cache)]
+    with pytest.raises(ValueError, match=rf"^positions: entry 3 is {bad}, outside the table's 16 rows \(0\.\.15\)"):
+        mla_rope_and_cache(q, k_pe, kv_c, cos, sin, positions, slots, cache, backend="numpy")
+    for got, want in zip((q, k_pe, kv_c, cache), before):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_numpy_backend_model_dtype_with_q_out_and_a_3d_k_pe(interleaved):
     q, k_pe, kv_c, cos, sin, positions, slots, cache = _host_inputs(BF16, seed=5)

@@ -18,7 +18,7 @@ import numpy as np
 from ..build.registry_mla import mla_vector_widths
 from ..core import arrays as A
 from .rope_params import fast_divisor
-from .rope_request import check_kinds
+from .rope_request import check_kinds, check_position_rows
 
 # kv_cache_dtype / q_fp8_dtype -> CACHE_KIND / MLA_QFP8 code of mla_rope_cache.cu (0: the input dtype)
 CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
@@ -278,6 +278,8 @@ def validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache
         qs = _scale(q_fp8_scale, "q_fp8_scale", host)
     if si.device is None:  # slots from the host: every value checked
         _check_host_slots(np.asarray(si.array).astype(np.int64), num_slots)
+    if pi.device is None:  # positions from the host too: each names a table row
+        check_position_rows(np.asarray(pi.array), tables[0].shape[0])
     written = [(x, None) for x in (qo or qi, ki, vi, qf) if x is not None]
     read = [x for x in (qi, ci, *tables, pi, si, vs, qs) if x is not None]
     if host:

@@ -375,13 +375,21 @@ def check_position_values(req: Request, positions: np.ndarray | None, offsets: n
     elif offsets is not None:
         _check_starts(offsets.astype(np.int64), np.full(len(offsets), S, np.int64) if req.cq.B else
                       np.zeros(len(offsets), np.int64), rows, "offset")
-    if positions is not None and positions.size:
-        p = positions.astype(np.int64)
-        bad = (p < 0) | (p >= rows)
-        if bad.any():
-            i = int(np.argmax(bad.reshape(-1)))
-            where = f"the table's {rows} rows (0..{rows - 1})" if rows != ANGLE_POSITIONS else position_range(rows)
-            raise ValueError(f"positions: entry {i} is {int(p.reshape(-1)[i])}, outside {where}")
+    if positions is not None:
+        check_position_rows(positions, rows)
+
+
+def check_position_rows(positions: np.ndarray, rows: int) -> None:
+    """Every entry of the host ``positions`` names one of the table's ``rows`` (``ValueError``
+    naming the first that does not)."""
+    if not positions.size:
+        return
+    p = positions.astype(np.int64)
+    bad = (p < 0) | (p >= rows)
+    if bad.any():
+        i = int(np.argmax(bad.reshape(-1)))
+        where = f"the table's {rows} rows (0..{rows - 1})" if rows != ANGLE_POSITIONS else position_range(rows)
+        raise ValueError(f"positions: entry {i} is {int(p.reshape(-1)[i])}, outside {where}")
 
 
 def _check_starts(starts: np.ndarray, lengths: np.ndarray, rows: int, name: str) -> None:
