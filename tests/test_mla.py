@@ -330,7 +330,7 @@ def test_the_mla_builds_compile_for_sm_90():
     narrowest width, each dtype."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from rope_rtc.build import registry, registry_mla
+    from rope_rtc.build import registry_mla
     from rope_rtc.build.compiler import compile_source
     from rope_rtc.build.toolchain import Target
 
