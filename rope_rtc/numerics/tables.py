@@ -60,8 +60,8 @@ def rope_tables(
         (``short_factor``, ``long_factor``, ``original_max_position_embeddings``, optional
         ``factor``, ``attention_factor``) or ``"llama3"`` (``factor``, ``low_freq_factor``,
         ``high_freq_factor``, ``original_max_position_embeddings``); ``"mrope"`` (Qwen2-VL's
-        configs) is ``"default"``, as transformers reads it. Where
-        transformers reads a value from the model config instead, add it to the dict: a missing
+        configs) is ``"default"``, as transformers reads it. Where transformers reads a value
+        from the model config instead, add it to the dict: a missing
         ``original_max_position_embeddings`` is taken from ``max_position_embeddings`` in the
         dict, and a missing yarn/longrope ``factor`` is derived from it. ``"dynamic"``
         rescales past the model's ``max_position_embeddings``, as transformers (4.x and 5.x)

@@ -144,7 +144,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
             hint = ("; an FP8 cache is a uint8 array with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'" if kind == 0 else "")
             from ..numerics.ref_cache import FP8_DTYPES  # ml_dtypes' types: their bytes are the kernels' storage
 
-            fmt = next((k for k, typed in FP8_DTYPES.items() if typed == ci.dtype), None)
+            fmt = next((kind_name for kind_name, typed in FP8_DTYPES.items() if typed == ci.dtype), None)
             if fmt is not None:
                 hint = f"; its bytes are {name}.view('uint8')"
                 if fmt != kv_cache_dtype:
