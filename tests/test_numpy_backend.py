@@ -395,6 +395,24 @@ def test_auto_backend_falls_back_to_numpy_once(monkeypatch):
         apply_rope(x, cos, sin, layout="bshd")  # warned once only
 
 
+@pytest.mark.parametrize("first", ["execute", "compile"])
+def test_a_tail_plan_on_auto_without_a_gpu_runs_the_reference_from_its_first_execute(first, monkeypatch):
+    """TailRoPEForward(backend="auto") where no GPU is usable: an execute() before compile()
+    compiles first, as a plan's does, which here means the NumPy reference (it raised
+    AttributeError: 'NoneType' object has no attribute 'execute'). The machine is made GPU-less
+    for the plan by the backend choice alone, so the test means the same on a GPU machine."""
+    from rope_rtc.ops import tail as tail_module
+
+    monkeypatch.setattr(tail_module, "resolve", lambda backend: "numpy")
+    x, cosine, sine = tail_random_inputs(4, 2, 128, seed=3)
+    out = np.full_like(x, np.nan)
+    plan = TailRoPEForward(x, cosine, sine, out, backend="auto")
+    if first == "compile":
+        plan.compile()
+    assert plan.execute(x, cosine, sine, out)["out"] is out
+    np.testing.assert_array_equal(bits(out), bits(tail_rope_reference(x, cosine, sine)))
+
+
 def test_plan_needs_device_arrays():
     cos, sin = make_tables(4, 16)
     x = random_x((1, 2, 1, 16), np.float32, seed=20)

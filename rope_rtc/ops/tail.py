@@ -152,9 +152,11 @@ class TailRoPEForward:
         """Rotate ``x``'s tail into ``out``. Returns ``TupleDict(out=out)``."""
         core = self._core
         if core is None:
+            if self.backend != "numpy":
+                self.compile()  # "auto" resolves here, to "numpy" where no GPU is usable
             if self.backend == "numpy":
                 return self._execute_numpy(x, cosine, sine, out)
-            core = self.compile()._core
+            core = self._core
         return core.execute((x, cosine, sine, out), 0, current_stream)
 
     def _execute_numpy(self, x, cosine, sine, out) -> TupleDict:
