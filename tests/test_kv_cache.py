@@ -96,6 +96,20 @@ def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, 
                                      v_scale=np.float32(1))
 
 
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(kv_layout="NHD"), ValueError, "kv_layout: expected 'nhd' or 'hnd', got 'NHD'"),
+    (dict(kv_layout=None), ValueError, "kv_layout: expected 'nhd' or 'hnd', got None"),
+    (dict(kv_cache_dtype="fp8_e4m3", v_scale=np.float32(1)), TypeError, "k_scale: .*kv_cache_dtype='fp8_e4m3'"),
+    (dict(kv_cache_dtype="fp8_e5m2", k_scale=np.float32(1)), TypeError, "v_scale: .*kv_cache_dtype='fp8_e5m2'"),
+])
+def test_the_reference_refuses_what_the_op_refuses(change, exc, match):
+    # It took any layout but "nhd" as "hnd" (an nhd cache then got each entry broadcast over the
+    # wrong slots) and a missing FP8 scale as NaN (every entry written as NaN), where the op raises.
+    inputs = _cache_write_inputs("nhd")
+    with pytest.raises(exc, match=match):
+        rope_and_cache_reference(*inputs, **change)
+
+
 @pytest.mark.parametrize("typed,kind,hint", [
     ("float8_e4m3fn", "fp8_e4m3", r"; its bytes are k_cache\.view\('uint8'\)$"),
     ("float8_e5m2", "fp8_e5m2", r"; its bytes are k_cache\.view\('uint8'\)$"),
