@@ -49,6 +49,16 @@ def test_in_place_and_given_output():
     np.testing.assert_array_equal(x, want)
 
 
+@pytest.mark.parametrize("shape", [(0, 3, 4, 16), (2, 0, 48), (0, 5, 48)])
+def test_an_input_with_no_tokens_gives_an_empty_output(shape):
+    # A 3-d X with no tokens was refused: its zero strides read as a hidden axis that is not contiguous.
+    rank, (B, S) = len(shape), ((shape[0], shape[2]) if len(shape) == 4 else shape[:2])
+    cos, sin = np.ones((10, 8), np.float32), np.zeros((10, 8), np.float32)
+    X = np.zeros(shape, np.float32)
+    y = rotary_embedding(X, cos, sin, np.zeros((B, S), np.int64), num_heads=3 if rank == 3 else 0, backend="numpy")
+    assert y.shape == shape and y.dtype == X.dtype
+
+
 @pytest.mark.parametrize("change,exc,match", [
     (dict(num_heads=0, rank=3), ValueError, "needs num_heads"),
     (dict(num_heads=5, rank=3), ValueError, "not a multiple of num_heads"),
