@@ -363,6 +363,30 @@ def test_a_miss_says_when_the_disk_cache_was_not_read(tmp_path, monkeypatch):
         get_binary(tail_spec(1, 128), target_for(90))
 
 
+def test_a_miss_names_a_command_that_runs_as_written(tmp_path, monkeypatch):
+    # A cache path with a space was pasted into the warm command unquoted (argparse: "unrecognized
+    # arguments"); with the disk cache off, warming cannot help, and the message said to warm.
+    import shlex
+
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.registry import tail_spec
+    from rope_rtc.build.toolchain import target_for
+    from rope_rtc.cli import build_parser
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "my cache"))
+    with pytest.raises(KernelNotCachedError) as info:
+        get_binary(tail_spec(3, 128), target_for(90))
+    command = str(info.value).split("fill the cache on a build machine with: ")[1]
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.cache_dir == str(tmp_path / "my cache") and args.tail_heads == [3]
+    monkeypatch.setenv("ROPE_RTC_DISABLE_DISK_CACHE", "1")
+    with pytest.raises(KernelNotCachedError) as info:
+        get_binary(tail_spec(3, 128), target_for(90))
+    said = str(info.value)
+    assert "rope-rtc warm" not in said and "unset ROPE_RTC_NO_COMPILE or ROPE_RTC_DISABLE_DISK_CACHE" in said, said
+
+
 def test_a_missing_tail_kernel_names_its_head_count(tmp_path, monkeypatch):
     # The default warm builds a fixed list of tail head counts; the command must build this one.
     from rope_rtc.build.kernels import get_binary

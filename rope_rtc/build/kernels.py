@@ -12,6 +12,7 @@ Nothing here runs on a launch path: plans call it once, in ``compile()``.
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -74,12 +75,13 @@ _MODEL_FAMILIES = {"rope_fixed": "", "rope_cache": "", "qk_norm_rope": " --qk-no
 
 def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> str:
     """Why a miss may not compile, and the ``rope-rtc warm`` command that fills the cache with it."""
-    where = f" --cache-dir {store.disk.directory.parent}" if store.disk is not None else ""
     head = (f"kernel {spec.name} for {target.name} is not in the cache and ROPE_RTC_NO_COMPILE=1 forbids "
             f"compiling it")
-    if store.disk is None:
-        head += " (the disk cache is off: ROPE_RTC_DISABLE_DISK_CACHE=1)"
-    elif not store.disk.usable and store.disk.problem:
+    if store.disk is None:  # nothing is read from disk, so no warm can help
+        return (f"{head} (the disk cache is off: ROPE_RTC_DISABLE_DISK_CACHE=1); unset ROPE_RTC_NO_COMPILE or "
+                "ROPE_RTC_DISABLE_DISK_CACHE")
+    where = f" --cache-dir {shlex.quote(str(store.disk.directory.parent))}"  # a command that runs as pasted
+    if not store.disk.usable and store.disk.problem:
         head += f" (the disk cache was not read: {store.disk.problem})"
     if spec.family in _MODEL_FAMILIES:
         angles = dict(spec.defines).get("FIX_ANGLES")
