@@ -518,6 +518,22 @@ def test_save_source_writes_the_compiled_source_beside_the_entry(tmp_path, monke
     assert len(DiskStore(d).list()) == 2
 
 
+def test_save_source_leaves_a_file_at_its_name_that_is_not_a_saved_source(tmp_path, monkeypatch):
+    # A file at a saved source's name that does not begin as one is someone else's (safety.py); the
+    # writer replaced it all the same.
+    root = tmp_path / "dbg"
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(root))
+    monkeypatch.setenv("ROPE_RTC_SAVE_SOURCE", "1")
+    spec = registry.rope_spec("float32", True, 2)
+    d = cache.versioned_cache_dir(root)
+    d.mkdir(parents=True, mode=0o700)
+    theirs = d / f"{build.spec_key(spec, SM90)}.cu"
+    theirs.write_bytes(b"my notes\n")
+    assert build.get_binary(spec, SM90, announce=False).source == "compiled"
+    assert theirs.read_bytes() == b"my notes\n"
+    assert (d / f"{build.spec_key(spec, SM90)}.bin").is_file()  # the entry itself is written
+
+
 # -- warming from the command line ------------------------------------------------------------
 
 WARM_TWICE_ARGS = ("--arch", "sm_90", "--arch", "sm_80", "--tail-heads", "1")

@@ -56,8 +56,8 @@ from pathlib import Path
 from .entry import MAX_ENTRY_BYTES, Entry, EntryError, decode_entry, encode_entry
 from .maintenance import Cleared, ListedEntry, Maintenance  # noqa: F401 - part of this module's interface
 from .safety import SOURCE_SUFFIX  # noqa: F401 - part of this module's interface
-from .safety import (CREATE_FLAGS, ENTRY_SUFFIX, READ_FLAGS, TEMP_PREFIX, TEMP_SUFFIX, NotAFile, Refused, create_dirs,
-                     kind_of, lstat_at, open_dir_no_follow, untrusted_reason)
+from .safety import (CREATE_FLAGS, ENTRY_SUFFIX, READ_FLAGS, SOURCE_HEAD, TEMP_PREFIX, TEMP_SUFFIX, NotAFile, Refused,
+                     create_dirs, kind_of, lstat_at, open_dir_no_follow, untrusted_reason)
 
 # Errors of the directory or the filesystem, not of one entry: publishing stops for the process.
 _DIRECTORY_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
@@ -329,16 +329,19 @@ class DiskStore(Maintenance):
         return False
 
     def put_text(self, key: str, suffix: str, text: str) -> None:
+        """A saved source (``ROPE_RTC_SAVE_SOURCE``) at ``key`` + ``suffix``, best effort; a file
+        there that is not a saved source is left alone."""
         if self.writable:
             try:
-                self._atomic_write(f"{key}{suffix}", text.encode())
+                self._atomic_write(f"{key}{suffix}", text.encode(), SOURCE_HEAD)
             except (OSError, NotAFile, _DirectoryError, Refused):
                 pass
 
-    def _atomic_write(self, name: str, data: bytes) -> None:
+    def _atomic_write(self, name: str, data: bytes, head: bytes = b"") -> None:
         """Write ``data`` to a new temporary file, fsync it, rename it onto ``name``. Raises
         _DirectoryError or Refused when the directory is at fault, NotAFile when something
-        that is not ours sits at ``name``, OSError when this one file failed."""
+        that is not ours sits at ``name`` (with ``head``, also a file that does not begin with
+        it), OSError when this one file failed."""
         try:
             dfd = self._open_directory()
         except OSError as exc:
@@ -348,6 +351,13 @@ class DiskStore(Maintenance):
                 mode = lstat_at(name, dfd).st_mode
                 if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):  # a link is replaced, never followed
                     raise NotAFile(kind_of(mode))
+                if head and stat.S_ISREG(mode):
+                    fd = os.open(name, READ_FLAGS, dir_fd=dfd)
+                    try:
+                        if os.read(fd, len(head)) != head:
+                            raise NotAFile("a file that is not a saved source")
+                    finally:
+                        os.close(fd)
             except FileNotFoundError:
                 pass
             tmp = f"{TEMP_PREFIX}{secrets.token_hex(8)}{TEMP_SUFFIX}"
