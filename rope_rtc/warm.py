@@ -258,7 +258,8 @@ def _disk_store(cache_dir: str | os.PathLike | None, *, check_only: bool) -> cac
         if disk.problem:
             raise WarmError(f"cannot check {directory}: {disk.problem}")
     elif not disk.writable or disk.problem:
-        raise WarmError(f"cannot warm {directory}: {disk.problem or 'not writable'}")
+        raise WarmError(f"cannot warm {directory}: "
+                        f"{disk.usable and disk.not_writable_reason('warm it') or disk.problem or 'not writable'}")
     return cache.CacheStore(disk)
 
 

@@ -388,6 +388,33 @@ def test_cache_verify_names_the_kernel_and_says_truncated(capsys, tmp_path):
     assert "truncated" in tail_line and "magic" not in tail_line, tail_line
 
 
+def test_a_cache_this_user_cannot_write_gets_advice_that_works(capsys, tmp_path, monkeypatch):
+    # An image warmed by root, checked by another user: verify said a bad entry is "replaced when
+    # next compiled" (the loader leaves it, and every process recompiles) and that warm rebuilds it;
+    # warm itself said only "not writable; serving its entries read-only". Both now name the owner
+    # and what to do. (As root, chmod cannot refuse writes: os.access and getuid say so instead.)
+    root = tmp_path / "image"
+    warm_small(root, capsys)
+    d = cache.versioned_cache_dir(root)
+    blog = next(e.path for e in cache.DiskStore(d, create=False).list() if e.entry.kernel == "blog")
+    data = bytearray(blog.read_bytes())
+    data[-1] ^= 0xFF
+    blog.write_bytes(bytes(data))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == d else real_access(p, mode, **kw))
+    owner = os.stat(d).st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1 and blog.name[:12] in err, out + err
+    assert "replaced when next compiled" not in err and "rebuilds" not in err, err
+    assert f"this user cannot replace it: cache directory {d} is not writable (it belongs to uid {owner}" in err, err
+    assert f"warm it as uid {owner}, or give --cache-dir a cache of your own" in err, err
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--kernels", "blog", "--no-progress", "--cache-dir",
+                            str(root))
+    assert rc != 0 and "serving its entries read-only" not in out + err, out + err
+    assert f"warm it as uid {owner}, or give --cache-dir a cache of your own" in out + err, out + err
+
+
 def _planted_header(path: Path, **fields) -> None:
     """Rewrite the entry at ``path`` with header ``fields`` as given (no checks) and a checksum
     that matches: a file anyone who can write the directory could leave."""

@@ -167,8 +167,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for line in bad + foreign:
             print(f"- {line}", file=sys.stderr)
         if bad:
-            print(f"{count(len(bad), 'of them is', 'of them are')} replaced when next compiled (on next use; "
-                  f"`rope-rtc warm` rebuilds {'it' if len(bad) == 1 else 'them'} now)", file=sys.stderr)
+            it = "it" if len(bad) == 1 else "them"
+            locked = store.not_writable_reason("warm it")
+            if locked:  # the loader leaves a bad entry it cannot replace, and compiles the kernel every time
+                print(f"this user cannot replace {it}: {locked}", file=sys.stderr)
+            else:
+                print(f"{count(len(bad), 'of them is', 'of them are')} replaced when next compiled (on next use; "
+                      f"`rope-rtc warm` rebuilds {it} now)", file=sys.stderr)
         if foreign:
             it, kernels = ("it", "that kernel") if len(foreign) == 1 else ("them", "those kernels")
             print(f"{count(len(foreign), 'of them is not a file', 'of them are not files')}, which the cache never "

@@ -208,7 +208,7 @@ class Maintenance:
         cutoff = time.time() - STALE_TEMP_SECONDS
         with self._dir() as dfd:
             if not os.access(self.directory, os.W_OK | os.X_OK):
-                raise Refused(self._not_writable_reason(dfd))
+                raise Refused(self._not_writable_reason(dfd, "clear it"))
             for name in self._names(dfd):
                 # A file may go between the listing and its removal: a publish renames its
                 # temporary file onto an entry, another clear or a load removes an entry. Gone is
@@ -240,11 +240,23 @@ class Maintenance:
                     setattr(done, kind, getattr(done, kind) + 1)
         return done
 
-    def _not_writable_reason(self, dfd: int) -> str:
+    def not_writable_reason(self, action: str) -> str | None:
+        """Why this user cannot write the directory and what to do (``action``, such as "warm
+        it", done as its owner), or None when it can (or it cannot be opened: that has its own
+        message)."""
+        if os.access(self.directory, os.W_OK | os.X_OK):
+            return None
+        try:
+            with self._dir() as dfd:
+                return self._not_writable_reason(dfd, action)
+        except (OSError, Refused):
+            return None
+
+    def _not_writable_reason(self, dfd: int, action: str) -> str:
         st = os.fstat(dfd)
         if hasattr(os, "getuid") and st.st_uid != os.getuid():
-            why = (f"it belongs to uid {st.st_uid} and this user (uid {os.getuid()}) may not remove files from it: "
-                   f"clear it as uid {st.st_uid}, or give --cache-dir a cache of your own")
+            why = (f"it belongs to uid {st.st_uid} and this user (uid {os.getuid()}) may not write to it: "
+                   f"{action} as uid {st.st_uid}, or give --cache-dir a cache of your own")
         else:
             why = f"mode {stat.S_IMODE(st.st_mode):o}, or a read-only filesystem"
         return f"cache directory {self.directory} is not writable ({why})"
