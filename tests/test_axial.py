@@ -306,3 +306,16 @@ def test_warm_model_warms_the_vision_tower_and_a_second_run_compiles_nothing(tmp
     assert f"compiled {count}, already cached 0, failed 0" in out
     assert cli.main(argv) == 0
     assert f"compiled 0, already cached {count}, failed 0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("numerics,base", [("transformers", 1e-37), ("exact", 1e-312)])
+def test_a_base_whose_angles_overflow_is_refused_as_rope_tables_refuses_it(numerics, base):
+    # axial_tables checked the frequencies at one position only and returned tables holding NaN.
+    import warnings
+
+    with pytest.raises(ValueError, match=r"base=.* gives an angle that overflows at position 999"):
+        rope_rtc.rope_tables(1000, 128, base=base, numerics=numerics)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning from the attempt either
+        with pytest.raises(ValueError, match=r"base=.* gives an angle that overflows at position 999"):
+            rope_rtc.axial_tables(1000, 256, base=base, numerics=numerics)

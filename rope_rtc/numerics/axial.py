@@ -39,20 +39,21 @@ def _head_dim(value: Any) -> int:
 
 
 def axial_frequencies(head_dim: int, *, base: float = _DEFAULT_BASE, style: str = "same",
-                      numerics: str = "exact") -> np.ndarray:
+                      numerics: str = "exact", max_positions: int | None = None) -> np.ndarray:
     """The ``head_dim / 2`` frequencies of an axial table's columns: ``[a, b]``, the height axis's
     then the width axis's (:mod:`rope_rtc.numerics.axial` gives both styles). float64 for
     ``numerics="exact"``, float32 computed as transformers computes them for ``"transformers"``
     (``1.0 / base ** (arange(0, dim, 2).float() / dim)``: ``dim = head_dim / 2`` for ``"same"``,
-    ``head_dim`` for ``"split"``)."""
+    ``head_dim`` for ``"split"``). ``max_positions``: refuse (ValueError naming ``base``) a base
+    whose angles overflow before that position, as :func:`rope_rtc.inverse_frequencies` does."""
     dim = _head_dim(head_dim)
     if not isinstance(style, str) or style not in AXIAL_STYLES:
         raise ValueError(f"style must be one of {', '.join(map(repr, AXIAL_STYLES))} ('same': Qwen2-VL, Qwen2.5-VL, "
                          f"Qwen3-VL vision; 'split': Pixtral, Gemma 4 vision), got {style!r}")
     if style == "same":
-        inv, _ = inverse_frequencies(dim // 2, base=base, numerics=numerics)
+        inv, _ = inverse_frequencies(dim // 2, base=base, numerics=numerics, max_positions=max_positions)
         return np.concatenate([inv, inv])
-    inv, _ = inverse_frequencies(dim, base=base, numerics=numerics)
+    inv, _ = inverse_frequencies(dim, base=base, numerics=numerics, max_positions=max_positions)
     return np.concatenate([inv[0::2], inv[1::2]])
 
 
@@ -96,10 +97,10 @@ def axial_tables(max_positions: int, head_dim: int, *, base: float = _DEFAULT_BA
     ------
     TypeError, ValueError
         Naming the argument: a non-int size, a head dim not a multiple of 4, an unknown style or
-        numerics, a non-finite base, tables past ``MAX_TABLE_ENTRIES``.
+        numerics, a non-finite base or one whose angles overflow, tables past ``MAX_TABLE_ENTRIES``.
     """
     rows = _positive_int("max_positions", max_positions, MAX_POSITIONS)
-    freqs = axial_frequencies(head_dim, base=base, style=style, numerics=numerics)
+    freqs = axial_frequencies(head_dim, base=base, style=style, numerics=numerics, max_positions=rows)
     if rows * freqs.size > MAX_TABLE_ENTRIES:
         raise ValueError(f"max_positions={rows} and head_dim={head_dim} ask for tables of {rows * freqs.size} entries "
                          f"each; the limit is {MAX_TABLE_ENTRIES}")
