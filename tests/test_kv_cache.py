@@ -92,19 +92,21 @@ def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, 
         kc, vc = inputs[-2], inputs[-1]
         kc, vc = (kc.view(fp8), vc) if bad == "k_cache" else (kc, vc.view(fp8))
         with pytest.raises(TypeError, match=f"{bad}: .*{match}"):
-            rope_and_cache_reference(*inputs[:-2], kc, vc, kv_cache_dtype=kind, k_scale=np.float32(1),
-                                     v_scale=np.float32(1))
+            scales = {} if kind == "auto" else dict(k_scale=np.float32(1), v_scale=np.float32(1))
+            rope_and_cache_reference(*inputs[:-2], kc, vc, kv_cache_dtype=kind, **scales)
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    (dict(kv_layout="NHD"), ValueError, "kv_layout: expected 'nhd' or 'hnd', got 'NHD'"),
-    (dict(kv_layout=None), ValueError, "kv_layout: expected 'nhd' or 'hnd', got None"),
-    (dict(kv_cache_dtype="fp8_e4m3", v_scale=np.float32(1)), TypeError, "k_scale: .*kv_cache_dtype='fp8_e4m3'"),
-    (dict(kv_cache_dtype="fp8_e5m2", k_scale=np.float32(1)), TypeError, "v_scale: .*kv_cache_dtype='fp8_e5m2'"),
+    (dict(kv_layout="NHD"), ValueError, r"kv_layout: expected 'nhd' .* or 'hnd' .*, got 'NHD'"),
+    (dict(kv_layout=None), ValueError, r"kv_layout: expected 'nhd' .* or 'hnd' .*, got None"),
+    (dict(kv_cache_dtype="fp8_e4m3", v_scale=np.float32(1)), TypeError, "k_scale: an FP8 cache needs a float32 scale"),
+    (dict(kv_cache_dtype="fp8_e5m2", k_scale=np.float32(1)), TypeError, "v_scale: an FP8 cache needs a float32 scale"),
+    (dict(k_scale=np.float32(1)), ValueError, r"k_scale: only FP8 caches take scales \(kv_cache_dtype='auto'\)"),
 ])
 def test_the_reference_refuses_what_the_op_refuses(change, exc, match):
     # It took any layout but "nhd" as "hnd" (an nhd cache then got each entry broadcast over the
-    # wrong slots) and a missing FP8 scale as NaN (every entry written as NaN), where the op raises.
+    # wrong slots), a missing FP8 scale as NaN (every entry written as NaN) and ignored a scale
+    # beside a cache of the input dtype, where the op raises.
     inputs = _cache_write_inputs("nhd")
     with pytest.raises(exc, match=match):
         rope_and_cache_reference(*inputs, **change)

@@ -137,6 +137,18 @@ def test_the_reference_takes_a_typed_fp8_cache():
     np.testing.assert_array_equal(got[2].view(np.uint8), want[2])
 
 
+@pytest.mark.parametrize("kind,scale,exc,match", [
+    ("fp8_e4m3", None, TypeError, "kv_scale: an FP8 cache needs a float32 scale"),
+    ("auto", np.float32(0.5), ValueError, r"kv_scale: only FP8 caches take scales \(kv_cache_dtype='auto'\)"),
+    ("fp8", None, ValueError, "kv_cache_dtype: expected one of"),
+])
+def test_the_reference_refuses_a_scale_the_op_refuses(kind, scale, exc, match):
+    # Without kv_scale it wrote every FP8 entry as NaN (float32(None)); beside a bf16 cache it ignored one.
+    inputs = _host_inputs(kind="fp8_e4m3" if kind == "fp8_e4m3" else "auto")
+    with pytest.raises(exc, match=match):
+        mla_rope_and_cache_reference(*inputs, kv_cache_dtype=kind, kv_scale=scale)
+
+
 # -- fake device arrays: checks, block, repeat path ---------------------------------------------
 
 def _call(dtype=BF16, **change):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .cache_options import check_cache_options, check_scale_given
 from .ref_rope import rope_kernel_arithmetic
 from .rounding import BFLOAT16, bf16_to_f32
 
@@ -55,15 +56,9 @@ def rope_and_cache_reference(q, k, v, cos, sin, positions, slot_mapping, k_cache
     position per token; caches as the API takes them (uint8 for FP8), or FP8 caches typed as
     ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` (the format ``kv_cache_dtype`` names), returned
     with the same dtype and the same bytes as uint8 storage would hold."""
-    if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of 'auto', {', '.join(map(repr, FP8_DTYPES))}, got "
-                         f"{kv_cache_dtype!r}")
-    if not isinstance(kv_layout, str) or kv_layout not in ("nhd", "hnd"):
-        raise ValueError(f"kv_layout: expected 'nhd' or 'hnd', got {kv_layout!r}")
-    if kv_cache_dtype != "auto":
-        for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-            if scale is None:  # float32(None) is NaN: every entry would be written as NaN
-                raise TypeError(f"{name}: kv_cache_dtype={kv_cache_dtype!r} needs the scale its entries are divided by")
+    check_cache_options(kv_layout, kv_cache_dtype)
+    check_scale_given(kv_cache_dtype, k_scale, "k_scale")
+    check_scale_given(kv_cache_dtype, v_scale, "v_scale")
     kc, k_entries = _cache_copy(k_cache, "k_cache", kv_cache_dtype)
     vc, v_entries = _cache_copy(v_cache, "v_cache", kv_cache_dtype)
     q_out = rope_kernel_arithmetic(q, cos, sin, positions, interleaved=interleaved, rotary_dim=rotary_dim)

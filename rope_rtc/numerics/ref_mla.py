@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ref_cache import FP8_DTYPES, _cache_copy, fp8_quantize
+from .cache_options import check_cache_dtype, check_scale_given
+from .ref_cache import _cache_copy, fp8_quantize
 from .ref_rope import rope_kernel_arithmetic
 
 
@@ -22,9 +23,8 @@ def mla_rope_and_cache_reference(q, k_pe, kv_c, cos, sin, positions, slot_mappin
     ``ml_dtypes`` format ``kv_cache_dtype`` names, returned with that dtype). ``q_fp8``: with
     ``q_fp8_scale``, the rotated q's FP8 bytes (uint8) in ``q_fp8_dtype``; else None. FP8 bytes are
     :func:`fp8_quantize` of the values as rounded to q's dtype."""
-    if kv_cache_dtype != "auto" and kv_cache_dtype not in FP8_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of 'auto', {', '.join(map(repr, FP8_DTYPES))}, got "
-                         f"{kv_cache_dtype!r}")
+    check_cache_dtype(kv_cache_dtype)
+    check_scale_given(kv_cache_dtype, kv_scale, "kv_scale")
     q, k_pe, kv_c = np.asarray(q), np.asarray(k_pe), np.asarray(kv_c)
     R = k_pe.shape[-1]
     nope = q.shape[-1] - R

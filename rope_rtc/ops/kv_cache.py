@@ -37,13 +37,11 @@ from ..core.codegen import (address_predicate, address_terms, aligned_term, arra
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
 from ..core.dispatch import OneCall, split_offset
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
+from ..numerics.cache_options import CACHE_KINDS, check_cache_options
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, check_kinds, check_positions_of, validate
 
-KV_LAYOUTS = ("nhd", "hnd")
-# kv_cache_dtype -> CACHE_KIND of rope_cache.cu (0: the input dtype)
-CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 BLOCK_THREADS = 128  # level with 256 or faster on prefill
 # Argument order of the core's calls.
 ARGS = ("q", "k", "v", "cos", "sin", "positions", "slot_mapping", "k_cache", "v_cache", "k_scale", "v_scale",
@@ -82,13 +80,6 @@ class CacheRequest:
     def block_size(self) -> int:
         return self.k_cache.shape[1 if self.kv_layout == "nhd" else 2]
 
-
-def check_cache_options(kv_layout, kv_cache_dtype) -> None:
-    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout: expected 'nhd' ([blocks, block_size, H_kv, D]) or 'hnd' ([blocks, H_kv, "
-                         f"block_size, D]), got {kv_layout!r}")
-    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in CACHE_KINDS:
-        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, CACHE_KINDS))}, got {kv_cache_dtype!r}")
 
 
 def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",

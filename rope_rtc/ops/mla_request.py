@@ -17,11 +17,11 @@ import numpy as np
 
 from ..build.registry_mla import mla_vector_widths
 from ..core import arrays as A
+from ..numerics.cache_options import CACHE_KINDS, check_cache_dtype
 from .rope_params import fast_divisor
 from .rope_request import check_kinds, check_position_rows
 
-# kv_cache_dtype / q_fp8_dtype -> CACHE_KIND / MLA_QFP8 code of mla_rope_cache.cu (0: the input dtype)
-CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+# q_fp8_dtype -> MLA_QFP8 code of mla_rope_cache.cu (kv_cache_dtype: CACHE_KINDS)
 FP8_KINDS = {"fp8_e4m3": 1, "fp8_e5m2": 2}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # Argument order of the core's calls.
@@ -100,8 +100,7 @@ class MlaRequest:
 
 def check_options(kv_cache_dtype, q_fp8_dtype, interleaved) -> None:
     """The options' types and values (before they are hashed into a plan's key)."""
-    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in CACHE_KINDS:
-        raise ValueError(f"kv_cache_dtype: expected one of {', '.join(map(repr, CACHE_KINDS))}, got {kv_cache_dtype!r}")
+    check_cache_dtype(kv_cache_dtype)
     if not isinstance(q_fp8_dtype, str) or q_fp8_dtype not in FP8_KINDS:
         raise ValueError(f"q_fp8_dtype: expected one of {', '.join(map(repr, FP8_KINDS))}, got {q_fp8_dtype!r}")
     if type(interleaved) is not bool:
