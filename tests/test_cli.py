@@ -408,7 +408,13 @@ def test_a_cache_this_user_cannot_write_gets_advice_that_works(capsys, tmp_path,
     assert rc == 1 and blog.name[:12] in err, out + err
     assert "replaced when next compiled" not in err and "rebuilds" not in err, err
     assert f"this user cannot replace it: cache directory {d} is not writable (it belongs to uid {owner}" in err, err
-    assert f"warm it as uid {owner}, or give --cache-dir a cache of your own" in err, err
+    assert f"warm or clear it as uid {owner}, or give --cache-dir a cache of your own" in err, err
+    # Once the entry is sound, an old temporary file left there is not advised as removable either.
+    blog.write_bytes(bytes(data[:-1]) + bytes([data[-1] ^ 0xFF]))
+    (d / ".tmp-abandoned.part").write_bytes(b"half an entry")
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "remove those older than an hour" not in out, out + err
+    assert f"this user cannot remove them: cache directory {d} is not writable (it belongs to uid {owner}" in out, out
     rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--kernels", "blog", "--no-progress", "--cache-dir",
                             str(root))
     assert rc != 0 and "serving its entries read-only" not in out + err, out + err

@@ -168,7 +168,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"- {line}", file=sys.stderr)
         if bad:
             it = "it" if len(bad) == 1 else "them"
-            locked = store.not_writable_reason("warm it")
+            locked = store.not_writable_reason("warm or clear it")
             if locked:  # the loader leaves a bad entry it cannot replace, and compiles the kernel every time
                 print(f"this user cannot replace {it}: {locked}", file=sys.stderr)
             else:
@@ -181,15 +181,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return EXIT_FAILED
     temps = len(store.temp_files())
+    # What this user may not remove is not advised as removable: the owner and the fix instead.
+    locked = store.not_writable_reason("warm or clear it") if temps or stale else None
     print(("the 1 entry" if len(listed) == 1 else f"all {len(listed)} entries") + f" in {store.directory} verified"
           + (f" ({count(temps, 'temporary file', 'temporary files')} left by interrupted writes, or being written "
-             "now; `rope-rtc warm` and `rope-rtc cache clear` remove those older than an hour)" if temps else ""))
+             "now; " + (f"this user cannot remove them: {locked})" if locked else
+                        "`rope-rtc warm` and `rope-rtc cache clear` remove those older than an hour)")
+             if temps else ""))
     if stale:
         # `cache clear` removes every entry: advise it only when none of them is in use.
         them, they = ("it", "it only takes") if stale == 1 else ("them", "they only take")
         print(f"{count(stale, 'of them is', 'of them are')} never loaded by this installation (built from other "
               f"sources, by another NVRTC or against other CUDA headers); {they} disk space"
-              + (f"; `rope-rtc cache clear` removes {them}" if stale == len(listed) else ""))
+              + ("" if stale != len(listed) else f"; this user cannot remove {them}: {locked}" if locked else
+                 f"; `rope-rtc cache clear` removes {them}"))
     if unchecked:
         print(f"note: whether the loader accepts each entry's header was not checked ({unchecked})")
     return EXIT_OK
