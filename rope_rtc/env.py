@@ -17,7 +17,8 @@ unknown value means off, with a warning, so a typo can only ever refuse a cache.
     Keep compiled kernels in memory only; never read or write the disk cache.
 ``ROPE_RTC_NO_COMPILE=1``
     Forbid compilation: a cache miss raises :class:`rope_rtc.errors.KernelNotCachedError`
-    naming the kernel, the architecture and the ``rope-rtc warm`` command that would fill it.
+    naming the kernel, the architecture and the ``rope-rtc warm`` command that would fill it
+    (with the disk cache off as well: which of the two switches to unset).
     For production images whose cache was warmed offline.
 ``ROPE_RTC_SAVE_SOURCE=1``
     Beside each entry compiled by this process, save the exact source and options

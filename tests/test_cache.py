@@ -532,6 +532,12 @@ def test_save_source_leaves_a_file_at_its_name_that_is_not_a_saved_source(tmp_pa
     assert build.get_binary(spec, SM90, announce=False).source == "compiled"
     assert theirs.read_bytes() == b"my notes\n"
     assert (d / f"{build.spec_key(spec, SM90)}.bin").is_file()  # the entry itself is written
+    # A saved source of an earlier compile is the cache's own: the next compile replaces it.
+    theirs.write_bytes(b"// option: an older compile\n")
+    (d / f"{build.spec_key(spec, SM90)}.bin").unlink()
+    monkeypatch.setattr(store_mod, "_stores", {})
+    assert build.get_binary(spec, SM90, announce=False).source == "compiled"
+    assert theirs.read_text().startswith("// option: -arch=sm_90"), theirs.read_text()[:80]
 
 
 # -- warming from the command line ------------------------------------------------------------

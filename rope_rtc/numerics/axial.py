@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .frequencies import inverse_frequencies
+from .frequencies import inverse_frequencies, table_overflow
 from .frequency_checks import (_DEFAULT_BASE, MAX_POSITIONS, MAX_ROTARY_DIM, MAX_TABLE_ENTRIES, _array_module,
                                _positive_int)
 from .tables import table_rows
@@ -39,21 +39,20 @@ def _head_dim(value: Any) -> int:
 
 
 def axial_frequencies(head_dim: int, *, base: float = _DEFAULT_BASE, style: str = "same",
-                      numerics: str = "exact", max_positions: int | None = None) -> np.ndarray:
+                      numerics: str = "exact") -> np.ndarray:
     """The ``head_dim / 2`` frequencies of an axial table's columns: ``[a, b]``, the height axis's
     then the width axis's (:mod:`rope_rtc.numerics.axial` gives both styles). float64 for
     ``numerics="exact"``, float32 computed as transformers computes them for ``"transformers"``
     (``1.0 / base ** (arange(0, dim, 2).float() / dim)``: ``dim = head_dim / 2`` for ``"same"``,
-    ``head_dim`` for ``"split"``). ``max_positions``: refuse (ValueError naming ``base``) a base
-    whose angles overflow before that position, as :func:`rope_rtc.inverse_frequencies` does."""
+    ``head_dim`` for ``"split"``)."""
     dim = _head_dim(head_dim)
     if not isinstance(style, str) or style not in AXIAL_STYLES:
         raise ValueError(f"style must be one of {', '.join(map(repr, AXIAL_STYLES))} ('same': Qwen2-VL, Qwen2.5-VL, "
                          f"Qwen3-VL vision; 'split': Pixtral, Gemma 4 vision), got {style!r}")
     if style == "same":
-        inv, _ = inverse_frequencies(dim // 2, base=base, numerics=numerics, max_positions=max_positions)
+        inv, _ = inverse_frequencies(dim // 2, base=base, numerics=numerics)
         return np.concatenate([inv, inv])
-    inv, _ = inverse_frequencies(dim, base=base, numerics=numerics, max_positions=max_positions)
+    inv, _ = inverse_frequencies(dim, base=base, numerics=numerics)
     return np.concatenate([inv[0::2], inv[1::2]])
 
 
@@ -100,7 +99,11 @@ def axial_tables(max_positions: int, head_dim: int, *, base: float = _DEFAULT_BA
         numerics, a non-finite base or one whose angles overflow, tables past ``MAX_TABLE_ENTRIES``.
     """
     rows = _positive_int("max_positions", max_positions, MAX_POSITIONS)
-    freqs = axial_frequencies(head_dim, base=base, style=style, numerics=numerics, max_positions=rows)
+    freqs = axial_frequencies(head_dim, base=base, style=style, numerics=numerics)
+    why = table_overflow(freqs, rows, freqs.dtype.type)
+    if why is not None:  # as rope_tables refuses it
+        raise ValueError(f"base={base} gives {why} with head_dim {head_dim} and numerics {numerics!r}: the tables "
+                         "would not be finite (typical bases are 1e4 to 1e7)")
     if rows * freqs.size > MAX_TABLE_ENTRIES:
         raise ValueError(f"max_positions={rows} and head_dim={head_dim} ask for tables of {rows * freqs.size} entries "
                          f"each; the limit is {MAX_TABLE_ENTRIES}")

@@ -287,7 +287,7 @@ _SCALES = {
 }
 
 
-def _overflow(inv_freq: np.ndarray, rows: int, ft: type) -> str | None:
+def table_overflow(inv_freq: np.ndarray, rows: int, ft: type) -> str | None:
     """Why a table of `rows` positions at these frequencies would not be finite, or None.
 
     Positions and frequencies are non-negative, so the largest angle is the last position
@@ -313,10 +313,10 @@ def _frequencies(dim: int, base: Any, scaling: Any, max_positions: int | None, n
         inv_freq, attention = _INIT_FUNCTIONS[rope_type](params, dim, theta, max_positions, ft)
         inv_freq = np.ascontiguousarray(inv_freq, dtype=ft)
         rows = max_positions or 1
-        why = _overflow(inv_freq, rows, ft)
+        why = table_overflow(inv_freq, rows, ft)
         if why is not None:
             # The base alone, or the scaling on top of it?
-            if _overflow(_default_inv_freq(dim, theta, ft), rows, ft) is not None or not _SCALES[rope_type]:
+            if table_overflow(_default_inv_freq(dim, theta, ft), rows, ft) is not None or not _SCALES[rope_type]:
                 culprit = f"{base_name}={theta}"
             else:
                 culprit = " / ".join(f"scaling[{k!r}]" + ("" if isinstance(params[k], (list, tuple, np.ndarray))

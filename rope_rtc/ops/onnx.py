@@ -247,7 +247,9 @@ class _launch_order:
 def _heads_view(a, shape4: tuple, name: str):
     """``a`` ``[B, S, hidden]`` as a ``[B, S, H, D]`` view of the same memory."""
     before = A.describe(a, name)
-    if before.size and before.strides[-1] != 1:  # an empty array's strides are all 0: it has no layout  # a layout, as for 4-d X: UnsupportedLayoutError (a ValueError)
+    # An empty array has no layout (its strides are all 0); else a layout, as for 4-d X:
+    # UnsupportedLayoutError (a ValueError).
+    if before.size and before.strides[-1] != 1:
         raise UnsupportedLayoutError(f"{name}: the hidden axis must be contiguous (stride 1), got element strides "
                                      f"{before.strides}")
     v = a.reshape(shape4)

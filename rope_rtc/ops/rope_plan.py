@@ -277,7 +277,7 @@ class RopePlan:
         """The entry of the specialised build ``g`` (cuda_src/rope_fixed.cu), loaded on first use;
         None when ``ROPE_RTC_NO_COMPILE=1`` finds it missing from the cache: the plan then runs the
         strided build of a missing dense one where the cache holds it, else the generic build, and
-        a warning names the ``rope-rtc warm --model`` command that adds it."""
+        a warning says how to add it (KernelNotCachedError's advice)."""
         if g in self._fixed:
             return self._fixed[g]
         if g.angles:  # no generic build computes angles: a missing one raises (KernelNotCachedError)
