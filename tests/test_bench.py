@@ -1390,3 +1390,34 @@ def test_the_vision_row_is_in_the_quick_run_and_its_peer_skips_with_a_note():
     row = vision._vision_peer(SimpleNamespace(peers=None), None, None, None, None, None, None, (20, 20), 8)
     assert row["impl"] == bcases.VISION_COMPILE and row["timings"] == {}
     assert row["check"] == "skip: --peers excludes torch.compile"
+
+
+def test_settle_runs_small_launches_for_its_seconds_once_per_process(monkeypatch):
+    # Small rows are timed after the state change a process's first seconds of GPU work show.
+    from rope_rtc.benchmark import runner
+
+    launches, clock = [], [0.0]
+
+    class Array:
+        def __iadd__(self, other):
+            launches.append(clock[0])
+            return self
+
+    class Stream:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            clock[0] += 0.5
+
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    ctx = runner.Context.__new__(runner.Context)
+    ctx.cp = types.SimpleNamespace(zeros=lambda n, dtype: Array(), float32="float32")
+    ctx.stream, ctx.settled = Stream(), False
+    ctx.settle()
+    assert len(launches) == 200 * round(runner.SETTLE_S / 0.5) and clock[0] >= runner.SETTLE_S
+    ctx.settle()  # once per process
+    assert len(launches) == 200 * round(runner.SETTLE_S / 0.5)
