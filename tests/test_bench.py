@@ -1392,10 +1392,9 @@ def test_the_vision_row_is_in_the_quick_run_and_its_peer_skips_with_a_note():
     assert row["check"] == "skip: --peers excludes torch.compile"
 
 
-def test_settle_runs_small_launches_for_its_seconds_once_per_process(monkeypatch):
-    # Small rows are timed after the state change a process's first seconds of GPU work show.
-    from rope_rtc.benchmark import runner
-
+def _fake_settle_device(monkeypatch, module):
+    """A fake CuPy and stream for timing.settle, ``module.time.monotonic`` advanced 0.5 s per
+    synchronisation; returns (cp, stream, launches)."""
     launches, clock = [], [0.0]
 
     class Array:
@@ -1413,11 +1412,57 @@ def test_settle_runs_small_launches_for_its_seconds_once_per_process(monkeypatch
         def synchronize(self):
             clock[0] += 0.5
 
-    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    return types.SimpleNamespace(zeros=lambda n, dtype: Array(), float32="float32"), Stream(), launches
+
+
+def test_settle_runs_small_launches_for_its_seconds_once_per_process(monkeypatch):
+    # Small rows are timed after the change of state a process's first seconds of GPU work show.
+    from rope_rtc.benchmark import runner, timing
+
+    cp, stream, launches = _fake_settle_device(monkeypatch, timing)
     ctx = runner.Context.__new__(runner.Context)
-    ctx.cp = types.SimpleNamespace(zeros=lambda n, dtype: Array(), float32="float32")
-    ctx.stream, ctx.settled = Stream(), False
+    ctx.cp, ctx.stream, ctx.settle_note = cp, stream, None
     ctx.settle()
-    assert len(launches) == 200 * round(runner.SETTLE_S / 0.5) and clock[0] >= runner.SETTLE_S
+    per_run = 200 * round(timing.SETTLE_S / 0.5)
+    assert len(launches) == per_run and "small launches" in ctx.settle_note
     ctx.settle()  # once per process
-    assert len(launches) == 200 * round(runner.SETTLE_S / 0.5)
+    assert len(launches) == per_run
+
+
+def test_settle_failing_is_said_and_not_retried(monkeypatch):
+    from rope_rtc.benchmark import runner
+
+    def fails(cp, stream):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(runner, "settle", fails)
+    monkeypatch.setattr(runner, "_recover", lambda ctx: None)
+    ctx = runner.Context.__new__(runner.Context)
+    ctx.cp = ctx.stream = None
+    ctx.settle_note = None
+    ctx.settle()
+    assert ctx.settle_note.startswith("settling failed") and "RuntimeError: no memory" in ctx.settle_note
+    monkeypatch.setattr(runner, "settle", lambda cp, stream: pytest.fail("retried"))
+    ctx.settle()
+
+
+@pytest.mark.parametrize("case_id,settles", [("decode/bf16/T=1", True), ("general/bf16/half/bshd/S=4096", False)])
+def test_a_small_case_settles_before_its_first_timing(monkeypatch, case_id, settles):
+    from rope_rtc.benchmark import runner
+
+    events = []
+
+    class Timed(Exception):
+        pass
+
+    def first_timing(*args, **kwargs):
+        events.append("timed")
+        raise Timed
+
+    monkeypatch.setattr(runner, "CopyRunner", first_timing)  # the copy row is every case's first timing
+    ctx = types.SimpleNamespace(cp=None, stream=None, l2=50 << 20, settle=lambda: events.append("settle"))
+    case = next(c for c in bcases.all_cases(False) if c.id == case_id)
+    with pytest.raises(Timed):
+        runner.run_case(ctx, case)
+    assert events == (["settle", "timed"] if settles else ["timed"])

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..measure import CopyRunner, gpu_us, graph_us
 from .cases import COPY, JAX_OURS, JAX_XLA
+from .timing import settle
 
 SPIN = r"""extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
@@ -225,6 +226,7 @@ def measure_records(quick: bool, seed: int) -> list[dict]:
                                     check if backend == "nvrtc" else "-"))
         recs.append(rec)
         hq, hk, d = DECODE_HEADS
+        settle(cp, stream)  # this process's first small timings follow
         for b in DECODE_B_QUICK if quick else DECODE_B:
             args = inputs(jnp, rng, b, 1, hq, hk, d, TABLE_ROWS)
             moved = 2 * (args[0].nbytes + args[1].nbytes) + b * (d // 2) * 4 * 2 + b * 4

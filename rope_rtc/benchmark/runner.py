@@ -30,7 +30,7 @@ from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSIT
 from .device_state import DeviceMonitor
 from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
 from .report import ROW_HEADER, format_row, write_json
-from .timing import Clock
+from .timing import SETTLE_S, Clock, settle
 
 
 # =============================================================================================
@@ -568,10 +568,6 @@ def _coldstart_child(scenario: str, state: str, env: dict) -> dict:
 # the run
 
 
-# Seconds of small launches before the first small call is timed (Context.settle).
-SETTLE_S = 6.0
-
-
 class Context:
     """The GPU, the stream every measurement uses, the clock, the peers."""
 
@@ -579,7 +575,7 @@ class Context:
         import cupy as cp
 
         self.cp = cp
-        self.settled = False
+        self.settle_note: str | None = None  # what settling did, once it has run (Context.settle)
         self.device = args.device
         cp.cuda.Device(args.device).use()
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -592,22 +588,18 @@ class Context:
         self.peers: Peers | None = None
 
     def settle(self) -> None:
-        """Once per process, before the first small call is timed: SETTLE_S seconds of small
-        launches. In a process's first seconds of GPU work every small launch (a copy node as much
-        as a kernel) ran measurably faster than afterwards, at the same clocks, so small rows timed
-        before and after that change could not be compared; this puts every small row in the state
-        a running engine is in."""
-        if self.settled:
+        """Once per process, before the first small GPU timing: :func:`timing.settle`. A failure
+        is said (``settle_note``, kept in the JSON) and not retried."""
+        if self.settle_note is not None:
             return
-        self.settled = True
-        print(f"settling: {SETTLE_S:.0f} s of small launches before the first small timing", flush=True)
-        x = self.cp.zeros(1 << 16, self.cp.float32)
-        end = time.monotonic() + SETTLE_S
-        with self.stream:
-            while time.monotonic() < end:
-                for _ in range(200):
-                    x += 1
-                self.stream.synchronize()
+        try:
+            settle(self.cp, self.stream)
+            self.settle_note = f"{SETTLE_S:g} s of small launches before the first small timing"
+        except Exception as exc:
+            self.settle_note = (f"settling failed, so small timings may include the process's first seconds: "
+                                f"{type(exc).__name__}: {exc}")[:300]
+            _recover(self)
+        print(f"settling: {self.settle_note}", flush=True)
 
     def free(self) -> None:
         gc.collect()
@@ -753,8 +745,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         if selected("engine", "engine", tokens) or any(t.startswith("engine/") for t in tokens or ()):
             from .engine import run_engine_section
 
+            ctx.settle()  # its decode records time small calls
             try:
-                ctx.settle()  # its decode records time small calls
                 result["engine"] = run_engine_section(ctx, measure, CopyRunner, tokens)
             except Exception as exc:
                 result["skips"].append(f"engine section failed: {type(exc).__name__}: {exc}"[:400])
@@ -783,6 +775,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             write_json(result, json_path)   # partial results survive a kill
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     result["compile_log"] = ctx.peers.compile_log if ctx.peers else []
+    result["settle"] = ctx.settle_note  # None: nothing small was timed in this process
     return result
 
 

@@ -226,6 +226,24 @@ class Clock:
         return samples
 
 
+# Seconds of small launches before a process's first small GPU timing (settle).
+SETTLE_S = 6.0
+
+
+def settle(cp, stream, seconds: float = SETTLE_S) -> None:
+    """``seconds`` of small launches on ``stream``, before a process's first small GPU timing. In
+    a process's first seconds of GPU work every small launch (a copy node as much as a kernel) ran
+    measurably faster than afterwards, at the same clocks, so small timings of those seconds could
+    not be compared with later ones; after this, each is timed in the state a running engine is in."""
+    x = cp.zeros(1 << 16, cp.float32)
+    end = time.monotonic() + seconds
+    with stream:
+        while time.monotonic() < end:
+            for _ in range(200):
+                x += 1
+            stream.synchronize()
+
+
 def sync_quietly(stream) -> None:
     """Synchronise ``stream`` after a failed call, ignoring what that raises."""
     with contextlib.suppress(Exception):
