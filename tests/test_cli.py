@@ -414,7 +414,22 @@ def test_a_cache_this_user_cannot_write_gets_advice_that_works(capsys, tmp_path,
     (d / ".tmp-abandoned.part").write_bytes(b"half an entry")
     rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
     assert rc == 0 and "remove those older than an hour" not in out, out + err
-    assert f"this user cannot remove them: cache directory {d} is not writable (it belongs to uid {owner}" in out, out
+    assert f"this user cannot remove it: cache directory {d} is not writable (it belongs to uid {owner}" in out, out
+    assert f"warm or clear it as uid {owner}" in out, out
+    # Entries this installation never loads: only clear removes entries, so only clear is named.
+    from rope_rtc.build.cache import Entry, encode_entry
+
+    major, minor = toolchain.nvrtc_version()
+    (d / f"{'f' * 64}.bin").write_bytes(encode_entry(Entry("f" * 64, "blog", "sm_90", "cubin", f"{major}.{minor}",
+                                                           __version__, b"\x7fELF old", 1.0)))
+    for p in d.glob("*.bin"):
+        if p.name != f"{'f' * 64}.bin":
+            p.unlink()
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 0 and "never loaded" in out, out + err
+    assert f"this user cannot remove it: cache directory {d} is not writable" in out.split("never loaded")[1], out
+    assert f"clear it as uid {owner}" in out.split("never loaded")[1] and "warm or clear" not in out.split(
+        "never loaded")[1], out
     rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--kernels", "blog", "--no-progress", "--cache-dir",
                             str(root))
     assert rc != 0 and "serving its entries read-only" not in out + err, out + err

@@ -181,23 +181,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return EXIT_FAILED
     temps = len(store.temp_files())
-    # What this user may not remove is not advised as removable: the owner and the fix instead.
-    locked = store.not_writable_reason("warm or clear it") if temps or stale else None
+    # What this user may not remove is not advised as removable: the owner and the fix instead
+    # (warm removes old temporary files, clear removes them and entries).
     print(("the 1 entry" if len(listed) == 1 else f"all {len(listed)} entries") + f" in {store.directory} verified"
           + (f" ({count(temps, 'temporary file', 'temporary files')} left by interrupted writes, or being written "
-             "now; " + (f"this user cannot remove them: {locked})" if locked else
-                        "`rope-rtc warm` and `rope-rtc cache clear` remove those older than an hour)")
-             if temps else ""))
+             "now; " + _removal_advice(store, "warm or clear it", "it" if temps == 1 else "them",
+                                       "`rope-rtc warm` and `rope-rtc cache clear` remove those older than an hour")
+             + ")" if temps else ""))
     if stale:
         # `cache clear` removes every entry: advise it only when none of them is in use.
         them, they = ("it", "it only takes") if stale == 1 else ("them", "they only take")
         print(f"{count(stale, 'of them is', 'of them are')} never loaded by this installation (built from other "
               f"sources, by another NVRTC or against other CUDA headers); {they} disk space"
-              + ("" if stale != len(listed) else f"; this user cannot remove {them}: {locked}" if locked else
-                 f"; `rope-rtc cache clear` removes {them}"))
+              + ("" if stale != len(listed) else
+                 "; " + _removal_advice(store, "clear it", them, f"`rope-rtc cache clear` removes {them}")))
     if unchecked:
         print(f"note: whether the loader accepts each entry's header was not checked ({unchecked})")
     return EXIT_OK
+
+
+def _removal_advice(store, action: str, them: str, advice: str) -> str:
+    """``advice`` (the command that removes files), or, where this user may not remove files from
+    the directory, why not and what to do (``action`` as its owner)."""
+    locked = store.not_writable_reason(action)
+    return f"this user cannot remove {them}: {locked}" if locked else advice
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
