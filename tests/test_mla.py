@@ -218,7 +218,7 @@ def test_fp8_cache_q_out_and_fp8_q_fill_the_block():
     (dict(positions=fake_cupy((T,), np.float32)), TypeError, r"positions: dtype float32"),
     (dict(slot_mapping=np.array([0, 1, -1, 47, 48, 2])), ValueError, r"slot_mapping: entry 4 is 48"),
     (dict(slot_mapping=np.array([0, 7, -1, 7, 9, 2])), ValueError, r"slot_mapping: entries 1 and 3 both name slot 7"),
-    (dict(kv_scale=fake_cupy((1,), np.float32)), ValueError, r"kv_scale: only an FP8 cache"),
+    (dict(kv_scale=fake_cupy((1,), np.float32)), ValueError, r"kv_scale: only FP8 caches take scales"),
     (dict(kv_cache_dtype="fp8"), ValueError, r"kv_cache_dtype"),
     (dict(interleaved=1), TypeError, r"interleaved"),
     (dict(q_fp8_out=fake_cupy((T, H, D), np.uint8)), TypeError, r"q_fp8_scale: q_fp8_out is given"),

@@ -20,11 +20,12 @@ def check_cache_options(kv_layout, kv_cache_dtype) -> None:
     check_cache_dtype(kv_cache_dtype)
 
 
-def check_scale_given(kv_cache_dtype: str, scale, name: str) -> None:
+def check_scale_given(kv_cache_dtype: str, scale, name: str, form: str = "") -> None:
     """A scale for an FP8 cache (TypeError without: float32(None) is NaN, every entry NaN) and
-    none for a cache of the input dtype (ValueError)."""
+    none for a cache of the input dtype (ValueError). ``form``: what the caller takes as a scale,
+    said in the message (the ops: a device array of one element)."""
     if kv_cache_dtype == "auto":
         if scale is not None:
             raise ValueError(f"{name}: only FP8 caches take scales (kv_cache_dtype='auto')")
     elif scale is None:
-        raise TypeError(f"{name}: an FP8 cache needs a float32 scale (kv_cache_dtype={kv_cache_dtype!r})")
+        raise TypeError(f"{name}: an FP8 cache needs a float32 scale{form} (kv_cache_dtype={kv_cache_dtype!r})")

@@ -37,7 +37,7 @@ from ..core.codegen import (address_predicate, address_terms, aligned_term, arra
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
 from ..core.dispatch import OneCall, split_offset
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
-from ..numerics.cache_options import CACHE_KINDS, check_cache_options
+from ..numerics.cache_options import CACHE_KINDS, check_cache_options, check_scale_given
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, check_kinds, check_positions_of, validate
@@ -158,14 +158,10 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
                          f"{vc.strides}")
     scales = []
     for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        check_scale_given(kv_cache_dtype, scale, name, " (an array of one element, where the caches are)")
         if kind == 0:
-            if scale is not None:
-                raise ValueError(f"{name}: only FP8 caches take scales (kv_cache_dtype={kv_cache_dtype!r})")
             scales.append(None)
             continue
-        if scale is None:
-            raise TypeError(f"{name}: an FP8 cache needs a float32 scale (an array of one element, where the caches "
-                            "are)")
         sc = A.describe(scale, name, allow_host=host)
         A.check_dtype(sc, ("float32",))
         if sc.size != 1:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..build.registry_mla import mla_vector_widths
 from ..core import arrays as A
-from ..numerics.cache_options import CACHE_KINDS, check_cache_dtype
+from ..numerics.cache_options import CACHE_KINDS, check_cache_dtype, check_scale_given
 from .rope_params import fast_divisor
 from .rope_request import check_kinds, check_position_rows
 
@@ -245,14 +245,8 @@ def validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache
         raise ValueError("kv_cache: holds no slot (a dimension is 0)")
     if num_slots >= 2**31:
         raise ValueError(f"kv_cache: {num_slots} slots; the kernel indexes slots with 32 bits (at most 2^31 - 1)")
-    if kind:
-        if kv_scale is None:
-            raise TypeError("kv_scale: an FP8 cache needs a float32 scale (an array of one element, where the cache is)")
-        vs = _scale(kv_scale, "kv_scale", host)
-    elif kv_scale is not None:
-        raise ValueError(f"kv_scale: only an FP8 cache takes a scale (kv_cache_dtype={kv_cache_dtype!r})")
-    else:
-        vs = None
+    check_scale_given(kv_cache_dtype, kv_scale, "kv_scale", " (an array of one element, where the cache is)")
+    vs = _scale(kv_scale, "kv_scale", host) if kind else None
     qo = None
     if q_out is not None and q_out is not q:
         qo = _describe(q_out, "q_out", host)
