@@ -99,9 +99,12 @@ def test_the_reference_refuses_a_typed_fp8_cache_of_another_format(kind, typed, 
 @pytest.mark.parametrize("change,exc,match", [
     (dict(kv_layout="NHD"), ValueError, r"kv_layout: expected 'nhd' .* or 'hnd' .*, got 'NHD'"),
     (dict(kv_layout=None), ValueError, r"kv_layout: expected 'nhd' .* or 'hnd' .*, got None"),
-    (dict(kv_cache_dtype="fp8_e4m3", v_scale=np.ones(1, np.float32)), TypeError, "k_scale: an FP8 cache needs a float32 scale"),
-    (dict(kv_cache_dtype="fp8_e5m2", k_scale=np.ones(1, np.float32)), TypeError, "v_scale: an FP8 cache needs a float32 scale"),
-    (dict(k_scale=np.ones(1, np.float32)), ValueError, r"k_scale: only FP8 caches take scales \(kv_cache_dtype='auto'\)"),
+    (dict(kv_cache_dtype="fp8_e4m3", v_scale=np.ones(1, np.float32)), TypeError,
+     "k_scale: an FP8 cache needs a float32 scale"),
+    (dict(kv_cache_dtype="fp8_e5m2", k_scale=np.ones(1, np.float32)), TypeError,
+     "v_scale: an FP8 cache needs a float32 scale"),
+    (dict(k_scale=np.ones(1, np.float32)), ValueError,
+     r"k_scale: only FP8 caches take scales \(kv_cache_dtype='auto'\)"),
 ])
 def test_the_reference_refuses_what_the_op_refuses(change, exc, match):
     # It took any layout but "nhd" as "hnd" (an nhd cache then got each entry broadcast over the
