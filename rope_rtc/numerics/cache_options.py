@@ -6,6 +6,8 @@ from __future__ import annotations
 # kv_cache_dtype -> CACHE_KIND of the cache kernels (rope_cache.cu, mla_rope_cache.cu; 0: the input dtype)
 CACHE_KINDS = {"auto": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 KV_LAYOUTS = ("nhd", "hnd")
+# kv_cache_dtype -> ml_dtypes' name of the format, the dtype of a cache typed as FP8
+FP8_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def check_cache_dtype(kv_cache_dtype) -> None:

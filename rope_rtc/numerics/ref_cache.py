@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .cache_options import check_cache_options, check_scale_given
+from .cache_options import FP8_DTYPES, check_cache_options, check_scale_given
 from .ref_rope import rope_kernel_arithmetic
 from .rounding import BFLOAT16, bf16_to_f32
 
@@ -18,18 +18,12 @@ def fp8_quantize(values: np.ndarray, scale, kind: str) -> np.ndarray:
     """FP8 cache entries (as uint8) of ``values`` (in the input dtype): ``value / scale`` in FP32,
     saturated to the format's finite range, rounded to nearest even (``kind``: ``"fp8_e4m3"``
     for e4m3fn or ``"fp8_e5m2"``)."""
-    import ml_dtypes
-
     v = np.asarray(values)
     vf = bf16_to_f32(v) if v.dtype == BFLOAT16 else v.astype(np.float32)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):  # a zero scale, inf and NaN are legitimate
         q = np.clip(vf / np.float32(scale), -FP8_MAX[kind], FP8_MAX[kind])
     fmt = ml_dtypes.float8_e4m3fn if kind == "fp8_e4m3" else ml_dtypes.float8_e5m2
     return q.astype(fmt).view(np.uint8)
-
-
-# kv_cache_dtype -> ml_dtypes' name of the format, the dtype of a cache typed as FP8
-FP8_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def _cache_copy(cache, name: str, kind: str) -> tuple[np.ndarray, np.ndarray]:

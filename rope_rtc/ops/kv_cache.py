@@ -37,7 +37,7 @@ from ..core.codegen import (address_predicate, address_terms, aligned_term, arra
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
 from ..core.dispatch import OneCall, split_offset
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
-from ..numerics.cache_options import CACHE_KINDS, check_cache_options, check_scale_given
+from ..numerics.cache_options import CACHE_KINDS, FP8_DTYPES, check_cache_options, check_scale_given
 from .rope_launch import fill_positions_and_tables
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, CacheParams, fast_divisor
 from .rope_request import Request, check_kinds, check_positions_of, validate
@@ -79,7 +79,6 @@ class CacheRequest:
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[1 if self.kv_layout == "nhd" else 2]
-
 
 
 def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, *, kv_layout="nhd",
@@ -133,8 +132,7 @@ def validate_cache_call(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_c
         want = "uint8" if kind else req.dtype
         if ci.dtype != want:
             hint = ("; an FP8 cache is a uint8 array with kv_cache_dtype='fp8_e4m3' or 'fp8_e5m2'" if kind == 0 else "")
-            from ..numerics.ref_cache import FP8_DTYPES  # ml_dtypes' types: their bytes are the kernels' storage
-
+            # ml_dtypes' FP8 types: their bytes are the kernels' storage
             fmt = next((kind_name for kind_name, typed in FP8_DTYPES.items() if typed == ci.dtype), None)
             if fmt is not None:
                 hint = f"; its bytes are {name}.view('uint8')"
