@@ -71,7 +71,8 @@ def test_cos_sin_cache_is_the_tables_side_by_side(scaling, numerics):
 
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"cos_sin_cache": np.zeros((8, 63), np.float32)}, ValueError, "even"),
-    ({"cos_sin_cache": np.zeros((8, 64), np.float16)}, TypeError, "cos_sin_cache: expected float32"),
+    ({"cos_sin_cache": np.zeros((8, 64), np.float16)}, TypeError,
+     r"cos_sin_cache: expected float32, got float16; .*cos_sin_cache\.astype\(float32\)"),
     ({"cos_sin_cache": np.zeros((8, 2, 64), np.float32)}, ValueError, "2-d"),
     ({"cos_sin_cache": np.ones((8, 64), np.float32), "cos": np.ones((8, 32), np.float32)}, TypeError, "instead of"),
     ({}, TypeError, "cos: expected an array"),
@@ -142,6 +143,25 @@ def test_a_flat_array_without_a_contiguous_last_axis_is_refused():
             apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64)
         with pytest.raises(UnsupportedLayoutError, match="q: a flat"):
             RopePlan(q, k, cos_sin_cache=cache, positions=pos, layout="thd", head_dim=64)
+        assert gpu.launches == []
+
+
+def test_an_empty_step_of_flat_arrays_as_made_fresh_is_taken():
+    """A fresh empty array (numpy.zeros((0, n)), cupy.empty((0, n))) has strides (0, 0): zero
+    tokens in the flat convention run nothing, as the same step as [0, H, D] does (the last-axis
+    stride check refused them)."""
+    cache = cos_sin_cache(64, 128)
+    q, k = np.zeros((0, 512), np.float32), np.zeros((0, 256), np.float32)
+    pos = np.zeros(0, np.int64)
+    rq, rk = apply_rope_qk(q, k, cos_sin_cache=cache, positions=pos, head_dim=128, backend="numpy")
+    assert rq.shape == (0, 512) and rk.shape == (0, 256)
+    with FakeGPU(fixed=True) as gpu:
+        c, p = fake_cupy((64, 128), np.float32), fake_cupy((0,), np.int64)
+        fq, fk = fake_cupy((0, 512), np.float32, strides=(0, 0)), fake_cupy((0, 256), np.float32, strides=(0, 0))
+        assert apply_rope_qk(fq, fk, cos_sin_cache=c, positions=p, head_dim=128, q_out=fq, k_out=fk) == (fq, fk)
+        plan = RopePlan(fake_cupy((4, 512), np.float32), fake_cupy((4, 256), np.float32), cos_sin_cache=c,
+                        positions=fake_cupy((4,), np.int64), head_dim=128).compile()
+        plan.execute(fq, fk, cos_sin_cache=c, positions=p)
         assert gpu.launches == []
 
 

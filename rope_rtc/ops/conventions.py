@@ -97,7 +97,9 @@ def split_cos_sin_cache(cache, cos, sin, rotary_dim=None, head_dim=None) -> tupl
         raise ValueError(what + f"shape {tuple(shape)}")
     dtype = getattr(cache, "dtype", None) if info is None else info.dtype
     if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
-        raise TypeError(f"cos_sin_cache: expected float32 (the engines' cache is float32), got {dtype}")
+        raise TypeError(f"cos_sin_cache: expected float32, got {dtype}; the kernels read float32 tables (an engine "
+                        "may keep its cache in the model's dtype): pass cos_sin_cache.astype(float32) once, or "
+                        "build it with rope_rtc.cos_sin_cache")
     width = int(shape[1])
     if width == 0 or width % 2:
         raise ValueError(f"cos_sin_cache: its rows hold cos then sin, so their width must be even and positive, got "
@@ -177,7 +179,8 @@ def unflatten_heads(x, head_dim, layout: str | None, name: str):
         st = x.strides
         return TensorDesc(x.dtype_name, (T, width // head_dim, head_dim), (st[0], head_dim * st[1], st[1]), x.device)
     before = A.describe(x, name)
-    if before.strides[-1] != 1 and width > 1:  # a layout, as for a [T, H, D] array
+    # A fresh empty array has strides (0, 0): with no token there is no layout to refuse.
+    if before.strides[-1] != 1 and width > 1 and T:  # a layout, as for a [T, H, D] array
         raise UnsupportedLayoutError(f"{name}: a flat [T, H * head_dim] array needs a contiguous last axis (stride 1), "
                                      f"got element strides {before.strides}")
     y = _view(x, before, 0, (T, width // head_dim, head_dim), (before.strides[0], head_dim, 1))
