@@ -63,12 +63,14 @@ def _cache_dir_arg(text: str) -> str:
 
 
 def _arch_arg(text: str) -> str:
-    from .build.toolchain import parse_arch
+    from .build.toolchain import MIN_ARCH, parse_arch
 
     try:
-        parse_arch(text)
+        arch = parse_arch(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if arch < MIN_ARCH:  # what warm refuses too (warm.resolve_targets)
+        raise argparse.ArgumentTypeError(f"{text!r}: rope_rtc needs sm_{MIN_ARCH} or newer")
     return text
 
 

@@ -778,6 +778,12 @@ def test_demo_passes_arch_and_warm_to_the_demo(capsys, monkeypatch):
     assert cli.main(["demo"]) == 0 and seen[-1].warm is False, "the demo warms only when asked"
     rc, _, err = run_main(capsys, "demo", "--arch", "volta")
     assert rc == 2 and "--arch" in err and "not an architecture" in err, err
+    # An architecture older than the library builds is a usage error too, as for warm (the demo
+    # took it, ran its examples, and then failed to warm it or advised compiling for it).
+    n = len(seen)
+    rc, _, err = run_main(capsys, "demo", "--arch", "sm_50", "--warm")
+    assert rc == 2 and "--arch" in err and "'sm_50': rope_rtc needs sm_80 or newer" in err, err
+    assert len(seen) == n, "the demo does not run"
 
 
 def test_demo_without_a_gpu_warms_the_arch_given(capsys, tmp_path, monkeypatch, no_device):
