@@ -238,7 +238,13 @@ def test_an_eps_beyond_float32_is_refused(gpu):
 
     with pytest.raises(ValueError, match=r"eps: expected a finite value >= 0 \(as a float32\), got 1e\+39"):
         rope_rtc.apply_qk_norm_rope(**_call(), eps=1e39)  # once refused only later, as "got inf"
+    # A positive eps that is 0 as a float32 would drop the guard the caller asked for: an all-zero
+    # head (a padding token) normalised to NaN. eps=0 itself stays a value (transformers takes it).
+    with pytest.raises(ValueError, match=r"eps: 1e-50 is 0 as a float32, .*at least 1\.4e-45"):
+        rope_rtc.apply_qk_norm_rope(**_call(), eps=1e-50)
     assert gpu.launches == []
+    rope_rtc.apply_qk_norm_rope(**_call(), eps=0.0)
+    assert gpu.launches[-1]["norm"].eps == 0.0
 
 
 def test_one_misaligned_call_does_not_pin_later_calls_to_a_narrower_build(gpu):

@@ -69,6 +69,9 @@ def check_norm_options(eps, numerics) -> float:
         eps32 = np.float32(value)  # what the kernel adds: finite as a float32 too
     if not math.isfinite(value) or value < 0 or not np.isfinite(eps32):
         raise ValueError(f"eps: expected a finite value >= 0 (as a float32), got {shown(eps)}")
+    if value > 0 and eps32 == 0:  # the guard asked for would be gone: an all-zero head normalises to NaN
+        raise ValueError(f"eps: {shown(eps)} is 0 as a float32, the kernel's precision; pass at least "
+                         f"{float(np.finfo(np.float32).smallest_subnormal):.2g} (or 0 to add none)")
     if not isinstance(numerics, str) or numerics not in NUMERICS:
         raise ValueError(f"numerics: expected one of {', '.join(map(repr, NUMERICS))}, got {numerics!r}")
     return float(eps32)
