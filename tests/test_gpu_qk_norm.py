@@ -47,7 +47,14 @@ def _check_exact(out, host, weight, cos, sin, positions, *, interleaved, rotary_
 
 
 CASES = list(itertools.product(["bfloat16", "float16", "float32"], ["bshd", "thd", "bhsd", "sbhd"], [False, True],
-                               [(128, None, 0), (64, 32, 16), (256, None, 0)], [True, False]))
+                               [(128, None, 0), (64, 32, 16), (256, None, 0), (32, None, 0), (512, None, 0)],
+                               [True, False]))
+
+
+def _refused(dtype: str, d: int, interleaved: bool) -> bool:
+    """The head dims docs/qk-norm-rope.md names as refused: a head must fit one warp's lanes, 16
+    bytes each (both halves of a pair for half-split pairs)."""
+    return d == 512 and (interleaved or dtype == "float32") or (dtype == "float32" and d == 256 and interleaved)
 
 
 @pytest.mark.parametrize("dtype,layout,interleaved,geometry,in_place", CASES)
@@ -70,8 +77,8 @@ def test_exact_within_the_bound(dtype, layout, interleaved, geometry, in_place):
     call = dict(eps=EPS, positions=cp.asarray(pos[0] if layout == "thd" else pos), layout=layout,
                 interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset, q_out=q_out, k_out=k_out)
     args = (q, k, cp.asarray(qw), cp.asarray(kw), cp.asarray(cos), cp.asarray(sin))
-    if dtype == "float32" and d == 256 and interleaved:  # 64 lanes of 16 bytes: more than a warp per head
-        with pytest.raises(NotImplementedError, match="head_dim 256"):
+    if _refused(dtype, d, interleaved):  # 64 lanes of 16 bytes: more than a warp per head
+        with pytest.raises(NotImplementedError, match=f"head_dim {d}"):
             rope_rtc.apply_qk_norm_rope(*args, **call)
         return
     got = rope_rtc.apply_qk_norm_rope(*args, **call)

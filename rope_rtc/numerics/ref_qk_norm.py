@@ -42,8 +42,9 @@ def qk_norm_rope_transformers_reference(x: np.ndarray, weight: np.ndarray, cos: 
     ``rnd(rnd(y0 * c) + rnd(-y1 * s))`` and ``rnd(rnd(y1 * c) + rnd(y0 * s))`` with ``c`` and ``s``
     the table entries rounded to the dtype (``-s`` with ``inverse``); channels outside the window
     are ``y``. ``ss`` and ``r`` are correctly rounded here; the kernel sums in its own order and
-    takes ``rsqrtf``, so their last FP32 bit can differ, and an output with it by one ulp of its
-    dtype. ``positions`` ``[N]`` lie inside the tables.
+    takes ``rsqrtf``, so their last FP32 bit can differ, a normalised value with it by one ulp of
+    its dtype, and a rotated output that cancels by a few. ``positions`` ``[N]`` lie inside the
+    tables.
     """
     x = np.asarray(x)
     dt = float_dtype(x.dtype, "x")
