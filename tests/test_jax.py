@@ -134,6 +134,47 @@ def test_positions_outside_the_table_give_nan_for_their_token():
     assert not np.isnan(y[~outside]).any()
 
 
+def test_wide_positions_and_slots_are_not_cut_to_32_bits():
+    """With jax_enable_x64, an int64 position or slot past 2^31 lies outside the table or the
+    cache: NaN for its token, no cache row written, as the kernels and the NumPy reference do (the
+    jnp version cut them to int32, onto a row and a slot inside)."""
+    from rope_rtc.reference import rope_and_cache_reference
+
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        x = host_random((3, HQ, D), np.float32, 41)
+        cos, sin = host_tables(ROWS, D // 2, 42)
+        for kw in (dict(positions=np.array([0, 2**32 + 3, 5], np.int64)),
+                   dict(offset=np.array(2**32, np.int64), layout="thd")):
+            kw = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+            y = np.asarray(rj.apply_rope(jnp.asarray(x), cos, sin, layout="thd", backend="jnp",
+                                         **{k: v for k, v in kw.items() if k != "layout"}))
+            wide = np.array([False, True, False]) if "positions" in kw else np.ones(3, bool)
+            assert np.isnan(y[wide]).all() and not np.isnan(y[~wide]).any()
+        q, k, v = (host_random((2, 1, D), np.float32, seed) for seed in (43, 44, 45))
+        caches = np.zeros((2, 4, 1, D), np.float32), np.zeros((2, 4, 1, D), np.float32)
+        pos, slots = np.array([0, 1]), np.array([2**32 + 5, 6], np.int64)
+        got = rj.rope_and_cache(*map(jnp.asarray, (q, k, v)), cos, sin, jnp.asarray(pos), jnp.asarray(slots),
+                                *map(jnp.asarray, caches), backend="jnp")
+        want = rope_and_cache_reference(q, k, v, cos, sin, pos, slots, *caches)
+        for cache, ref in zip(got[2:], want[2:]):  # slot 6 alone written (the rotation may differ by an FMA)
+            np.testing.assert_array_equal(np.asarray(cache).any(axis=(2, 3)), ref.any(axis=(2, 3)))
+        np.testing.assert_array_equal(np.asarray(got[3]), want[3])  # v as given
+    finally:
+        jax.config.update("jax_enable_x64", old)
+
+
+def test_a_table_of_no_rows_gives_nan_for_every_token_of_device_positions():
+    """Positions given as an array are not checked against the table (they may be traced): with a
+    table of no rows every token is outside it, NaN, as on the GPU (jnp.take raised IndexError)."""
+    x = jnp.asarray(host_random((3, HQ, D), np.float32, 46))
+    cos, sin = host_tables(ROWS, D // 2, 47)
+    for kw in (dict(positions=jnp.asarray([0, 1, 2], jnp.int32)), dict(offset=jnp.asarray(0, jnp.int32))):
+        y = np.asarray(rj.apply_rope(x, cos[:0], sin[:0], layout="thd", backend="jnp", **kw))
+        assert y.shape == x.shape and np.isnan(y).all()
+
+
 # -- gradients ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout,scheme", [("bshd", "positions"), ("bhsd", "offsets"), ("thd", "cu_seqlens")])

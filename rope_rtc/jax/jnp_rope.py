@@ -28,22 +28,23 @@ def batch_and_sequence(shape: tuple, layout: str) -> tuple[int, int]:
 
 
 def token_positions(call: RopeCall, B: int, S: int, positions, offsets, cu_seqlens):
-    """The position of every token, ``[B, S]`` int32, by the call's scheme (as
+    """The position of every token, ``[B, S]``, by the call's scheme (as
     ``rope_rtc.core.backends.token_positions``): given positions; ``offset + s`` with a scalar
     or per-sequence offset; or, with ``cu_seqlens``, the index within each packed sequence plus
-    that sequence's offset."""
+    that sequence's offset. In the index arrays' own integer type: int64 ones (under
+    ``jax_enable_x64``) are not cut to 32 bits, so a position past 2^31 stays outside the table,
+    as the kernels read it."""
     import jax.numpy as jnp
 
     if positions is not None:
-        return positions.reshape(B, S).astype(jnp.int32)
+        return positions.reshape(B, S)
     s = jnp.arange(S, dtype=jnp.int32)
     if cu_seqlens is not None:
-        cu = cu_seqlens.astype(jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(cu, s, side="right") - 1, 0, cu.shape[0] - 2)
-        base = offsets.astype(jnp.int32)[seq] if offsets is not None else call.offset
-        return (s - cu[seq] + base).reshape(1, S)
+        seq = jnp.clip(jnp.searchsorted(cu_seqlens, s, side="right") - 1, 0, cu_seqlens.shape[0] - 2)
+        base = offsets[seq] if offsets is not None else call.offset
+        return (s - cu_seqlens[seq] + base).reshape(1, S)
     if offsets is not None:
-        return offsets.astype(jnp.int32)[:, None] + s[None, :]
+        return offsets[:, None] + s[None, :]
     return jnp.broadcast_to(call.offset + s, (B, S))
 
 
@@ -53,6 +54,8 @@ def table_rows(table, positions):
     import jax.numpy as jnp
 
     rows = table.shape[0]
+    if rows == 0:  # every position is outside (jnp.take refuses an empty axis)
+        return jnp.full(positions.shape + table.shape[1:], jnp.nan, jnp.float32)
     inside = (positions >= 0) & (positions < rows)
     # jnp's "fill" mode wraps negative indices first: send every outside position past the end.
     index = jnp.where(inside, positions, rows)
@@ -134,7 +137,7 @@ def slot_index(call: CacheCall, slots, cache_shape: tuple):
 
     blocks = cache_shape[0]
     block_size = cache_shape[1] if call.kv_layout == "nhd" else cache_shape[2]
-    slots = slots.astype(jnp.int32)
+    # In their own integer type: an int64 slot past 2^31 (jax_enable_x64) stays past the cache.
     inside = (slots >= 0) & (slots < blocks * block_size)
     return jnp.where(inside, slots // block_size, blocks), jnp.where(inside, slots % block_size, 0)
 
