@@ -534,6 +534,51 @@ def test_lowered_for_cuda_the_gradient_is_the_kernel_again(monkeypatch):
     assert [name for name, _ in _custom_calls(text)] == [KERNEL_TARGET] * 2
 
 
+def test_lowered_for_cuda_a_gradient_of_a_gradient_is_the_kernel_again(monkeypatch):
+    """Reverse over reverse where a kernel may run: the VJP's rules call the op, not its buffer
+    callback, which has no JVP (JAX refused to trace it). Forward mode stays JAX's refusal."""
+    monkeypatch.setattr(kernel_call, "_usable", [None])
+    x = jnp.asarray(host_random((S, HQ, D), np.float32, 125))
+    cos, sin = host_tables(ROWS, D // 2, 126)
+    loss = lambda x: jnp.sum(rj.apply_rope(x, cos, sin, layout="thd", offset=2) ** 3)
+    hvp = jax.jit(jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x), x)))
+    text = hvp.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert {name for name, _ in _custom_calls(text)} == {KERNEL_TARGET}
+    host = cache_inputs("float32", "auto", "nhd", seed=131)
+    args = [jnp.asarray(host[n]) for n in CACHE_ARGS]
+    cache_loss = lambda k: jnp.sum(rj.rope_and_cache(*args[:1], k, *args[2:])[2] ** 3)
+    jax.jit(jax.grad(lambda k: jnp.vdot(jax.grad(cache_loss)(k), k))).trace(args[1]).lower(lowering_platforms=("cuda",))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jit(jax.hessian(loss)).trace(x)
+
+
+@pytest.mark.parametrize("backend", ["jnp", "auto"])
+def test_where_no_kernel_can_run_every_mode_of_differentiation_works(monkeypatch, backend):
+    """backend="jnp", or no usable GPU: the jnp version alone, which JAX differentiates in every
+    mode (jvp, jacfwd, hessian: refused under the custom VJP before), equal to the same
+    derivatives of a RoPE written here."""
+    monkeypatch.setattr(kernel_call, "_usable", ["no CUDA driver found (simulated)"])
+    x = jnp.asarray(host_random((5, 2, 32), np.float32, 127))
+    cos, sin = host_tables(ROWS, 16, 128)
+    pos = np.array([3, 0, 7, 1, 2])
+    c, s = jnp.asarray(cos[pos])[:, None, :], jnp.asarray(sin[pos])[:, None, :]
+
+    def mine(x):
+        x0, x1 = x[..., :16], x[..., 16:]
+        return jnp.concatenate([x0 * c - x1 * s, x1 * c + x0 * s], axis=-1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the one-time "no kernel here" warning of backend="auto"
+        ours = lambda x: rj.apply_rope(x, cos, sin, positions=jnp.asarray(pos), layout="thd", backend=backend)
+        t = jnp.asarray(host_random((5, 2, 32), np.float32, 129))
+        for got, want in ((jax.jvp(ours, (x,), (t,))[1], jax.jvp(mine, (x,), (t,))[1]),
+                          (jax.hessian(lambda x: jnp.sum(ours(x) ** 3))(x), jax.hessian(lambda x: jnp.sum(mine(x) ** 3))(x))):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        host = cache_inputs("float32", "auto", "nhd", seed=132)
+        args = [jnp.asarray(host[n]) for n in CACHE_ARGS]
+        jax.jacfwd(lambda k: rj.rope_and_cache(args[0], k, *args[2:], backend=backend)[2])(args[1])
+
+
 def test_lowered_for_cuda_the_cache_results_alias_the_caches(monkeypatch):
     monkeypatch.setattr(kernel_call, "_usable", [None])
     host = cache_inputs("bfloat16", "auto", "nhd", seed=130)

@@ -9,8 +9,9 @@ the table gives NaN for its token, as on the GPU. The cache write stores the rot
 rounded and v as given, or their FP8 encodings: ``value / scale`` in FP32, saturated to the
 format's largest finite value, rounded to nearest even (``rope_rtc.reference.fp8_quantize``).
 
-Everything here is differentiable by JAX itself; the public functions still give it the inverse
-rotation as its backward (``rope_rtc.jax.ops``), so both backends differentiate alike.
+Everything here is differentiable by JAX itself, in every mode: where it runs alone
+(``backend="jnp"``, or no usable GPU) JAX does so; where a kernel may run instead, the public
+functions give it the inverse rotation as its backward (``rope_rtc.jax.ops``).
 """
 
 from __future__ import annotations

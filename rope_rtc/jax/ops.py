@@ -4,9 +4,12 @@
 Each function checks its arguments at trace time (``checks``), then stages out the kernel
 (``kernel_call``) for CUDA and the jnp reference (``jnp_rope``) for every other platform, chosen
 when XLA lowers the program for its platform (``jax.lax.platform_dependent``): one program runs
-on a GPU machine and on a machine without one. Gradients are ``jax.custom_vjp`` rules: the VJP of
-a rotation is the inverse rotation, so the backward of RoPE is the same kernel (or reference)
-with ``inverse`` flipped, q and k in one launch.
+on a GPU machine and on a machine without one. Where a kernel may run, gradients are
+``jax.custom_vjp`` rules: the VJP of a rotation is the inverse rotation, so the backward of RoPE
+is the same kernel (or reference) with ``inverse`` flipped, q and k in one launch; reverse mode
+to any order, not forward mode (JAX has no JVP of a buffer callback). Where none can
+(``backend="jnp"``, or no usable GPU) the jnp version runs alone and JAX differentiates it in
+every mode.
 """
 
 from __future__ import annotations
@@ -19,19 +22,27 @@ from .backward import cache_cotangents
 from .checks import CacheCall, RopeCall, check_cache, check_rope
 
 
-def _staged(backend: str, kernel, reference, *args):
-    """``kernel(*args)`` where XLA runs the program on CUDA and rope_rtc can launch kernels,
-    ``reference(*args)`` elsewhere; ``backend`` "jnp" or "nvrtc" forces one (docs/jax.md)."""
+def _jnp_only(backend: str) -> bool:
+    """Whether a call runs the jnp version alone: ``backend="jnp"``, or "auto" where rope_rtc
+    cannot launch kernels. JAX then differentiates it itself, in every mode (jvp, hessian), and
+    the custom VJP below, which a kernel needs, is left out."""
     if backend == "jnp":
-        return reference(*args)
+        return True
     reason = kernel_call.unusable_reason()
+    if backend == "auto" and reason is not None:
+        kernel_call.warn_reference_once(reason)
+        return True
+    return False
+
+
+def _staged(backend: str, kernel, reference, *args):
+    """``kernel(*args)`` where XLA runs the program on CUDA, ``reference(*args)`` elsewhere (a
+    call that may stage a kernel: ``_jnp_only`` is False); ``backend="nvrtc"`` stages the
+    kernel alone (docs/jax.md)."""
     if backend == "nvrtc":
-        if reason is not None:
+        if kernel_call.unusable_reason() is not None:
             kernel_call.require_kernels()  # as the CuPy API's backend="nvrtc": the library's error, and the way out
         return jax.lax.platform_dependent(*args, cuda=kernel)
-    if reason is not None:
-        kernel_call.warn_reference_once(reason)
-        return reference(*args)
     return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
 
 
@@ -47,14 +58,23 @@ def _rope(call: RopeCall, q, k, tables: tuple, index: tuple):
 
 
 def _rope_fwd(call: RopeCall, q, k, tables: tuple, index: tuple):
-    # The backward needs no primal value: only the tables and positions.
-    return _rope_forward(call, q, k, tables, index), (tables, index)
+    # The backward needs no primal value: only the tables and positions. Both rules call the op
+    # itself, not its kernel, so a gradient of a gradient (reverse over reverse) finds this rule
+    # again where it would need the JVP of a buffer callback, which JAX has none of.
+    return _rope(call, q, k, tables, index), (tables, index)
+
+
+def _any_rope(call: RopeCall, q, k, tables: tuple, index: tuple):
+    """The op as staged for its backend: the jnp version alone, or the op with its VJP."""
+    if _jnp_only(call.backend):
+        return jnp_rope.rope(call, q, k, tables, index)
+    return _rope(call, q, k, tables, index)
 
 
 def _rope_bwd(call: RopeCall, residuals: tuple, cotangents: tuple):
     tables, index = residuals
     gq, gk = cotangents
-    dq, dk = _rope_forward(call.inverted(), gq, gk, tables, index)
+    dq, dk = _rope(call.inverted(), gq, gk, tables, index)
     return dq, dk, None, None  # no gradient for the tables (constants of every model) or positions
 
 
@@ -130,7 +150,7 @@ def apply_rope_qk(q, k, cos=None, sin=None, *, positions=None, offset=0, cu_seql
                                                  head_dim, backend, in_place)
     if k is None:
         raise TypeError("k: expected an array (use rope_rtc.jax.apply_rope for a single tensor)")
-    q_rot, k_rot = _rope(call, q, k, tables, index)
+    q_rot, k_rot = _any_rope(call, q, k, tables, index)
     return _flat(q_rot, flat[0]), _flat(k_rot, flat[1])
 
 
@@ -143,7 +163,7 @@ def apply_rope(x, cos=None, sin=None, *, positions=None, offset=0, cu_seqlens=No
     call, x, _, tables, index, flat = check_rope(("x", "k"), x, None, cos, sin, cos_sin_cache, positions, offset,
                                                  cu_seqlens, layout, interleaved, rotary_dim, rotary_offset, inverse,
                                                  head_dim, backend, in_place)
-    x_rot, _ = _rope(call, x, None, tables, index)
+    x_rot, _ = _any_rope(call, x, None, tables, index)
     return _flat(x_rot, flat[0])
 
 
@@ -160,14 +180,14 @@ def _rope_cache(call: CacheCall, q, k, v, tables, index, slots, caches, scales):
 
 
 def _rope_cache_fwd(call: CacheCall, q, k, v, tables, index, slots, caches, scales):
-    return _cache_forward(call, q, k, v, tables, index, slots, caches, scales), (tables, index, slots)
+    return _rope_cache(call, q, k, v, tables, index, slots, caches, scales), (tables, index, slots)
 
 
 def _rope_cache_bwd(call: CacheCall, residuals: tuple, cotangents: tuple):
     tables, index, slots = residuals
     gq, gk, gk_cache, gv_cache = cotangents
     gk, gv, caches = cache_cotangents(call, gk, gk_cache, gv_cache, slots)
-    dq, dk = _rope_forward(call.rope.inverted(), gq, gk, tables, index)
+    dq, dk = _rope(call.rope.inverted(), gq, gk, tables, index)
     return dq, dk, gv, None, None, None, caches, None
 
 
@@ -211,4 +231,6 @@ def rope_and_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache,
     call, arrays = check_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv_layout,
                                kv_cache_dtype, k_scale, v_scale, offset, cu_seqlens, interleaved, rotary_dim, backend,
                                in_place)
+    if _jnp_only(call.rope.backend):
+        return jnp_rope.rope_and_cache(call, *arrays)
     return _rope_cache(call, *arrays)
