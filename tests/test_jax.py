@@ -314,6 +314,17 @@ def test_fp8_cache_grad_flows_through_q_and_k_only():
         assert_rope_close(np.asarray(g), ref, w.astype(ml_dtypes.bfloat16), interleaved=False)
 
 
+def test_a_python_int_scale_is_a_scale():
+    """The docstring's "float": a Python int (k_scale=1) is the same constant, not refused as
+    "expected a JAX or NumPy array, got int"."""
+    host = cache_inputs("bfloat16", "fp8_e4m3", "nhd", seed=53)
+    args = [jnp.asarray(host[n]) for n in CACHE_ARGS]
+    ints = rj.rope_and_cache(*args, kv_cache_dtype="fp8_e4m3", k_scale=1, v_scale=2, backend="jnp")
+    floats = rj.rope_and_cache(*args, kv_cache_dtype="fp8_e4m3", k_scale=1.0, v_scale=2.0, backend="jnp")
+    for a, b in zip(ints, floats):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # -- checks at trace time -------------------------------------------------------------------------
 
 def _traced(fn, *args):

@@ -200,7 +200,7 @@ def check_cache(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, kv
     k_cache, v_cache = as_array(k_cache, "k_cache"), as_array(v_cache, "v_cache")
     scales = []
     for scale, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        if isinstance(scale, (float, np.floating)) and not isinstance(scale, bool):
+        if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, (bool, np.bool_)):
             scale = jnp.full((1,), scale, jnp.float32)  # a Python scale: a constant of the program
         scale = as_array(scale, name)
         if scale is not None and scale.ndim == 0:
