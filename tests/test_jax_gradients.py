@@ -4,7 +4,8 @@
 - the CuPy / NumPy API: the backward of RoPE is the inverse rotation of the cotangents
   (``inverse=True``, q and k in one call); the cache write's (docs/jax.md, "Gradients") routes
   the written entries' cotangents back to their tokens first;
-- ``rope_rtc.jax``: ``jax.grad`` through the functions (their custom VJP).
+- ``rope_rtc.jax``: ``jax.grad`` through the functions: their custom VJP, and JAX's own
+  derivative of the jnp version (``backend="jnp"``).
 
 Needs torch and transformers (skipped where either is missing: the project's venv, CI); the JAX
 half needs JAX too."""
@@ -151,10 +152,17 @@ def on_the_cpu():
         yield jax
 
 
-@pytest.mark.parametrize("backend", ["jnp", "auto"])
-def test_jax_grad_is_what_torch_computes(backend, on_the_cpu):
+@pytest.mark.parametrize("backend", ["jnp", "auto", "vjp"])
+def test_jax_grad_is_what_torch_computes(backend, on_the_cpu, monkeypatch):
+    """"jnp": JAX's derivative of the jnp version; "vjp": the custom VJP, which runs where a kernel
+    could (simulated here); "auto": whichever this machine runs."""
     jax = on_the_cpu
     import rope_rtc.jax as rj
+    from rope_rtc.jax import kernel_call
+
+    if backend == "vjp":
+        monkeypatch.setattr(kernel_call, "_usable", [None])
+        backend = "auto"
 
     q, k, wq, wk, cos, sin, pos = _inputs(40)
     tq, tk = _torch_rope_grads(q, k, wq, wk, cos, sin, pos)
@@ -171,16 +179,22 @@ def test_jax_grad_is_what_torch_computes(backend, on_the_cpu):
     _check(np.asarray(dk), tk, wk, pos, cos, sin)
 
 
-def test_jax_cache_write_grad_is_what_torch_computes(on_the_cpu):
+@pytest.mark.parametrize("backend", ["jnp", "vjp"])
+def test_jax_cache_write_grad_is_what_torch_computes(backend, on_the_cpu, monkeypatch):
     jax = on_the_cpu
     import rope_rtc.jax as rj
+    from rope_rtc.jax import kernel_call
+
+    if backend == "vjp":  # the custom VJP, which runs where a kernel could (simulated here)
+        monkeypatch.setattr(kernel_call, "_usable", [None])
+        backend = "auto"
 
     q, k, v, kc, vc, cos, sin, pos, slots, w = _cache_inputs(60)
     want = _torch_cache_grads(q, k, v, cos, sin, pos, slots, kc, vc, w)
 
     def loss(q, k, v, kc, vc):
         outs = rj.rope_and_cache(q, k, v, cos, sin, pos.astype(np.int32), slots.astype(np.int32), kc, vc,
-                                 backend="jnp")
+                                 backend=backend)
         return sum((o * wi).sum() for o, wi in zip(outs, w))
 
     got = jax.jit(jax.grad(loss, argnums=tuple(range(5))))(q, k, v, kc, vc)
