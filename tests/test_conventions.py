@@ -72,7 +72,7 @@ def test_cos_sin_cache_is_the_tables_side_by_side(scaling, numerics):
 @pytest.mark.parametrize("kwargs,exc,match", [
     ({"cos_sin_cache": np.zeros((8, 63), np.float32)}, ValueError, "even"),
     ({"cos_sin_cache": np.zeros((8, 64), np.float16)}, TypeError,
-     r"cos_sin_cache: expected float32, got float16; .*cos_sin_cache\.astype\(float32\)"),
+     r"cos_sin_cache: expected float32, got float16; .*cos_sin_cache\.astype\(float32\), or \.float\(\) for a torch"),
     ({"cos_sin_cache": np.zeros((8, 2, 64), np.float32)}, ValueError, "2-d"),
     ({"cos_sin_cache": np.ones((8, 64), np.float32), "cos": np.ones((8, 32), np.float32)}, TypeError, "instead of"),
     ({}, TypeError, "cos: expected an array"),

@@ -7,9 +7,10 @@ when XLA lowers the program for its platform (``jax.lax.platform_dependent``): o
 on a GPU machine and on a machine without one. Where a kernel may run, gradients are
 ``jax.custom_vjp`` rules: the VJP of a rotation is the inverse rotation, so the backward of RoPE
 is the same kernel (or reference) with ``inverse`` flipped, q and k in one launch; reverse mode
-to any order, not forward mode (JAX has no JVP of a buffer callback). Where none can
-(``backend="jnp"``, or no usable GPU) the jnp version runs alone and JAX differentiates it in
-every mode.
+to any order (a custom rule, because JAX has no derivative of a buffer callback), not forward
+mode, which JAX refuses for a custom VJP. "Where a kernel may run" is decided in the process (a
+GPU and CuPy present), not by the device a program runs on. Where none can (``backend="jnp"``,
+or no usable GPU) the jnp version runs alone and JAX differentiates it in every mode.
 """
 
 from __future__ import annotations

@@ -98,8 +98,8 @@ def split_cos_sin_cache(cache, cos, sin, rotary_dim=None, head_dim=None) -> tupl
     dtype = getattr(cache, "dtype", None) if info is None else info.dtype
     if dtype is not None and str(getattr(dtype, "name", dtype)) not in ("float32", "torch.float32"):
         raise TypeError(f"cos_sin_cache: expected float32, got {dtype}; the kernels read float32 tables (an engine "
-                        "may keep its cache in the model's dtype): pass cos_sin_cache.astype(float32) once, or "
-                        "build it with rope_rtc.cos_sin_cache")
+                        "may keep its cache in the model's dtype): cast it once (cos_sin_cache.astype(float32), or "
+                        ".float() for a torch tensor), or build it with rope_rtc.cos_sin_cache")
     width = int(shape[1])
     if width == 0 or width % 2:
         raise ValueError(f"cos_sin_cache: its rows hold cos then sin, so their width must be even and positive, got "
