@@ -394,6 +394,21 @@ def test_wrong_rows_are_not_used():
     assert "WRONG" in report.text_table(report.blog_table(res))
 
 
+@pytest.mark.parametrize("flag", ["--from-json", "--merge-json"])
+def test_a_saved_run_that_cannot_be_read_is_a_usage_error_naming_the_flag(tmp_path, capsys, flag):
+    """A missing or malformed file: exit 2 and a line naming the flag and the file (a bare
+    "[Errno 2]" and exit 1 before)."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"cases": []}))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for path in (tmp_path / "missing.json", bad):
+        args = ["--from-json", str(path)] if flag == "--from-json" else ["--from-json", str(good), flag, str(path)]
+        assert cli.main(args + ["--no-plot"]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: cannot read {path}" in err, err
+
+
 def test_json_round_trip_and_from_json_docs(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("OUT", raising=False)
     res = synthetic_result(True)

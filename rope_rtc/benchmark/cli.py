@@ -32,9 +32,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"engine/{name} (engine)")
         return 0
     if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
-        if args.merge_json:
-            result = merge_results(result, json.loads(Path(args.merge_json).read_text()))
+        try:
+            result = _saved_run(args.from_json, "--from-json")
+            if args.merge_json:
+                result = merge_results(result, _saved_run(args.merge_json, "--merge-json"))
+        except ValueError as exc:
+            print(f"rope-rtc bench: {exc}", file=sys.stderr)
+            return 2
         report(result, args, Path(args.json) if args.json else None)
         return 0
     reason = gpu_unavailable_reason()
@@ -47,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     result = run_benchmark(args)
     report(result, args, json_path)
     return 0
+
+
+def _saved_run(path: str, flag: str) -> dict:
+    """A run saved by ``--json``; ValueError naming ``flag`` and the file when it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:  # missing, unreadable, not JSON (JSONDecodeError is a ValueError)
+        raise ValueError(f"{flag}: cannot read {path}: {exc} (pass a file written by --json)") from None
 
 
 if __name__ == "__main__":  # pragma: no cover
