@@ -104,6 +104,18 @@ def test_info_counts_entries_and_size(capsys, no_device, tmp_path):
     assert f"3 entries, {total / 1024:.1f} KiB" in out
 
 
+def test_info_names_why_a_cache_under_a_file_can_never_be_created(capsys, no_device, tmp_path):
+    """A cache root below a regular file is not "empty (not created yet)": it can never be created,
+    and info says why, as for any directory it cannot open."""
+    (tmp_path / "afile").write_text("")
+    rc, out, _ = run_main(capsys, "info", "--cache-dir", str(tmp_path / "afile" / "cache"))
+    assert rc == 0
+    line = [x for x in out.splitlines() if x.startswith("cache entries")][0]
+    assert "not created yet" not in line and "cannot open cache directory" in line and "Not a directory" in line
+    rc, out, _ = run_main(capsys, "info", "--cache-dir", str(tmp_path / "new"))
+    assert [x for x in out.splitlines() if x.startswith("cache entries")][0].endswith("empty (not created yet)")
+
+
 def test_info_in_a_fresh_process_never_imports_cupy():
     code = ("import sys; from rope_rtc.cli import main; rc = main(['info']); "
             "print('CUPY-IMPORTED' if 'cupy' in sys.modules else 'CUPY-NOT-IMPORTED'); sys.exit(rc)")

@@ -138,8 +138,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         created = store.directory.exists()
     except OSError:  # a parent directory this user cannot search: store.problem says so
         created = True
-    if not created:
+    if not created and (store.missing or not store.problem):
         contents = "empty (not created yet)"
+    elif not created:  # it can never be created where it is (a path through a regular file)
+        contents = f"none; {store.problem}"
     elif store.problem:
         contents += f"; {store.problem}"
     rows.append(("cache entries", contents))
