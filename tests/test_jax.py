@@ -165,6 +165,24 @@ def test_wide_positions_and_slots_are_not_cut_to_32_bits():
         jax.config.update("jax_enable_x64", old)
 
 
+def test_host_indices_that_jax_would_cut_to_32_bits_are_refused():
+    """Without jax_enable_x64, JAX makes an int64 NumPy array int32, silently: a position of
+    2^32 + 3 became 3 and a slot past 2^31 one inside the cache (another sequence's entry). The
+    values are known at trace time, so such an array is refused, naming it."""
+    assert not jax.config.jax_enable_x64
+    x = jnp.asarray(host_random((2, HQ, D), np.float32, 48))
+    cos, sin = host_tables(ROWS, D // 2, 49)
+    with pytest.raises(ValueError, match=r"^positions: 4294967299 does not fit .*jax_enable_x64"):
+        rj.apply_rope(x, cos, sin, positions=np.array([0, 2**32 + 3], np.int64), layout="thd", backend="jnp")
+    host = cache_inputs("float32", "auto", "nhd", seed=54)
+    args = {n: host[n] for n in CACHE_ARGS}
+    args["slot_mapping"] = np.full(T, -(2**31) - 1, np.int64)  # would wrap to 2^31 - 1
+    with pytest.raises(ValueError, match=r"^slot_mapping: -2147483649 does not fit"):
+        rj.rope_and_cache(*args.values(), backend="jnp")
+    ok = rj.apply_rope(x, cos, sin, positions=np.array([0, 5], np.int64), layout="thd", backend="jnp")
+    assert not np.isnan(np.asarray(ok)).any()
+
+
 def test_a_table_of_no_rows_gives_nan_for_every_token_of_device_positions():
     """Positions given as an array are not checked against the table (they may be traced): with a
     table of no rows every token is outside it, NaN, as on the GPU (jnp.take raised IndexError)."""

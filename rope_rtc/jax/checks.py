@@ -81,7 +81,17 @@ def as_array(value, name: str):
     if value is None or isinstance(value, jax.Array):
         return value
     if isinstance(value, np.ndarray) or (hasattr(value, "shape") and hasattr(value, "dtype")):
-        return jnp.asarray(value)
+        out = jnp.asarray(value)
+        if isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.size and \
+                value.dtype.itemsize > out.dtype.itemsize:
+            # Without jax_enable_x64 JAX narrows a 64-bit array without a word: a position or slot
+            # past 2^31 would land inside the table or the cache.
+            for v in (int(value.min()), int(value.max())):
+                if not np.iinfo(out.dtype).min <= v <= np.iinfo(out.dtype).max:
+                    raise ValueError(f"{name}: {v} does not fit the {out.dtype} JAX makes of a 64-bit array "
+                                     "without jax_enable_x64; enable it (jax.config.update('jax_enable_x64', "
+                                     "True)) or pass values that fit")
+        return out
     raise TypeError(f"{name}: expected a JAX or NumPy array, got {type(value).__name__} {shown(value)}")
 
 
