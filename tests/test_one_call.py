@@ -1190,3 +1190,26 @@ def test_the_one_call_repeat_paths_launch_what_a_cold_call_launches(fixed):
     assert len(launched) > 200 and len(warm) - len(launched) > 5
     if fixed:
         assert {w[0][0][0] for w in launched} == {"rope_fixed", "rope_apply"}
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("offset, cu", [(-1, False), (61, False), (64, True), (-2, True)])
+def test_a_bad_offset_is_worded_alike_on_a_new_plan_and_a_warm_one(fixed, offset, cu):
+    """A warm plan checks a new int offset itself (check_scalar); its message is validation's."""
+    with FakeGPU(fixed=fixed):
+        cos, sin = fake_cupy((64, 16), np.float32), fake_cupy((64, 16), np.float32)
+        if cu:
+            x = fake_cupy((8, 4, 32), np.float32)
+            kw = dict(layout="thd", cu_seqlens=fake_cupy((3,), np.int32))
+        else:
+            x = fake_cupy((2, 4, 4, 32), np.float32)
+            kw = dict(layout="bshd")
+        with pytest.raises(ValueError) as fresh:
+            rope_plan.RopePlan(x, None, cos, sin, offset=offset, **kw)
+        warm = rope_plan.RopePlan(x, None, cos, sin, offset=0, **kw)
+        per_call = {k: v for k, v in kw.items() if k == "cu_seqlens"}
+        warm.execute(x, None, cos, sin, offset=0, **per_call)
+        with pytest.raises(ValueError) as again:
+            warm.execute(x, None, cos, sin, offset=offset, **per_call)
+        assert str(again.value) == str(fresh.value)
+        assert str(fresh.value).startswith("offset: ")

@@ -25,7 +25,7 @@ from .conventions import head_dim_of, name_the_cache, split_cos_sin_cache, unfla
 from .rope_launch import allowed_vectors, angle_builds, choose_vector, fill_fixed, fill_params, fixed_build, \
     fixed_launch_shape, index_space, launch_shape
 from .rope_params import POS_CU_SEQLENS, POS_OFFSET, FixedParams, RopeParams
-from .rope_request import Request, check_positions_of, position_range, validate
+from .rope_request import Request, check_positions_of, offset_error, validate
 
 # Argument order of the core's calls: q, k, cos, sin, positions, q_out, k_out, cu_seqlens,
 # offset array. The scalar is the int offset.
@@ -568,6 +568,10 @@ class RopeTemplate:
         # sequence starts at the offset, so a call with tokens reads its row at least.
         self.offset_rows = ((req.cq.S, self.table_rows) if req.pos_mode == POS_OFFSET else
                             (1, self.table_rows) if req.pos_mode == POS_CU_SEQLENS and req.num_tokens else None)
+        # offset_error's (tokens, rows, per_sequence), as validation calls it for a new plan; with
+        # positions or an offset array the int offset is 0 (a token count may exceed the rows)
+        self.offset_check = ((req.cq.S, self.table_rows, req.pos_mode == POS_CU_SEQLENS)
+                             if req.pos_mode in (POS_OFFSET, POS_CU_SEQLENS) else (0, self.table_rows, False))
         self.rows_stride = req.cos.strides[0] if req.cos.shape[0] > 1 and not req.angles else 0
         self._prefixes: dict[int, tuple] = {}
         # The specialised build reads table rows NPAIR floats per access when both tables' addresses
@@ -613,12 +617,9 @@ class RopeTemplate:
         """A new int offset for arguments already validated (ValueError when it cannot be used)."""
         if self.has_positions and offset:
             raise ValueError("positions and offset: pass one of them (positions are absolute)")
-        if offset < 0 or offset > self.table_rows:
-            raise ValueError(f"offset: {offset} is not a position of {position_range(self.table_rows)}")
-        if self.offset_rows is not None:
-            S, rows = self.offset_rows
-            if offset + S > rows:
-                raise ValueError(f"offset: positions {offset}..{offset + S - 1} fall outside {position_range(rows)}")
+        bad = offset_error(offset, *self.offset_check)
+        if bad:
+            raise ValueError(bad)
 
     def write_scalar(self, block: RopeParams, offset: int, call: Call) -> None:
         # Both specialised builds (dense, and the strided one a dense template falls back to)

@@ -243,6 +243,17 @@ def position_range(rows: int) -> str:
     return f"the table's {rows} rows"
 
 
+def offset_error(offset: int, tokens: int, rows: int, per_sequence: bool) -> str | None:
+    """Why an int ``offset`` cannot serve ``tokens`` tokens on a table of ``rows`` rows, or None;
+    one wording for a new plan and a warm one. ``per_sequence``: with cu_seqlens every sequence
+    starts at the offset, so with any token there it must be a row."""
+    if not per_sequence and (offset < 0 or offset + tokens > rows):
+        return f"offset: positions {offset}..{offset + tokens - 1} fall outside {position_range(rows)}"
+    if offset < 0 or offset > rows or (per_sequence and tokens > 0 and offset >= rows):
+        return f"offset: {offset} is not a position of {position_range(rows)}"
+    return None
+
+
 def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, rows: int, allow_host: bool):
     """``(positions, offset array, cu_seqlens, scalar offset)`` of one call."""
     pi = oi = cui = None
@@ -267,11 +278,9 @@ def check_positions(positions, offset, cu_seqlens, layout: str, cq: Canonical, r
             raise ValueError(f"positions: expected shape {want} (one per token), got {pi.shape}")
     elif is_int(offset):
         off = int(offset)
-        if cui is None and (off < 0 or off + cq.S > rows):
-            raise ValueError(f"offset: positions {off}..{off + cq.S - 1} fall outside {position_range(rows)}")
-        # With cu_seqlens every sequence starts at the offset: with any token there, it is a row.
-        if off < 0 or off > rows or (cui is not None and cq.S > 0 and off >= rows):
-            raise ValueError(f"offset: {off} is not a position of {position_range(rows)}")
+        bad = offset_error(off, cq.S, rows, cui is not None)
+        if bad:
+            raise ValueError(bad)
     elif offset is None:
         off = 0
     elif isinstance(offset, (float, np.floating)) or isinstance(offset, (bool, np.bool_)):
