@@ -157,6 +157,41 @@ def test_cold_sets():
     assert bcases.cold_sets(0, l2) == bcases.MAX_COLD_SETS
 
 
+@pytest.mark.parametrize("l2_mib", [40, 50, 60])   # A100, H100 and H200 L2 sizes
+def test_every_case_is_measured_cold(l2_mib):
+    """Every case but the tail shapes of a few KB has sets that exceed 4x the L2, decode at T=1
+    included: at 4,096 sets a T=1 decode case's sets (10 KB each) fitted the L2, its "cold" rows
+    were L2 hits, and a peer with plain stores looked faster there than under a cold L2."""
+    l2 = l2_mib * MiB
+    cases = [c for c in bcases.all_cases(quick=False) if c.group != "tail" or c.footprint() >= 16 << 10]
+    assert any(c.id == "decode/bf16/T=1" for c in cases)
+    for c in cases:
+        n = bcases.cold_sets(c.footprint(), l2)
+        assert n * c.footprint() >= bcases.COLD_FACTOR * l2, c.id
+
+
+def test_graph_cold_captures_one_call_per_cold_set():
+    """The cold graph holds a call on every set, not the first 1,024 of them."""
+    from rope_rtc.benchmark import runner
+
+    captured = []
+
+    class Clock:
+        def events(self, fns, divisor=1, sets=None):
+            return {"us": 1.0, "sets": sets or len(fns)}
+
+        def host(self, fns):
+            return {"us": 1.0}
+
+    def capture(indices):
+        captured.append(list(indices))
+        return (lambda: None), None
+
+    ctx = type("Ctx", (), {"clock": Clock()})()
+    t = runner.measure(ctx, [lambda: None] * 20000, capture, True, 20000)
+    assert captured[1] == list(range(20000)) and t["graph_cold"]["sets"] == 20000
+
+
 def test_impls_per_case():
     def names(case):
         return {i.name: i.layout_for(case) for i in impls.impls_for(case) if i.layout_for(case) is not None}

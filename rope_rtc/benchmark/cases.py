@@ -45,10 +45,9 @@ REGIMES = ("hot", "cold", "graph", "graph_cold", "host", "cold_paired")
 
 MiB = 1 << 20
 COLD_FACTOR = 4              # cold L2: buffer sets totalling more than 4x the L2
-MAX_COLD_SETS = 4096         # beyond this the cold footprint is reported as partial
+MAX_COLD_SETS = 32768        # beyond this the cold footprint is reported as partial
 SMALL_BYTES = 64 * MiB       # cases moving at most this also get graph-replay and host figures
 GRAPH_HOT_CALLS = 64         # calls captured per graph, same buffers
-GRAPH_COLD_CALLS = 1024      # at most this many calls (one per buffer set) per cold graph
 BIG_COPY_MOVED = 4 << 30     # the reference copy: 4 GiB moved (2 GiB read + 2 GiB written)
 DECODE_POSITIONS = 8192      # rows of the decode table; positions are drawn below it
 TAIL_COLS = 32               # tail RoPE table columns (64 rotated channels)

@@ -456,9 +456,8 @@ def evaluate_targets(result: dict) -> list[dict]:
            _host_points(result, dec, "RopePlan.execute (same arrays)"), PLAN_HOST_US, " µs", floor=False)
     # tail
     tail = [c for c in cases if c["group"] == "tail"]
-    # The target's condition is a cold L2. Shapes of a few KB cannot be measured cold (4096 sets of
-    # them still fit the L2); there latency, not bandwidth, sets the time, even for the naive
-    # copy kernel, so they are reported beside the target rather than judged by it.
+    # The target's condition is a cold L2. A shape too small to be measured cold (MAX_COLD_SETS
+    # sets of it still fit the L2) is reported beside the target rather than judged by it.
     cold = [c for c in tail if c.get("cold_exact")]
     warm = [c for c in tail if not c.get("cold_exact")]
     _worst(add, f"tail >= {TAIL_COPY_PCT:.0f}% of copy, cold L2, every shape measured cold",
@@ -688,7 +687,7 @@ METHOD_MD = """\
   read, half written), measured the same way in the same run; a 4 GiB copy is given for scale.
 - **Regimes**: *hot* = CUDA events around back-to-back calls on the same buffers; *cold* =
   rotating among buffer sets totalling more than 4x the L2 (the same as hot when one set
-  already does; marked * where the 4096-set cap leaves it partial); *graph* / *graph cold* =
+  already does; marked * where the 32768-set cap leaves it partial); *graph* / *graph cold* =
   GPU time per call under CUDA-graph replay of captured calls (a peer's output of each buffer
   set kept alive with the graph, so that it writes a buffer per set as ours do); *host* = wall
   time per call of Python loops of 100 calls, each issued behind a GPU kernel that outlasts it

@@ -24,7 +24,7 @@ import numpy as np
 from ..measure import CopyRunner
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
-from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS, GRAPH_COLD_CALLS,
+from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS,
                     GRAPH_HOT_CALLS, HOST_PROCESSES, ONE_CALL, ONE_CALL_POOL, OURS, SCHEMA,
                     SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
 from .device_state import DeviceMonitor
@@ -103,7 +103,7 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
     else:
         t["cold"] = dict(t["hot"], same_as="hot")
     if small and capture is not None:
-        for regime, indices in (("graph", [0] * GRAPH_HOT_CALLS), ("graph_cold", list(range(min(cold_n, GRAPH_COLD_CALLS))))):
+        for regime, indices in (("graph", [0] * GRAPH_HOT_CALLS), ("graph_cold", list(range(cold_n)))):
             if regime == "graph_cold" and cold_n == 1:
                 t[regime] = dict(t["graph"], same_as="graph")
                 continue
@@ -189,7 +189,7 @@ def run_case(ctx, case: Case) -> dict:
     if small:
         ctx.settle()
     rec = {"id": case.id, "group": case.group, "params": case.params(), "bytes_moved": moved, "footprint": foot,
-           "sets": {"cold": n, "graph_cold": min(n, GRAPH_COLD_CALLS)},
+           "sets": {"cold": n, "graph_cold": n},
            "cold_exact": n * foot >= COLD_FACTOR * ctx.l2, "small": small, "rows": []}
     print(f"\n[{case.id}] {moved / 1e6:.3f} MB moved, {n} cold set(s) of {foot / 1e6:.3f} MB"
           + ("" if rec["cold_exact"] else f" (partial: {n * foot / 1e6:.0f} MB < {COLD_FACTOR}x L2)"), flush=True)
