@@ -119,6 +119,32 @@ def test_a_plan_relaunches_with_a_new_scale_and_in_graph_capture(cp):
     np.testing.assert_array_equal(cp.asnumpy(d["kv_cache"]), want[2])
 
 
+def test_check_positions_refuses_a_device_position_past_the_table(cp, monkeypatch):
+    """Without ROPE_RTC_CHECK_POSITIONS a device position past the table gives NaN; with it the
+    call is refused before the launch, nothing written (one-call function and plan)."""
+    import rope_rtc
+    from rope_rtc.core import dispatch
+    from rope_rtc.ops import mla
+
+    h = _host("float16", "auto", seed=6)
+    h["positions"][5] = P  # one past the table
+    names = ("q", "k_pe", "kv_c", "cos", "sin", "positions", "slot_mapping", "kv_cache")
+    d = {n: cp.asarray(a) for n, a in h.items()}
+    rope_rtc.mla_rope_and_cache(*(d[n] for n in names))
+    assert np.isnan(cp.asnumpy(d["k_pe"]).astype(np.float32)[5]).all()
+    monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+    monkeypatch.setattr(mla.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
+    d = {n: cp.asarray(a) for n, a in h.items()}
+    before = {n: cp.asnumpy(a) for n, a in d.items()}
+    with pytest.raises(ValueError, match=f"positions: entry 5 is {P}, outside the table's {P} rows"):
+        rope_rtc.mla_rope_and_cache(*(d[n] for n in names))
+    plan = rope_rtc.MlaRopeCachePlan(*(d[n] for n in names))
+    with pytest.raises(ValueError, match=f"positions: entry 5 is {P}"):
+        plan.execute(*(d[n] for n in names))
+    for n in names:
+        assert np.array_equal(_bytes(cp.asnumpy(d[n])), _bytes(before[n])), n
+
+
 @pytest.mark.device
 @pytest.mark.parametrize("mscale_all_dim", [1.0, 0.707])
 def test_the_rotation_matches_transformers_deepseek_v3(cp, mscale_all_dim):

@@ -11,6 +11,7 @@ import pytest
 
 from fakes import BF16, FakeGPU, fake_cupy
 from rope_rtc import mla_rope_and_cache
+from rope_rtc.core import dispatch
 from rope_rtc.reference import fp8_quantize, mla_rope_and_cache_reference, rope_kernel_arithmetic
 
 T, H, NOPE, R, L = 6, 4, 16, 8, 32
@@ -356,3 +357,60 @@ def test_the_mla_builds_compile_for_sm_90():
         results = list(pool.map(lambda s: compile_source(s.name, s.source, s.defines, Target(90, "cubin")), specs))
     for spec, result in zip(specs, results):
         assert result.binary[:4] == b"\x7fELF" and b"mla_rope_cache" in result.binary, spec.name
+
+
+def test_check_positions_reads_device_positions_back_before_any_launch(monkeypatch):
+    """ROPE_RTC_CHECK_POSITIONS=1 (docs/ops.md: every op) checks MLA's device positions too, in
+    the one-call function and in a plan made with it, after the call's own checks."""
+    from rope_rtc import MlaRopeCachePlan
+    from rope_rtc.ops import mla
+
+    monkeypatch.setenv("ROPE_RTC_CHECK_POSITIONS", "1")
+    monkeypatch.setattr(mla.ONE_CALL, "_local", dispatch.ThreadState())  # plans read the switch when made
+    values = np.array([0, 1, 2, 64, 4, 5], np.int64)  # the table has 64 rows
+    monkeypatch.setattr(mla, "_read_back", lambda positions: values)
+    with FakeGPU() as gpu:
+        with pytest.raises(ValueError, match=r"positions: entry 3 is 64, outside the table's 64 rows"):
+            mla_rope_and_cache(**_call())
+        plan = MlaRopeCachePlan(**_call())
+        kw = _call()
+        with pytest.raises(ValueError, match="positions: entry 3 is 64"):
+            plan.execute(**kw)
+        with pytest.raises(TypeError, match="k_pe"):  # the call's own checks come first
+            plan.execute(**dict(kw, k_pe=fake_cupy((T, R), np.float16)))
+        assert gpu.launches == []
+        values[3] = 63
+        mla_rope_and_cache(**_call())
+        plan.execute(**kw)
+        assert len(gpu.launches) == 2
+
+
+def test_a_numpy_bool_is_a_pair_style():
+    """interleaved=np.bool_ (a flag read from a NumPy config) is taken, as by apply_rope."""
+    inputs = _host_inputs()
+    for flag in (np.True_, np.False_):
+        want = mla_rope_and_cache_reference(*inputs, interleaved=bool(flag))
+        args = [a.copy() for a in inputs]
+        got = mla_rope_and_cache(*args, interleaved=flag, backend="numpy")
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert np.array_equal(args[-1], want[2])
+    with FakeGPU() as gpu:
+        mla_rope_and_cache(**_call(), interleaved=np.True_)
+        mla_rope_and_cache(**_call(), interleaved=True)
+        assert len(gpu.launches) == 2
+    with pytest.raises(TypeError, match="interleaved"):
+        mla_rope_and_cache(*_host_inputs(), interleaved=1, backend="numpy")
+
+
+def test_a_one_row_table_pair_needs_no_common_row_stride():
+    """One row: its stride is never read, so cos as a view of a combined [1, R] cache and sin as a
+    [1, R/2] array are taken (as apply_rope takes them)."""
+    q, k_pe, kv_c, cos, sin, positions, slots, cache = _host_inputs()
+    both = np.concatenate([cos[3:4], sin[3:4]], axis=1)
+    one_cos, one_sin = both[:, :R // 2], sin[3:4].copy()
+    assert one_cos.strides[0] != one_sin.strides[0]
+    zero = np.zeros_like(positions)
+    want = mla_rope_and_cache_reference(q, k_pe, kv_c, cos[3:4].copy(), one_sin, zero, slots, cache)
+    args = [q.copy(), k_pe.copy(), kv_c, one_cos, one_sin, zero, slots, cache.copy()]
+    got = mla_rope_and_cache(*args, backend="numpy")
+    assert np.array_equal(got[0], want[0]) and np.array_equal(args[-1], want[2])

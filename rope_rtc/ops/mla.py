@@ -26,6 +26,7 @@ from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, 
 from ..core.prepared import Call, Op, Prepared, cupy_ndarray, disjoint_pairs, made_once, pointers, repeat_signature
 from .mla_request import (ARGS, KV_CACHE, Q, Q_FP8_OUT, Q_OUT, MlaParams, MlaRequest, check_options, fill_mla_params,
                           strides_allow, threads, validate_mla_call, vector_arrays, widths)
+from .rope_request import check_position_rows
 
 BLOCK_THREADS = 128
 _OWN_INPUT = {Q_OUT: Q}  # q_out is q: in place
@@ -173,14 +174,17 @@ class MlaRopeCachePlan:
     def __init__(self, q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, *, kv_cache_dtype: str = "auto",
                  kv_scale=None, q_out=None, q_fp8_out=None, q_fp8_scale=None, q_fp8_dtype: str = "fp8_e4m3",
                  interleaved: bool = True) -> None:
-        self._opts = dict(kv_cache_dtype=kv_cache_dtype, q_fp8_dtype=q_fp8_dtype, interleaved=interleaved)
+        check_options(kv_cache_dtype, q_fp8_dtype, interleaved)
+        self._opts = dict(kv_cache_dtype=kv_cache_dtype, q_fp8_dtype=q_fp8_dtype, interleaved=bool(interleaved))
         req = validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, kv_scale=kv_scale,
                                 q_out=q_out, q_fp8_out=q_fp8_out, q_fp8_scale=q_fp8_scale, **self._opts)
         self._fixed = _fixed(req)
         self.device = int(req.device if req.device is not None else current_device())
         self._functions: dict = {}
         self._core = Prepared(_MlaOp(self), StructArg(MlaParams), self.device)
-        self._check_positions = False  # positions are absolute: the kernel writes NaN rows past the table
+        from ..env import settings
+
+        self._check_positions = settings().check_positions  # read once per plan, as every plan does
 
     def function(self, req: MlaRequest):
         fn = self._functions.get(req.vec)
@@ -194,7 +198,25 @@ class MlaRopeCachePlan:
         ``(q_out, k_pe, q_fp8_out)`` (q when rotated in place; q_fp8_out None without an FP8 q)."""
         arrays = (q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, kv_scale, q if q_out is None else q_out,
                   q_fp8_out, q_fp8_scale)
+        if self._check_positions:  # the call's checks first: only then are its positions read back
+            validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, kv_scale=kv_scale,
+                              q_out=q_out, q_fp8_out=q_fp8_out, q_fp8_scale=q_fp8_scale, **self._opts)
+            check_mla_positions(arrays)
         return self._core.execute(arrays, 0, stream)
+
+
+def check_mla_positions(arrays: tuple) -> None:
+    """``ROPE_RTC_CHECK_POSITIONS=1``: read a validated call's device positions back
+    (synchronising) and raise on one outside the table (its token's rotation and cache row would
+    be NaN)."""
+    check_position_rows(_read_back(arrays[5]), int(arrays[3].shape[0]))
+
+
+def _read_back(positions) -> np.ndarray:
+    """The values of device ``positions`` on the host (synchronising)."""
+    import cupy
+
+    return cupy.asnumpy(cupy.asarray(positions))
 
 
 def mla_rope_and_cache(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, *, kv_cache_dtype: str = "auto",
@@ -249,7 +271,7 @@ def mla_rope_and_cache(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cach
         Before anything is launched or written, naming the argument.
     """
     check_options(kv_cache_dtype, q_fp8_dtype, interleaved)  # before they are hashed into a key
-    options = (kv_cache_dtype, q_fp8_dtype, interleaved)
+    options = (kv_cache_dtype, q_fp8_dtype, bool(interleaved))
     arrays = (q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, kv_scale, q if q_out is None else q_out,
               q_fp8_out, q_fp8_scale)
     host_slots = isinstance(slot_mapping, np.ndarray)
@@ -292,7 +314,8 @@ def _new_plan(request, arrays: tuple, scalar: int, options: tuple, device: int) 
 
 _SIGNATURE = signature_with_own(((Q_OUT, Q),))
 # The one-call function's dispatch; options: (kv_cache_dtype, q_fp8_dtype, interleaved).
-ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_SIGNATURE)
+ONE_CALL = OneCall(_plan_key, _new_plan, signature_of=_SIGNATURE,
+                   check_positions=lambda plan, arrays, scalar, options: check_mla_positions(arrays))
 
 
 def _apply_host(arrays: tuple, options: tuple, stream, backend: str, requested: str) -> tuple:

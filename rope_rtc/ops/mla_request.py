@@ -103,7 +103,7 @@ def check_options(kv_cache_dtype, q_fp8_dtype, interleaved) -> None:
     check_cache_dtype(kv_cache_dtype)
     if not isinstance(q_fp8_dtype, str) or q_fp8_dtype not in FP8_KINDS:
         raise ValueError(f"q_fp8_dtype: expected one of {', '.join(map(repr, FP8_KINDS))}, got {q_fp8_dtype!r}")
-    if type(interleaved) is not bool:
+    if not isinstance(interleaved, (bool, np.bool_)):
         raise TypeError(f"interleaved: expected True (adjacent pairs, DeepSeek's) or False (half-split pairs), got "
                         f"{interleaved!r}")
 
@@ -167,6 +167,7 @@ def validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache
     NumPy ``slot_mapping`` with device arrays (the one-call function copies it), checked value by
     value as host slots always are."""
     check_options(kv_cache_dtype, q_fp8_dtype, interleaved)
+    interleaved = bool(interleaved)  # a NumPy bool (a flag read from a config array) keys builds as a bool
     qi = _describe(q, "q", host)
     A.check_dtype(qi, FLOAT_DTYPES)
     if len(qi.shape) != 3:
@@ -209,7 +210,8 @@ def validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache
         if ti.device is not None:
             A.check_aligned(ti, 4)
         tables.append(ti)
-    if tables[0].shape != tables[1].shape or tables[0].strides[0] != tables[1].strides[0]:
+    # A row stride is read only between rows: a one-row table's is free, as for apply_rope.
+    if tables[0].shape != tables[1].shape or tables[0].shape[0] > 1 and tables[0].strides[0] != tables[1].strides[0]:
         raise ValueError(f"sin: expected cos's shape and row stride {tables[0].shape} {tables[0].strides}, got "
                          f"{tables[1].shape} {tables[1].strides}")
     if tables[0].shape[0] == 0:
