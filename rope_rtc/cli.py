@@ -211,8 +211,8 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     from .build.registry import DEFAULT_TAIL_HEADS
 
     w.add_argument("--arch", action="append", metavar="ARCH",
-                   help="architecture to build for, e.g. sm_90 (repeatable, or comma-separated); "
-                        "default: those of this machine's GPUs")
+                   help="architecture to build for, e.g. sm_90 (repeatable, or comma-separated); compute_XX "
+                        "builds PTX, what a GPU newer than NVRTC loads; default: those of this machine's GPUs")
     w.add_argument("--jobs", "-j", type=_positive_int, default=None, help="concurrent compiles (default: CPU count)")
     w.add_argument("--tail-heads", type=_int_list, default=list(DEFAULT_TAIL_HEADS), metavar="H,H,...",
                    help=f"head counts to build the tail kernel for (default: {','.join(map(str, DEFAULT_TAIL_HEADS))})")

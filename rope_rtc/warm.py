@@ -149,7 +149,9 @@ class WarmReport:
 
 
 def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
-    """CUBIN targets for ``archs`` (``"sm_90"``, ``"9.0"``, ``90`` ...), in order, without repeats.
+    """CUBIN targets for ``archs`` (``"sm_90"``, ``"9.0"``, ``90`` ...), in order, without repeats;
+    PTX for ``"compute_90"``: what a GPU newer than NVRTC loads (``toolchain.target_for``), and
+    what a miss's message names for it.
 
     Raises :class:`WarmError` for an architecture this NVRTC cannot generate CUBIN for or one
     older than rope_rtc supports, and ``ValueError`` for text that is not an architecture.
@@ -167,7 +169,8 @@ def resolve_targets(archs: Iterable[str | int]) -> list[Target]:
                 f"{shown(a)}: NVRTC {major}.{minor} cannot generate code for sm_{arch}; it can build {usable} "
                 f"(a newer GPU needs a newer 'nvidia-cuda-nvrtc' package)"
             )
-        t = Target(arch, "cubin")
+        ptx = isinstance(a, str) and a.strip().lower().startswith("compute_")
+        t = Target(arch, "ptx" if ptx else "cubin")
         if t not in targets:
             targets.append(t)
     if not targets:

@@ -73,3 +73,32 @@ def test_warm_model_on_a_deepseek_v3_config_then_a_second_warm_compiles_nothing(
     out = capsys.readouterr().out
     assert "compiled 0" in out or "compiled" not in out, out
     assert "already cached 6" in out, out
+
+
+def test_a_missing_mla_build_names_the_warm_that_adds_it(tmp_path, monkeypatch, capsys):
+    """Under ROPE_RTC_NO_COMPILE a missing MLA build names ``warm --model``: the plain warm never
+    builds MLA kernels (their geometry comes from the model's config)."""
+    import shlex
+
+    from rope_rtc.build.cache import store
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.toolchain import target_for
+    from rope_rtc.errors import KernelNotCachedError
+
+    spec = registry_mla.mla_model_specs("bfloat16", True, 128, 128, 64, 512)[0]
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "_stores", {})
+    with pytest.raises(KernelNotCachedError) as info:
+        get_binary(spec, target_for(90), announce=False)
+    command = str(info.value).split("fill the cache on a build machine with: ")[1].split(" (the model")[0]
+    assert "--model config.json" in command, command
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(DEEPSEEK_V3))
+    argv = [str(config) if a == "config.json" else a for a in shlex.split(command)[1:]]
+    monkeypatch.delenv("ROPE_RTC_NO_COMPILE")
+    assert cli.main(argv + ["--kernels", "mla_rope_cache", "--no-progress"]) == 0
+    capsys.readouterr()
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setattr(store, "_stores", {})
+    assert get_binary(spec, target_for(90), announce=False).source == "disk"

@@ -689,3 +689,47 @@ def test_warm_model_of_an_adjacent_pair_model_needs_no_interleaved_flag(tmp_path
     config.write_text(json.dumps(LLAMA3_8B))
     args = cli.build_parser().parse_args(["warm", "--model", str(config)])
     assert cli._model_from_args(args).interleaved is False
+
+
+def test_a_missing_ptx_build_is_added_by_the_warm_its_message_names(tmp_path, monkeypatch, capsys):
+    """A GPU newer than NVRTC loads PTX (compute_XX); the miss names ``warm --arch compute_XX``,
+    which must build PTX, not the CUBIN of the same number."""
+    import shlex
+
+    from rope_rtc.build.cache import store
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.registry import tail_spec
+    from rope_rtc.build.toolchain import Target
+    from rope_rtc.cli import main as cli_main
+    from rope_rtc.warm import resolve_targets
+
+    assert resolve_targets(["compute_90", "sm_90", "compute_90"]) == [Target(90, "ptx"), Target(90, "cubin")]
+    spec, ptx = tail_spec(3, 128), Target(90, "ptx")
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "_stores", {})
+    with pytest.raises(KernelNotCachedError) as info:
+        get_binary(spec, ptx, announce=False)
+    command = str(info.value).split("fill the cache on a build machine with: ")[1]
+    assert "--arch compute_90" in command, command
+    monkeypatch.delenv("ROPE_RTC_NO_COMPILE")
+    assert cli_main(shlex.split(command)[1:] + ["--kernels", "tail*", "--no-progress"]) == 0
+    assert "for compute_90" in capsys.readouterr().out
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setattr(store, "_stores", {})
+    assert get_binary(spec, ptx, announce=False).source == "disk"
+
+
+def test_a_missing_pdl_build_names_no_warm_that_cannot_add_it(tmp_path, monkeypatch):
+    """The pdl=True builds are in no warm's list: the miss says how they get into the cache."""
+    from rope_rtc.build.kernels import get_binary
+    from rope_rtc.build.registry import rope_spec, waiting_for_producer
+    from rope_rtc.build.toolchain import target_for
+
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelNotCachedError) as info:
+        get_binary(waiting_for_producer(rope_spec("bfloat16", False, 8)), target_for(90), announce=False)
+    said = str(info.value)
+    assert "rope-rtc warm --arch" not in said and "pdl=True" in said and "pdl=False" in said, said
+    assert f"ROPE_RTC_CACHE_DIR={tmp_path}" in said, said

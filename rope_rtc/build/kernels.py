@@ -62,10 +62,12 @@ def _notice(message: str) -> None:
         print(f"rope_rtc: {message}", file=sys.stderr, flush=True)
 
 
-def _expected(entry: Entry, target: Target) -> bool:
+def _expected(entry: Entry, spec: KernelSpec, target: Target) -> bool:
+    """Whether a hit under ``spec``'s key for ``target`` is that build: its header names the
+    kernel, the target, NVRTC and rope_rtc that produce the key."""
     major, minor = nvrtc_version()
-    return (entry.target == target.name and entry.kind == target.kind and entry.rope_rtc == __version__
-            and entry.nvrtc == f"{major}.{minor}")
+    return (entry.kernel == spec.name and entry.target == target.name and entry.kind == target.kind
+            and entry.rope_rtc == __version__ and entry.nvrtc == f"{major}.{minor}")
 
 
 # Families specialised on one model's geometry, which only `warm --model` builds, and the flag
@@ -83,6 +85,10 @@ def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> 
     where = f" --cache-dir {shlex.quote(str(store.disk.directory.parent))}"  # a command that runs as pasted
     if not store.disk.usable and store.disk.problem:
         head += f" (the disk cache was not read: {store.disk.problem})"
+    if ("ROPE_PDL", "1") in spec.defines:  # the pdl=True builds are not in any warm's list
+        return (f"{head}; it is the build for pdl=True (programmatic dependent launch), which rope-rtc warm does "
+                f"not build: run the call once with ROPE_RTC_NO_COMPILE unset and the same cache directory "
+                f"(ROPE_RTC_CACHE_DIR={shlex.quote(str(store.disk.directory.parent))}) to add it, or pass pdl=False")
     if spec.family in _MODEL_FAMILIES:
         angles = dict(spec.defines).get("FIX_ANGLES")
         flag = _MODEL_FAMILIES[spec.family] + (
@@ -90,6 +96,10 @@ def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> 
         return (f"{head}; it is specialised on one model's head counts and head dim: fill the cache on a build "
                 f"machine with: rope-rtc warm --arch {target.name} --model config.json{flag}{where} (or the same "
                 f"fields as flags: --dtype, --head-dim, --heads, --kv-heads, --rotary-dim, --interleaved)")
+    if spec.family == "mla_rope_cache":  # its geometry comes from an MLA config's own fields only
+        return (f"{head}; it is specialised on one MLA model's heads, head dims and kv_lora_rank: fill the cache on "
+                f"a build machine with: rope-rtc warm --arch {target.name} --model config.json{where} (the "
+                "model's config.json, with its kv_lora_rank)")
     if spec.family == "rope":
         hint = f" (or only one model's kernels: rope-rtc warm --arch {target.name} --model config.json{where})"
     elif spec.family == "tail":  # the default warm builds a fixed list of head counts
@@ -110,12 +120,12 @@ def get_binary(spec: KernelSpec, target: Target, *, store: CacheStore | None = N
         hit = store.get(key)
         origin = "disk"
     if hit is not None:
-        if _expected(hit, target):
+        if _expected(hit, spec, target):
             return Binary(spec, target, key, hit.payload, hit.kind, origin)
         # Same key, other build: cannot happen unless the file was tampered with. Never load it.
         if store.disk is not None:
-            store.disk.discard(key, f"cache entry {key[:16]}… was built for {hit.target}/NVRTC {hit.nvrtc}/"
-                                    f"rope_rtc {hit.rope_rtc}")
+            store.disk.discard(key, f"cache entry {key[:16]}… holds {hit.kernel} built for {hit.target}/NVRTC "
+                                    f"{hit.nvrtc}/rope_rtc {hit.rope_rtc}, not {spec.name} for {target.name}")
 
     s = settings()
     if s.no_compile:

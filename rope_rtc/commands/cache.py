@@ -125,7 +125,7 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
         return "stale", "built from other sources, by another NVRTC or against other CUDA headers; never loaded"
     spec, target = found
     # The very check the loader makes before it loads a hit (build.get_binary).
-    if build._expected(entry, target):
+    if build._expected(entry, spec, target):
         return None
     major, minor = toolchain.nvrtc_version()
     return "refused", (f"its key is {_kernel(spec.name)} for {target.name} {target.kind} built by NVRTC "
