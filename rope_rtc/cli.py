@@ -94,7 +94,8 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         model = _model_from_args(args)
         report = warming.warm(archs, cache_dir=args.cache_dir, jobs=args.jobs,
                               tail_heads=tuple(args.tail_heads), kernels=args.kernels,
-                              progress=not args.no_progress, specs=None if model is None else model.specs())
+                              progress=not args.no_progress, specs=None if model is None else model.specs(),
+                              pdl=args.pdl)
     except (RopeRtcError, ValueError) as exc:
         raise Usage(str(exc)) from None
     report.selection = _warm_selection(args)
@@ -144,6 +145,7 @@ def _warm_selection(args: argparse.Namespace) -> tuple[str, ...]:
         flags += ["--tail-heads", ",".join(map(str, args.tail_heads))]
     for pattern in args.kernels or ():
         flags += ["--kernels", pattern]
+    flags += ["--pdl"] * bool(args.pdl)
     return tuple(shlex.quote(f) for f in flags)
 
 
@@ -219,6 +221,9 @@ def _add_warm_arguments(w: argparse.ArgumentParser) -> None:
     w.add_argument("--kernels", action="append", metavar="GLOB",
                    help="only kernels whose family or name matches (repeatable), e.g. 'tail' or 'rope*': '*' and "
                         "'?' are wildcards, brackets are literal (a kernel's name selects itself)")
+    w.add_argument("--pdl", action="store_true",
+                   help="also the builds of the selected RoPE kernels that pdl=True plans load (programmatic "
+                        "dependent launch), for sm_90 and newer")
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     m = w.add_argument_group("one model's kernels (instead of every registered kernel)")
     m.add_argument("--model", metavar="CONFIG", default=None,

@@ -275,6 +275,7 @@ def warm(
     kernels: Sequence[str] | None = None,
     progress: bool = True,
     specs: Sequence[KernelSpec] | None = None,
+    pdl: bool = False,
 ) -> WarmReport:
     """Compile the library's kernels (``registry.warm_specs``) for each architecture in ``archs``
     into the disk cache.
@@ -299,6 +300,9 @@ def warm(
     specs
         Exactly these specialisations instead of the registry's (``rope_rtc.numerics.model.ModelRope.specs``:
         what one model needs); ``kernels`` still filters them.
+    pdl
+        Also the builds that ``pdl=True`` plans load (``registry.waiting_for_producer``) of the
+        selected RoPE kernels, for the targets of sm_90 and newer.
 
     A kernel that fails to compile or to reach the disk is recorded in the report's ``failed``
     list with its error text and cause; the others still run. Temporary files older than an
@@ -322,9 +326,12 @@ def warm(
     disk = store.disk
     assert disk is not None
     report = WarmReport(targets, disk.directory, checked=check_only, directory_missing=disk.missing,
-                        selection=_selection(given_specs, tail_heads, kernels))
+                        selection=_selection(given_specs, tail_heads, kernels, pdl))
     report.stale_temporaries_removed = disk.remove_stale_temporaries()  # none in a check: it writes nothing
     tasks = [(spec, target) for target in targets for spec in specs]
+    if pdl:
+        tasks += [(registry.waiting_for_producer(spec), target) for target in targets
+                  if target.arch >= registry.PDL_MIN_ARCH for spec in specs if spec.family in registry.PDL_FAMILIES]
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
 
     t0 = time.perf_counter()
@@ -370,7 +377,8 @@ def warm(
     return report
 
 
-def _selection(given_specs: bool, tail_heads: Sequence[int], kernels: Sequence[str] | None) -> tuple[str, ...]:
+def _selection(given_specs: bool, tail_heads: Sequence[int], kernels: Sequence[str] | None,
+               pdl: bool = False) -> tuple[str, ...]:
     """The ``rope-rtc warm`` flags that choose what :func:`warm` was asked for, as far as its
     arguments say: ``specs`` do not name the config they came from, hence a placeholder."""
     flags: list[str] = ["--model", "<your config>"] if given_specs else []
@@ -378,7 +386,7 @@ def _selection(given_specs: bool, tail_heads: Sequence[int], kernels: Sequence[s
         flags += ["--tail-heads", ",".join(str(int(h)) for h in tail_heads)]
     for pattern in kernels or ():
         flags += ["--kernels", shlex.quote(pattern)]
-    return tuple(flags)
+    return tuple(flags) + ("--pdl",) * bool(pdl)
 
 
 class _NoBar:

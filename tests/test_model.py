@@ -720,16 +720,48 @@ def test_a_missing_ptx_build_is_added_by_the_warm_its_message_names(tmp_path, mo
     assert get_binary(spec, ptx, announce=False).source == "disk"
 
 
-def test_a_missing_pdl_build_names_no_warm_that_cannot_add_it(tmp_path, monkeypatch):
-    """The pdl=True builds are in no warm's list: the miss says how they get into the cache."""
+def test_a_missing_pdl_build_is_added_by_the_warm_its_message_names(tmp_path, monkeypatch, capsys):
+    """A pdl=True plan loads the waiting build: the miss names ``warm --pdl``, which adds it (for
+    sm_90 and newer only: older GPUs run the plain build)."""
+    import shlex
+
+    from rope_rtc.build.cache import store
     from rope_rtc.build.kernels import get_binary
     from rope_rtc.build.registry import rope_spec, waiting_for_producer
-    from rope_rtc.build.toolchain import target_for
+    from rope_rtc.build.toolchain import Target
+    from rope_rtc.cli import main as cli_main
 
+    plain = rope_spec("bfloat16", False, 8)
+    spec = waiting_for_producer(plain)
     monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
-    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ROPE_RTC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(store, "_stores", {})
     with pytest.raises(KernelNotCachedError) as info:
-        get_binary(waiting_for_producer(rope_spec("bfloat16", False, 8)), target_for(90), announce=False)
-    said = str(info.value)
-    assert "rope-rtc warm --arch" not in said and "pdl=True" in said and "pdl=False" in said, said
-    assert f"ROPE_RTC_CACHE_DIR={tmp_path}" in said, said
+        get_binary(spec, Target(90), announce=False)
+    command = str(info.value).split("fill the cache on a build machine with: ")[1]
+    assert " --pdl " in command, command
+    monkeypatch.delenv("ROPE_RTC_NO_COMPILE")
+    argv = shlex.split(command)[1:]
+    argv[argv.index("--arch") + 1] = "sm_80,sm_90"
+    assert cli_main(argv + ["--no-progress"]) == 0
+    assert "warmed 3 kernels for sm_80, sm_90" in capsys.readouterr().out  # no waiting build for sm_80
+    monkeypatch.setenv("ROPE_RTC_NO_COMPILE", "1")
+    monkeypatch.setattr(store, "_stores", {})
+    assert get_binary(spec, Target(90), announce=False).source == "disk"
+    assert get_binary(plain, Target(80), announce=False).source == "disk"
+
+
+def test_warm_pdl_adds_the_waiting_builds_of_a_models_rope_kernels_only(tmp_path):
+    from rope_rtc.build.registry import PDL_FAMILIES, waiting_for_producer
+    from rope_rtc.warm import warm
+
+    specs = ModelRope(128, 32, 8, 128, "bfloat16", False).specs()
+    fixed = [s for s in specs if s.family == "rope_fixed"][:2]
+    others = [s for s in specs if s.family not in PDL_FAMILIES][:1]
+    report = warm(["sm_90"], cache_dir=tmp_path, specs=fixed + others, pdl=True, progress=False)
+    assert report.ok and report.compiled == 2 * len(fixed) + len(others), report.summary()
+    from rope_rtc.build.cache import open_store
+    from rope_rtc.build.cache.location import versioned_cache_dir
+
+    listed = {e.entry.kernel for e in open_store(versioned_cache_dir(tmp_path)).disk.list()}
+    assert listed == {s.name for s in fixed + others} | {waiting_for_producer(s).name for s in fixed}

@@ -85,10 +85,12 @@ def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> 
     where = f" --cache-dir {shlex.quote(str(store.disk.directory.parent))}"  # a command that runs as pasted
     if not store.disk.usable and store.disk.problem:
         head += f" (the disk cache was not read: {store.disk.problem})"
-    if ("ROPE_PDL", "1") in spec.defines:  # the pdl=True builds are not in any warm's list
-        return (f"{head}; it is the build for pdl=True (programmatic dependent launch), which rope-rtc warm does "
-                f"not build: run the call once with ROPE_RTC_NO_COMPILE unset and the same cache directory "
-                f"(ROPE_RTC_CACHE_DIR={shlex.quote(str(store.disk.directory.parent))}) to add it, or pass pdl=False")
+    if ("ROPE_PDL", "1") in spec.defines:  # a pdl=True build: warm --pdl adds it beside the plain one
+        plain = KernelSpec(spec.family, spec.source, spec.entries, tuple(d for d in spec.defines if d[0] != "ROPE_PDL"))
+        model = " --model config.json" if spec.family in _MODEL_FAMILIES else ""
+        return (f"{head}; it is the build for pdl=True (programmatic dependent launch): fill the cache on a build "
+                f"machine with: rope-rtc warm --arch {target.name}{model} --pdl --kernels {shlex.quote(plain.name)}"
+                f"{where}")
     if spec.family in _MODEL_FAMILIES:
         angles = dict(spec.defines).get("FIX_ANGLES")
         flag = _MODEL_FAMILIES[spec.family] + (

@@ -46,6 +46,10 @@ class KernelSpec:
 PDL_MIN_ARCH = 90
 
 
+# The families a plan with pdl=True loads in their waiting build (rope_rtc.ops.rope_plan).
+PDL_FAMILIES = ("rope", "rope_fixed")
+
+
 def waiting_for_producer(spec: KernelSpec) -> KernelSpec:
     """``spec`` built to wait for the kernel before it (``ROPE_PDL``, cuda_src/common.cuh), for a
     launch with programmatic stream serialization."""
