@@ -24,7 +24,7 @@ from . import sources
 from .cache import Entry, cache_key, open_store
 from .cache.store import SOURCE_SUFFIX, CacheStore
 from .compiler import assembled_source, compile_options, compile_source
-from .registry import KernelSpec
+from .registry import KernelSpec, not_waiting
 from .toolchain import Target, cuda_headers, nvrtc_version
 
 logger = logging.getLogger("rope_rtc")
@@ -85,8 +85,8 @@ def _not_cached_message(spec: KernelSpec, target: Target, store: CacheStore) -> 
     where = f" --cache-dir {shlex.quote(str(store.disk.directory.parent))}"  # a command that runs as pasted
     if not store.disk.usable and store.disk.problem:
         head += f" (the disk cache was not read: {store.disk.problem})"
-    if ("ROPE_PDL", "1") in spec.defines:  # a pdl=True build: warm --pdl adds it beside the plain one
-        plain = KernelSpec(spec.family, spec.source, spec.entries, tuple(d for d in spec.defines if d[0] != "ROPE_PDL"))
+    plain = not_waiting(spec)
+    if plain is not None:  # a pdl=True build: warm --pdl adds it beside the plain one
         model = " --model config.json" if spec.family in _MODEL_FAMILIES else ""
         return (f"{head}; it is the build for pdl=True (programmatic dependent launch): fill the cache on a build "
                 f"machine with: rope-rtc warm --arch {target.name}{model} --pdl --kernels {shlex.quote(plain.name)}"

@@ -48,12 +48,20 @@ PDL_MIN_ARCH = 90
 
 # The families a plan with pdl=True loads in their waiting build (rope_rtc.ops.rope_plan).
 PDL_FAMILIES = ("rope", "rope_fixed")
+_WAITS = ("ROPE_PDL", "1")  # the define of the waiting builds
 
 
 def waiting_for_producer(spec: KernelSpec) -> KernelSpec:
     """``spec`` built to wait for the kernel before it (``ROPE_PDL``, cuda_src/common.cuh), for a
     launch with programmatic stream serialization."""
-    return KernelSpec(spec.family, spec.source, spec.entries, spec.defines + (("ROPE_PDL", "1"),))
+    return KernelSpec(spec.family, spec.source, spec.entries, spec.defines + (_WAITS,))
+
+
+def not_waiting(spec: KernelSpec) -> KernelSpec | None:
+    """The build ``spec`` is the waiting build of (:func:`waiting_for_producer`), or None."""
+    if _WAITS not in spec.defines:
+        return None
+    return KernelSpec(spec.family, spec.source, spec.entries, tuple(d for d in spec.defines if d != _WAITS))
 
 
 def blog_spec() -> KernelSpec:

@@ -174,8 +174,7 @@ class MlaRopeCachePlan:
     def __init__(self, q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, *, kv_cache_dtype: str = "auto",
                  kv_scale=None, q_out=None, q_fp8_out=None, q_fp8_scale=None, q_fp8_dtype: str = "fp8_e4m3",
                  interleaved: bool = True) -> None:
-        check_options(kv_cache_dtype, q_fp8_dtype, interleaved)
-        self._opts = dict(kv_cache_dtype=kv_cache_dtype, q_fp8_dtype=q_fp8_dtype, interleaved=bool(interleaved))
+        self._opts = dict(kv_cache_dtype=kv_cache_dtype, q_fp8_dtype=q_fp8_dtype, interleaved=interleaved)
         req = validate_mla_call(q, k_pe, kv_c, cos, sin, positions, slot_mapping, kv_cache, kv_scale=kv_scale,
                                 q_out=q_out, q_fp8_out=q_fp8_out, q_fp8_scale=q_fp8_scale, **self._opts)
         self._fixed = _fixed(req)
