@@ -691,6 +691,26 @@ def test_cache_verify_checks_model_builds_as_current_and_finds_a_tampered_one(ca
     assert victim.entry.kernel in line and "sm_80" in line and "loader refuses" in line, line
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cache_verify_refuses_an_entry_whose_header_names_another_kernel(capsys, tmp_path, pdl):
+    # The loader refuses it (build._expected compares the kernel too); verify called it stale,
+    # "never loaded", and passed, because it looked the key up by the header's own kernel name.
+    root = tmp_path / "c"
+    rc, out, err = run_main(capsys, "warm", "--arch", "sm_90", "--cache-dir", str(root), "--no-progress",
+                            "--kernels", "rope[*", *(["--pdl"] if pdl else []))
+    assert rc == 0, err
+    listed = cache.DiskStore(cache.versioned_cache_dir(root), create=False).list()
+    waits = [e for e in listed if "ROPE_PDL=1" in e.entry.kernel]
+    assert bool(waits) == pdl
+    victim = (waits or listed)[0]
+    _rewrite_header(victim.path, kernel="tail_rope[TAIL_HEADS=32]")
+    rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
+    assert rc == 1, out
+    line = next(line for line in err.splitlines() if victim.key[:12] in line)
+    assert victim.entry.kernel in line and "tail_rope[TAIL_HEADS=32] for sm_90" in line, line
+    assert "loader refuses" in line, line
+
+
 def test_cache_verify_never_advises_clearing_entries_in_use(capsys, tmp_path):
     from rope_rtc.build.cache import Entry, encode_entry
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 
 from .._version import __version__
@@ -105,6 +106,19 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@functools.lru_cache(maxsize=None)
+def registered_builds(target) -> dict:
+    """Cache key -> (spec, target) of every registered build for ``target`` (``registry.all_specs``
+    and, on sm_90 and newer, the waiting builds): the kernels that look keys up without
+    ``warm --model``. Computed once per target, only when an entry's header is not its key's."""
+    from ..build import kernels as build, registry
+
+    specs = registry.all_specs()
+    if target.arch >= 90:
+        specs += [registry.waiting_for_producer(s) for s in specs if s.family in registry.PDL_FAMILIES]
+    return {build.spec_key(spec, target): (spec, target) for spec in specs}
+
+
 def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     """("refused", why) when the loader would refuse this verified entry under its key,
     ("stale", why) when no kernel of this installation looks its key up (built from other
@@ -121,6 +135,11 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     except ValueError:
         claimed = None
     found = build_of(entry.kernel, key, claimed)
+    if found is None and claimed is not None:
+        # A header that names another kernel than the one under its key (a tampered or misplaced
+        # entry): build_of, going by the header's name, cannot see it. Look the key up among the
+        # registered builds for the claimed target, as their loads would.
+        found = registered_builds(claimed).get(key)
     if found is None:
         return "stale", "built from other sources, by another NVRTC or against other CUDA headers; never loaded"
     spec, target = found
@@ -128,9 +147,10 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     if build._expected(entry, spec, target):
         return None
     major, minor = toolchain.nvrtc_version()
+    other = "" if entry.kernel == spec.name else f"{_kernel(entry.kernel)} for "
     return "refused", (f"its key is {_kernel(spec.name)} for {target.name} {target.kind} built by NVRTC "
-                       f"{major}.{minor}, but its header says {terminal_text(entry.target)} {terminal_text(entry.kind)}, NVRTC "
-                       f"{terminal_text(entry.nvrtc)}: the loader refuses it")
+                       f"{major}.{minor}, but its header says {other}{terminal_text(entry.target)} "
+                       f"{terminal_text(entry.kind)}, NVRTC {terminal_text(entry.nvrtc)}: the loader refuses it")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
