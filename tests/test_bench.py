@@ -58,6 +58,13 @@ def test_regenerate_command():
     assert arguments.regenerate_command(arguments.parse_args([])) == "PYTHONPATH=. python3 scripts/bench.py --write-docs"
     cmd = arguments.regenerate_command(arguments.parse_args(["--quick", "--peers", "cupy"]))
     assert cmd == "PYTHONPATH=. python3 scripts/bench.py --quick --peers cupy --write-docs"
+    # the budgets and the seed shape which cases run and on what inputs: a regenerated page keeps them
+    cmd = arguments.regenerate_command(arguments.parse_args(["--time-budget", "900", "--compile-budget", "30",
+                                                             "--seed", "7"]))
+    assert cmd == ("PYTHONPATH=. python3 scripts/bench.py --compile-budget 30 --time-budget 900 --seed 7 "
+                   "--write-docs")
+    cmd = arguments.regenerate_command(arguments.parse_args(["--quick", "--time-budget", "200"]))
+    assert cmd == "PYTHONPATH=. python3 scripts/bench.py --quick --write-docs"
 
 
 # --------------------------------------------------------------------------------------------- cases
@@ -1117,7 +1124,7 @@ def test_mla_jobs_are_listed_and_chosen_by_cases(monkeypatch, capsys):
     assert cli.main(["--list", "--quick"]) == 0
     out = capsys.readouterr().out
     assert "engine/mla-prefill/bf16/inter/T=16384 (engine)" in out and "engine/mla-decode/bf16/inter/T=1 (engine)" in out
-    assert "engine/kv-cache-decode/bf16/half (engine)" in out and "mla-decode/bf16/inter/T=4 " not in out
+    assert "engine/kv-cache-decode/bf16/half/T=8 (engine)" in out and "mla-decode/bf16/inter/T=4 " not in out
     tokens = arguments.parse_args(["--cases", "engine/mla", "--peers", "none"]).case_tokens
     assert not any(bcases.selected(c.id, c.group, tokens) for q in (False, True) for c in bcases.all_cases(q))
     assert not any(bcases.selected(g, g, tokens) for g in ("host", "coldstart"))

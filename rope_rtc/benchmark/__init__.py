@@ -5,7 +5,7 @@ Run from a checkout on a GPU machine::
 
     PYTHONPATH=. python3 scripts/bench.py --quick        # a few cases of every section, ~3 min (H200)
     PYTHONPATH=. python3 scripts/bench.py                # every case, ~8 min
-    PYTHONPATH=. python3 scripts/bench.py --cases blog,tail/T=1
+    PYTHONPATH=. python3 scripts/bench.py --cases "blog,tail/T=1/*"
     PYTHONPATH=. python3 scripts/bench.py --write-docs   # also regenerate docs/benchmarks.md
     python3 scripts/bench.py --from-json bench.json --write-docs   # re-render a saved run, no GPU
     python3 scripts/bench.py --list                      # the cases, without running anything

@@ -75,6 +75,13 @@ def regenerate_command(args: argparse.Namespace) -> str:
         parts += ["--cases", shlex.quote(args.cases)]
     if sorted(args.peer_list) != sorted(PEERS):
         parts += ["--peers", ",".join(args.peer_list) or "none"]
+    # What else shapes the run's figures, where not the default: the same inputs, the same cases.
+    quick = args.quick
+    for flag, value, default in (("--compile-budget", args.compile_budget, 60.0 if quick else 150.0),
+                                 ("--time-budget", args.time_budget, 200.0 if quick else 520.0),
+                                 ("--seed", args.seed, 0)):
+        if value != default:
+            parts += [flag, f"{value:g}"]
     return " ".join(parts + ["--write-docs"])
 
 

@@ -14,15 +14,21 @@ def rows_by_impl(case_rec: dict) -> dict[str, dict]:
     return {r["impl"]: r for r in case_rec["rows"]}
 
 
+def resolved(row: dict | None, regime: str) -> str:
+    """The regime ``regime`` names for ``row``. ``"cold*"`` is the device time with cold L2: the
+    CUDA graph replay where one was taken (small cases, where a loop of calls measures the host's
+    launch rate rather than the GPU), else the event-timed loop. A graph whose capture failed is
+    not replaced by the loop: the row has no cold figure then, rather than one of another kind."""
+    if regime != "cold*":
+        return regime
+    return "graph_cold" if row and "graph_cold" in row.get("timings", {}) else "cold"
+
+
 def timing(row: dict | None, regime: str) -> float | None:
-    """Median µs per call of ``regime``. ``"cold*"`` is the device time with cold L2: the CUDA
-    graph replay figure where one was captured (small cases, where a loop of calls measures the
-    host's launch rate rather than the GPU), else the event-timed loop."""
+    """Median µs per call of ``regime`` (see :func:`resolved` for ``"cold*"``)."""
     if not row:
         return None
-    if regime == "cold*":
-        return timing(row, "graph_cold") or timing(row, "cold")
-    t = row.get("timings", {}).get(regime)
+    t = row.get("timings", {}).get(resolved(row, regime))
     if not t or "us" not in t:
         return None
     return float(t["us"])
@@ -34,8 +40,11 @@ def gbps(case_rec: dict, row: dict | None, regime: str) -> float | None:
 
 
 def pct_of_copy(case_rec: dict, row: dict | None, regime: str) -> float | None:
-    us = timing(row, regime)
-    cu = timing(rows_by_impl(case_rec).get(COPY), regime)
+    """The copy's time over ``row``'s, in %: None unless both were timed in the same regime."""
+    copy = rows_by_impl(case_rec).get(COPY)
+    if resolved(row, regime) != resolved(copy, regime):
+        return None
+    us, cu = timing(row, regime), timing(copy, regime)
     return 100.0 * cu / us if us and cu else None
 
 

@@ -707,6 +707,17 @@ def measure_big_copy(ctx) -> dict | None:
         return None
 
 
+def _record_unmeasured(result: dict, case: Case, l2: int, why: str, head: str) -> None:
+    """A selected case without a record: a skip line, and an entry the targets that judge its
+    group count as a miss (report._unmeasured) rather than a case never judged."""
+    foot = case.footprint()
+    line = f"{head}{why}"[:400]
+    result["skips"].append(line)
+    result["unmeasured"].append({"id": case.id, "group": case.group, "bytes_moved": case.bytes_moved(),
+                                 "cold_exact": cold_sets(foot, l2) * foot >= COLD_FACTOR * l2, "why": why[:300]})
+    print(line, flush=True)
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     started = time.monotonic()
     deadline = started + args.time_budget
@@ -717,7 +728,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     "command": regenerate_command(args), "argv": sys.argv[1:], "quick": args.quick,
                     "options": {"peers": args.peer_list, "cases": args.cases, "compile_budget_s": args.compile_budget,
                                 "time_budget_s": args.time_budget, "seed": args.seed},
-                    "skips": [], "cases": [], "host": [], "engine": [], "coldstart": []}
+                    "skips": [], "unmeasured": [], "cases": [], "host": [], "engine": [], "coldstart": []}
     with ctx.stream:
         result["env"] = environment(ctx)
         result["l2_bytes"] = ctx.l2
@@ -758,16 +769,13 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             if not selected(case.id, case.group, tokens):
                 continue
             if time.monotonic() > deadline:
-                line = f"skip {case.id}: time budget of {args.time_budget:.0f} s spent (--time-budget)"
-                result["skips"].append(line)
-                print(line, flush=True)
+                _record_unmeasured(result, case, ctx.l2, f"time budget of {args.time_budget:.0f} s spent (--time-budget)",
+                             f"skip {case.id}: ")
                 continue
             try:
                 result["cases"].append(run_case(ctx, case))
             except Exception as exc:
-                line = f"case {case.id} failed: {type(exc).__name__}: {exc}"[:400]
-                result["skips"].append(line)
-                print(line, flush=True)
+                _record_unmeasured(result, case, ctx.l2, f"{type(exc).__name__}: {exc}", f"case {case.id} failed: ")
                 _recover(ctx)
                 ctx.free()
             result["compile_log"] = ctx.peers.compile_log

@@ -15,52 +15,56 @@ output must equal ``apply_rope``'s on the same tables.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 from functools import partial
 
-from ..cases import DTYPE_SHORT, selected
+from ..cases import selected
 # Every record function the job list names, imported here because run_engine_section looks each
 # one up by its name in this module's namespace (where a test also stands in for one).
 # engine_jax stays outside this package: it is also the child process's `python -m` entry, which a
 # module this package imports could not be without runpy running it a second time.
 from ..engine_jax import jax_records
-from .angles import ANGLES_DECODE_T, ANGLES_PREFILL_T, _angles_record
-from .kv_cache import KV_DECODE_T, KV_PREFILL_T, _kv_record
+from .angles import ANGLES_DECODE_T, ANGLES_PREFILL_T, _angles_record, angles_ident
+from .kv_cache import KV_DECODE_T, KV_PREFILL_T, _kv_record, kv_ident
 from .mla import MLA_DECODE_T, MLA_DECODE_T_QUICK, MLA_PREFILL_T, _mla_record, mla_ident
-from .mrope import MROPE_DECODE_T, MROPE_PREFILL_T, _mrope_record
-from .onnx import _onnx_record
-from .qk_norm import QKNORM_DECODE_T, QKNORM_PREFILL_T, _qk_norm_record
-from .vision import VISION_GRID, _vision_record
+from .mrope import MROPE_DECODE_T, MROPE_PREFILL_T, _mrope_record, mrope_ident
+from .onnx import ONNX_IDENT, _onnx_record
+from .qk_norm import QKNORM_DECODE_T, QKNORM_PREFILL_T, _qk_norm_record, qk_norm_ident
+from .vision import VISION_GRID, _vision_record, vision_ident
 
 
 def engine_jobs(quick: bool = False) -> list[tuple[str, str, tuple]]:
     """Every engine job: ``(name, record function of this module, its arguments after ctx,
-    measure and copy_runner)``. ``engine/<name>`` is what ``--cases`` and ``--list`` match; the
-    quick run measures fewer MLA decode sizes."""
-    jobs = [(f"kv-cache-{label}/{DTYPE_SHORT[dtype]}/{'inter' if interleaved else 'half'}", "_kv_record",
-             (label, T, dtype, interleaved))
-            for label, T, dtype, interleaved in (("decode", KV_DECODE_T, "bfloat16", False),
-                                                 ("prefill", KV_PREFILL_T, "bfloat16", False),
-                                                 ("prefill", KV_PREFILL_T, "bfloat16", True),
-                                                 ("prefill", KV_PREFILL_T, "float32", False))]
-    jobs.append(("onnx", "_onnx_record", ()))
-    jobs += [(f"mrope/T={T}", "_mrope_record", (T, interleaved))
+    measure and copy_runner)``. ``engine/<name>`` is the id of the record the job writes (of a job
+    that fails too, so that the targets judging it see the failure), and what ``--cases`` and
+    ``--list`` match; the quick run measures fewer MLA decode sizes."""
+    def name(ident: str) -> str:
+        return ident.removeprefix("engine/")
+
+    jobs = [(name(kv_ident(*args)), "_kv_record", args)
+            for args in (("decode", KV_DECODE_T, "bfloat16", False), ("prefill", KV_PREFILL_T, "bfloat16", False),
+                         ("prefill", KV_PREFILL_T, "bfloat16", True), ("prefill", KV_PREFILL_T, "float32", False))]
+    jobs.append((name(ONNX_IDENT), "_onnx_record", ()))
+    jobs += [(name(mrope_ident(T, interleaved)), "_mrope_record", (T, interleaved))
              for interleaved in (False, True) for T in (MROPE_DECODE_T, MROPE_PREFILL_T)]
-    jobs.append((f"vision/N={VISION_GRID[1] * VISION_GRID[2]}", "_vision_record", ()))
-    jobs += [(f"qk-norm/T={T}", "_qk_norm_record", (T,)) for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
-    jobs += [(f"angles/T={T}", "_angles_record", (T,)) for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
-    jobs += [(mla_ident(T).removeprefix("engine/"), "_mla_record", (T,))
+    jobs.append((name(vision_ident(VISION_GRID[1] * VISION_GRID[2])), "_vision_record", ()))
+    jobs += [(name(qk_norm_ident(T)), "_qk_norm_record", (T,)) for T in (QKNORM_DECODE_T, QKNORM_PREFILL_T)]
+    jobs += [(name(angles_ident(T)), "_angles_record", (T,)) for T in (ANGLES_DECODE_T, ANGLES_PREFILL_T)]
+    jobs += [(name(mla_ident(T)), "_mla_record", (T,))
              for T in (MLA_PREFILL_T,) + (MLA_DECODE_T_QUICK if quick else MLA_DECODE_T)]
     jobs.append(("jax", "jax_records", ()))  # several records, from a child process (engine_jax)
     return jobs
 
 
 def engine_job_selected(name: str, tokens: list[str] | None) -> bool:
-    """``--cases``: ``engine`` (or a glob over it) selects every job, ``engine/<prefix>`` the jobs
+    """``--cases``: ``engine`` (or a glob over it) selects every job; ``engine/<prefix>`` the jobs
     whose ``engine/<name>`` starts with it (``engine/angles``, ``engine/kv-cache-prefill/bf16``,
-    ``engine/mla``)."""
+    ``engine/mla``, a record id as the page prints it), and a glob from ``engine/`` the jobs it
+    matches (``engine/*/T=8``)."""
     if selected("engine", "engine", tokens):
         return True
-    return any(t.startswith("engine/") and f"engine/{name}".startswith(t) for t in tokens)
+    ident = f"engine/{name}"
+    return any(t.startswith("engine/") and (ident.startswith(t) or fnmatch.fnmatchcase(ident, t)) for t in tokens)
 
 
 def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = None) -> list[dict]:

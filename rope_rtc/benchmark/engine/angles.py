@@ -22,6 +22,10 @@ def angles_bytes_moved(T: int, table: bool) -> int:
     return T * (2 * (hq + hk) * d * 2 + 8 + (d // 2 * 4 * 2 if table else 0))
 
 
+def angles_ident(T: int) -> str:
+    return f"engine/angles-{'decode' if T <= 64 else 'prefill'}/bf16/thd/T={T}"
+
+
 def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
     """cos and sin computed in the kernel from float64 inv_freq (numerics "exact") against the
     same plan reading the exact table: Llama-3-8B's heads and rope scaling, bf16 thd, q and k in
@@ -34,9 +38,8 @@ def _angles_record(ctx, measure, copy_runner, T: int) -> dict:
 
     hq, hk, d = ANGLES_HEADS
     small = T <= 64
-    label = "decode" if small else "prefill"
     moved = angles_bytes_moved(T, table=False)
-    ident = f"engine/angles-{label}/bf16/thd/T={T}"
+    ident = angles_ident(T)
     rec = _record(ident, {"T": T, "dtype": "bfloat16", "Hq": hq, "Hkv": hk, "D": d, "layout": "thd",
                           "in_place": True, "rope_type": "llama3", "inv_freq": "float64"}, moved)
     print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)

@@ -35,6 +35,10 @@ def _slots(rng, T: int, blocks: int) -> np.ndarray:
     return (order[:, None] * KV_BLOCK + np.arange(KV_BLOCK)).reshape(-1)[:T].astype(np.int64)
 
 
+def kv_ident(label: str, T: int, dtype: str, interleaved: bool) -> str:
+    return f"engine/kv-cache-{label}/{DTYPE_SHORT[dtype]}/{'inter' if interleaved else 'half'}/T={T}"
+
+
 def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interleaved: bool) -> dict:
     import cupy as cp
     import ml_dtypes
@@ -43,8 +47,7 @@ def _kv_record(ctx, measure, copy_runner, label: str, T: int, dtype: str, interl
 
     hq, hk, d = KV_HEADS
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
-    pairing = "inter" if interleaved else "half"
-    ident = f"engine/kv-cache-{label}/{DTYPE_SHORT[dtype]}/{pairing}/T={T}"
+    ident = kv_ident(label, T, dtype, interleaved)
     moved = kv_bytes_moved(T, dtype)
     rec = _record(ident, {"T": T, "dtype": dtype, "interleaved": interleaved, "Hq": hq, "Hkv": hk, "D": d,
                           "block_size": KV_BLOCK, "layout": "nhd", "in_place": True}, moved)

@@ -44,6 +44,11 @@ def _liger_mrope():
             return None
 
 
+def mrope_ident(T: int, interleaved: bool) -> str:
+    return (f"engine/mrope-{'decode' if T <= 64 else 'prefill'}/{'interleaved' if interleaved else 'contiguous'}"
+            f"/bf16/thd/T={T}")
+
+
 def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
     """Multimodal RoPE, Qwen2-VL-7B's heads, Qwen2-VL's contiguous or Qwen3-VL's interleaved
     sections, bf16 thd, q and k in place; beside our plain RoPE on the same arrays (positions
@@ -60,10 +65,9 @@ def _mrope_record(ctx, measure, copy_runner, T: int, interleaved: bool) -> dict:
 
     hq, hk, d = MROPE_HEADS
     small = T <= 64
-    label = "decode" if small else "prefill"
     moved = mrope_bytes_moved(T)
     section = MROPE_SECTIONS[interleaved]
-    ident = f"engine/mrope-{label}/{'interleaved' if interleaved else 'contiguous'}/bf16/thd/T={T}"
+    ident = mrope_ident(T, interleaved)
     rec = _record(ident, {"T": T, "dtype": "bfloat16", "Hq": hq, "Hkv": hk, "D": d, "section": list(section),
                           "interleaved_sections": interleaved, "layout": "thd", "in_place": True}, moved)
     print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)

@@ -12,6 +12,10 @@ from ..cases import ONNX_APPLY, ONNX_OP as ONNX
 from .records import _copy_row, _record, _row
 
 
+ONNX_SHAPE = (4, 32, 4096, 128)  # X's [B, H, S, D]
+ONNX_IDENT = f"engine/onnx-rotary-embedding/fp16/bhsd/S={ONNX_SHAPE[2]}"
+
+
 def _onnx_record(ctx, measure, copy_runner) -> dict:
     """ONNX RotaryEmbedding on a 4-D float16 X [B, H, S, D] with position_ids and float16 caches
     (widened to float32 per call, as the operator's inputs require), out of place."""
@@ -20,11 +24,11 @@ def _onnx_record(ctx, measure, copy_runner) -> dict:
     import rope_rtc
     from rope_rtc.ops.onnx import rotary_embedding
 
-    B, H, S, D = 4, 32, 4096, 128
+    B, H, S, D = ONNX_SHAPE
     rows_pos = 8192
     item = 2
     moved = 2 * B * H * S * D * item + B * S * (D // 2) * 2 * 4 + B * S * 8
-    ident = f"engine/onnx-rotary-embedding/fp16/bhsd/S={S}"
+    ident = ONNX_IDENT
     rec = _record(ident, {"B": B, "H": H, "S": S, "D": D, "dtype": "float16", "layout": "bhsd", "interleaved": 0},
                   moved)
     print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)

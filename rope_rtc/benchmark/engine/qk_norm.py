@@ -22,6 +22,10 @@ def qk_norm_bytes_moved(T: int) -> int:
     return T * (2 * (hq + hk) * d * 2 + d * 4 + 8)
 
 
+def qk_norm_ident(T: int) -> str:
+    return f"engine/qk-norm-{'decode' if T <= 64 else 'prefill'}/bf16/thd/T={T}"
+
+
 def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
     """Per-head RMSNorm fused with RoPE, Qwen3-8B's heads, bf16 thd, q and k in place, random
     positions: ours (both numerics) beside a copy, the two-step sequence (torch's rms_norm, then
@@ -35,9 +39,8 @@ def _qk_norm_record(ctx, measure, copy_runner, T: int) -> dict:
 
     hq, hk, d = QKNORM_HEADS
     small = T <= 64
-    label = "decode" if small else "prefill"
     moved = qk_norm_bytes_moved(T)
-    ident = f"engine/qk-norm-{label}/bf16/thd/T={T}"
+    ident = qk_norm_ident(T)
     rec = _record(ident, {"T": T, "dtype": "bfloat16", "Hq": hq, "Hkv": hk, "D": d, "layout": "thd",
                           "in_place": True, "eps": QKNORM_EPS}, moved)
     print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)

@@ -20,6 +20,10 @@ def vision_bytes_moved(N: int) -> int:
     return N * (2 * 2 * h * d * 2 + d * 4 + 2 * 8)
 
 
+def vision_ident(N: int) -> str:
+    return f"engine/vision-axial/bf16/thd/N={N}"
+
+
 def _vision_record(ctx, measure, copy_runner) -> dict:
     """A vision tower's axial RoPE: Qwen2.5-VL's heads and head dim 80 (not a power of two), its
     "same" frequencies (``axial_tables``) and patch order (``vision_positions``, merge size 2),
@@ -39,7 +43,7 @@ def _vision_record(ctx, measure, copy_runner) -> dict:
     N = pos_h.shape[1]
     moved = vision_bytes_moved(N)
     section = (d // 4, d // 4)
-    ident = f"engine/vision-axial/bf16/thd/N={N}"
+    ident = vision_ident(N)
     rec = _record(ident, {"T": N, "dtype": "bfloat16", "Hq": heads, "Hkv": heads, "D": d, "section": list(section),
                           "layout": "thd", "in_place": True, "style": "same"}, moved)
     print(f"\n[{ident}] {moved / 1e6:.2f} MB moved", flush=True)

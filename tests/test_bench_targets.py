@@ -1,0 +1,188 @@
+"""The benchmark's targets never pass by what a run failed to measure: our rows that failed their
+output check, selected cases with no record, engine jobs that raised, a figure of one regime set
+against another's, and the hot regime of the peer target. CPU only, on synthetic results."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from rope_rtc.benchmark import arguments, engine, figures, report, runner
+from rope_rtc.benchmark import cases as bcases
+from test_bench import _timings, synthetic_result
+
+PEER = "never slower than the fastest peer on its inputs (within 1%)"
+PREFILL = "prefill >= 97% of copy, 32 MiB+ moved"
+DECODE_RATIO = "decode GPU time under graph replay <= 1.1x the copy node"
+DECODE_US = "decode GPU time under graph replay <= 1.4 µs"
+TAIL = "tail >= 97% of copy, cold L2, every shape measured cold"
+MROPE_DECODE = "MRoPE decode <= plain RoPE + 0.1 µs"
+
+
+def _targets(res: dict) -> dict:
+    return {x["target"]: x for x in report.evaluate_targets(res)}
+
+
+def _case(res: dict, ident: str) -> dict:
+    return next(c for c in res["cases"] if c["id"] == ident)
+
+
+def _wrong(case: dict, *impls: str) -> None:
+    """As runner.run_impl records an implementation whose output failed its check: no timings."""
+    by = figures.rows_by_impl(case)
+    for impl in impls:
+        by[impl]["check"] = "WRONG: 12 of 4096 values differ"
+        by[impl]["timings"] = {}
+
+
+@pytest.mark.parametrize("case_id, impls, target", [
+    ("general/bf16/half/bshd/S=16384", (bcases.OURS,), PREFILL),
+    ("decode/bf16/T=64", (bcases.OURS, bcases.STEP_TABLES), DECODE_RATIO),
+    ("decode/bf16/T=64", (bcases.OURS, bcases.STEP_TABLES), DECODE_US),
+    ("decode/bf16/T=64", (bcases.OURS, bcases.STEP_TABLES), PEER),
+    ("tail/T=16384/H=64/D=512", (bcases.OURS,), TAIL),
+])
+def test_our_row_failing_its_check_misses_the_core_targets(case_id, impls, target):
+    res = synthetic_result(False)
+    assert _targets(res)[target]["status"] == "PASS"
+    _wrong(_case(res, case_id), *impls)
+    t = _targets(res)[target]
+    assert t["status"] == "MISS" and t["where"].startswith(case_id) and "WRONG" in t["where"], t
+
+
+def test_our_row_without_a_figure_misses():
+    # Timing failed after the check passed (runner.run_impl: "timing failed" in the note).
+    res = synthetic_result(False)
+    figures.rows_by_impl(_case(res, "decode/bf16/T=4"))[bcases.OURS]["timings"] = {}
+    t = _targets(res)
+    for name in (DECODE_US, DECODE_RATIO):
+        assert t[name]["status"] == "MISS" and t[name]["where"] == "decode/bf16/T=4 (not measured)", t[name]
+
+
+@pytest.mark.parametrize("target, drop", [
+    (PREFILL, "general/bf16/half/bshd/S=16384"),
+    (DECODE_RATIO, "decode/fp16/T=64"),
+    (DECODE_US, "decode/fp16/T=64"),
+    (TAIL, "tail/T=16384/H=64/D=512"),
+])
+def test_a_selected_case_the_run_could_not_measure_is_a_miss(target, drop):
+    res = synthetic_result(False)
+    case = next(c for c in bcases.all_cases(False) if c.id == drop)
+    res["cases"] = [c for c in res["cases"] if c["id"] != drop]
+    res["unmeasured"] = []
+    runner._record_unmeasured(res, case, 50 * bcases.MiB, "CUDARuntimeError: cudaErrorIllegalAddress",
+                              f"case {drop} failed: ")
+    assert res["skips"][-1] == f"case {drop} failed: CUDARuntimeError: cudaErrorIllegalAddress"
+    t = _targets(res)[target]
+    assert t["status"] == "MISS" and t["where"].startswith(drop) and "cudaErrorIllegalAddress" in t["where"], t
+
+
+def test_a_merged_record_of_an_unmeasured_case_clears_it():
+    base = synthetic_result(False)
+    drop = "decode/fp16/T=64"
+    later = {"cases": [_case(base, drop)], "created": "later", "command": "bench --cases decode", "env": {}}
+    base["cases"] = [c for c in base["cases"] if c["id"] != drop]
+    base["unmeasured"] = [{"id": drop, "group": "decode", "bytes_moved": 1, "cold_exact": True, "why": "budget"}]
+    assert _targets(base)[DECODE_RATIO]["status"] == "MISS"
+    merged = report.merge_results(base, later)
+    assert merged["unmeasured"] == [] and _targets(merged)[DECODE_RATIO]["status"] == "PASS"
+    # a later run that could not measure a case leaves the earlier run's record of it standing
+    first = synthetic_result(False)
+    failed = {"cases": [], "unmeasured": base["unmeasured"], "created": "later", "command": "-", "env": {}}
+    merged = report.merge_results(first, failed)
+    assert merged["unmeasured"] == [] and _targets(merged)[DECODE_RATIO]["status"] == "PASS"
+    # and a case neither run measured stays a miss
+    merged = report.merge_results(base, failed)
+    assert [u["id"] for u in merged["unmeasured"]] == [drop]
+
+
+def test_the_peer_target_judges_the_hot_regime_of_large_cases():
+    # Issue #44: "not behind any peer by more than 1% on any row, cold or hot".
+    res = synthetic_result(False)
+    case = _case(res, "general/bf16/half/bshd/S=512")
+    assert not case["small"]
+    by = figures.rows_by_impl(case)
+    by["liger"]["timings"]["hot"]["us"] = figures.timing(by[bcases.OURS], "hot") / 1.05
+    t = _targets(res)[PEER]
+    assert t["status"] == "MISS" and t["where"] == f"{case['id']} (hot) vs liger", t
+
+
+def test_a_failed_graph_capture_is_not_replaced_by_the_event_loop():
+    # The copy's cold graph failed: our graph replay set against the copy's event loop read 240%.
+    res = synthetic_result(False)
+    case = _case(res, "tail/T=4096/H=1/D=128")
+    by = figures.rows_by_impl(case)
+    by[bcases.COPY]["timings"] = {"hot": {"us": 3.0}, "cold": {"us": 3.0}, "graph": {"us": 1.0},
+                                  "graph_cold": {"error": "CUDARuntimeError: capture invalidated"}}
+    by[bcases.OURS]["timings"] = {"hot": {"us": 3.1}, "cold": {"us": 3.1}, "graph": {"us": 1.25},
+                                  "graph_cold": {"us": 1.25}}
+    assert figures.timing(by[bcases.COPY], "cold*") is None
+    assert figures.pct_of_copy(case, by[bcases.OURS], "cold*") is None
+    t = _targets(res)[TAIL]
+    assert t["status"] == "MISS" and t["where"] == "tail/T=4096/H=1/D=128 (not measured)", t
+    # A peer whose cold graph failed is left out of the peer target, not timed by its loop
+    res = synthetic_result(False)
+    dec = _case(res, "decode/bf16/T=1")
+    liger = figures.rows_by_impl(dec)["liger"]
+    liger["timings"]["graph_cold"] = {"error": "capture failed"}
+    liger["timings"]["cold"] = {"us": 0.01}  # a launch-rate loop far below any GPU time
+    assert _targets(res)[PEER]["status"] == "PASS"
+
+
+def _fake_mrope(ctx, measure, copy_runner, T, interleaved):
+    """The MRoPE job: the interleaved decode raises, the others record plausible rows."""
+    small = T <= 64
+    if small and interleaved:
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    def row(impl, us, graph):
+        return {"impl": impl, "layout": "-", "note": "", "timings": _timings(us, small=small, graph=graph),
+                "check": "ok (bound of the general API)" if impl == bcases.MROPE_OP else "-"}
+
+    return {"id": engine.mrope_ident(T, interleaved), "group": "engine", "params": {},
+            "bytes_moved": 10**5 if small else 10**9,
+            "rows": [row(bcases.COPY, 4.0 if small else 100.0, 1.0), row(bcases.MROPE_OP, 5.0 if small else 103.0, 1.62),
+                     row(bcases.MROPE_PLAIN, 5.0 if small else 103.0, 1.60)]}
+
+
+def test_an_engine_job_that_raised_misses_the_targets_of_its_record(monkeypatch):
+    # The interleaved decode's failure left the contiguous record to pass the target alone.
+    monkeypatch.setattr(engine, "_mrope_record", _fake_mrope)
+    ctx = types.SimpleNamespace(quick=True, free=lambda: None, stream=types.SimpleNamespace(synchronize=lambda: None))
+    res = synthetic_result(True)
+    res["engine"] = engine.run_engine_section(ctx, None, None, ["engine/mrope"])
+    failed = [r for r in res["engine"] if r.get("error")]
+    assert [r["id"] for r in failed] == ["engine/mrope-decode/interleaved/bf16/thd/T=8"]
+    t = _targets(res)
+    assert t[MROPE_DECODE]["status"] == "MISS" and t[MROPE_DECODE]["where"] == failed[0]["id"], t[MROPE_DECODE]
+    assert t["MRoPE prefill >= 95% of copy"]["status"] == "PASS"
+
+
+def test_every_engine_job_is_named_by_its_records_id():
+    # A job's name is what --cases matches and what its error record is called.
+    for name, fn, args in engine.engine_jobs(False):
+        ident = {"_kv_record": lambda: engine.kv_ident(*args), "_onnx_record": lambda: engine.ONNX_IDENT,
+                 "_mrope_record": lambda: engine.mrope_ident(*args),
+                 "_vision_record": lambda: engine.vision_ident(engine.VISION_GRID[1] * engine.VISION_GRID[2]),
+                 "_qk_norm_record": lambda: engine.qk_norm_ident(*args),
+                 "_angles_record": lambda: engine.angles_ident(*args), "_mla_record": lambda: engine.mla_ident(*args),
+                 "jax_records": lambda: "engine/jax"}[fn]()
+        assert f"engine/{name}" == ident
+
+
+@pytest.mark.parametrize("spec, chosen", [
+    ("engine/*", None),
+    ("engine/mrope*", {"_mrope_record"}),
+    ("engine/mrope-decode", {"_mrope_record"}),  # the prefix the Targets table's "where" shows
+    ("engine/angles-decode/bf16/thd/T=8", {"_angles_record"}),
+    ("engine/*/T=8", {"_kv_record", "_mrope_record", "_qk_norm_record", "_angles_record"}),
+])
+def test_cases_globs_and_record_ids_select_engine_jobs(spec, chosen):
+    tokens = arguments.parse_args(["--cases", spec]).case_tokens
+    jobs = engine.engine_jobs(False)
+    got = [fn for name, fn, _ in jobs if engine.engine_job_selected(name, tokens)]
+    if chosen is None:
+        assert len(got) == len(jobs)
+    else:
+        assert got and set(got) == chosen, got
