@@ -59,6 +59,58 @@ def test_an_input_with_no_tokens_gives_an_empty_output(shape):
     assert y.shape == shape and y.dtype == X.dtype
 
 
+@pytest.mark.parametrize("shape, num_heads", [((1, 2, 3, 0), 0), ((2, 3, 0), 4)])
+def test_an_input_with_no_channels_gives_an_empty_output(shape, num_heads):
+    # head_size 0 was refused with "rotary_dim: must be a positive even number", the general API's
+    # name; the operator's reference gives an empty Y, as for no tokens.
+    X = np.zeros(shape, np.float32)
+    cache = np.zeros((4, 0), np.float32)
+    B, S = shape[0], shape[2] if len(shape) == 4 else shape[1]
+    y = rotary_embedding(X, cache, cache, np.zeros((B, S), np.int64), num_heads=num_heads, backend="numpy")
+    assert y.shape == shape and y.dtype == X.dtype and y is not X
+    out = np.zeros(shape, np.float32)
+    assert rotary_embedding(X, cache, cache, np.zeros((B, S), np.int64), num_heads=num_heads, out=out,
+                            backend="numpy") is out
+
+
+class HostTensor:
+    """A host array of another library (a torch or JAX CPU tensor): DLPack on the CPU, no NumPy type."""
+
+    def __init__(self, a):
+        self._a = a
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+    def reshape(self, *shape):
+        return HostTensor(self._a.reshape(*shape))
+
+
+@pytest.mark.parametrize("rank, with_ids", [(4, True), (4, False), (3, True)])
+def test_host_arrays_of_other_libraries_run_on_the_numpy_backend(rank, with_ids):
+    # X was taken for a device array unless it was a NumPy one: NoDeviceError, naming backend='numpy'.
+    inputs = case_inputs("float32", rank, 0, with_ids, seed=5)
+    heads = 3 if rank == 3 else 0
+    want = rotary_embedding(inputs["X"], inputs["cos"], inputs["sin"], inputs["ids"], num_heads=heads,
+                            backend="numpy")
+    wrapped = {k: None if v is None else HostTensor(v) for k, v in inputs.items()}
+    got = rotary_embedding(wrapped["X"], wrapped["cos"], wrapped["sin"], wrapped["ids"], num_heads=heads,
+                           backend="numpy")
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # in place: out=X writes through to the other library's memory and returns its object
+    x = inputs["X"].copy()
+    box = HostTensor(x)
+    assert rotary_embedding(box, wrapped["cos"], wrapped["sin"], wrapped["ids"], num_heads=heads, out=box,
+                            backend="numpy") is box
+    np.testing.assert_array_equal(x, want)
+
+
 @pytest.mark.parametrize("change,exc,match", [
     (dict(num_heads=0, rank=3), ValueError, "needs num_heads"),
     (dict(num_heads=5, rank=3), ValueError, "not a multiple of num_heads"),

@@ -100,6 +100,14 @@ def _in_onnx_names(exc: Exception) -> None:
     rename_arguments(exc, _ONNX_NAMES)
 
 
+def _host_view(a, name: str):
+    """``a`` as a NumPy view when it is a host array of another library (DLPack on the CPU), else ``a``."""
+    if a is None or isinstance(a, np.ndarray) or not hasattr(a, "__dlpack_device__"):
+        return a
+    info = A.describe(a, name)
+    return info.array if info.device is None else a
+
+
 def _module_of(x):
     """numpy for host arrays, cupy for device ones (the module that makes their helper arrays)."""
     if isinstance(x, np.ndarray):
@@ -158,6 +166,12 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     """
     from .rope import apply_rope
 
+    given_out = out
+    # Host arrays of other libraries (a torch or JAX CPU tensor) as the NumPy views of their memory,
+    # as the general API reads them: the helper arrays below are then made by NumPy, on the host.
+    X, cos_cache, sin_cache, position_ids, out = (
+        _host_view(a, name) for a, name in ((X, "X"), (cos_cache, "cos_cache"), (sin_cache, "sin_cache"),
+                                            (position_ids, "position_ids"), (out, "out")))
     interleaved = _int_attr("interleaved", interleaved)
     if interleaved > 1:
         raise ValueError(f"interleaved: 0 or 1, got {interleaved}")
@@ -187,6 +201,8 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
         raise ValueError(f"X: expected a 4-d [batch, num_heads, seq, head_size] or 3-d [batch, seq, hidden] array, "
                          f"got shape {tuple(shape)}")
     _check_inputs(X, cos_cache, sin_cache, position_ids, out, (B, S))
+    if D == 0 and rd == 0:  # no channels: Y is as empty as X, as the operator's reference gives it
+        return given_out if given_out is not None else X.copy()
     if rd == 0 and D % 2:
         raise ValueError(f"X: head_size {D} is odd; rotate an even number of channels (rotary_embedding_dim)")
     rd = rd or D
@@ -213,8 +229,8 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
         except (TypeError, ValueError) as exc:  # raised before anything is launched or written
             _in_onnx_names(exc)
             raise
-    if out is not None:
-        return out
+    if given_out is not None:
+        return given_out
     return result.reshape(shape) if len(shape) == 3 else result
 
 
