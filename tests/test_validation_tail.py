@@ -10,7 +10,10 @@ arrays; the tables are ``__cuda_array_interface__`` fakes.
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,6 +21,7 @@ from fakes import BF16, FakeDeviceArray, FakeTorchTensor, fake_cupy, fake_torch_
 from rope_rtc import TailRoPEForward, TensorDesc, TupleDict, tail_rope
 from rope_rtc.core import arrays as A
 from rope_rtc.ops import tail as tail_mod
+from rope_rtc.reference import tail_rope_reference
 
 T, H, D = 4, 2, 128
 NAMES = ("x", "cosine", "sine", "out")
@@ -636,3 +640,84 @@ def test_the_repeat_paths_launch_what_a_cold_call_launches():
     assert [i for i, (w, c) in enumerate(zip(warm, cold)) if w != c] == []
     launched = [w for w in warm if w and w[0] != "error"]
     assert len(launched) > 200 and len(warm) - len(launched) > 10
+
+
+# -- host arrays of other libraries, and tail_rope without CuPy ------------------------------------
+
+class _HostDLPack:
+    """A host array known only through DLPack (a torch or JAX CPU tensor stands in)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kw):
+        return self._a.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def _host_inputs(T=4, H=2, D=128, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((T, H, D)).astype(np.float32).astype(ml_dtypes.bfloat16)
+    c, s = (rng.standard_normal((T, 32)).astype(np.float32) for _ in range(2))
+    return x, c, s
+
+
+@pytest.mark.parametrize("which", ["cosine", "sine"])
+def test_numpy_backend_computes_with_a_host_dlpack_table(which):
+    # Validated as its NumPy view, then the object itself went to the reference: "cosine must be
+    # float32, got object".
+    x, c, s = _host_inputs()
+    args = [x, _HostDLPack(c) if which == "cosine" else c, _HostDLPack(s) if which == "sine" else s]
+    want = tail_rope_reference(x, c, s).view(np.uint16)
+    out = np.full_like(x, np.nan)
+    TailRoPEForward(*args, out, backend="numpy").execute(*args, out)
+    np.testing.assert_array_equal(out.view(np.uint16), want)
+    np.testing.assert_array_equal(tail_rope(*args, backend="numpy")["out"].view(np.uint16), want)
+
+
+@pytest.fixture
+def no_cupy(monkeypatch):
+    """An install without CuPy (it comes with the cuda12/cuda13 extras only)."""
+    from rope_rtc.core import prepared
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setattr(prepared, "_NDARRAY", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # "auto" falls back to NumPy with a warning
+        yield
+
+
+@pytest.mark.parametrize("bad", [None, [[0.0] * 128] * 4])
+def test_auto_without_cupy_names_a_bad_x(no_cupy, bad):
+    # CuPy was imported before x was looked at: ToolchainError instead of the TypeError naming x.
+    c = np.zeros((4, 32), np.float32)
+    with pytest.raises(TypeError, match="^x: expected"):
+        tail_rope(bad, c, c)
+
+
+def test_auto_without_cupy_runs_a_host_ndarray_subclass_on_numpy(no_cupy, tmp_path):
+    from rope_rtc.core import driver
+
+    if driver.available():
+        pytest.skip("a GPU is present: 'auto' means the GPU")
+    x, c, s = _host_inputs()
+    mm = np.memmap(tmp_path / "x.bin", dtype=x.dtype, mode="w+", shape=x.shape)
+    mm[...] = x
+    out = tail_rope(mm, c, s)["out"]  # ToolchainError (the GPU backend needs CuPy) before the fix
+    np.testing.assert_array_equal(out.view(np.uint16), tail_rope_reference(x, c, s).view(np.uint16))
+
+
+def test_misaligned_and_plan_mismatch_errors_name_the_fix():
+    x, c, s = _host_inputs()
+    plan = TailRoPEForward(x, c, s, np.empty_like(x), backend="numpy").check_support()
+    buf = np.zeros(x.size + 1, x.dtype)
+    with pytest.raises(ValueError, match=r"x: data pointer .* is not 16-byte aligned; pass a fresh allocation"):
+        plan.execute(buf[1:].reshape(x.shape), c, s, np.empty_like(x))
+    x2 = x.reshape(4, 256)[:, :128].copy()
+    with pytest.raises(ValueError, match=r"x: rank 2 differs from the plan's 3; reshape x to the plan's rank"):
+        plan.execute(x2, c, s, np.empty_like(x2))
+    x3, c3, s3 = _host_inputs(H=3)
+    with pytest.raises(ValueError, match=r"x: shape .* does not match the plan's H=2, D=128; make a plan"):
+        plan.execute(x3, c3, s3, np.empty_like(x3))

@@ -164,9 +164,10 @@ class TailRoPEForward:
 
         if not self._supported:
             self.check_support()
-        _TailOp(self).validate((x, cosine, sine, out), 0)
-        if x.size:
-            out[...] = tail_rope_reference(x, cosine, sine)
+        infos = self._describe((x, cosine, sine, out), declarations=False)
+        _TailOp(self).validate((x, cosine, sine, out), 0, infos)
+        if infos[0].size:  # the validated arrays: a host DLPack object's NumPy view, not the object
+            out[...] = tail_rope_reference(*(i.array for i in infos[:3]))
         return TupleDict(out=out)
 
     def _describe(self, arrays, *, declarations: bool) -> list[A.ArrayInfo]:
@@ -197,9 +198,11 @@ class TailRoPEForward:
     def _check_x(self, x) -> None:
         """x against the plan (check_support checks x's own shape first too)."""
         if len(x.shape) != self.rank:  # first: the checks below index x.shape by the plan's rank
-            raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}")
+            raise ValueError(f"x: rank {len(x.shape)} differs from the plan's {self.rank}; reshape x to the "
+                             "plan's rank, or make a plan for this one")
         if self.rank == 3 and (x.shape[1], x.shape[2]) != (self.heads, self.dim) or x.shape[-1] != self.dim:
-            raise ValueError(f"x: shape {x.shape} does not match the plan's H={self.heads}, D={self.dim}")
+            raise ValueError(f"x: shape {x.shape} does not match the plan's H={self.heads}, D={self.dim}; make a "
+                             "plan for this head count and head dim")
 
     def _check_others(self, x, c, s, o) -> None:
         """The output's and the tables' shapes against x's."""
@@ -403,12 +406,13 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
     is present, else NumPy (with a one-time warning), as :func:`rope_rtc.apply_rope` takes it. Host
     (NumPy) arrays on the GPU are copied there and back: the output is then a NumPy array.
     """
-    if (backend != "auto" and backend != "nvrtc") or type(x) is np.ndarray:
+    if (backend != "auto" and backend != "nvrtc") or isinstance(x, np.ndarray):
         return _tail_host(x, cosine, sine, backend, stream)
-    nd = cupy_ndarray()
-    if type(x) is nd:
+    if type(x).__module__.startswith("cupy") and type(x) is cupy_ndarray():
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
     else:
+        # Described before CuPy is imported: a non-array is the TypeError naming x, and a host
+        # array takes the host path, on an install without CuPy too.
         xi = A.describe(x, "x")
         if xi.device is None:  # a host array known through DLPack
             return _tail_host(x, cosine, sine, backend, stream)
