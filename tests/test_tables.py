@@ -558,8 +558,6 @@ BAD_ARGUMENTS = [
                   "original_max_position_embeddings": 64, "factor": 2.0}}, ValueError, "short_factor"),
     ({"scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4,
                   "original_max_position_embeddings": 64, "factor": 2.0}}, ValueError, "long_factor"),
-    ({"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
-                  "original_max_position_embeddings": 64}}, ValueError, "high_freq_factor"),
     ({"scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "original_max_position_embeddings": 64}}, ValueError, "high_freq_factor"),
     ({"scaling": {"rope_type": "default", "rope_theta": 0.0}}, ValueError, "rope_theta"),
@@ -790,3 +788,48 @@ def test_angles_that_overflow_are_named(numerics):
         rope_tables(1000, 8, scaling={"rope_type": "linear", "factor": 1 / big}, numerics=numerics)
     cos, sin = rope_tables(2, 8, scaling={"rope_type": "linear", "factor": 1 / big}, numerics=numerics)
     assert np.isfinite(cos).all() and np.isfinite(sin).all()
+
+
+# -- configs transformers reads: Phi-3's legacy types, reversed llama3 factors, lengths as floats ----
+
+_SHORT = [1.0 + 0.002 * i for i in range(48)]
+_LONG = [1.0 + 1.2 * i for i in range(48)]
+_PHI3 = {"short_factor": _SHORT, "long_factor": _LONG, "original_max_position_embeddings": 4096,
+         "max_position_embeddings": 131072}
+
+
+@pytest.mark.parametrize("legacy", ["su", "yarn"])
+@pytest.mark.parametrize("rows,factors", [(4096, _SHORT), (4097, _LONG)])
+def test_phi3_legacy_rope_types_are_longrope(legacy, rows, factors):
+    # transformers' Phi3Config (convert_rope_params_to_dict in 5.x, _rope_scaling_adjustment in 4.x)
+    # renames a Phi-3 rope_scaling of type "su" or "yarn" to "longrope".
+    inv, att = inverse_frequencies(96, scaling={"type": legacy, **_PHI3}, max_positions=rows)
+    want = 1.0 / (np.asarray(factors) * 10000.0 ** (np.arange(0, 96, 2) / 96))
+    np.testing.assert_allclose(inv, want, rtol=1e-15)
+    assert att == math.sqrt(1 + math.log(32) / math.log(4096))
+
+
+def test_llama3_high_freq_factor_below_low_freq_factor_is_computed_as_transformers_does():
+    # transformers only warns; its medium band is empty, so every wavelength above
+    # original / low_freq_factor is divided by factor and the others are kept.
+    inv, att = inverse_frequencies(128, base=500000.0, scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192})
+    plain = 500000.0 ** -(np.arange(0, 128, 2) / 128)
+    want = np.where(2 * np.pi / plain > 8192 / 4.0, plain / 8.0, plain)
+    np.testing.assert_allclose(inv, want, rtol=1e-15)
+    assert att == 1.0
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768.0},
+    {"rope_type": "dynamic", "factor": 2.0, "max_position_embeddings": 4096.0},
+])
+def test_integral_lengths_written_as_floats_are_read(scaling):
+    as_int = {k: (int(v) if k.endswith("position_embeddings") else v) for k, v in scaling.items()}
+    got = inverse_frequencies(128, base=500000.0, scaling=scaling, max_positions=9000)
+    want = inverse_frequencies(128, base=500000.0, scaling=as_int, max_positions=9000)
+    np.testing.assert_array_equal(got[0], want[0])
+    assert got[1] == want[1]

@@ -198,11 +198,6 @@ def _llama3(params: Mapping, dim: int, base: float, seq_len: int | None, ft: typ
     factor = _positive_param(params, "factor", "llama3")
     low_freq_factor = _positive_param(params, "low_freq_factor", "llama3")
     high_freq_factor = _positive_param(params, "high_freq_factor", "llama3")
-    if high_freq_factor < low_freq_factor:
-        raise ValueError(
-            f"scaling['high_freq_factor'] ({high_freq_factor}) must not be below "
-            f"scaling['low_freq_factor'] ({low_freq_factor}) for rope_type 'llama3'"
-        )
     original = _original_max(params, "llama3")
     low_freq_wavelen = original / low_freq_factor
     high_freq_wavelen = original / high_freq_factor
@@ -211,7 +206,9 @@ def _llama3(params: Mapping, dim: int, base: float, seq_len: int | None, ft: typ
     wavelen = _rdiv(2 * math.pi, inv_freq, ft)
     # Long wavelengths are interpolated by `factor`, short ones kept, the band between blended.
     scaled = np.where(wavelen > ft(low_freq_wavelen), inv_freq / ft(factor), inv_freq)
-    if high_freq_factor == low_freq_factor:  # no band between (Llama 4 Scout's configs)
+    if high_freq_factor <= low_freq_factor:
+        # No band between: equal factors (Llama 4 Scout's configs), or reversed ones, which transformers
+        # computes the same way (it only warns).
         return scaled.astype(ft), 1.0
     smooth = (_rdiv(original, wavelen, ft) - ft(low_freq_factor)) / ft(high_freq_factor - low_freq_factor)
     smoothed = (ft(1.0) - smooth) * scaled / ft(factor) + smooth * scaled

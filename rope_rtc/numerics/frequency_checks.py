@@ -106,6 +106,9 @@ def _scaling_params(scaling: Any, rope_types: tuple[str, ...]) -> tuple[str, Map
                          f"the one of the layers the table is for, e.g. scaling=rope_parameters[{layers[0]!r}]")
     # `rope_type` is the current key; configs saved before transformers 4.42 use `type`.
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "su" or (rope_type == "yarn" and "short_factor" in scaling and "long_factor" in scaling):
+        # Phi-3's configs saved before the rename: transformers' Phi3Config reads both as longrope.
+        rope_type = "longrope"
     if rope_type == "mrope":
         # Qwen2-VL's and Qwen2.5-VL's configs: transformers reads this type as default RoPE
         # (mrope_section only splits the pairs between position streams).
@@ -153,12 +156,19 @@ def _positive_param(params: Mapping, key: str, rope_type: str, default: Any = No
     return _finite_positive(f"scaling[{key!r}]", _param(params, key, rope_type, default))
 
 
+def _length(name: str, value: Any) -> int:
+    """A context length; an integral float (JSON's 8192.0) is read as the int, as transformers computes with it."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return _positive_int(name, value, MAX_POSITIONS)
+
+
 def _original_max(params: Mapping, rope_type: str) -> int:
     # transformers fills a missing `original_max_position_embeddings` from the model's
     # `max_position_embeddings`; a dict copied from config.json may carry either.
     for key in ("original_max_position_embeddings", "max_position_embeddings"):
         if params.get(key) is not None:
-            return _positive_int(f"scaling[{key!r}]", params[key], MAX_POSITIONS)
+            return _length(f"scaling[{key!r}]", params[key])
     raise ValueError(
         f"scaling['original_max_position_embeddings'] is required for rope_type {rope_type!r} (the pretraining "
         "context length): add the config's own, which some configs (Phi-3) keep at the top level, with its "
@@ -175,7 +185,7 @@ def _factor_or_implied(params: Mapping, rope_type: str, original: int) -> float:
             f"scaling['factor'] is required for rope_type {rope_type!r} "
             "(or the model's 'max_position_embeddings', from which transformers derives it)"
         )
-    expanded = _positive_int("scaling['max_position_embeddings']", params["max_position_embeddings"], MAX_POSITIONS)
+    expanded = _length("scaling['max_position_embeddings']", params["max_position_embeddings"])
     return expanded / original
 
 
@@ -190,7 +200,7 @@ def _dynamic_length(params: Mapping) -> int:
     alone gives that one (the length the caller means, as no model's is given)."""
     for key in ("max_position_embeddings", "original_max_position_embeddings"):
         if params.get(key) is not None:
-            return _positive_int(f"scaling[{key!r}]", params[key], MAX_POSITIONS)
+            return _length(f"scaling[{key!r}]", params[key])
     raise ValueError(
         "scaling['max_position_embeddings'] is required for rope_type 'dynamic' (the model's context length, "
         "past which transformers rescales the base; scaling['original_max_position_embeddings'] is taken when it "
