@@ -73,6 +73,15 @@ def test_an_input_with_no_channels_gives_an_empty_output(shape, num_heads):
                             backend="numpy") is out
 
 
+def test_an_input_with_no_channels_is_still_checked():
+    X = np.zeros((1, 2, 3, 0), np.float32)
+    ids = np.zeros((1, 3), np.int64)
+    with pytest.raises(ValueError, match="^backend: 'bogus'"):
+        rotary_embedding(X, np.zeros((4, 0), np.float32), np.zeros((4, 0), np.float32), ids, backend="bogus")
+    with pytest.raises(ValueError, match=r"^cos_cache: with position_ids, expected \[max_position, 0\]"):
+        rotary_embedding(X, np.zeros((4, 7), np.float32), np.zeros((4, 7), np.float32), ids, backend="numpy")
+
+
 class HostTensor:
     """A host array of another library (a torch or JAX CPU tensor): DLPack on the CPU, no NumPy type."""
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core import arrays as A
+from ..core import arrays as A, prepared
+from ..core.backends import BACKENDS
 from ..errors import UnsupportedLayoutError, rename_arguments
 
 
@@ -100,12 +101,25 @@ def _in_onnx_names(exc: Exception) -> None:
     rename_arguments(exc, _ONNX_NAMES)
 
 
+def _empty_like(X, shape: tuple):
+    """An empty array of X's dtype and ``shape`` where X is (NumPy, or CuPy on X's device)."""
+    info = A.describe(X, "X")
+    dtype = A.numpy_dtype(info.dtype)
+    if info.device is None:
+        return np.empty(shape, dtype)
+    cp = _module_of(None)
+    with cp.cuda.Device(info.device):
+        return cp.empty(shape, dtype)
+
+
 def _host_view(a, name: str):
     """``a`` as a NumPy view when it is a host array of another library (DLPack on the CPU), else ``a``."""
-    if a is None or isinstance(a, np.ndarray) or not hasattr(a, "__dlpack_device__"):
+    if a is None or isinstance(a, np.ndarray) or type(a).__module__.startswith("cupy"):
         return a
-    info = A.describe(a, name)
-    return info.array if info.device is None else a
+    device = getattr(a, "__dlpack_device__", None)
+    if device is None or int(device()[0]) != 1:  # kDLCPU only: a device array stays as it is
+        return a
+    return A.describe(a, name).array
 
 
 def _module_of(x):
@@ -148,7 +162,8 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     ----------
     X : array
         ``[batch, num_heads, seq, head_size]``, or ``[batch, seq, hidden]`` with ``num_heads``;
-        float32, float16 or bfloat16; NumPy or CuPy (or any array the general API accepts).
+        float32, float16 or bfloat16; NumPy or CuPy, or any array the general API accepts
+        (DLPack, on the host or a GPU).
     cos_cache, sin_cache : array
         ``[max_position, rotary_embedding_dim / 2]`` with ``position_ids``, else
         ``[batch, seq, rotary_embedding_dim / 2]``.
@@ -169,9 +184,10 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
     given_out = out
     # Host arrays of other libraries (a torch or JAX CPU tensor) as the NumPy views of their memory,
     # as the general API reads them: the helper arrays below are then made by NumPy, on the host.
-    X, cos_cache, sin_cache, position_ids, out = (
-        _host_view(a, name) for a, name in ((X, "X"), (cos_cache, "cos_cache"), (sin_cache, "sin_cache"),
-                                            (position_ids, "position_ids"), (out, "out")))
+    if type(X) is not prepared._NDARRAY:  # (a CuPy X needs none: every input must be where X is)
+        X, cos_cache, sin_cache, position_ids, out = (
+            _host_view(a, name) for a, name in ((X, "X"), (cos_cache, "cos_cache"), (sin_cache, "sin_cache"),
+                                                (position_ids, "position_ids"), (out, "out")))
     interleaved = _int_attr("interleaved", interleaved)
     if interleaved > 1:
         raise ValueError(f"interleaved: 0 or 1, got {interleaved}")
@@ -201,8 +217,6 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
         raise ValueError(f"X: expected a 4-d [batch, num_heads, seq, head_size] or 3-d [batch, seq, hidden] array, "
                          f"got shape {tuple(shape)}")
     _check_inputs(X, cos_cache, sin_cache, position_ids, out, (B, S))
-    if D == 0 and rd == 0:  # no channels: Y is as empty as X, as the operator's reference gives it
-        return given_out if given_out is not None else X.copy()
     if rd == 0 and D % 2:
         raise ValueError(f"X: head_size {D} is odd; rotate an even number of channels (rotary_embedding_dim)")
     rd = rd or D
@@ -223,6 +237,10 @@ def rotary_embedding(X, cos_cache, sin_cache, position_ids=None, *, interleaved:
         sin = _as_table(sin_cache, "sin_cache", xp, per_token, rd // 2)
         if cos.shape[0] != sin.shape[0]:
             raise ValueError(f"sin_cache: {sin.shape[0]} rows, cos_cache {cos.shape[0]}")
+        if D == 0:  # no channels: Y is as empty as X, as the operator's reference gives it
+            if not isinstance(backend, str) or backend not in BACKENDS:
+                raise ValueError(f"backend: {backend!r} is not one of {', '.join(map(repr, BACKENDS))}")
+            return given_out if given_out is not None else _empty_like(X, shape)
         try:
             result = apply_rope(x, cos, sin, positions=positions, layout=layout, interleaved=bool(interleaved),
                                 rotary_dim=rd, out=y, stream=stream, backend=backend)
