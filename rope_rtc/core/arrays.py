@@ -247,7 +247,7 @@ def check_contiguous(info: ArrayInfo, what: str = "must be C-contiguous") -> Non
 def check_aligned(info: ArrayInfo, nbytes: int = ALIGN_BYTES) -> None:
     if info.size and info.ptr % nbytes:
         raise ValueError(f"{info.name}: data pointer {info.ptr:#x} is not {nbytes}-byte aligned; pass a fresh "
-                         "allocation or a copy (both are aligned), not a view that starts mid-vector")
+                         "allocation or a copy, which are")
 
 
 def check_writable(info: ArrayInfo) -> None:

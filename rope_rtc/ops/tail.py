@@ -14,7 +14,7 @@ import struct
 import numpy as np
 
 from ..build.registry import TAIL_DIMS, tail_spec
-from ..core import arrays as A
+from ..core import arrays as A, prepared
 from ..core import driver
 from ..core.driver import current_device
 from ..core import launcher, outputs
@@ -406,10 +406,13 @@ def tail_rope(x, cosine, sine, *, backend: str = "auto", stream=None) -> TupleDi
     is present, else NumPy (with a one-time warning), as :func:`rope_rtc.apply_rope` takes it. Host
     (NumPy) arrays on the GPU are copied there and back: the output is then a NumPy array.
     """
-    if (backend != "auto" and backend != "nvrtc") or isinstance(x, np.ndarray):
+    if backend != "auto" and backend != "nvrtc":
         return _tail_host(x, cosine, sine, backend, stream)
-    if type(x).__module__.startswith("cupy") and type(x) is cupy_ndarray():
+    nd = prepared._NDARRAY  # cupy.ndarray once imported; CuPy is imported only for a CuPy x
+    if type(x) is nd or nd is None and type(x).__module__.startswith("cupy") and type(x) is cupy_ndarray():
         device, shape, dtype = x.data.device_id, x.shape, x.dtype
+    elif isinstance(x, np.ndarray):
+        return _tail_host(x, cosine, sine, backend, stream)
     else:
         # Described before CuPy is imported: a non-array is the TypeError naming x, and a host
         # array takes the host path, on an install without CuPy too.
