@@ -81,7 +81,7 @@ def regenerate_command(args: argparse.Namespace) -> str:
                                  ("--time-budget", args.time_budget, 200.0 if quick else 520.0),
                                  ("--seed", args.seed, 0)):
         if value != default:
-            parts += [flag, f"{value:g}"]
+            parts += [flag, str(value) if isinstance(value, int) else f"{value:.15g}"]
     return " ".join(parts + ["--write-docs"])
 
 

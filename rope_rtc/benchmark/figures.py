@@ -53,9 +53,11 @@ def ok(row: dict | None) -> bool:
 
 
 def fastest_peer(case_rec: dict, regime: str) -> tuple[str, float] | None:
+    """The peer with the least time in ``regime``, among those timed as the copy was."""
     best = None
+    copy = rows_by_impl(case_rec).get(COPY)
     for r in case_rec["rows"]:
-        if r["impl"] in PEERS and ok(r):
+        if r["impl"] in PEERS and ok(r) and (copy is None or resolved(r, regime) == resolved(copy, regime)):
             us = timing(r, regime)
             if us and (best is None or us < best[1]):
                 best = (r["impl"], us)

@@ -707,14 +707,24 @@ def measure_big_copy(ctx) -> dict | None:
         return None
 
 
-def _record_unmeasured(result: dict, case: Case, l2: int, why: str, head: str) -> None:
-    """A selected case without a record: a skip line, and an entry the targets that judge its
-    group count as a miss (report._unmeasured) rather than a case never judged."""
+NOT_REACHED = "not reached: the run ended before it"
+
+
+def _unmeasured_entry(case: Case, l2: int, why: str) -> dict:
+    """A selected case without a record, as the targets that judge its group count it: a miss
+    (report._unmeasured), never a case left out of the judgement."""
     foot = case.footprint()
+    return {"id": case.id, "group": case.group, "params": case.params(), "bytes_moved": case.bytes_moved(),
+            "cold_exact": cold_sets(foot, l2) * foot >= COLD_FACTOR * l2, "why": why[:300]}
+
+
+def _record_unmeasured(result: dict, case: Case, l2: int, why: str, head: str) -> None:
+    """``case`` could not be measured: a skip line, and its entry says why (it replaces the
+    entry every selected case has until its record lands, run_benchmark)."""
     line = f"{head}{why}"[:400]
     result["skips"].append(line)
-    result["unmeasured"].append({"id": case.id, "group": case.group, "bytes_moved": case.bytes_moved(),
-                                 "cold_exact": cold_sets(foot, l2) * foot >= COLD_FACTOR * l2, "why": why[:300]})
+    result["unmeasured"] = [u for u in result["unmeasured"] if u["id"] != case.id] + [
+        _unmeasured_entry(case, l2, why)]
     print(line, flush=True)
 
 
@@ -751,6 +761,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     result["host"] = run_host_processes(args, result["skips"])
             except Exception as exc:
                 result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
+                result["unmeasured"].append({"id": "host", "group": "host", "why": result["skips"][-1][:300]})
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
         if selected("engine", "engine", tokens) or any(t.startswith("engine/") for t in tokens or ()):
@@ -765,15 +776,18 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 _recover(ctx)
                 ctx.free()
         result["big_copy"] = measure_big_copy(ctx)
-        for case in all_cases(args.quick):
-            if not selected(case.id, case.group, tokens):
-                continue
+        chosen = [case for case in all_cases(args.quick) if selected(case.id, case.group, tokens)]
+        # Every selected case counts as unmeasured until its record lands: a JSON written by a run
+        # that was killed part way (below, after each case) judges the cases it never reached.
+        result["unmeasured"] += [_unmeasured_entry(case, ctx.l2, NOT_REACHED) for case in chosen]
+        for case in chosen:
             if time.monotonic() > deadline:
-                _record_unmeasured(result, case, ctx.l2, f"time budget of {args.time_budget:.0f} s spent (--time-budget)",
-                             f"skip {case.id}: ")
+                _record_unmeasured(result, case, ctx.l2,
+                                   f"time budget of {args.time_budget:.0f} s spent (--time-budget)", f"skip {case.id}: ")
                 continue
             try:
                 result["cases"].append(run_case(ctx, case))
+                result["unmeasured"] = [u for u in result["unmeasured"] if u["id"] != case.id]
             except Exception as exc:
                 _record_unmeasured(result, case, ctx.l2, f"{type(exc).__name__}: {exc}", f"case {case.id} failed: ")
                 _recover(ctx)

@@ -56,15 +56,26 @@ def engine_jobs(quick: bool = False) -> list[tuple[str, str, tuple]]:
     return jobs
 
 
+# A job that writes several records of different prefixes: what they start with. When it fails,
+# each prefix gets an error record, so the targets that judge its records see the failure.
+RECORD_PREFIXES = {"jax": ("jax-prefill", "jax-decode")}
+
+
+def _idents(name: str) -> list[str]:
+    """The record ids (or prefixes of them) of job ``name``, with ``engine/``."""
+    return [f"engine/{p}" for p in RECORD_PREFIXES.get(name, (name,))]
+
+
 def engine_job_selected(name: str, tokens: list[str] | None) -> bool:
     """``--cases``: ``engine`` (or a glob over it) selects every job; ``engine/<prefix>`` the jobs
     whose ``engine/<name>`` starts with it (``engine/angles``, ``engine/kv-cache-prefill/bf16``,
     ``engine/mla``, a record id as the page prints it), and a glob from ``engine/`` the jobs it
-    matches (``engine/*/T=8``)."""
+    matches (``engine/*/T=8``). A job of several records (JAX) is matched by their prefixes too."""
     if selected("engine", "engine", tokens):
         return True
-    ident = f"engine/{name}"
-    return any(t.startswith("engine/") and (ident.startswith(t) or fnmatch.fnmatchcase(ident, t)) for t in tokens)
+    idents = _idents(name) + [f"engine/{name}"]
+    return any(t.startswith("engine/") and (i.startswith(t) or t.startswith(i + "/") or fnmatch.fnmatchcase(i, t))
+               for t in tokens for i in idents)
 
 
 def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = None) -> list[dict]:
@@ -80,8 +91,8 @@ def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = Non
         except Exception as exc:
             line = f"engine/{name} failed: {type(exc).__name__}: {exc}"[:400]
             print(line, flush=True)
-            recs.append({"id": f"engine/{name}", "group": "engine", "params": {}, "bytes_moved": 0, "error": line,
-                         "rows": []})
+            recs += [{"id": ident, "group": "engine", "params": {}, "bytes_moved": 0, "error": line, "rows": []}
+                     for ident in _idents(name)]
             with contextlib.suppress(Exception):
                 ctx.stream.synchronize()
         ctx.free()
