@@ -691,8 +691,8 @@ def test_cache_verify_checks_model_builds_as_current_and_finds_a_tampered_one(ca
     assert victim.entry.kernel in line and "sm_80" in line and "loader refuses" in line, line
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_cache_verify_refuses_an_entry_whose_header_names_another_kernel(capsys, tmp_path, pdl):
+@pytest.mark.parametrize("pdl, target", [(False, None), (True, None), (False, "sm_80")])
+def test_cache_verify_refuses_an_entry_whose_header_names_another_kernel(capsys, tmp_path, pdl, target):
     # The loader refuses it (build._expected compares the kernel too); verify called it stale,
     # "never loaded", and passed, because it looked the key up by the header's own kernel name.
     root = tmp_path / "c"
@@ -703,11 +703,11 @@ def test_cache_verify_refuses_an_entry_whose_header_names_another_kernel(capsys,
     waits = [e for e in listed if "ROPE_PDL=1" in e.entry.kernel]
     assert bool(waits) == pdl
     victim = (waits or listed)[0]
-    _rewrite_header(victim.path, kernel="tail_rope[TAIL_HEADS=32]")
+    _rewrite_header(victim.path, kernel="tail_rope[TAIL_HEADS=32]", **({"target": target} if target else {}))
     rc, out, err = run_main(capsys, "cache", "verify", "--cache-dir", str(root))
     assert rc == 1, out
     line = next(line for line in err.splitlines() if victim.key[:12] in line)
-    assert victim.entry.kernel in line and "tail_rope[TAIL_HEADS=32] for sm_90" in line, line
+    assert victim.entry.kernel in line and f"tail_rope[TAIL_HEADS=32] for {target or 'sm_90'}" in line, line
     assert "loader refuses" in line, line
 
 

@@ -107,12 +107,19 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def registered_builds(target) -> dict:
-    """Cache key -> (spec, target) of every registered build for ``target`` (``registry.all_specs``
-    and, on sm_90 and newer, the waiting builds): the kernels that look keys up without
-    ``warm --model``. Computed once per target, only when an entry's header is not its key's."""
-    from ..build import kernels as build, registry
+def registered_builds(target=None) -> dict:
+    """Cache key -> (spec, target) of every registered build (``registry.all_specs`` and, on sm_90
+    and newer, the waiting builds: the kernels that look keys up without ``warm --model``) for
+    ``target``, or for every target NVRTC builds. Computed once, only for an entry whose header
+    does not name its key's build (a few seconds for every target)."""
+    from ..build import kernels as build, registry, toolchain
 
+    if target is None:
+        out: dict = {}
+        for arch in toolchain.supported_archs():
+            for kind in ("cubin", "ptx"):
+                out.update(registered_builds(toolchain.Target(arch, kind)))
+        return out
     specs = registry.all_specs()
     if target.arch >= 90:
         specs += [registry.waiting_for_producer(s) for s in specs if s.family in registry.PDL_FAMILIES]
@@ -135,11 +142,12 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     except ValueError:
         claimed = None
     found = build_of(entry.kernel, key, claimed)
-    if found is None and claimed is not None:
+    if found is None:
         # A header that names another kernel than the one under its key (a tampered or misplaced
         # entry): build_of, going by the header's name, cannot see it. Look the key up among the
-        # registered builds for the claimed target, as their loads would.
-        found = registered_builds(claimed).get(key)
+        # registered builds, as their loads would: for the claimed target first, then for every
+        # one. (A model's build, warm --model, is found only by its own name.)
+        found = (claimed is not None and registered_builds(claimed).get(key)) or registered_builds().get(key)
     if found is None:
         return "stale", "built from other sources, by another NVRTC or against other CUDA headers; never loaded"
     spec, target = found
