@@ -144,14 +144,21 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
         if int(dev_type) in (2, 13):  # kDLCUDA, kDLCUDAManaged
-            import cupy
+            from .driver import import_cupy  # a missing CuPy: the ToolchainError naming the extra
 
-            return _from_cupy(cupy.from_dlpack(obj), name)
+            return _from_cupy(import_cupy().from_dlpack(obj), name)
         if int(dev_type) == 1:  # kDLCPU
             if not allow_host:
                 raise TypeError(f"{name}: a host (CPU) array is not accepted here; pass a device array, or every "
                                 "array on the host to a one-call function (backend='numpy' computes on the CPU)")
-            return describe(np.from_dlpack(obj), name, allow_host=allow_host)
+            try:
+                view = np.from_dlpack(obj)
+            except (BufferError, RuntimeError, TypeError, ValueError) as exc:  # a dtype NumPy has not (bfloat16)
+                raise TypeError(f"{name}: NumPy cannot read this host array through DLPack ({exc}); for a bfloat16 "
+                                "CPU tensor pass its bits as an ml_dtypes.bfloat16 NumPy array (for torch: "
+                                "t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)), or the tensor on the GPU"
+                                ) from None
+            return describe(view, name, allow_host=allow_host)
         raise TypeError(f"{name}: DLPack device type {dev_type} is not a CUDA device")
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:

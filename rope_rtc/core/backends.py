@@ -90,14 +90,20 @@ def host_array(info: A.ArrayInfo | None) -> np.ndarray | None:
     return None if info is None else (info.array if isinstance(info.array, np.ndarray) else np.asarray(info.array))
 
 
-def auto_without_gpu(requested: str, x) -> None:
+def auto_without_gpu(requested: str, x, name: str = "x") -> None:
     """``"auto"`` settled on NumPy because no GPU is usable; a device array ``x`` then needs the
     GPU, and :class:`rope_rtc.errors.NoDeviceError` says why there is none (rather than "the NumPy
-    backend takes host arrays", which the caller never asked for)."""
-    if requested != "numpy" and not isinstance(x, np.ndarray) and A.describe(x, "x").device is not None:
+    backend takes host arrays", which the caller never asked for). ``name``: x's argument name, for
+    the TypeError of a non-array. A device array is told by its protocol, without CuPy."""
+    if requested == "numpy" or isinstance(x, np.ndarray):
+        return
+    dev = getattr(x, "__dlpack_device__", None)
+    if type(x).__module__.startswith("cupy") or hasattr(x, "__cuda_array_interface__") or (
+            dev is not None and hasattr(x, "__dlpack__") and int(dev()[0]) in (2, 13)):
         from . import driver
 
         driver.require_gpu()
+    A.describe(x, name)  # anything else: a host array, or the TypeError naming it
 
 
 def refuse_device(info: A.ArrayInfo) -> None:
@@ -136,6 +142,13 @@ def token_heads(arr: np.ndarray, layout: str) -> tuple[np.ndarray, tuple]:
 def in_layout(res: np.ndarray, shape: tuple, layout: str) -> np.ndarray:
     """A ``[tokens, H, D]`` result of :func:`token_heads` back in ``layout``, C-contiguous."""
     return np.ascontiguousarray(np.transpose(res.reshape(shape), np.argsort(to_bshd_index(layout))))
+
+
+def as_given(returned, given) -> tuple:
+    """A host call's outputs as the caller passed them: each given output (or input rotated in
+    place) is returned as that very object, not as the NumPy view of its memory that received the
+    values (a host DLPack object's); None in ``given``: the result as it is."""
+    return tuple(r if g is None else g for r, g in zip(returned, given))
 
 
 def write_results(results: list[tuple[np.ndarray, A.ArrayInfo | None]]) -> list:

@@ -166,9 +166,12 @@ def vision_positions(grid_thw, *, spatial_merge_size: int, xp: Any = np) -> Any:
 def _grid(grid_thw) -> list[tuple[int, int, int]]:
     """``grid_thw`` as ``(t, h, w)`` Python ints, each positive; ``TypeError``/``ValueError`` naming it."""
     try:
+        if (not isinstance(grid_thw, np.ndarray) and hasattr(grid_thw, "__dlpack__")
+                and int(getattr(grid_thw, "__dlpack_device__", lambda: (0, 0))()[0]) == 1):  # kDLCPU
+            grid_thw = np.from_dlpack(grid_thw)  # a host array of another library (a torch CPU tensor)
         grid = np.asarray(grid_thw.get() if hasattr(grid_thw, "get") and not isinstance(grid_thw, dict)
                           else grid_thw)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, BufferError, RuntimeError) as exc:
         raise TypeError(f"grid_thw: expected an integer array [images, 3] of (t, h, w), got {grid_thw!r}") from exc
     if grid.ndim == 1 and grid.size == 3:
         grid = grid[None, :]

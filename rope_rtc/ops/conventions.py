@@ -109,6 +109,8 @@ def split_cos_sin_cache(cache, cos, sin, rotary_dim=None, head_dim=None) -> tupl
     if isinstance(cache, TensorDesc):  # a declaration: two declared views of one buffer
         return (TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device),
                 TensorDesc(cache.dtype_name, (shape[0], half), cache.strides, cache.device))
+    if info is None and not hasattr(cache, "__getitem__"):  # a shape but no slicing (DLPack only): its array's views
+        info = A.describe(cache, "cos_sin_cache")
     if info is not None:
         return (_view(cache, info, 0, (shape[0], half), info.strides),
                 _view(cache, info, half, (shape[0], half), info.strides))

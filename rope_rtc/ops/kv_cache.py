@@ -31,7 +31,8 @@ import numpy as np
 from ..build.registry import cache_head_batch, cache_spec, cache_vector_widths
 from ..core import arrays as A
 from ..core.driver import current_device
-from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions, write_results
+from ..core.backends import (as_given, auto_without_gpu, host_array, on_gpu, refuse_device, resolve, token_positions,
+                             write_results)
 from ..core.codegen import (address_predicate, address_terms, aligned_term, arrays_title, generated,
                             preferred_predicate, signature_checks)
 from ..core.launcher import StructArg, cupy_stream, launch_prefix, load_kernel, single_device, stream_handle
@@ -696,6 +697,7 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
                                   k_out=k_out, offset=offset, cu_seqlens=cu_seqlens, interleaved=interleaved,
                                   rotary_dim=rotary_dim, host=True)
     req = creq.rope
+    given = (q if q_out is None else q_out, k if k_out is None else k_out)  # what the call returns
     q_out, k_out = req.q_out or req.q, req.k_out or req.k  # in place unless given
     if backend == "numpy":
         refuse_device(req.q)
@@ -708,7 +710,7 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
             host_array(creq.v_cache), kv_layout=kv_layout, kv_cache_dtype=kv_cache_dtype, k_scale=scales[0],
             v_scale=scales[1], interleaved=req.interleaved, rotary_dim=req.rotary_dim)
         returned = write_results([(qo, q_out), (ko, k_out), (kc, creq.k_cache), (vc, creq.v_cache)])
-        return returned[0], returned[1]
+        return as_given(returned[:2], given)
     arrays = tuple(host_array(i) for i in (req.q, req.k, creq.v, req.cos, req.sin, req.positions, creq.slots,
                                            creq.k_cache, creq.v_cache, creq.k_scale, creq.v_scale, q_out, k_out,
                                            req.cu_seqlens, req.offsets))
@@ -719,6 +721,6 @@ def _apply_host(q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, op
                               cu_seqlens=a[13], interleaved=interleaved, rotary_dim=rotary_dim, stream=handle,
                               backend="nvrtc")
 
-    return tuple(on_gpu(arrays, (7, 8, 11, 12), stream, call))
+    return as_given(on_gpu(arrays, (7, 8, 11, 12), stream, call), given)
 
 

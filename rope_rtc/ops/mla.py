@@ -18,7 +18,7 @@ import numpy as np
 
 from ..build.registry_mla import mla_spec
 from ..core import arrays as A
-from ..core.backends import auto_without_gpu, host_array, on_gpu, refuse_device, resolve, write_results
+from ..core.backends import as_given, auto_without_gpu, host_array, on_gpu, refuse_device, resolve, write_results
 from ..core.codegen import address_predicate, preferred_predicate
 from ..core.dispatch import OneCall, signature_with_own
 from ..core.driver import current_device
@@ -343,7 +343,7 @@ def _apply_host(arrays: tuple, options: tuple, stream, backend: str, requested: 
         if qf is not None:
             results.append((qf, req.q_fp8))
         returned = write_results(results)
-        return returned[0], returned[1], (returned[3] if qf is not None else None)
+        return as_given((returned[0], returned[1], returned[3] if qf is not None else None), (q_out, k_pe, q_fp8_out))
     staged = tuple(host_array(i) for i in (req.q, req.k_pe, req.kv_c, req.cos, req.sin, req.positions, req.slots,
                                            req.cache, req.kv_scale, req.q_out or req.q, req.q_fp8, req.q_scale))
 
@@ -352,4 +352,4 @@ def _apply_host(arrays: tuple, options: tuple, stream, backend: str, requested: 
                                   kv_cache_dtype=kv_cache_dtype, q_fp8_dtype=q_fp8_dtype, interleaved=interleaved,
                                   stream=handle, backend="nvrtc")
 
-    return tuple(on_gpu(staged, (1, 7, 9, 10), stream, call))
+    return as_given(on_gpu(staged, (1, 7, 9, 10), stream, call), (q_out, k_pe, q_fp8_out))

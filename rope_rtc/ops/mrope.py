@@ -30,8 +30,8 @@ import numpy as np
 from ..build.registry import FixedGeometry, both_strides, mrope_geometries
 from ..core import arrays as A
 from ..core import outputs
-from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
-                             write_results)
+from ..core.backends import (as_given, auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve,
+                             token_heads, write_results)
 from ..core.launcher import stream_handle
 from ..core.dispatch import OneCall
 from ..core.prepared import Op, signature
@@ -418,14 +418,14 @@ def _apply_host(names, q, k, cos, sin, positions, section, interleaved_sections,
                                       rotary_dim=req.rotary_dim)
                 results.append((in_layout(round_to_dtype(res, flat.dtype), shape, req.layout), out))
         returned = write_results(results)
-        return returned[0], (returned[1] if len(returned) > 1 else None)
+        return as_given((returned[0], returned[1] if len(returned) > 1 else None), (q_out, k_out))
     arrays = tuple(host_array(i) for i in (req.q, req.k, req.cos, req.sin, pi, req.q_out, req.k_out))
 
     def call(a, handle):
         return _apply(names, a[0], a[1], a[2], a[3], a[4], sections, interleaved_sections, layout, rotary_dim,
                       inverse, a[5], a[6], handle, "nvrtc")
 
-    return tuple(on_gpu(arrays, (5, 6), stream, call))
+    return as_given(on_gpu(arrays, (5, 6), stream, call), (q_out, k_out))
 
 
 def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[tuple, tuple]:

@@ -34,8 +34,8 @@ from ..build.registry import (NORM_ENTRIES, NORM_MODES, NORM_STAGED_THREADS, Fix
                               norm_head_batch, norm_stageable, norm_vector_widths)
 from ..core import arrays as A
 from ..core import outputs
-from ..core.backends import (auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve, token_heads,
-                             token_positions, write_results)
+from ..core.backends import (as_given, auto_without_gpu, host_array, in_layout, on_gpu, refuse_device, resolve,
+                             token_heads, token_positions, write_results)
 from ..core.codegen import preferred_predicate
 from ..core.launcher import launch_prefix, load_kernel, stream_handle
 from ..core.dispatch import OneCall, split_offset
@@ -455,7 +455,7 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
             else:
                 res = qk_norm_rope_transformers_reference(flat, host_array(w), cos_t, sin_t, pos, **kw)
             results.append((in_layout(res, shape, req.layout), out))
-        return tuple(write_results(results))
+        return as_given(write_results(results), (q_out, k_out))
     arrays = tuple(host_array(i) for i in (req.q, req.k, qwi, kwi, req.cos, req.sin, req.positions, req.q_out,
                                            req.k_out, req.cu_seqlens, req.offsets))
 
@@ -465,7 +465,7 @@ def _apply_host(q, k, q_weight, k_weight, cos, sin, options: tuple, positions, o
                                   interleaved=interleaved, rotary_dim=rotary_dim, rotary_offset=rotary_offset,
                                   inverse=inverse, q_out=a[7], k_out=a[8], stream=handle, backend="nvrtc")
 
-    return tuple(on_gpu(arrays, (7, 8), stream, call))
+    return as_given(on_gpu(arrays, (7, 8), stream, call), (q_out, k_out))
 
 
 def _validate(arrays: tuple, scalar: int, options: tuple) -> tuple[tuple, tuple]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..core import arrays as A
 from ..core import launcher, outputs
-from ..core.backends import auto_without_gpu, host_array as _host
+from ..core.backends import as_given, auto_without_gpu, host_array as _host
 from ..core.backends import in_layout, refuse_device, resolve, token_heads, token_positions, write_results
 from ..core.launcher import CURRENT_STREAM, stream_handle
 from ..core.dispatch import OneCall, signature_and_pointers, split_offset
@@ -199,13 +199,13 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
     if backend == "nvrtc" and type(q) is _NDARRAY and (k is None or type(k) is _NDARRAY):
         return _run_device(q, k, cos, sin, positions, offset, cu_seqlens, q_out, k_out, stream, opts, names)
     if backend == "numpy":
-        auto_without_gpu(requested, q)
+        auto_without_gpu(requested, q, names[0])
     req = validate(q, k, cos, sin, positions=positions, offset=offset, cu_seqlens=cu_seqlens, q_out=q_out,
                    k_out=k_out, names=names, **_kw(opts))
     host = req.q.device is None
     if backend == "numpy":
         refuse_device(req.q)
-        return _run_numpy(req)
+        return as_given(_run_numpy(req), (q_out, k_out))
     if not host:  # other device arrays (DLPack, __cuda_array_interface__): their CuPy views or themselves
         view = [None if i is None else i.array for i in (req.q, req.k, req.cos, None if req.angles else req.sin,
                                                             req.positions, req.offsets, req.cu_seqlens, req.q_out,
@@ -218,7 +218,7 @@ def _apply(names: tuple[str, str], q, k, cos, sin, positions, offset, cu_seqlens
         qo, ko = _run_device(view[0], view[1], view[2], view[3], view[4], req.offset if view[5] is None else view[5],
                              view[6], view[7], view[8], stream, opts, names, req.device)
         return (q_out if q_out is not None else qo), (k_out if k_out is not None or k is None else ko)
-    return _run_staged(req, names, q, k, stream, opts)
+    return as_given(_run_staged(req, names, q, k, stream, opts), (q_out, k_out))
 
 
 def _run_staged(req: Request, names, q, k, stream, opts: tuple):
