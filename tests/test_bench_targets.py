@@ -291,3 +291,112 @@ def test_tables_mark_a_row_timed_by_its_loop_and_pick_peers_timed_as_the_copy():
     assert row[report.blog_table(res)[0].index("cupy")].endswith(" (loop)")
     by["cupy"]["timings"]["cold"]["us"] = 1e-3  # a loop far below any graph time
     assert figures.fastest_peer(case, "cold*")[0] != "cupy"
+
+
+def _host_rows(res: dict) -> dict:
+    """The one-call host record of a synthetic result, its rows by name (added to it)."""
+    names = [f"apply_rope_qk ({bcases.ONE_CALL_POOL} array sets cycled, in place, offset array)",
+             f"apply_rope_qk, engines' convention (flat q/k, cos_sin_cache, positions; {bcases.ONE_CALL_POOL} array "
+             "sets cycled, in place)",
+             f"apply_rope ({bcases.ONE_CALL_POOL} array sets cycled, allocates the output, offset=7)",
+             "RopePlan.execute (same arrays)"]
+    rows = [{"impl": n, "layout": "thd", "check": "-", "timings": {"host": {"us": 4.0}}} for n in names]
+    res["host"].append({"id": "host/one-call-decode-bf16-B=8", "group": "host", "params": {}, "bytes_moved": 1,
+                        "rows": rows})
+    return {r["impl"]: r for r in rows}
+
+
+def test_a_host_row_that_errored_misses_its_targets():
+    res = synthetic_result(False)
+    rows = _host_rows(res)
+    t = _targets(res)
+    assert t["one-call host time in place, new arrays <= 5.0 µs"]["status"] == "PASS"
+    assert t["one-call host time <= 2x RopePlan.execute"]["status"] == "PASS"
+    bad = next(n for n in rows if n.startswith("apply_rope_qk, engines'"))
+    rows[bad].update(check="error: RuntimeError: boom", timings={})
+    t = _targets(res)
+    assert t["one-call host time in place, new arrays <= 5.0 µs"]["status"] == "MISS"
+    rows[bad].update(check="-", timings={"host": {"us": 4.0}})
+    rows["RopePlan.execute (same arrays)"].update(check="error: RuntimeError: boom", timings={})
+    t = _targets(res)
+    for name in ("one-call host time <= 2x RopePlan.execute", "RopePlan.execute host time <= 5.0 µs"):
+        assert t[name]["status"] == "MISS", t[name]
+
+
+def test_a_cold_start_scenario_that_failed_misses():
+    res = synthetic_result(False)
+    res["coldstart"].append({"scenario": "tail", "cache": "warm", "error": "exit 1: boom"})
+    res["coldstart"].append({"scenario": "tail", "cache": "empty", "error": "exit 1: boom"})
+    t = _targets(res)
+    for name in ("warm cache: first result <= 150 ms beyond imports", "cold compile of one kernel <= 2 s"):
+        name = next(n for n in t if n.startswith(name.split(" <=")[0]))
+        assert t[name]["status"] == "MISS" and t[name]["where"].startswith("tail (exit 1: boom"), t[name]
+
+
+def test_an_engine_section_that_failed_misses_every_selected_engine_target():
+    res = synthetic_result(True)
+    res["engine"] = engine.engine_failures("engine section failed: RuntimeError: boom", ["engine/mrope"], True)
+    assert {r["id"] for r in res["engine"]} == {engine.mrope_ident(T, i) for T in (8, 16384) for i in (False, True)}
+    t = _targets(res)
+    assert t[MROPE_DECODE]["status"] == "MISS" and t["MRoPE prefill >= 95% of copy"]["status"] == "MISS"
+    assert t["MLA prefill >= 95% of copy"]["status"] == "N/A"  # not selected: not judged
+
+
+def test_the_blogs_fused_kernel_failing_misses_the_blog_target():
+    res = synthetic_result(False)
+    _wrong(_case(res, "blog/S=1"), "fused")
+    t = _targets(res)["blog's configuration: time <= 1.01x the blog's fused kernel"]
+    assert t["status"] == "MISS" and t["where"].startswith("blog/S=1 (the blog's fused kernel: WRONG"), t
+
+
+def test_merging_clears_a_failed_host_section_and_a_failed_jobs_records():
+    base = synthetic_result(True)
+    base["unmeasured"] = [{"id": "host", "group": "host", "why": "host section failed: boom"}]
+    base["engine"] = engine.engine_failures("engine/jax failed: boom", ["engine/jax"], True)
+    later = {"cases": [], "host": list(base["host"]), "created": "later", "command": "-", "env": {},
+             "engine": [{"id": "engine/jax-prefill/bf16/bshd/S=4096", "group": "engine", "rows": []},
+                        {"id": "engine/jax-decode/bf16/bshd/B=8", "group": "engine", "rows": []}]}
+    merged = report.merge_results(base, later)
+    assert merged["unmeasured"] == []
+    assert [r["id"] for r in merged["engine"]] == [r["id"] for r in later["engine"]]
+
+
+def test_without_jax_its_records_are_not_run(tmp_path):
+    pytest.importorskip("numpy")
+    try:
+        import jax  # noqa: F401
+        pytest.skip("JAX is installed here")
+    except ImportError:
+        pass
+    from rope_rtc.benchmark import engine_jax
+
+    assert engine_jax.jax_records(types.SimpleNamespace(seed=0, quick=True), None, None) == []
+    res = synthetic_result(True)
+    res["engine"] = []
+    assert _targets(res)["rope_rtc.jax prefill >= 95% of copy"]["status"] == "N/A"
+
+
+def test_an_older_runs_unmeasured_tail_entry_without_params_is_judged_by_its_id():
+    res = synthetic_result(False)
+    res["cases"] = [c for c in res["cases"] if c["id"] != "tail/T=4/H=64/D=512"]
+    res["unmeasured"] = [{"id": "tail/T=4/H=64/D=512", "group": "tail", "cold_exact": False, "why": "budget"}]
+    t = _targets(res)["tail T=1,4 H=64 D=512 GPU time under graph replay <= 1.6 µs"]
+    assert t["status"] == "MISS" and t["where"].startswith("tail/T=4/H=64/D=512"), t
+
+
+def test_loop_marks_only_a_row_timed_by_its_loop():
+    res = synthetic_result(False)
+    case = _case(res, "blog/S=1")
+    by = figures.rows_by_impl(case)
+    del by[bcases.COPY]["timings"]["graph_cold"]  # the copy timed by its loop, ours under graph replay
+    row = next(r for r in report.blog_table(res) if r[0] == "1")
+    assert "(loop)" not in row[report.blog_table(res)[0].index("auto")]
+
+
+def test_from_json_of_a_file_that_is_not_a_run_is_a_usage_error(tmp_path, capsys):
+    from rope_rtc.benchmark import cli as bench_cli
+
+    path = tmp_path / "other.json"
+    path.write_text('{"rows": []}')
+    assert bench_cli.main(["--from-json", str(path), "--no-plot"]) == 2
+    assert "is not a benchmark run" in capsys.readouterr().err

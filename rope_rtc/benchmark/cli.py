@@ -56,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
 def _saved_run(path: str, flag: str) -> dict:
     """A run saved by ``--json``; ValueError naming ``flag`` and the file when it cannot be read."""
     try:
-        return json.loads(Path(path).read_text())
+        run = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:  # missing, unreadable, not JSON (JSONDecodeError is a ValueError)
         raise ValueError(f"{flag}: cannot read {path}: {exc} (pass a file written by --json)") from None
+    if not isinstance(run, dict) or not isinstance(run.get("cases"), list):
+        raise ValueError(f"{flag}: {path} is not a benchmark run (no 'cases'; pass a file written by --json)")
+    return run
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -146,7 +146,8 @@ def _cell_reference(case_rec: dict, row: dict | None, regime: str = "cold*") -> 
     g, p = gbps(case_rec, row, regime), pct_of_copy(case_rec, row, regime)
     if g is None:
         return "-"
-    if p is None and resolved(row, regime) != resolved(rows_by_impl(case_rec).get(COPY), regime):
+    copy = rows_by_impl(case_rec).get(COPY)
+    if p is None and resolved(row, regime) == "cold" and resolved(copy, regime) != "cold":
         return f"{g:.0f} (loop)"  # the copy under graph replay, this row by its event loop: no ratio
     return f"{g:.0f} ({p:.0f}%)" if p is not None else f"{g:.0f}"
 
@@ -436,8 +437,8 @@ def _host_points(result: dict, cases: list, host_row: str) -> list:
     the host section's failure (``result["unmeasured"]``) misses."""
     return ([_judged(rows_by_impl(c).get(OURS), timing(rows_by_impl(c).get(OURS), "host"), c["id"], floor=False)
              for c in cases]
-            + [(timing(r, "host"), rec["id"]) for rec in result.get("host", []) for r in rec["rows"]
-               if r["impl"] == host_row] + _unmeasured(result, "host", floor=False))
+            + [_judged(r, timing(r, "host"), rec["id"], floor=False) for rec in result.get("host", [])
+               for r in rec["rows"] if r["impl"] == host_row] + _unmeasured(result, "host", floor=False))
 
 
 def evaluate_targets(result: dict) -> list[dict]:
@@ -467,7 +468,10 @@ def evaluate_targets(result: dict) -> list[dict]:
     for c in blog:
         by = rows_by_impl(c)
         ours, fused = timing(by.get(OURS), "cold*"), timing(by.get("fused"), "cold*")
-        if fused:  # the blog's kernel timed: ours is judged against it
+        if _failed(by.get("fused")) or not fused:  # the blog's kernel is ours to build: its failure misses too
+            said = str((by.get("fused") or {}).get("check") or "not measured")[:60]
+            ratios.append((math.inf, f"{c['id']} (the blog's fused kernel: {said})"))
+        else:
             ratios.append(_judged(by.get(OURS), ours and ours / fused, c["id"], floor=False))
     _worst(add, f"blog's configuration: time <= {BLOG_FUSED_RATIO:g}x the blog's fused kernel",
            ratios + _unmeasured(result, "blog", floor=False), BLOG_FUSED_RATIO, "x", floor=False)
@@ -529,9 +533,9 @@ def evaluate_targets(result: dict) -> list[dict]:
             for c in cold] + _unmeasured(result, "tail", floor=True, judged=lambda u: u.get("cold_exact")),
            TAIL_COPY_PCT, "%", floor=True)
     _tail_too_small(add, warm)
-    def is_key(c: dict) -> bool:
-        p = c.get("params", {})
-        return p.get("T") in (1, 4) and (p.get("H"), p.get("D")) == (64, 512)
+    def is_key(c: dict) -> bool:  # (an entry of an older run has no params: its id says them)
+        p = c.get("params") or dict(kv.split("=") for kv in c["id"].split("/")[1:] if "=" in kv)
+        return int(p.get("T", 0)) in (1, 4) and (int(p.get("H", 0)), int(p.get("D", 0))) == (64, 512)
 
     key = [c for c in tail if is_key(c)]
     key_unmeasured = _unmeasured(result, "tail", floor=False, judged=is_key)
@@ -544,51 +548,63 @@ def evaluate_targets(result: dict) -> list[dict]:
     _one_call_targets(add, result, prefill)
     _engine_targets(add, result)
     # cold start
-    cs = [r for r in result.get("coldstart", []) if not r.get("error")]
+    every = result.get("coldstart", [])
+    cs = [r for r in every if not r.get("error")]
+    failed = {cache: [(math.inf, f"{r['scenario']} ({str(r['error'])[:60]})") for r in every
+                      if r.get("error") and r["cache"] == cache] for cache in ("warm", "empty")}
     _worst(add, f"warm cache: first result <= {WARM_FIRST_S * 1e3:.0f} ms beyond imports",
-           [(r["first_result_s"] * 1e3, r["scenario"]) for r in cs if r["cache"] == "warm"],
+           [(r["first_result_s"] * 1e3, r["scenario"]) for r in cs if r["cache"] == "warm"] + failed["warm"],
            WARM_FIRST_S * 1e3, " ms", floor=False)
     _worst(add, f"cold compile of one kernel <= {COMPILE_ONE_S:.0f} s",
-           [(c["seconds"], c["kernel"]) for r in cs for c in r.get("compiles", [])], COMPILE_ONE_S, " s", floor=False)
+           [(c["seconds"], c["kernel"]) for r in cs for c in r.get("compiles", [])] + failed["empty"],
+           COMPILE_ONE_S, " s", floor=False)
     return out
 
 
-def _host_row(result: dict, record: str, impl: str):
-    """The host µs of row ``impl`` of host record ``record`` (None when not measured)."""
+def _host_row(result: dict, record: str, impl: str) -> dict | None:
+    """Row ``impl`` of host record ``record`` (None when the run has no such row)."""
     for rec in result.get("host", []):
         if rec["id"] == record:
             for r in rec["rows"]:
                 if r["impl"] == impl:
-                    return timing(r, "host")
+                    return r
     return None
+
+
+def _host_point(row: dict | None, where: str) -> tuple:
+    """(host µs, where) of a host row: a miss when the row failed or has no figure."""
+    return _ours(row, timing(row, "host"), where, floor=False)
 
 
 def _one_call_targets(add, result: dict, prefill: list) -> None:
     """The one-call functions: host time with new arrays of a seen signature every call, against
     a bound and against RopePlan.execute; and prefill GPU time against the plan's."""
     rec = "host/one-call-decode-bf16-B=8"
-    plan_us = _host_row(result, rec, "RopePlan.execute (same arrays)")
-    calls = [(_host_row(result, rec, f"apply_rope_qk ({ONE_CALL_POOL} array sets cycled, in place, offset array)"),
-              "apply_rope_qk"),
-             (_host_row(result, rec, f"apply_rope_qk, engines' convention (flat q/k, cos_sin_cache, positions; "
-                                     f"{ONE_CALL_POOL} array sets cycled, in place)"),
-              "apply_rope_qk, engines' convention")]
-    allocating = [(_host_row(result, rec, f"apply_rope ({ONE_CALL_POOL} array sets cycled, allocates the output, "
-                                          "offset=7)"), "apply_rope")]
+    plan = _host_point(_host_row(result, rec, "RopePlan.execute (same arrays)"), "RopePlan.execute")
+    calls = [_host_point(_host_row(result, rec, f"apply_rope_qk ({ONE_CALL_POOL} array sets cycled, in place, "
+                                                "offset array)"), "apply_rope_qk"),
+             _host_point(_host_row(result, rec, f"apply_rope_qk, engines' convention (flat q/k, cos_sin_cache, "
+                                                f"positions; {ONE_CALL_POOL} array sets cycled, in place)"),
+                         "apply_rope_qk, engines' convention")]
+    allocating = [_host_point(_host_row(result, rec, f"apply_rope ({ONE_CALL_POOL} array sets cycled, allocates "
+                                                     "the output, offset=7)"), "apply_rope")]
     failed = _unmeasured(result, "host", floor=False)  # the host section did not run to its end
     _worst(add, f"one-call host time in place, new arrays <= {ONE_CALL_HOST_US} µs", calls + failed,
            ONE_CALL_HOST_US, " µs", floor=False)
     _worst(add, f"one-call host time allocating the output, new arrays <= {ONE_CALL_ALLOC_HOST_US} µs",
            allocating + failed, ONE_CALL_ALLOC_HOST_US, " µs", floor=False)
     calls = calls + allocating
-    if plan_us:
-        _worst(add, f"one-call host time <= {ONE_CALL_PLAN_RATIO:g}x RopePlan.execute",
-               [(None if us is None else us / plan_us, w) for us, w in calls], ONE_CALL_PLAN_RATIO, "x",
-               floor=False)
-    tail = _host_row(result, "host/one-call-tail-T=4-H=64-D=512",
-                     f"tail_rope ({ONE_CALL_POOL} array sets cycled, allocates the output)")
+    plan_us, plan_where = plan
+    if plan_us is not None:  # the run has the plan's row: a ratio to it, or a miss where it failed
+        ratios = ([(plan_us, plan_where)] if math.isinf(plan_us) else
+                  [(None if us is None else us / plan_us, w) for us, w in calls])
+        _worst(add, f"one-call host time <= {ONE_CALL_PLAN_RATIO:g}x RopePlan.execute", ratios + failed,
+               ONE_CALL_PLAN_RATIO, "x", floor=False)
+    tail = _host_point(_host_row(result, "host/one-call-tail-T=4-H=64-D=512",
+                                 f"tail_rope ({ONE_CALL_POOL} array sets cycled, allocates the output)"),
+                       "tail_rope T=4 H=64 D=512")
     _worst(add, f"tail_rope host time, new arrays <= {TAIL_ONE_CALL_HOST_US} µs",
-           [(tail, "tail_rope T=4 H=64 D=512")] + failed, TAIL_ONE_CALL_HOST_US, " µs", floor=False)
+           [tail] + failed, TAIL_ONE_CALL_HOST_US, " µs", floor=False)
     gaps = []
     for c in prefill:
         by = rows_by_impl(c)
@@ -806,12 +822,16 @@ def merge_results(base: dict, later: dict) -> dict:
         new = {c["id"]: c for c in later.get(section) or []}
         if not new:
             continue
-        replaced = [c["id"] for c in base.get(section) or [] if c["id"] in new]
+        # A failure record of a job (its id a prefix of the records it writes) gives way to them.
+        kept = [c for c in base.get(section) or []
+                if not (c.get("error") and any(i.startswith(c["id"] + "/") for i in new))]
+        replaced = [c["id"] for c in kept if c["id"] in new]
         added = [i for i in new if i not in replaced]
-        out[section] = [new.get(c["id"], c) for c in base.get(section) or []] + [new[i] for i in added]
+        out[section] = [new.get(c["id"], c) for c in kept] + [new[i] for i in added]
         ids += replaced + added
-    # A case either run could not measure stays a miss until a record of it is merged in.
-    measured = {c["id"] for c in out.get("cases") or []}
+    # A case either run could not measure stays a miss until a record of it is merged in (the
+    # host section's failure, until a run's host records are).
+    measured = {c["id"] for c in out.get("cases") or []} | ({"host"} if later.get("host") else set())
     out["unmeasured"] = list({u["id"]: u for u in (base.get("unmeasured") or []) + (later.get("unmeasured") or [])
                               if u["id"] not in measured}.values())
     out["merged"] = list(base.get("merged", [])) + [{

@@ -759,19 +759,23 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                     result["host"] = run_host_section(ctx)
                 else:
                     result["host"] = run_host_processes(args, result["skips"])
+                if not result["host"]:
+                    raise RuntimeError("no host-cost process finished (see the skip lines)")
             except Exception as exc:
                 result["skips"].append(f"host section failed: {type(exc).__name__}: {exc}")
                 result["unmeasured"].append({"id": "host", "group": "host", "why": result["skips"][-1][:300]})
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
         if selected("engine", "engine", tokens) or any(t.startswith("engine/") for t in tokens or ()):
-            from .engine import run_engine_section
+            from .engine import engine_failures, run_engine_section
 
             ctx.settle()  # its decode records time small calls
             try:
                 result["engine"] = run_engine_section(ctx, measure, CopyRunner, tokens)
             except Exception as exc:
                 result["skips"].append(f"engine section failed: {type(exc).__name__}: {exc}"[:400])
+                # a failure record of every selected job, as for one job's failure: its targets miss
+                result["engine"] = engine_failures(result["skips"][-1], tokens, args.quick)
                 print(result["skips"][-1], flush=True)
                 _recover(ctx)
                 ctx.free()

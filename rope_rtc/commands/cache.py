@@ -106,20 +106,27 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-@functools.lru_cache(maxsize=None)
-def registered_builds(target=None) -> dict:
-    """Cache key -> (spec, target) of every registered build (``registry.all_specs`` and, on sm_90
-    and newer, the waiting builds: the kernels that look keys up without ``warm --model``) for
-    ``target``, or for every target NVRTC builds. Computed once, only for an entry whose header
-    does not name its key's build (a few seconds for every target)."""
-    from ..build import kernels as build, registry, toolchain
+def registered_build(key: str, claimed=None):
+    """(spec, target) of the registered build whose cache key is ``key``, or None: the claimed
+    target's builds first, then each other target's until one holds it."""
+    from ..build import toolchain
 
-    if target is None:
-        out: dict = {}
-        for arch in toolchain.supported_archs():
-            for kind in ("cubin", "ptx"):
-                out.update(registered_builds(toolchain.Target(arch, kind)))
-        return out
+    targets = [toolchain.Target(arch, kind) for arch in toolchain.supported_archs() for kind in ("cubin", "ptx")]
+    for target in ([claimed] if claimed is not None else []) + [t for t in targets if t != claimed]:
+        found = registered_builds(target).get(key)
+        if found is not None:
+            return found
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def registered_builds(target) -> dict:
+    """Cache key -> (spec, target) of every registered build for ``target`` (``registry.all_specs``
+    and, on sm_90 and newer, the waiting builds: the kernels that look keys up without
+    ``warm --model``). Computed once per target, only for an entry whose header does not name its
+    key's build."""
+    from ..build import kernels as build, registry
+
     specs = registry.all_specs()
     if target.arch >= 90:
         specs += [registry.waiting_for_producer(s) for s in specs if s.family in registry.PDL_FAMILIES]
@@ -142,19 +149,20 @@ def _loader_refusal(entry, key: str) -> tuple[str, str] | None:
     except ValueError:
         claimed = None
     found = build_of(entry.kernel, key, claimed)
-    if found is None:
+    major, minor = toolchain.nvrtc_version()
+    if found is None and entry.nvrtc == f"{major}.{minor}":
         # A header that names another kernel than the one under its key (a tampered or misplaced
         # entry): build_of, going by the header's name, cannot see it. Look the key up among the
-        # registered builds, as their loads would: for the claimed target first, then for every
-        # one. (A model's build, warm --model, is found only by its own name.)
-        found = (claimed is not None and registered_builds(claimed).get(key)) or registered_builds().get(key)
+        # registered builds, as their loads would. (An entry of another NVRTC, the usual stale one
+        # after an upgrade, is not looked for; nor is a model's build, warm --model, found but by
+        # its own name.)
+        found = registered_build(key, claimed)
     if found is None:
         return "stale", "built from other sources, by another NVRTC or against other CUDA headers; never loaded"
     spec, target = found
     # The very check the loader makes before it loads a hit (build.get_binary).
     if build._expected(entry, spec, target):
         return None
-    major, minor = toolchain.nvrtc_version()
     other = "" if entry.kernel == spec.name else f"{_kernel(entry.kernel)} for "
     return "refused", (f"its key is {_kernel(spec.name)} for {target.name} {target.kind} built by NVRTC "
                        f"{major}.{minor}, but its header says {other}{terminal_text(entry.target)} "

@@ -78,6 +78,19 @@ def engine_job_selected(name: str, tokens: list[str] | None) -> bool:
                for t in tokens for i in idents)
 
 
+def _failure_records(name: str, line: str) -> list[dict]:
+    """The records of job ``name`` that failed: one per kind of record it writes, named by its id
+    (the report's targets miss on each, naming ``line``)."""
+    return [{"id": ident, "group": "engine", "params": {}, "bytes_moved": 0, "error": line, "rows": []}
+            for ident in _idents(name)]
+
+
+def engine_failures(line: str, tokens: list[str] | None, quick: bool) -> list[dict]:
+    """Failure records of every selected job, for a section that failed as a whole."""
+    return [rec for name, _, _ in engine_jobs(quick) if engine_job_selected(name, tokens)
+            for rec in _failure_records(name, line)]
+
+
 def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = None) -> list[dict]:
     """Every selected engine record (``measure``/``copy_runner``: the runner's, passed in to keep
     imports one way; ``tokens``: ``--cases``, see :func:`engine_job_selected`)."""
@@ -91,8 +104,7 @@ def run_engine_section(ctx, measure, copy_runner, tokens: list[str] | None = Non
         except Exception as exc:
             line = f"engine/{name} failed: {type(exc).__name__}: {exc}"[:400]
             print(line, flush=True)
-            recs += [{"id": ident, "group": "engine", "params": {}, "bytes_moved": 0, "error": line, "rows": []}
-                     for ident in _idents(name)]
+            recs += _failure_records(name, line)
             with contextlib.suppress(Exception):
                 ctx.stream.synchronize()
         ctx.free()
