@@ -154,10 +154,10 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
             try:
                 view = np.from_dlpack(obj)
             except (BufferError, RuntimeError, TypeError, ValueError) as exc:  # a dtype NumPy has not (bfloat16)
-                raise TypeError(f"{name}: NumPy cannot read this host array through DLPack ({exc}); for a bfloat16 "
-                                "CPU tensor pass its bits as an ml_dtypes.bfloat16 NumPy array (for torch: "
-                                "t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)), or the tensor on the GPU"
-                                ) from None
+                hint = ("; for a bfloat16 CPU tensor pass its bits as an ml_dtypes.bfloat16 NumPy array (for torch: "
+                        "t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)), or the tensor on the GPU"
+                        if "dtype" in str(exc).lower() else "; pass a NumPy array, or the tensor on the GPU")
+                raise TypeError(f"{name}: NumPy cannot read this host array through DLPack ({exc}){hint}") from None
             return describe(view, name, allow_host=allow_host)
         raise TypeError(f"{name}: DLPack device type {dev_type} is not a CUDA device")
     cai = getattr(obj, "__cuda_array_interface__", None)
