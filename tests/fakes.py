@@ -630,3 +630,27 @@ def warm_and_cold(gpu: FakeGPU, calls, describe) -> tuple[list, list]:
     finally:
         gpu.replay_allocations(None)
     return warm, cold
+
+
+class HostDLPack:
+    """A host (CPU) array known only through DLPack, as a torch or JAX CPU tensor is: ``_a`` is
+    the NumPy array it wraps."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._a = a
+
+    def __dlpack__(self, *args, **kwargs):
+        return self._a.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class HostTensor(HostDLPack):
+    """:class:`HostDLPack` with a shape, a dtype and ``reshape``, but no indexing."""
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+
+    def reshape(self, *shape):
+        return HostTensor(self._a.reshape(*shape))

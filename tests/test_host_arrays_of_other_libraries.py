@@ -12,31 +12,8 @@ import numpy as np
 import pytest
 
 import rope_rtc
+from fakes import HostDLPack, HostTensor
 from rope_rtc.onnx import rotary_embedding
-
-
-class HostDL:
-    """A host array known only through DLPack."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
-class HostTensor(HostDL):
-    """With a shape, a dtype and reshape, but no indexing (tests/test_onnx.py's)."""
-
-    shape = property(lambda self: self._a.shape)
-    dtype = property(lambda self: self._a.dtype)
-
-    def reshape(self, *shape):
-        return HostTensor(self._a.reshape(*shape))
-
 
 T, H, HK, D = 6, 4, 2, 16
 POS = np.array([3, 1, 4, 1, 5, 9])
@@ -106,7 +83,7 @@ def test_host_dlpack_outputs_are_returned_as_given_and_written_through(call):
                   q24=(T, H, 24), k_pe=(T, 8), onnx_out=(1, H, T, D))
     plain = {n: _f32(*shape, seed=7) for n, shape in shapes.items()}
     want, _ = call({n: a.copy() for n, a in plain.items()})
-    boxes = {n: HostDL(a) for n, a in plain.items()}
+    boxes = {n: HostDLPack(a) for n, a in plain.items()}
     got, given = call(boxes)
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
@@ -169,7 +146,7 @@ def test_a_host_bfloat16_dlpack_tensor_is_a_type_error_naming_it(op):
             rope_rtc.apply_rope(HostBF16(x), *rope_rtc.rope_tables(8, 128), layout="thd", backend="numpy")
 
 
-@pytest.mark.parametrize("box", [HostDL, HostTensor])
+@pytest.mark.parametrize("box", [HostDLPack, HostTensor])
 def test_vision_positions_takes_a_host_dlpack_grid(box):
     # np.asarray made a 0-d object array of it: "grid_thw: expected an integer array ..., got object ()".
     grid = np.array([[1, 4, 6], [2, 2, 2]], np.int64)

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeGPU, fake_cupy
+from fakes import BF16, FakeGPU, HostDLPack, fake_cupy
 from rope_rtc.core import dispatch
 from rope_rtc import rope_and_cache
 from rope_rtc.reference import (assert_rope_close, fp8_quantize, rope_and_cache_reference, rope_kernel_arithmetic,
@@ -236,25 +236,12 @@ def test_fp8_scales_and_a_host_slot_mapping():
         assert gpu.launches[-1]["request"].kind == 2
 
 
-class _HostDLPack:
-    """A host (CPU) array known only through DLPack, as a torch CPU tensor is."""
-
-    def __init__(self, a: np.ndarray) -> None:
-        self.a = a
-
-    def __dlpack__(self, *args, **kwargs):
-        return self.a.__dlpack__(*args, **kwargs)
-
-    def __dlpack_device__(self):
-        return self.a.__dlpack_device__()
-
-
 def test_a_host_slot_mapping_other_than_numpys_is_refused_before_any_launch():
     """Host slots are taken as a NumPy array, checked value by value and copied to the device; any
     other host array was launched with its host address and its values unchecked."""
     from rope_rtc import RopeCachePlan
 
-    slots = _HostDLPack(np.array([0, 1, 10**12, 3, 4, 5][:T], np.int64))
+    slots = HostDLPack(np.array([0, 1, 10**12, 3, 4, 5][:T], np.int64))
     with FakeGPU() as gpu:
         with pytest.raises(TypeError, match="slot_mapping: a host"):
             rope_and_cache(**_call(slot_mapping=slots))

@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 
+from fakes import HostTensor
 from onnx_cases import CASES, case_inputs, canonical, float64_reference, onnx_reference
 from rope_rtc.errors import UnsupportedLayoutError
 from rope_rtc.onnx import rotary_embedding
@@ -80,25 +81,6 @@ def test_an_input_with_no_channels_is_still_checked():
         rotary_embedding(X, np.zeros((4, 0), np.float32), np.zeros((4, 0), np.float32), ids, backend="bogus")
     with pytest.raises(ValueError, match=r"^cos_cache: with position_ids, expected \[max_position, 0\]"):
         rotary_embedding(X, np.zeros((4, 7), np.float32), np.zeros((4, 7), np.float32), ids, backend="numpy")
-
-
-class HostTensor:
-    """A host array of another library (a torch or JAX CPU tensor): DLPack on the CPU, no NumPy type."""
-
-    def __init__(self, a):
-        self._a = a
-
-    shape = property(lambda self: self._a.shape)
-    dtype = property(lambda self: self._a.dtype)
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-    def reshape(self, *shape):
-        return HostTensor(self._a.reshape(*shape))
 
 
 @pytest.mark.parametrize("rank, with_ids", [(4, True), (4, False), (3, True)])

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fakes import BF16, FakeDeviceArray, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
+from fakes import BF16, HostDLPack, FakeDeviceArray, FakeTorchTensor, fake_cupy, fake_torch_bf16_cai
 from rope_rtc import TailRoPEForward, TensorDesc, TupleDict, tail_rope
 from rope_rtc.core import arrays as A
 from rope_rtc.ops import tail as tail_mod
@@ -644,18 +644,6 @@ def test_the_repeat_paths_launch_what_a_cold_call_launches():
 
 # -- host arrays of other libraries, and tail_rope without CuPy ------------------------------------
 
-class _HostDLPack:
-    """A host array known only through DLPack (a torch or JAX CPU tensor stands in)."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kw):
-        return self._a.__dlpack__(**kw)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
 
 def _host_inputs(T=4, H=2, D=128, seed=0):
     rng = np.random.default_rng(seed)
@@ -669,7 +657,7 @@ def test_numpy_backend_computes_with_a_host_dlpack_table(which):
     # Validated as its NumPy view, then the object itself went to the reference: "cosine must be
     # float32, got object".
     x, c, s = _host_inputs()
-    args = [x, _HostDLPack(c) if which == "cosine" else c, _HostDLPack(s) if which == "sine" else s]
+    args = [x, HostDLPack(c) if which == "cosine" else c, HostDLPack(s) if which == "sine" else s]
     want = tail_rope_reference(x, c, s).view(np.uint16)
     out = np.full_like(x, np.nan)
     TailRoPEForward(*args, out, backend="numpy").execute(*args, out)
