@@ -26,9 +26,9 @@ def test_defaults():
     a = arguments.parse_args([])
     assert not a.quick and a.case_tokens is None
     assert a.peer_list == list(bcases.PEERS)
-    assert (a.compile_budget, a.time_budget) == (150.0, 520.0)
+    assert (a.compile_budget, a.time_budget) == (150.0, 600.0)
     q = arguments.parse_args(["--quick"])
-    assert (q.compile_budget, q.time_budget) == (60.0, 200.0)
+    assert (q.compile_budget, q.time_budget) == (60.0, 320.0)
 
 
 def test_options():
@@ -63,7 +63,7 @@ def test_regenerate_command():
                                                              "--seed", "7"]))
     assert cmd == ("PYTHONPATH=. python3 scripts/bench.py --compile-budget 30 --time-budget 900 --seed 7 "
                    "--write-docs")
-    cmd = arguments.regenerate_command(arguments.parse_args(["--quick", "--time-budget", "200"]))
+    cmd = arguments.regenerate_command(arguments.parse_args(["--quick", "--time-budget", "320"]))
     assert cmd == "PYTHONPATH=. python3 scripts/bench.py --quick --write-docs"
 
 
