@@ -25,7 +25,7 @@ from pathlib import Path
 from .build import cache, registry, sources
 from .build.kernels import get_binary, spec_key
 from .build.registry import KernelSpec
-from .build.toolchain import MIN_ARCH, Target, nvrtc_version, parse_arch, supported_archs
+from .build.toolchain import MIN_ARCH, Target, every_target, nvrtc_version, parse_arch, supported_archs
 from .env import cache_root_path, settings
 from .errors import CompileError, KernelNotCachedError, RopeRtcError, shown
 
@@ -330,8 +330,7 @@ def warm(
     report.stale_temporaries_removed = disk.remove_stale_temporaries()  # none in a check: it writes nothing
     tasks = [(spec, target) for target in targets for spec in specs]
     if pdl:
-        tasks += [(registry.waiting_for_producer(spec), target) for target in targets
-                  if target.arch >= registry.PDL_MIN_ARCH for spec in specs if spec.family in registry.PDL_FAMILIES]
+        tasks += [(spec, target) for target in targets for spec in registry.waiting_builds(specs, target.arch)]
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
 
     t0 = time.perf_counter()
@@ -450,8 +449,7 @@ def build_of(kernel: str, key: str, claimed: Target | None = None) -> tuple[Kern
     if not specs:
         return None
     tries = [(spec, claimed) for spec in specs] if claimed is not None else []
-    tries += [(specs[0], Target(arch, kind)) for arch in supported_archs() for kind in ("cubin", "ptx")
-              if Target(arch, kind) != claimed]
+    tries += [(specs[0], target) for target in every_target() if target != claimed]
     for spec, target in tries:
         if spec_key(spec, target) == key:
             return spec, target

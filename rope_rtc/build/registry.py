@@ -57,6 +57,12 @@ def waiting_for_producer(spec: KernelSpec) -> KernelSpec:
     return KernelSpec(spec.family, spec.source, spec.entries, spec.defines + (_WAITS,))
 
 
+def waiting_builds(specs, arch: int) -> list[KernelSpec]:
+    """The waiting builds of ``specs`` that a ``pdl=True`` plan on ``arch`` may load (none before
+    sm_90)."""
+    return [waiting_for_producer(s) for s in specs if s.family in PDL_FAMILIES] if arch >= PDL_MIN_ARCH else []
+
+
 def not_waiting(spec: KernelSpec) -> KernelSpec | None:
     """The build ``spec`` is the waiting build of (:func:`waiting_for_producer`), or None."""
     if _WAITS not in spec.defines:

@@ -95,6 +95,11 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(sorted(int(a) for a in archs))
 
 
+def every_target() -> list["Target"]:
+    """CUBIN and PTX for every architecture this NVRTC builds."""
+    return [Target(arch, kind) for arch in supported_archs() for kind in ("cubin", "ptx")]
+
+
 def parse_arch(text: str | int) -> int:
     """``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"`` or ``90`` -> 90. An ``a`` or ``f`` suffix
     (``sm_90a``) names the same GPUs, which the build without it serves: the kernels use no

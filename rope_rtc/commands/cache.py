@@ -111,8 +111,7 @@ def registered_build(key: str, claimed=None):
     target's builds first, then each other target's until one holds it."""
     from ..build import toolchain
 
-    targets = [toolchain.Target(arch, kind) for arch in toolchain.supported_archs() for kind in ("cubin", "ptx")]
-    for target in ([claimed] if claimed is not None else []) + [t for t in targets if t != claimed]:
+    for target in ([claimed] if claimed is not None else []) + [t for t in toolchain.every_target() if t != claimed]:
         found = registered_builds(target).get(key)
         if found is not None:
             return found
@@ -128,8 +127,7 @@ def registered_builds(target) -> dict:
     from ..build import kernels as build, registry
 
     specs = registry.all_specs()
-    if target.arch >= 90:
-        specs += [registry.waiting_for_producer(s) for s in specs if s.family in registry.PDL_FAMILIES]
+    specs += registry.waiting_builds(specs, target.arch)
     return {build.spec_key(spec, target): (spec, target) for spec in specs}
 
 
