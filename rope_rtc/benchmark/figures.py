@@ -52,12 +52,13 @@ def ok(row: dict | None) -> bool:
     return bool(row) and str(row.get("check", "")).startswith(("ok", "bit-exact"))
 
 
-def fastest_peer(case_rec: dict, regime: str) -> tuple[str, float] | None:
-    """The peer with the least time in ``regime``, among those timed as the copy was."""
+def fastest_peer(case_rec: dict, regime: str, like: dict | None = None) -> tuple[str, float] | None:
+    """The peer with the least time in ``regime``, among those timed as ``like`` was (the copy by
+    default: a failed graph capture is not set against a graph)."""
     best = None
-    copy = rows_by_impl(case_rec).get(COPY)
+    like = like or rows_by_impl(case_rec).get(COPY)
     for r in case_rec["rows"]:
-        if r["impl"] in PEERS and ok(r) and (copy is None or resolved(r, regime) == resolved(copy, regime)):
+        if r["impl"] in PEERS and ok(r) and (like is None or resolved(r, regime) == resolved(like, regime)):
             us = timing(r, regime)
             if us and (best is None or us < best[1]):
                 best = (r["impl"], us)

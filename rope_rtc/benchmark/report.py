@@ -216,6 +216,18 @@ def _judged(row: dict | None, value, where: str, *, floor: bool) -> tuple:
     return value, where
 
 
+def _our_time(c: dict, regime: str) -> tuple:
+    """``_judged`` of our row's µs per call in ``regime`` (a ceiling)."""
+    row = rows_by_impl(c).get(OURS)
+    return _judged(row, timing(row, regime), c["id"], floor=False)
+
+
+def _our_pct(c: dict) -> tuple:
+    """``_judged`` of our row's % of the copy, cold L2 (a floor)."""
+    row = rows_by_impl(c).get(OURS)
+    return _judged(row, pct_of_copy(c, row, "cold*"), c["id"], floor=True)
+
+
 def _unmeasured(result: dict, group: str, *, floor: bool, judged=lambda case: True) -> list:
     """Failing points for the selected cases of ``group`` the run has no record of (the case
     failed, or the time budget skipped it): ``result["unmeasured"]``, where ``judged`` keeps it."""
@@ -435,8 +447,7 @@ def markdown_table(rows: list[list[str]]) -> str:
 def _host_points(result: dict, cases: list, host_row: str) -> list:
     """(µs, where) host times of our rows in ``cases`` plus the host-cost section's ``host_row``;
     the host section's failure (``result["unmeasured"]``) misses."""
-    return ([_judged(rows_by_impl(c).get(OURS), timing(rows_by_impl(c).get(OURS), "host"), c["id"], floor=False)
-             for c in cases]
+    return ([_our_time(c, "host") for c in cases]
             + [_judged(r, timing(r, "host"), rec["id"], floor=False) for rec in result.get("host", [])
                for r in rec["rows"] if r["impl"] == host_row] + _unmeasured(result, "host", floor=False))
 
@@ -458,8 +469,7 @@ def evaluate_targets(result: dict) -> list[dict]:
         def judged(c, floor=floor, ceiling=ceiling):
             return c["bytes_moved"] >= floor and (ceiling is None or c["bytes_moved"] < ceiling)
 
-        pts = [_judged(rows_by_impl(c).get(OURS), pct_of_copy(c, rows_by_impl(c).get(OURS), "cold*"), c["id"],
-                       floor=True) for c in prefill if judged(c)]
+        pts = [_our_pct(c) for c in prefill if judged(c)]
         pts += [p for g in ("general", "blog") for p in _unmeasured(result, g, floor=True, judged=judged)]
         _worst(add, name, pts, need, "%", floor=True)
     # the blog's configuration: the production kernel against the blog's own fused kernel
@@ -485,12 +495,10 @@ def evaluate_targets(result: dict) -> list[dict]:
         by = rows_by_impl(c)
         ours = by.get(STEP_TABLES) if c["group"] == "decode" and ok(by.get(STEP_TABLES)) else by.get(OURS)
         for regime in ("cold*", "graph" if c.get("small") else "hot"):
-            # each peer timed as ours was (a peer's failed graph capture is not set against our graph)
-            peers = [(timing(r, regime), r["impl"]) for r in c["rows"] if r["impl"] in PEERS and ok(r)
-                     and timing(r, regime) and resolved(r, regime) == resolved(ours, regime)]
-            if not peers:
+            best = fastest_peer(c, regime, like=ours)  # each peer timed as ours was
+            if not best:
                 continue
-            them, peer = min(peers)
+            peer, them = best
             us = timing(ours, regime)
             ratio, where = _judged(ours, us and us / them, f"{c['id']} ({regime}) vs {peer}", floor=False)
             if worst is None or ratio > worst[0]:
@@ -510,8 +518,7 @@ def evaluate_targets(result: dict) -> list[dict]:
     dec = [c for c in cases if c["group"] == "decode"]
     unmeasured = _unmeasured(result, "decode", floor=False)
     _worst(add, f"decode GPU time under graph replay <= {DECODE_GPU_US} µs",
-           [_judged(rows_by_impl(c).get(OURS), timing(rows_by_impl(c).get(OURS), "graph"), c["id"], floor=False)
-            for c in dec] + unmeasured, DECODE_GPU_US, " µs", floor=False)
+           [_our_time(c, "graph") for c in dec] + unmeasured, DECODE_GPU_US, " µs", floor=False)
     ratios = []
     for c in dec:
         ours, copy = timing(rows_by_impl(c).get(OURS), "graph"), timing(rows_by_impl(c).get(COPY), "graph")
@@ -529,8 +536,7 @@ def evaluate_targets(result: dict) -> list[dict]:
     cold = [c for c in tail if c.get("cold_exact")]
     warm = [c for c in tail if not c.get("cold_exact")]
     _worst(add, f"tail >= {TAIL_COPY_PCT:.0f}% of copy, cold L2, every shape measured cold",
-           [_judged(rows_by_impl(c).get(OURS), pct_of_copy(c, rows_by_impl(c).get(OURS), "cold*"), c["id"], floor=True)
-            for c in cold] + _unmeasured(result, "tail", floor=True, judged=lambda u: u.get("cold_exact")),
+           [_our_pct(c) for c in cold] + _unmeasured(result, "tail", floor=True, judged=lambda u: u.get("cold_exact")),
            TAIL_COPY_PCT, "%", floor=True)
     _tail_too_small(add, warm)
     def is_key(c: dict) -> bool:  # (an entry of an older run has no params: its id says them)
@@ -540,8 +546,7 @@ def evaluate_targets(result: dict) -> list[dict]:
     key = [c for c in tail if is_key(c)]
     key_unmeasured = _unmeasured(result, "tail", floor=False, judged=is_key)
     _worst(add, f"tail T=1,4 H=64 D=512 GPU time under graph replay <= {TAIL_GPU_US} µs",
-           [_judged(rows_by_impl(c).get(OURS), timing(rows_by_impl(c).get(OURS), "graph"), c["id"], floor=False)
-            for c in key] + key_unmeasured, TAIL_GPU_US, " µs", floor=False)
+           [_our_time(c, "graph") for c in key] + key_unmeasured, TAIL_GPU_US, " µs", floor=False)
     _worst(add, f"TailRoPEForward.execute host time <= {TAIL_HOST_US} µs",
            _host_points(result, key, "TailRoPEForward.execute (same arrays)") + key_unmeasured, TAIL_HOST_US,
            " µs", floor=False)
