@@ -123,6 +123,17 @@ def _cupy_device_of(ptr: int) -> int | None:
         return None
 
 
+KDL_CPU, KDL_DEVICE = 1, (2, 13)  # DLPack device types: the host; CUDA and CUDA managed memory
+
+
+def dlpack_device_type(obj) -> int | None:
+    """The DLPack device type of ``obj`` (``KDL_CPU``, one of ``KDL_DEVICE``, ...), or None when it
+    has no DLPack; asks nothing of CuPy."""
+    if not (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__")):
+        return None
+    return int(obj.__dlpack_device__()[0])
+
+
 def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
     """An :class:`ArrayInfo` for ``obj``; ``TypeError`` naming ``name`` for anything else."""
     if obj is None:
@@ -143,11 +154,11 @@ def describe(obj, name: str, *, allow_host: bool = True) -> ArrayInfo:
     _requires_grad(obj, name)
     if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
         dev_type, dev_id = obj.__dlpack_device__()
-        if int(dev_type) in (2, 13):  # kDLCUDA, kDLCUDAManaged
+        if int(dev_type) in KDL_DEVICE:
             from .driver import import_cupy  # a missing CuPy: the ToolchainError naming the extra
 
             return _from_cupy(import_cupy().from_dlpack(obj), name)
-        if int(dev_type) == 1:  # kDLCPU
+        if int(dev_type) == KDL_CPU:
             if not allow_host:
                 raise TypeError(f"{name}: a host (CPU) array is not accepted here; pass a device array, or every "
                                 "array on the host to a one-call function (backend='numpy' computes on the CPU)")

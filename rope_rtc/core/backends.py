@@ -97,9 +97,8 @@ def auto_without_gpu(requested: str, x, name: str = "x") -> None:
     the TypeError of a non-array. A device array is told by its protocol, without CuPy."""
     if requested == "numpy" or isinstance(x, np.ndarray):
         return
-    dev = getattr(x, "__dlpack_device__", None)
-    if type(x).__module__.startswith("cupy") or hasattr(x, "__cuda_array_interface__") or (
-            dev is not None and hasattr(x, "__dlpack__") and int(dev()[0]) in (2, 13)):
+    if (type(x).__module__.startswith("cupy") or hasattr(x, "__cuda_array_interface__")
+            or A.dlpack_device_type(x) in A.KDL_DEVICE):
         from . import driver
 
         driver.require_gpu()

@@ -116,10 +116,7 @@ def _host_view(a, name: str):
     """``a`` as a NumPy view when it is a host array of another library (DLPack on the CPU), else ``a``."""
     if a is None or isinstance(a, np.ndarray) or type(a).__module__.startswith("cupy"):
         return a
-    device = getattr(a, "__dlpack_device__", None)
-    if device is None or int(device()[0]) != 1:  # kDLCPU only: a device array stays as it is
-        return a
-    return A.describe(a, name).array
+    return A.describe(a, name).array if A.dlpack_device_type(a) == A.KDL_CPU else a
 
 
 def _module_of(x):
