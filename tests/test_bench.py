@@ -199,6 +199,48 @@ def test_graph_cold_captures_one_call_per_cold_set():
     assert captured[1] == list(range(20000)) and t["graph_cold"]["sets"] == 20000
 
 
+def test_a_peer_far_slower_hot_than_every_earlier_row_cold_is_not_replayed_cold():
+    """A peer whose hot graph replay takes over twice the slowest cold replay of the copy's and our
+    rows gets no cold graph (a graph of a call per cold set of a many-kernel peer cost a run
+    seconds per case, for a figure that cannot be the fastest); one under it gets one, and so does
+    every row when an earlier row of ours has no cold graph figure."""
+    from rope_rtc.benchmark import runner
+
+    class Clock:
+        def __init__(self, hot_us):
+            self.hot_us = hot_us
+
+        def events(self, fns, divisor=1, sets=None):
+            return {"us": self.hot_us if divisor == bcases.GRAPH_HOT_CALLS else 2 * self.hot_us, "sets": sets}
+
+        def host(self, fns):
+            return {"us": 1.0}
+
+    def timings(hot_us, bound):
+        captured.clear()
+        ctx = type("Ctx", (), {"clock": Clock(hot_us)})()
+        return runner.measure(ctx, [lambda: None] * 100, lambda idx: (captured.append(len(idx)) or (lambda: None), None),
+                              True, 100, bound)
+
+    captured = []
+    t = timings(17.0, 4.0)
+    assert captured == [bcases.GRAPH_HOT_CALLS] and "us" not in t["graph_cold"]
+    assert "cannot be the fastest cold" in t["graph_cold"]["skipped"]
+    assert timings(3.9, 4.0)["graph_cold"]["us"] == 7.8 and captured == [bcases.GRAPH_HOT_CALLS, 100]
+    assert timings(17.0, None)["graph_cold"]["us"] == 34.0
+
+    def row(impl, cold):
+        return {"impl": impl, "check": "ok", "timings": {} if cold is None else {"graph_cold": {"us": cold}}}
+
+    rows = [row(bcases.COPY, 1.0), row(bcases.OURS, 1.5), row("cupy", None), row("torch.compile", 9.0)]
+    assert runner._peer_cold_graph_bound(rows) == 2 * 1.5        # peers before it do not count
+    assert runner._peer_cold_graph_bound(rows + [row(bcases.STEP_TABLES, None)]) is None
+    case = {"id": "decode/x", "group": "decode", "bytes_moved": 1, "small": True,
+            "rows": rows + [{"impl": "torch", "check": "ok", "timings": {"graph": {"us": 17.0}, **t}}]}
+    assert report.format_row(case, case["rows"][-1]).split()[-3:] == ["17.00", "-", "1.00"]
+    assert figures.fastest_peer(case, "cold*") == ("torch.compile", 9.0)
+
+
 def test_impls_per_case():
     def names(case):
         return {i.name: i.layout_for(case) for i in impls.impls_for(case) if i.layout_for(case) is not None}

@@ -790,7 +790,9 @@ METHOD_MD = """\
   GPU time per call under CUDA-graph replay of captured calls (a peer's output of each buffer
   set kept alive with the graph, so that it writes a buffer per set as ours do; a small case's
   cold figure is its graph cold one, and a row that could not be captured shows its event loop
-  marked *(loop)*, with no % of the copy, which is not comparable); *host* = wall
+  marked *(loop)*, with no % of the copy, which is not comparable; a peer whose hot graph
+  replay takes over twice the slowest cold one of the copy's and our rows is not replayed cold,
+  since it cannot be the fastest there); *host* = wall
   time per call of Python loops of 100 calls, each issued behind a GPU kernel that outlasts it
   (`bench_spin`, on a stream synchronised first, untimed), so that no call waits for the GPU;
   calls that synchronise with the GPU cannot be timed that way and are timed from an idle

@@ -25,9 +25,10 @@ from ..measure import CopyRunner
 from .arguments import default_json_path, regenerate_command
 from .buffers import SetBuffers, _bits, _subsample_indices, general_sample, to_host, tolerance_check
 from .cases import (BIG_COPY_MOVED, COLD_FACTOR, COPY, COPY_KERNEL, DECODE_POSITIONS,
-                    GRAPH_HOT_CALLS, HOST_PROCESSES, ONE_CALL, ONE_CALL_POOL, OURS, SCHEMA,
-                    SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
+                    GRAPH_HOT_CALLS, HOST_PROCESSES, ONE_CALL, ONE_CALL_POOL, OURS, PEER_COLD_GRAPH_FACTOR, PEERS,
+                    SCHEMA, SMALL_BYTES, TAIL_CHECK_TOKENS, TAIL_COLS, Case, MiB, Skip, Wrong, all_cases, cold_sets, selected)
 from .device_state import DeviceMonitor
+from .figures import timing
 from .impls import Impl, Peers, Runner, _cupy_capture, _dist_version, impls_for
 from .report import ROW_HEADER, format_row, write_json
 from .timing import SETTLE_S, Clock, settle
@@ -94,8 +95,9 @@ def _check_tail(ctx, case: Case, bufs: SetBuffers, runner: Runner) -> str:
     return "ok (bit-exact)" if not differ else f"ok ({differ}/{ref.size} not bit-exact)"
 
 
-def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
-    """Every regime for one implementation (or the copy)."""
+def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int, cold_graph_over_us: float | None = None) -> dict:
+    """Every regime for one implementation (or the copy). ``cold_graph_over_us``: the cold graph
+    is left out (a ``skipped`` entry, no figure) when the hot graph replay takes longer."""
     clock = ctx.clock
     t: dict = {"hot": clock.events(runner_fns[:1])}
     if cold_n > 1:
@@ -106,6 +108,12 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int) -> dict:
         for regime, indices in (("graph", [0] * GRAPH_HOT_CALLS), ("graph_cold", list(range(cold_n)))):
             if regime == "graph_cold" and cold_n == 1:
                 t[regime] = dict(t["graph"], same_as="graph")
+                continue
+            hot = t["graph"].get("us") if regime == "graph_cold" else None
+            if hot is not None and cold_graph_over_us is not None and hot > cold_graph_over_us:
+                t[regime] = {"skipped": f"hot graph replay {hot:.2f} µs is over {cold_graph_over_us:.2f} µs, "
+                                        f"{PEER_COLD_GRAPH_FACTOR:g}x every earlier row's cold one: "
+                                        f"it cannot be the fastest cold"}
                 continue
             try:
                 launch, keep = capture(indices)
@@ -272,7 +280,8 @@ def run_impl(ctx, case: Case, impl: Impl, buffers: dict, n: int, small: bool, re
         _recover(ctx)
         return row
     try:
-        row["timings"] = measure(ctx, runner.fns, runner.capture, small, n)
+        row["timings"] = measure(ctx, runner.fns, runner.capture, small, n,
+                                 _peer_cold_graph_bound(rec["rows"]) if impl.peer is not None else None)
     except Exception as exc:
         row["note"] += f"; timing failed: {type(exc).__name__}: {exc}"[:300]
         _recover(ctx)
@@ -280,6 +289,16 @@ def run_impl(ctx, case: Case, impl: Impl, buffers: dict, n: int, small: bool, re
     if paired is not None and impl.name in PAIRED and case.group == "general" and not small:
         paired[impl.name] = (row, runner)
     return row
+
+
+def _peer_cold_graph_bound(rows: list[dict]) -> float | None:
+    """The hot graph time over which a peer is not replayed cold: PEER_COLD_GRAPH_FACTOR times the
+    slowest cold graph replay of the rows measured before it that are not peers (the copy's and
+    ours), None if any of them has none."""
+    cold = [timing(r, "graph_cold") for r in rows if r["impl"] not in PEERS]
+    if not cold or any(us is None for us in cold):
+        return None
+    return PEER_COLD_GRAPH_FACTOR * max(cold)
 
 
 def _recover(ctx) -> None:
@@ -790,7 +809,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                                    f"time budget of {args.time_budget:.0f} s spent (--time-budget)", f"skip {case.id}: ")
                 continue
             try:
+                case_started = time.monotonic()
                 result["cases"].append(run_case(ctx, case))
+                result["cases"][-1]["elapsed_s"] = round(time.monotonic() - case_started, 1)  # for --time-budget
                 result["unmeasured"] = [u for u in result["unmeasured"] if u["id"] != case.id]
             except Exception as exc:
                 _record_unmeasured(result, case, ctx.l2, f"{type(exc).__name__}: {exc}", f"case {case.id} failed: ")
