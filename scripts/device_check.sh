@@ -9,7 +9,9 @@
 # 16-core device machine: the suite in about 3.5 minutes, where one process no longer fits a
 # 10-minute device command); --shards 1 runs a single process.
 # --full-bench also regenerates docs/benchmarks.md and docs/benchmarks/<gpu>.json/.png (copies
-# under $OUT/docs to bring back from a device machine).
+# under $OUT/docs to bring back from a device machine). It takes well over 10 minutes: where one
+# command may not run that long, run scripts/bench.py in parts (--cases) and join their JSON with
+# --from-json FIRST --merge-json NEXT --write-docs.
 # Wheels the device image lacks (liger-kernel, platformdirs; onnx and protobuf under .whl/onnx) are
 # installed from ./.whl when present.
 set -uo pipefail

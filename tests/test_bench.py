@@ -26,7 +26,7 @@ def test_defaults():
     a = arguments.parse_args([])
     assert not a.quick and a.case_tokens is None
     assert a.peer_list == list(bcases.PEERS)
-    assert (a.compile_budget, a.time_budget) == (150.0, 600.0)
+    assert (a.compile_budget, a.time_budget) == (150.0, 2400.0)
     q = arguments.parse_args(["--quick"])
     assert (q.compile_budget, q.time_budget) == (60.0, 320.0)
 

@@ -3,8 +3,8 @@ size-matched copy ceiling, and the product's performance targets, all from one r
 
 Run from a checkout on a GPU machine::
 
-    PYTHONPATH=. python3 scripts/bench.py --quick        # a few cases of every section, ~5 min (H100)
-    PYTHONPATH=. python3 scripts/bench.py                # every case, ~9 min
+    PYTHONPATH=. python3 scripts/bench.py --quick        # a few cases of every section, ~6 min (H100)
+    PYTHONPATH=. python3 scripts/bench.py                # every case, well over 10 min
     PYTHONPATH=. python3 scripts/bench.py --cases "blog,tail/T=1/*"
     PYTHONPATH=. python3 scripts/bench.py --write-docs   # also regenerate docs/benchmarks.md
     python3 scripts/bench.py --from-json bench.json --write-docs   # re-render a saved run, no GPU
