@@ -15,8 +15,8 @@ from .cases import GROUPS, PEERS, parse_filter
 # arguments
 
 
-# Seconds after which the remaining cases are skipped, and judged as misses: room for every
-# case's cold graphs (one node per cold set, up to MAX_COLD_SETS), which the quick run needs most.
+# Seconds after which the remaining cases are skipped, and judged as misses. The quick run's keeps
+# the device check (the GPU tests, then the quick run) within a 10-minute command.
 QUICK_TIME_BUDGET_S = 320.0
 # Each small case of a full run captures and replays graphs of a call per cold buffer set (up to
 # 32,768), so the whole run takes well over 10 minutes on an H100: room for it, not a cut.

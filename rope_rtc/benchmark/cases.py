@@ -48,9 +48,10 @@ COLD_FACTOR = 4              # cold L2: buffer sets totalling more than 4x the L
 MAX_COLD_SETS = 32768        # beyond this the cold footprint is reported as partial
 SMALL_BYTES = 64 * MiB       # cases moving at most this also get graph-replay and host figures
 GRAPH_HOT_CALLS = 64         # calls captured per graph, same buffers
-# A peer whose hot graph replay takes over this many times every earlier row's cold one (the copy's
-# and ours) is not replayed cold: its cold replay, never faster than its hot one, cannot be the
-# fastest, and a graph of a call per cold set of a many-kernel peer costs the run seconds a case.
+# A peer whose hot graph replay takes over this many times the slowest cold one of the rows before
+# it (the copy's and ours) is not replayed cold: its cold replay, never faster than its hot one,
+# cannot be faster than ours, and a graph of a call per cold set of a many-kernel peer costs the
+# run seconds a case.
 PEER_COLD_GRAPH_FACTOR = 2.0
 BIG_COPY_MOVED = 4 << 30     # the reference copy: 4 GiB moved (2 GiB read + 2 GiB written)
 DECODE_POSITIONS = 8192      # rows of the decode table; positions are drawn below it

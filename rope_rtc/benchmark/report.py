@@ -792,7 +792,7 @@ METHOD_MD = """\
   cold figure is its graph cold one, and a row that could not be captured shows its event loop
   marked *(loop)*, with no % of the copy, which is not comparable; a peer whose hot graph
   replay takes over twice the slowest cold one of the copy's and our rows is not replayed cold,
-  since it cannot be the fastest there); *host* = wall
+  since it cannot be faster than ours there); *host* = wall
   time per call of Python loops of 100 calls, each issued behind a GPU kernel that outlasts it
   (`bench_spin`, on a stream synchronised first, untimed), so that no call waits for the GPU;
   calls that synchronise with the GPU cannot be timed that way and are timed from an idle

@@ -113,7 +113,7 @@ def measure(ctx, runner_fns: list, capture, small: bool, cold_n: int, cold_graph
             if hot is not None and cold_graph_over_us is not None and hot > cold_graph_over_us:
                 t[regime] = {"skipped": f"hot graph replay {hot:.2f} µs is over {cold_graph_over_us:.2f} µs, "
                                         f"{PEER_COLD_GRAPH_FACTOR:g}x every earlier row's cold one: "
-                                        f"it cannot be the fastest cold"}
+                                        f"it cannot be faster than ours cold"}
                 continue
             try:
                 launch, keep = capture(indices)
@@ -811,7 +811,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             try:
                 case_started = time.monotonic()
                 result["cases"].append(run_case(ctx, case))
-                result["cases"][-1]["elapsed_s"] = round(time.monotonic() - case_started, 1)  # for --time-budget
+                # what a case costs the run, to size --time-budget by
+                result["cases"][-1]["elapsed_s"] = round(time.monotonic() - case_started, 1)
                 result["unmeasured"] = [u for u in result["unmeasured"] if u["id"] != case.id]
             except Exception as exc:
                 _record_unmeasured(result, case, ctx.l2, f"{type(exc).__name__}: {exc}", f"case {case.id} failed: ")
