@@ -29,7 +29,9 @@ from ..numerics.reference import TAIL_TABLE_COLUMNS as TABLE_COLUMNS
 from .rope_request import check_kinds
 
 VECTOR_ELEMS = 8              # BF16 elements per 16-byte access
-BLOCK = 256                   # threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256))
+# Threads per block (cuda_src/tail_rope.cu: __launch_bounds__(256)), also for the few vectors of
+# 1 and 4 tokens: there blocks of 128 threads were level with it and 64 or 32 slower, hot or cold.
+BLOCK = 256
 GRID_LIMIT = 2**31 - 1        # gridDim.x limit
 
 
