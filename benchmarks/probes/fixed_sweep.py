@@ -7,10 +7,12 @@ registers, and whether the output equals the plan's bit for bit.
     PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
 
 Cases: ``prefill-<bf16|fp16|fp32>-<half|inter>-<bshd|bhsd>-<S>`` (B=4, H=32+32, D=128, in place),
-``blog`` (FP32 interleaved bhsd [4,32,4096,128]) and ``decode-<T>`` (bf16 thd, Hq=32, Hkv=8,
-positions; GPU time under graph replay). ``FIXED_ONLY="hb=1,block=256,vec=4,pos=-1"`` runs one
-build (for ncu; pos -1 reads the scheme from the block, else the case's scheme code is compiled
-in; add ``,dense=1`` for the dense build); ``FIXED_REPS`` sets the repetitions.
+``blog`` (FP32 interleaved bhsd [4,32,4096,128]), ``vision`` (the benchmark's vision tower, bf16
+half-split thd [16384, 16, 80] in place, its patches' row positions as one stream) and
+``decode-<T>`` (bf16 thd, Hq=32, Hkv=8, positions; GPU time under graph replay).
+``FIXED_ONLY="hb=1,block=256,vec=4,pos=-1"`` runs one build (for ncu; pos -1 reads the scheme
+from the block, else the case's scheme code is compiled in; add ``,dense=1`` for the dense
+build); ``FIXED_REPS`` sets the repetitions.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def main(cases):
             k = rng.standard_normal(shape, dtype=cp.float32).astype(dt)
             kw = dict(layout=lay, interleaved=inter)
             tables = rope_rtc.rope_tables(S, 128, xp=cp)
+        elif case == "vision":
+            # The vision tower's heads of 80 channels with one position stream: the head dim, not
+            # the second stream, is most of its MRoPE row's distance from the copy (vision_case.py).
+            from rope_rtc.benchmark.engine.vision import VISION_GRID, VISION_HEADS
+
+            heads, d = VISION_HEADS
+            dt, inter, lay = bf16, False, "thd"
+            stream = rope_rtc.vision_positions([VISION_GRID], spatial_merge_size=2)[0]
+            q = rng.standard_normal((stream.size, heads, d), dtype=cp.float32).astype(dt)
+            k = rng.standard_normal((stream.size, heads, d), dtype=cp.float32).astype(dt)
+            kw = dict(layout="thd", positions=cp.asarray(stream.astype(np.int32)))
+            tables = rope_rtc.rope_tables(max(VISION_GRID[1:]), d, xp=cp)
         else:
             T = int(case.split("-")[1])
             dt, inter, lay = bf16, False, "thd"
@@ -96,6 +110,7 @@ def main(cases):
         S = q.shape[1] if lay == "bshd" else (q.shape[2] if lay == "bhsd" else q.shape[0])
         Hq = q.shape[2] if lay == "bshd" else (q.shape[1])
         Hk = k.shape[2] if lay == "bshd" else (k.shape[1])
+        D = q.shape[-1]
         tokens_denser = lay == "bhsd"
         vec = 16 // q.itemsize
         only = os.environ.get("FIXED_ONLY")
@@ -106,13 +121,13 @@ def main(cases):
         knobs = (((1, 2, 4, 8), (32, 64, 128, 256), (vec, vec // 2, vec // 4), (mode,), (1,)) if decode
                  else ((1, 2), (256, 512), (vec, vec // 2), (-1, mode), (0, 1)))
         for hb, block, vec, fixed_pos, dense in itertools.product(*knobs):
-            chunks = (128 if inter else 64) // vec
+            chunks = (D if inter else D // 2) // vec
             name = f"hb={hb},block={block},vec={vec},pos={fixed_pos}" + (",dense=1" if dense else "")
             if only and only != name:
                 continue
             defines = (("ROPE_DTYPE", str(DTYPE_CODES[dname])), ("ROPE_INTERLEAVED", str(int(inter))),
-                       ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", "128"),
-                       ("FIX_RO", "0"), ("FIX_RD", "128"), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
+                       ("ROPE_VEC", str(vec)), ("FIX_HQ", str(Hq)), ("FIX_HK", str(Hk)), ("FIX_D", str(D)),
+                       ("FIX_RO", "0"), ("FIX_RD", str(D)), ("FIX_HB", str(hb)), ("FIX_ORDER", str(order)))
             if fixed_pos >= 0:
                 defines += (("FIX_POS", str(fixed_pos)),)
             if dense:
