@@ -1,7 +1,7 @@
 """Sweep the specialised kernel's build knobs (heads per thread, vector width, block size, the
 position scheme fixed at compile time or read from the block, and the dense build's one stride per
 array against the strided build's layout) against the plan's own launch and a same-size copy, on
-the prefill, blog and decode cases. Prints one line per (case, build): time, % of the copy,
+the prefill, blog, vision and decode cases. Prints one line per (case, build): time, % of the copy,
 registers, and whether the output equals the plan's bit for bit.
 
     PYTHONPATH=. python3 benchmarks/probes/fixed_sweep.py [case ...]
